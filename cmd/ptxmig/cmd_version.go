@@ -73,3 +73,5 @@ func versionAction(c *cli.Context) error {
 	}
 	return nil
 }
+
+func goVersion() string { return runtime.Version() }

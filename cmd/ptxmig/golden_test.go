@@ -1,0 +1,115 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"flag"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/ptxmig/ptxmig/internal/gpu"
+)
+
+var update = flag.Bool("update", false, "rewrite golden files under testdata/")
+
+// runCLI runs the CLI in-process and returns stdout, stderr and the exit status.
+func runCLI(t *testing.T, args ...string) (string, string, int) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	code := run(context.Background(), append([]string{"ptxmig"}, args...), &out, &errb)
+	return out.String(), errb.String(), code
+}
+
+// golden compares got with testdata/NAME, or rewrites it with -update.
+func golden(t *testing.T, name, got string) {
+	t.Helper()
+	path := filepath.Join("testdata", name)
+	if *update {
+		if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	want, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("%v (run: go test ./cmd/ptxmig -run Golden -update)", err)
+	}
+	if got != string(want) {
+		t.Errorf("%s differs from golden file (rerun with -update if intended):\n--- got\n%s\n--- want\n%s", name, got, want)
+	}
+}
+
+// TestGoldenHelp pins the help text of the app and every command.
+func TestGoldenHelp(t *testing.T) {
+	out, _, code := runCLI(t, "--help")
+	if code != 0 {
+		t.Fatalf("--help exit %d", code)
+	}
+	golden(t, "help.golden", out)
+	for _, c := range commands {
+		out, _, code := runCLI(t, c.Name, "--help")
+		if code != 0 {
+			t.Fatalf("%s --help exit %d", c.Name, code)
+		}
+		golden(t, "help-"+c.Name+".golden", out)
+	}
+}
+
+func TestGoldenVersion(t *testing.T) {
+	defer func(d func() (gpu.DriverInfo, error), c func(context.Context) (string, string, error)) {
+		probeDriver, probeCRIU = d, c
+	}(probeDriver, probeCRIU)
+	version = "v0.0.0-test"
+	tests := []struct {
+		name   string
+		driver func() (gpu.DriverInfo, error)
+		criu   func(context.Context) (string, string, error)
+	}{
+		{"present",
+			func() (gpu.DriverInfo, error) { return gpu.DriverInfo{Driver: "580.159.04", CUDA: "13.0"}, nil },
+			func(context.Context) (string, string, error) { return "/usr/local/sbin/criu", "4.1.1", nil }},
+		{"absent",
+			func() (gpu.DriverInfo, error) { return gpu.DriverInfo{}, gpu.ErrNoDriver },
+			func(context.Context) (string, string, error) { return "", "", errors.New("criu not found") }},
+	}
+	for _, tt := range tests {
+		probeDriver, probeCRIU = tt.driver, tt.criu
+		for _, mode := range []string{"text", "json"} {
+			args := []string{"version"}
+			if mode == "json" {
+				args = []string{"--json", "version"}
+			}
+			out, _, code := runCLI(t, args...)
+			if code != 0 {
+				t.Fatalf("%s %s: exit %d", tt.name, mode, code)
+			}
+			out = strings.ReplaceAll(out, goVersion(), "GOVERSION")
+			golden(t, "version-"+tt.name+"-"+mode+".golden", out)
+		}
+	}
+}
+
+func TestExitCodes(t *testing.T) {
+	tests := []struct {
+		args []string
+		want int
+	}{
+		{[]string{"no-such-command"}, 2},
+		{[]string{"--no-such-flag"}, 2},
+		{[]string{"--log-level", "loud", "version"}, 2},
+		{[]string{"version", "extra"}, 2},
+	}
+	for _, tt := range tests {
+		_, stderr, code := runCLI(t, tt.args...)
+		if code != tt.want {
+			t.Errorf("ptxmig %v: exit %d, want %d (stderr %q)", tt.args, code, tt.want, stderr)
+		}
+	}
+	out, _, code := runCLI(t, "--json", "version", "extra")
+	if code != 2 || !strings.Contains(out, `"kind": "usage"`) {
+		t.Errorf("--json usage error: exit %d, stdout %q", code, out)
+	}
+}
