@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# gpu-bundle.sh DIR — assemble everything a GPU host needs to run ptxmig's GPU suite.
+#
+# The GPU host may have no Go toolchain and no network, but has the NVIDIA driver and nvcc. DIR gets:
+#   ptxmig, libptxmig.so        the binaries (bin/ must be built: `make build`)
+#   criu/                       a relocatable CRIU (scripts/install-criu.sh --bundle)
+#   tests/*.test                `go test -c -tags gpu` binaries of every package with GPU tests
+#   workloads/                  workload sources + build.sh (compiled with nvcc on the GPU host)
+#   gputest/<area>/             script-driven GPU suites (ptxstate, shim, ...) with their sources
+#   bench/                      benchmark scripts
+#   gpu-e2e.sh                  the runner
+# With --tar FILE, also packs DIR into FILE (xz) for carrying to a remote GPU host.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dist=${1:?usage: gpu-bundle.sh DIR [--tar FILE]}
+tarfile=""
+[ "${2:-}" = "--tar" ] && tarfile=${3:?--tar needs a file}
+export PATH=/usr/local/go/bin:$PATH CGO_CFLAGS=${CGO_CFLAGS:--Wno-deprecated-declarations}
+[ -x bin/ptxmig ] && [ -f bin/libptxmig.so ] || { echo "gpu-bundle: build first (make build)" >&2; exit 1; }
+
+rm -rf "$dist"
+mkdir -p "$dist/tests" "$dist/workloads" "$dist/gputest" "$dist/bench"
+cp bin/ptxmig bin/libptxmig.so "$dist/"
+scripts/install-criu.sh --bundle "$dist/criu" >/dev/null
+
+# Packages whose test files carry the gpu build tag.
+pkgs=$(grep -rl --include='*_test.go' '^//go:build.*\bgpu\b' --exclude-dir=dist . | xargs -r -n1 dirname | sort -u)
+for p in $pkgs; do
+  name=$(echo "${p#./}" | tr '/' '-')
+  go test -c -tags gpu -trimpath -ldflags="-s -w" -o "$dist/tests/$name.test" "$p"
+done
+
+cp testdata/workloads/* "$dist/workloads/"
+while IFS= read -r d; do
+  area=$(basename "$(dirname "$d")")
+  mkdir -p "$dist/gputest/$area"
+  cp -r "$d"/. "$dist/gputest/$area/"
+done < <(find . -path ./dist -prune -o -type d -name gputest -print | sort)
+for b in scripts/bench-*.sh; do [ -e "$b" ] && cp "$b" "$dist/bench/"; done
+cp scripts/gpu-e2e.sh "$dist/"
+echo "gpu-bundle: $(du -sh "$dist" | cut -f1) in $dist ($(ls "$dist/tests" | wc -l) test binaries)"
+if [ -n "$tarfile" ]; then
+  mkdir -p "$(dirname "$tarfile")"
+  tar -C "$(dirname "$dist")" -cJf "$tarfile" "$(basename "$dist")"
+  echo "gpu-bundle: packed into $tarfile ($(du -h "$tarfile" | cut -f1))"
+fi
