@@ -36,6 +36,11 @@ while IFS= read -r d; do
   mkdir -p "$dist/gputest/$area"
   cp -r "$d"/. "$dist/gputest/$area/"
 done < <(find . -path ./dist -prune -o -type d -name gputest -print | sort)
+# The ptxstate suite instruments the committed nvcc corpus.
+if [ -d "$dist/gputest/ptxstate" ]; then
+  mkdir -p "$dist/gputest/ptxstate/corpus"
+  cp ptxstate/testdata/corpus/*.ptx "$dist/gputest/ptxstate/corpus/"
+fi
 for b in scripts/bench-*.sh; do [ -e "$b" ] && cp "$b" "$dist/bench/"; done
 cp scripts/gpu-e2e.sh "$dist/"
 echo "gpu-bundle: $(du -sh "$dist" | cut -f1) in $dist ($(ls "$dist/tests" | wc -l) test binaries)"

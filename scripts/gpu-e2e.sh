@@ -34,7 +34,12 @@ run_suite() { # name logfile cmd...
   local name=$1 log=$2; shift 2
   local t0=$SECONDS
   if "$@" >"$log" 2>&1; then record "$name" PASS $((SECONDS - t0)) ""
-  else record "$name" FAIL $((SECONDS - t0)) "see $(basename "$log")"; tail -n 40 "$log"; fi
+  else
+    record "$name" FAIL $((SECONDS - t0)) "see $(basename "$log")"
+    # The failing tests' own lines first (go test -v output), then the log's end.
+    grep -n -E -- '--- FAIL|^panic:|_test\.go:[0-9]+:' "$log" | head -n 60
+    tail -n 25 "$log"
+  fi
 }
 
 {

@@ -44,7 +44,13 @@ const exitCodesHelp = `EXIT CODES:
 
 func newApp(stdout, stderr io.Writer) *cli.App {
 	g := &globals{Out: stdout, Err: stderr}
-	cmds := append([]*cli.Command(nil), commands...)
+	// Fresh copies: urfave/cli mutates commands (HelpName) on every run, and tests run the app
+	// many times in one process.
+	cmds := make([]*cli.Command, len(commands))
+	for i, c := range commands {
+		cc := *c
+		cmds[i] = &cc
+	}
 	sort.Slice(cmds, func(i, j int) bool { return cmds[i].Name < cmds[j].Name })
 	for _, c := range cmds {
 		markUsageErrors(c)
@@ -55,13 +61,13 @@ func newApp(stdout, stderr io.Writer) *cli.App {
 		Description: "ptxmig saves a running CUDA process into a verified, deduplicated image store, restores it\n" +
 			"onto any GPU of the same chip type, and moves live processes between GPUs.\n" +
 			"Flags go before positional arguments: ptxmig checkpoint --leave-running 4242.",
-		Version:         version,
-		HideVersion:     true,
-		Writer:          stdout,
-		ErrWriter:       stderr,
-		Commands:        cmds,
-		Metadata:        map[string]any{"globals": g},
-		ExitErrHandler:  func(*cli.Context, error) {}, // exit codes are mapped in run, after cleanup
+		Version:               version,
+		HideVersion:           true,
+		Writer:                stdout,
+		ErrWriter:             stderr,
+		Commands:              cmds,
+		Metadata:              map[string]any{"globals": g},
+		ExitErrHandler:        func(*cli.Context, error) {}, // exit codes are mapped in run, after cleanup
 		CustomAppHelpTemplate: cli.AppHelpTemplate + "\n" + exitCodesHelp + "\n",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "store", Value: "/var/lib/ptxmig", EnvVars: []string{"PTXMIG_STORE"},

@@ -1,0 +1,295 @@
+package checkpoint_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/criu"
+	"github.com/ptxmig/ptxmig/internal/oplock"
+	"github.com/ptxmig/ptxmig/internal/testproc"
+	"github.com/ptxmig/ptxmig/restore"
+	"github.com/ptxmig/ptxmig/store"
+)
+
+// These tests drive real CRIU on real processes through the real store; they need root and a
+// CRIU >= 4.0 that passes `criu check` (scripts/install-criu.sh), and skip otherwise.
+
+type fixture struct {
+	env   *checkpoint.Env
+	st    *store.Store
+	bin   string
+	dir   string
+	stage string
+}
+
+func setup(t *testing.T) *fixture {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("checkpoint/restore tests need root (CRIU)")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	d, text, err := criu.NewDumper(ctx)
+	if err != nil {
+		t.Skipf("no usable CRIU (run scripts/install-criu.sh): %v", err)
+	}
+	if err := criu.CheckKernel(ctx, d.Bin); err != nil {
+		t.Skipf("criu check fails on this kernel: %v", err)
+	}
+	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) // so restored processes can be reaped
+	dir := t.TempDir()
+	t.Setenv("PTXMIG_LOCK_DIR", filepath.Join(dir, "locks"))
+	bin, err := testproc.Build(dir)
+	if err != nil {
+		t.Skipf("cannot build the test program: %v", err)
+	}
+	st, err := store.Open(filepath.Join(dir, "store"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &fixture{st: st, bin: bin, dir: dir, stage: filepath.Join(dir, "staging")}
+	f.env = &checkpoint.Env{CRIU: d, CRIUVersion: text, Store: st, Euid: 0,
+		Host: checkpoint.ReadHostInfo(nil), Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		DriverErr: errors.New("no driver in CI")}
+	return f
+}
+
+func (f *fixture) start(t *testing.T, name string) (*testproc.Proc, *testproc.Model) {
+	t.Helper()
+	p, err := testproc.Start(f.bin, filepath.Join(f.dir, name), testproc.Options{MiB: 2, IntervalMs: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Kill() })
+	if _, err := testproc.WaitState(p.StateFile, func(s testproc.State) bool { return s.Step >= 5 }, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	return p, testproc.NewModel(2)
+}
+
+func (f *fixture) restore(t *testing.T, image string) *restore.Result {
+	t.Helper()
+	res, err := restore.Restore(context.Background(), f.env, restore.Options{Image: image, StagingRoot: f.stage})
+	if err != nil {
+		t.Fatalf("restore %s: %v", image, err)
+	}
+	t.Cleanup(func() { _ = testproc.KillPID(res.PID, 10*time.Second) })
+	return res
+}
+
+// advancesExactly waits for the process to get n steps past from and checks the chain.
+func advancesExactly(t *testing.T, state string, m *testproc.Model, from, n int) testproc.State {
+	t.Helper()
+	s, err := testproc.WaitState(state, func(s testproc.State) bool { return s.Step >= from+n }, 10*time.Second)
+	if err != nil {
+		t.Fatalf("process does not advance: %v", err)
+	}
+	if err := m.Check(s); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// TestCheckpointKillRestore: checkpoint a running process into the store (which stops it),
+// restore it from the store, and check it continues its hash chain exactly under its PID.
+func TestCheckpointKillRestore(t *testing.T) {
+	f := setup(t)
+	p, m := f.start(t, "state")
+	res, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, Name: "cpu-1", StagingRoot: f.stage})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Kind != checkpoint.KindCPU || res.Image != "cpu-1" || res.Sizes.Logical < 2<<20 || res.Timings.Of(checkpoint.StepDump) <= 0 {
+		t.Fatalf("result %+v", res)
+	}
+	select {
+	case <-p.Exited():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the process still runs after a checkpoint without --leave-running")
+	}
+	atDump, err := testproc.ReadState(p.StateFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Check(atDump); err != nil {
+		t.Fatal(err)
+	}
+	man, err := f.st.Get("cpu-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if man.Meta.PID != p.PID || man.Meta.Kind != "cpu" || len(man.Meta.Cmdline) == 0 || man.Meta.Kernel == "" || man.Meta.Extra["comm"] != "ptxmig-testproc" {
+		t.Errorf("manifest metadata %+v", man.Meta)
+	}
+	if ents, _ := os.ReadDir(f.stage); len(ents) != 0 {
+		t.Errorf("staging not cleaned: %v", ents)
+	}
+	r := f.restore(t, "cpu-1")
+	if r.PID != p.PID {
+		t.Fatalf("restored as pid %d, want %d", r.PID, p.PID)
+	}
+	advancesExactly(t, p.StateFile, m, atDump.Step, 10)
+}
+
+// TestLeaveRunning: the process keeps running through the checkpoint; the image, restored after
+// the process is killed, resumes from the checkpoint's step (not from where the process died).
+func TestLeaveRunning(t *testing.T) {
+	f := setup(t)
+	p, m := f.start(t, "state")
+	res, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, Name: "live", LeaveRunning: true, StagingRoot: f.stage})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !res.LeftRunning {
+		t.Fatal("result does not say left running")
+	}
+	now, _ := testproc.ReadState(p.StateFile)
+	advancesExactly(t, p.StateFile, m, now.Step, 10)
+
+	// The taken PID refuses a restore, and touches nothing.
+	_, err = restore.Restore(context.Background(), f.env, restore.Options{Image: "live", StagingRoot: f.stage, PIDWait: 200 * time.Millisecond})
+	if !errors.Is(err, checkpoint.ErrRefused) || !errors.Is(err, restore.ErrPIDInUse) {
+		t.Fatalf("restore over a live pid: %v, want a refusal naming the pid", err)
+	}
+	if !testproc.Alive(p.PID) {
+		t.Fatal("the refused restore hurt the running process")
+	}
+
+	if err := p.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	r := f.restore(t, "live")
+	s, err := testproc.WaitState(p.StateFile, func(s testproc.State) bool { return s.Step >= 3 }, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := testproc.NewModel(2).Check(s); err != nil {
+		t.Fatalf("restored pid %d: %v", r.PID, err)
+	}
+}
+
+// TestRollbackOnStoreFailure injects a failure (and, separately, a cancellation like SIGINT) at
+// the store step: the dumped and stopped process must be resumed and continue exactly, and no
+// image may be left behind.
+func TestRollbackOnStoreFailure(t *testing.T) {
+	for _, mode := range []string{"error", "cancel"} {
+		t.Run(mode, func(t *testing.T) {
+			f := setup(t)
+			p, m := f.start(t, "state")
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			f.env.Hook = func(_ context.Context, step string) error {
+				if step != checkpoint.StepStore {
+					return nil
+				}
+				if mode == "cancel" {
+					cancel()
+					return context.Canceled
+				}
+				return errors.New("injected store failure")
+			}
+			_, err := checkpoint.Run(ctx, f.env, checkpoint.Options{PID: p.PID, Name: "never", StagingRoot: f.stage})
+			var se *checkpoint.StepError
+			if !errors.As(err, &se) || !se.RolledBack() || se.Step != checkpoint.StepStore {
+				t.Fatalf("err = %v, want a rolled-back store failure", err)
+			}
+			var fl *checkpoint.Failure
+			if !errors.As(err, &fl) {
+				t.Fatalf("err %T lacks the staging dir", err)
+			}
+			if _, err := os.Stat(filepath.Join(fl.StagingDir, "images", "dump.log")); err != nil {
+				t.Errorf("CRIU's log not kept: %v", err)
+			}
+			if !testproc.Alive(p.PID) {
+				t.Fatal("process died")
+			}
+			now, _ := testproc.ReadState(p.StateFile)
+			advancesExactly(t, p.StateFile, m, now.Step, 10)
+			if _, err := f.st.Get("never"); !errors.Is(err, store.ErrNotFound) {
+				t.Errorf("image after a failed store: %v", err)
+			}
+		})
+	}
+}
+
+// TestPreflightRefusals: nothing is touched and the error says why.
+func TestPreflightRefusals(t *testing.T) {
+	f := setup(t)
+	p, _ := f.start(t, "state")
+	busy, err := oplock.Acquire(p.PID, "test", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, StagingRoot: f.stage})
+	busy.Release()
+	if !errors.Is(err, oplock.ErrBusy) {
+		t.Errorf("checkpoint of a locked pid: %v, want ErrBusy", err)
+	}
+	nonRoot := *f.env
+	nonRoot.Euid = 1000
+	tests := []struct {
+		name string
+		env  *checkpoint.Env
+		o    checkpoint.Options
+	}{
+		{"missing pid", f.env, checkpoint.Options{PID: 1 << 22}},
+		{"non-root", &nonRoot, checkpoint.Options{PID: p.PID}},
+		{"init", f.env, checkpoint.Options{PID: 1}},
+		{"bad name", f.env, checkpoint.Options{PID: p.PID, Name: "../x"}},
+	}
+	for _, tt := range tests {
+		_, err := checkpoint.Run(context.Background(), tt.env, tt.o)
+		if !errors.Is(err, checkpoint.ErrRefused) {
+			t.Errorf("%s: %v, want a refusal", tt.name, err)
+		}
+	}
+	if !testproc.Alive(p.PID) {
+		t.Fatal("a refused checkpoint hurt the process")
+	}
+}
+
+// TestRestoreCorruptImage flips a byte in one stored chunk: restore refuses, nothing starts.
+func TestRestoreCorruptImage(t *testing.T) {
+	f := setup(t)
+	p, _ := f.start(t, "state")
+	if _, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, Name: "bad", StagingRoot: f.stage}); err != nil {
+		t.Fatal(err)
+	}
+	<-p.Exited()
+	var chunks []string
+	filepath.WalkDir(filepath.Join(f.st.Dir(), "chunks"), func(path string, d os.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() {
+			chunks = append(chunks, path)
+		}
+		return nil
+	})
+	if len(chunks) == 0 {
+		t.Fatal("no chunk files in the store")
+	}
+	for _, c := range chunks {
+		b, err := os.ReadFile(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b[len(b)/2] ^= 0x55
+		if err := os.WriteFile(c, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, err := restore.Restore(context.Background(), f.env, restore.Options{Image: "bad", StagingRoot: f.stage})
+	if !errors.Is(err, checkpoint.ErrRefused) || !errors.Is(err, store.ErrCorrupt) {
+		t.Fatalf("restore of a corrupt image: %v, want a refusal wrapping store.ErrCorrupt", err)
+	}
+	if testproc.Alive(p.PID) {
+		t.Fatal("a process was restored from a corrupt image")
+	}
+}

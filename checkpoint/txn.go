@@ -1,0 +1,134 @@
+package checkpoint
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+)
+
+// Step is one action on a live process and the action that undoes it. Execute runs steps in
+// order; when one fails, or the context is cancelled (SIGINT/SIGTERM), it runs the Undo of every
+// completed step in reverse order, with a fresh context, so a process is never left locked,
+// checkpointed or stopped. An Undo should look at the process's actual state and do only what is
+// still needed: it may run after a step that partly happened.
+type Step struct {
+	Name string
+	Do   func(ctx context.Context) error
+	Undo func(ctx context.Context) error // nil: nothing to undo
+}
+
+// Timing is how long one step took.
+type Timing struct {
+	Step     string        `json:"step"`
+	Duration time.Duration `json:"duration_ns"`
+}
+
+// Timings is the ordered list of completed steps.
+type Timings []Timing
+
+// Of returns the duration of the named step (0 when it did not run).
+func (t Timings) Of(name string) time.Duration {
+	for _, s := range t {
+		if s.Step == name {
+			return s.Duration
+		}
+	}
+	return 0
+}
+
+// StepError is a failed transaction: which step failed, why, and how the rollback went.
+type StepError struct {
+	Step      string   // the step that failed ("" when cancelled between steps)
+	Err       error    // its error, or the context's
+	Undone    []string // steps rolled back, in the order they were undone
+	UndoErr   error    // rollback failures (nil: the rollback completed)
+	Touched   bool     // some step had completed, so the process was touched
+	Cancelled bool     // the context was cancelled
+}
+
+func (e *StepError) Error() string {
+	var b strings.Builder
+	if e.Cancelled && e.Step == "" {
+		b.WriteString("interrupted")
+	} else {
+		fmt.Fprintf(&b, "%s", e.Step)
+	}
+	fmt.Fprintf(&b, ": %v", e.Err)
+	switch {
+	case e.UndoErr != nil:
+		fmt.Fprintf(&b, "; ROLLBACK FAILED: %v", e.UndoErr)
+	case len(e.Undone) > 0:
+		fmt.Fprintf(&b, "; rolled back (%s)", strings.Join(e.Undone, ", "))
+	}
+	return b.String()
+}
+
+func (e *StepError) Unwrap() error { return e.Err }
+
+// RolledBack reports whether the process was touched and the rollback completed.
+func (e *StepError) RolledBack() bool { return e.Touched && e.UndoErr == nil }
+
+// Hook runs before each step's Do; an error it returns fails that step. Tests use it to inject
+// failures; the GPU tests use it to change the world between steps.
+type Hook func(ctx context.Context, step string) error
+
+// Execute runs the steps as one transaction (see Step). RollbackTimeout bounds the whole
+// rollback; 0 means 5 minutes.
+func Execute(ctx context.Context, steps []Step, hook Hook, rollbackTimeout time.Duration, log *slog.Logger) (Timings, error) {
+	if log == nil {
+		log = slog.Default()
+	}
+	var done []Step
+	var timings Timings
+	for _, s := range steps {
+		if err := ctx.Err(); err != nil {
+			return timings, rollback(ctx, done, &StepError{Err: err, Cancelled: true}, rollbackTimeout, log)
+		}
+		t0 := time.Now()
+		var err error
+		if hook != nil {
+			err = hook(ctx, s.Name)
+		}
+		if err == nil {
+			err = s.Do(ctx)
+		}
+		if err != nil {
+			log.Warn("step failed", "step", s.Name, "err", err)
+			return timings, rollback(ctx, done, &StepError{Step: s.Name, Err: err, Cancelled: ctx.Err() != nil}, rollbackTimeout, log)
+		}
+		d := time.Since(t0)
+		log.Debug("step done", "step", s.Name, "duration", d)
+		timings = append(timings, Timing{Step: s.Name, Duration: d})
+		done = append(done, s)
+	}
+	return timings, nil
+}
+
+func rollback(ctx context.Context, done []Step, e *StepError, timeout time.Duration, log *slog.Logger) error {
+	e.Touched = len(done) > 0
+	if timeout <= 0 {
+		timeout = 5 * time.Minute
+	}
+	// The caller's context may be cancelled (that may be why we are here); the rollback must run.
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
+	defer cancel()
+	var errs []error
+	for i := len(done) - 1; i >= 0; i-- {
+		s := done[i]
+		if s.Undo == nil {
+			continue
+		}
+		log.Info("rolling back", "step", s.Name)
+		if err := s.Undo(rctx); err != nil {
+			log.Error("rollback step failed", "step", s.Name, "err", err)
+			errs = append(errs, fmt.Errorf("undo %s: %w", s.Name, err))
+			continue
+		}
+		e.Undone = append(e.Undone, s.Name)
+	}
+	e.UndoErr = errors.Join(errs...)
+	return e
+}

@@ -1,0 +1,87 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"text/tabwriter"
+	"time"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/ptxmig/ptxmig/internal/progress"
+	"github.com/ptxmig/ptxmig/store"
+)
+
+func init() {
+	register(&cli.Command{
+		Name:        "images",
+		Usage:       "list the images in the store",
+		Description: "Columns: name, short id, creation time, source host and GPUs, logical size, stored size\n(compressed, distinct chunks of the image; chunks shared with other images count in each).",
+		Action:      imagesList,
+	})
+}
+
+// imageRow is the --json form of one `ptxmig images` line.
+type imageRow struct {
+	Name         string      `json:"name"`
+	ID           string      `json:"id"`
+	Parent       string      `json:"parent,omitempty"`
+	Created      time.Time   `json:"created"`
+	Kind         string      `json:"kind,omitempty"`
+	Host         string      `json:"host,omitempty"`
+	GPUs         []store.GPU `json:"gpus,omitempty"`
+	Files        int         `json:"files"`
+	LogicalBytes int64       `json:"logical_bytes"`
+	StoredBytes  int64       `json:"stored_bytes"`
+}
+
+func imagesList(c *cli.Context) error {
+	if err := argsExactly(c, 0); err != nil {
+		return err
+	}
+	s, err := openStore(c)
+	if err != nil {
+		return err
+	}
+	ms, err := s.List()
+	if err != nil {
+		return err
+	}
+	rows := make([]imageRow, 0, len(ms))
+	for _, m := range ms {
+		rows = append(rows, imageRow{Name: m.Name, ID: m.ID, Parent: m.Parent, Created: m.Created, Kind: m.Meta.Kind,
+			Host: m.Meta.Host, GPUs: m.Meta.GPUs, Files: len(m.Files), LogicalBytes: m.LogicalBytes(), StoredBytes: m.StoredBytes()})
+	}
+	if env(c).JSON {
+		return printJSON(c, rows)
+	}
+	writeImages(env(c).Out, rows)
+	return nil
+}
+
+func writeImages(w io.Writer, rows []imageRow) {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "NAME\tID\tCREATED\tHOST\tGPU\tLOGICAL\tSTORED")
+	for _, r := range rows {
+		gpu := "-"
+		if n := len(r.GPUs); n == 1 {
+			gpu = fmt.Sprintf("%d:%s", r.GPUs[0].Index, r.GPUs[0].Name)
+		} else if n > 1 {
+			gpu = fmt.Sprintf("%dx %s", n, r.GPUs[0].Name)
+		}
+		host := r.Host
+		if host == "" {
+			host = "-"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, r.ID[:12], r.Created.Local().Format("2006-01-02 15:04:05"),
+			host, gpu, progress.Bytes(r.LogicalBytes), progress.Bytes(r.StoredBytes))
+	}
+	tw.Flush()
+}
+
+func jsonEncoder(w io.Writer) *json.Encoder {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc
+}

@@ -1,0 +1,117 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/shimctl"
+)
+
+func init() {
+	register(&cli.Command{
+		Name:      "kernels",
+		Usage:     "list the kernels a process under the shim launched: counts, shapes, sampled GPU time",
+		ArgsUsage: "PID",
+		Description: "Reads the shim's control socket of PID (started with `ptxmig run`). Times are GPU times of\n" +
+			"sampled launches (the first PTXMIG_SAMPLE_FIRST of each kernel, then 1 in PTXMIG_SAMPLE_EVERY),\n" +
+			"measured with CUDA events. Kernels launched through several handles (modules, contexts) are\n" +
+			"listed once per handle.\n\n   ptxmig kernels 4242\n   ptxmig --json kernels 4242",
+		Flags:  []cli.Flag{socketDirFlag()},
+		Action: kernelsAction,
+	})
+}
+
+// shimPID parses the PID argument of the shim commands.
+func shimPID(c *cli.Context) (int, error) {
+	if err := argsExactly(c, 1); err != nil {
+		return 0, err
+	}
+	pid, err := strconv.Atoi(c.Args().First())
+	if err != nil || pid <= 0 {
+		return 0, exitcode.Usagef("%s: PID %q: want a positive number", c.Command.Name, c.Args().First())
+	}
+	return pid, nil
+}
+
+// dialShim connects to pid's control socket; a process without one is a refusal.
+func dialShim(c *cli.Context, pid int) (*shimctl.Client, context.Context, context.CancelFunc, error) {
+	ctx, cancel := context.WithTimeout(c.Context, 2*time.Minute)
+	cl, err := shimctl.DialPID(ctx, c.String("socket-dir"), pid)
+	if err != nil {
+		cancel()
+		return nil, nil, nil, exitcode.Wrap(exitcode.Refused, fmt.Errorf("pid %d: %w (is it running under `ptxmig run` and using CUDA?)", pid, err))
+	}
+	return cl, ctx, cancel, nil
+}
+
+func kernelsAction(c *cli.Context) error {
+	pid, err := shimPID(c)
+	if err != nil {
+		return err
+	}
+	cl, ctx, cancel, err := dialShim(c, pid)
+	if err != nil {
+		return err
+	}
+	defer cancel()
+	defer cl.Close()
+	k, err := cl.Kernels(ctx)
+	if err != nil {
+		return fmt.Errorf("pid %d: %w", pid, err)
+	}
+	sort.SliceStable(k.Kernels, func(i, j int) bool { return k.Kernels[i].Launches > k.Kernels[j].Launches })
+	if env(c).JSON {
+		return printJSON(c, k)
+	}
+	w := tabwriter.NewWriter(env(c).Out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(w, "LAUNCHES\tTIMED\tP50_US\tP99_US\tSHAPE (GRID/BLOCK)\tMODULE\tNAME")
+	for _, x := range k.Kernels {
+		name := "?"
+		if x.Name != nil {
+			name = *x.Name
+		}
+		p50, p99 := "-", "-"
+		if x.Time != nil {
+			p50, p99 = fmt.Sprintf("%.1f", x.Time.P50), fmt.Sprintf("%.1f", x.Time.P99)
+		}
+		fmt.Fprintf(w, "%d\t%d\t%s\t%s\t%s\t%d\t%s\n", x.Launches, x.Timed, p50, p99, shapeSummary(x), x.Module, name)
+	}
+	for _, g := range k.Graphs {
+		fmt.Fprintf(w, "%d\t-\t-\t-\t-\t-\tgraph exec %s\n", g.Launches, g.Exec)
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintf(env(c).Out, "%d kernels, %d launches\n", len(k.Kernels), k.TotalLaunches)
+	return nil
+}
+
+// shapeSummary shows the most frequent shape and how many others there were.
+func shapeSummary(k shimctl.Kernel) string {
+	if len(k.Shapes) == 0 {
+		return "-"
+	}
+	best := k.Shapes[0]
+	for _, s := range k.Shapes[1:] {
+		if s.Launches > best.Launches {
+			best = s
+		}
+	}
+	dims := func(d [3]uint32) string {
+		parts := []string{strconv.Itoa(int(d[0])), strconv.Itoa(int(d[1])), strconv.Itoa(int(d[2]))}
+		return strings.Join(parts, "x")
+	}
+	s := dims(best.Grid) + "/" + dims(best.Block)
+	if more := len(k.Shapes) - 1; more > 0 || k.OtherShapes > 0 {
+		s += fmt.Sprintf(" (+%d)", more+int(min(k.OtherShapes, 1)))
+	}
+	return s
+}

@@ -1,0 +1,78 @@
+package main
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/restore"
+)
+
+func init() {
+	register(&cli.Command{
+		Name:      "migrate",
+		Usage:     "move a live CUDA process to other GPUs of this host, in place (no image)",
+		ArgsUsage: "PID",
+		Description: "Driver lock → checkpoint (GPU memory to host memory) → restore with GPU pairs onto the targets →\n" +
+			"unlock. The process keeps its pid, memory addresses and handles; CUDA device ordinals inside it\n" +
+			"stay the same while the physical GPU changes. Preflight checks the targets (same chip type, enough\n" +
+			"free memory). If anything fails after the lock, or ptxmig gets SIGINT/SIGTERM, the process is\n" +
+			"restored onto its source GPUs and unlocked (exit status 4). Prints the downtime and its parts.\n\n" +
+			"Examples:\n" +
+			"   ptxmig migrate --gpu 1 4242\n" +
+			"   ptxmig migrate --dry-run --gpu 1 4242",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "gpu", Usage: "target GPU index per GPU the process uses, in order: N[,M...]"},
+			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping OLD=NEW[,...] (GPU UUIDs or indexes)"},
+			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
+			&cli.DurationFlag{Name: "lock-timeout", Value: 10 * time.Second, Usage: "how long the driver lock may wait for running kernels (0: forever)"},
+		},
+		Action: migrateAction,
+	})
+}
+
+func migrateAction(c *cli.Context) error {
+	if err := argsExactly(c, 1); err != nil {
+		return err
+	}
+	pid, err := parsePID(c.Args().First())
+	if err != nil {
+		return err
+	}
+	gpus, err := restore.ParseGPUList(c.String("gpu"))
+	if err != nil {
+		return exitcode.Usagef("--gpu: %v", err)
+	}
+	gmap, err := restore.ParseGPUMap(c.String("gpu-map"))
+	if err != nil {
+		return exitcode.Usagef("--gpu-map: %v", err)
+	}
+	g := env(c)
+	res, err := restore.Migrate(c.Context, restore.MigrateOptions{PID: pid, GPUs: gpus, GPUMap: gmap,
+		DryRun: c.Bool("dry-run"), LockTimeout: c.Duration("lock-timeout")})
+	if err != nil {
+		return opError(g.Err, err)
+	}
+	if g.JSON {
+		return printJSON(c, res)
+	}
+	w := g.Out
+	if res.DryRun {
+		fmt.Fprintf(w, "plan for pid %d (dry run, nothing done):\n", res.PID)
+		for i, s := range res.Plan {
+			fmt.Fprintf(w, "  %d. %s\n", i+1, s)
+		}
+		return nil
+	}
+	for i := range res.Source {
+		fmt.Fprintf(w, "migrated pid %d: GPU %d %s -> GPU %d %s\n", res.PID, res.Source[i].Index, res.Source[i].UUID, res.Target[i].Index, res.Target[i].UUID)
+	}
+	fmt.Fprintf(w, "  %-15s %s\n", "lock", ms(res.Lock))
+	fmt.Fprintf(w, "  %-15s %s\n", "device->host", ms(res.Checkpoint))
+	fmt.Fprintf(w, "  %-15s %s\n", "host->device", ms(res.Restore))
+	fmt.Fprintf(w, "  %-15s %s\n", "unlock", ms(res.Unlock))
+	fmt.Fprintf(w, "  %-15s %s\n", "downtime", ms(res.Downtime))
+	return nil
+}

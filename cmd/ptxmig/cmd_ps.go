@@ -1,0 +1,143 @@
+package main
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/gpu"
+)
+
+func init() {
+	register(&cli.Command{
+		Name:  "ps",
+		Usage: "list CUDA processes on this host: GPUs, memory, checkpoint state, shim",
+		Description: "Finds every process that maps libcuda.so (so checkpointed processes, which hold no GPU, show\n" +
+			"too), with the GPUs and memory NVML reports for it, its checkpoint state from the driver\n" +
+			"(running, locked, checkpointed, failed; \"-\" when the driver does not track it) and whether it\n" +
+			"runs under the ptxmig shim (libptxmig.so mapped, i.e. started with `ptxmig run`).",
+		Action: psAction,
+	})
+}
+
+// PSEntry is one row of `ptxmig ps`.
+type PSEntry struct {
+	PID     int      `json:"pid"`
+	Comm    string   `json:"comm"`
+	Cmdline []string `json:"cmdline"`
+	GPUs    []psGPU  `json:"gpus"`
+	State   string   `json:"state"`
+	Shim    bool     `json:"shim"`
+}
+
+type psGPU struct {
+	Index      int    `json:"index"`
+	UUID       string `json:"uuid"`
+	UsedMemory uint64 `json:"used_memory_bytes"`
+}
+
+// Probes, replaceable in tests.
+var (
+	scanProcs = func() ([]gpu.ProcInfo, error) { return gpu.ScanCUDAProcesses("/proc") }
+	procState = func(pid int) (string, error) {
+		d, err := cudackpt.Open()
+		if err != nil {
+			return "", err
+		}
+		st, err := d.State(pid)
+		if err != nil {
+			return "", err
+		}
+		return st.String(), nil
+	}
+)
+
+func psAction(c *cli.Context) error {
+	if err := argsExactly(c, 0); err != nil {
+		return err
+	}
+	procs, err := scanProcs()
+	if err != nil {
+		return err
+	}
+	var devs []gpu.Device
+	if inv, err := openInventory(); err == nil {
+		devs, err = inv.Devices()
+		inv.Close()
+		if err != nil {
+			env(c).Log.Warn("NVML devices", "err", err)
+		}
+	} else {
+		env(c).Log.Debug("no NVML", "err", err)
+	}
+	entries := buildPS(procs, devs, procState)
+	if env(c).JSON {
+		return printJSON(c, entries)
+	}
+	tw := tabwriter.NewWriter(env(c).Out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "PID\tSTATE\tSHIM\tGPU\tMEMORY\tCOMMAND")
+	for _, e := range entries {
+		g, m := "-", "-"
+		if len(e.GPUs) > 0 {
+			var gs, ms []string
+			for _, x := range e.GPUs {
+				gs = append(gs, fmt.Sprint(x.Index))
+				ms = append(ms, checkpoint.HumanBytes(int64(x.UsedMemory)))
+			}
+			g, m = strings.Join(gs, ","), strings.Join(ms, ",")
+		}
+		shim := "no"
+		if e.Shim {
+			shim = "yes"
+		}
+		cmd := strings.Join(e.Cmdline, " ")
+		if cmd == "" {
+			cmd = "[" + e.Comm + "]"
+		}
+		if len(cmd) > 60 {
+			cmd = cmd[:57] + "..."
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\n", e.PID, e.State, shim, g, m, cmd)
+	}
+	return tw.Flush()
+}
+
+// buildPS joins the /proc scan with NVML's per-GPU processes (a process NVML sees that the scan
+// missed, e.g. in another mount namespace, is listed too) and the driver's checkpoint state.
+func buildPS(procs []gpu.ProcInfo, devs []gpu.Device, state func(int) (string, error)) []PSEntry {
+	byPID := map[int]*PSEntry{}
+	for _, p := range procs {
+		byPID[p.PID] = &PSEntry{PID: p.PID, Comm: p.Comm, Cmdline: p.Cmdline, Shim: p.Shim}
+	}
+	for _, d := range devs {
+		for _, p := range d.Processes {
+			e := byPID[p.PID]
+			if e == nil {
+				e = &PSEntry{PID: p.PID, Comm: checkpoint.Comm(p.PID), Cmdline: gpu.ReadCmdline("/proc", p.PID)}
+				byPID[p.PID] = e
+			}
+			e.GPUs = append(e.GPUs, psGPU{Index: d.Index, UUID: d.UUID, UsedMemory: p.UsedMemory})
+		}
+	}
+	out := make([]PSEntry, 0, len(byPID))
+	for _, e := range byPID {
+		e.State = "-"
+		if s, err := state(e.PID); err == nil {
+			e.State = s
+		}
+		if e.Cmdline == nil {
+			e.Cmdline = []string{}
+		}
+		if e.GPUs == nil {
+			e.GPUs = []psGPU{}
+		}
+		out = append(out, *e)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].PID < out[j].PID })
+	return out
+}

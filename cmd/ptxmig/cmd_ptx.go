@@ -1,0 +1,218 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/ptxstate"
+)
+
+func init() {
+	register(&cli.Command{
+		Name:  "ptx",
+		Usage: "analyse PTX kernels and add preemptible persistent-thread twins",
+		Description: "PTX is parsed as nvcc emits it (ISA up to 9.0). For every eligible .entry K, `instrument`\n" +
+			"keeps K unchanged and adds K__ptxmig, which takes one more .param .u64: a control block\n" +
+			"(docs/PTXSTATE.md). Launched on fewer CTAs than K's grid, its CTAs claim K's blocks one by\n" +
+			"one and stop claiming when the block's preempt flag is set; relaunching with the same\n" +
+			"control block runs every remaining block exactly once. Kernels that cannot be made safe\n" +
+			"(grid sync, clusters, spin-waits, early exits before barriers…) keep only their original\n" +
+			"and get a stated reason. FILE and OUT may be - for stdin and stdout.",
+		Subcommands: []*cli.Command{
+			{
+				Name:      "analyze",
+				Usage:     "report, per kernel, eligibility, barrier sites, live registers and shared memory",
+				ArgsUsage: "FILE",
+				Flags: []cli.Flag{
+					&cli.BoolFlag{Name: "json", Usage: "machine-readable output (same as the global --json)"},
+				},
+				Action: ptxAnalyzeAction,
+			},
+			{
+				Name:      "instrument",
+				Usage:     "write FILE plus a preemptible twin of every eligible kernel to OUT",
+				ArgsUsage: "FILE",
+				Flags: []cli.Flag{
+					&cli.StringFlag{Name: "output", Aliases: []string{"o"}, Usage: "output PTX file, or - for stdout (required)"},
+					&cli.BoolFlag{Name: "report", Usage: "also print the per-kernel report (to stderr when OUT is -)"},
+					&cli.BoolFlag{Name: "json", Usage: "print the report as JSON (same as the global --json)"},
+				},
+				Action: ptxInstrumentAction,
+			},
+		},
+	})
+}
+
+// readPTX reads FILE or stdin ("-") and parses it.
+func readPTX(c *cli.Context, name string) (*ptxstate.Module, error) {
+	var data []byte
+	var err error
+	if name == "-" {
+		data, err = io.ReadAll(c.App.Reader)
+	} else {
+		data, err = os.ReadFile(name)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", name, err)
+	}
+	m, err := ptxstate.Parse(data)
+	if err != nil {
+		return nil, fmt.Errorf("parse %s: %w", name, err)
+	}
+	return m, nil
+}
+
+func ptxAnalyzeAction(c *cli.Context) error {
+	if err := argsExactly(c, 1); err != nil {
+		return err
+	}
+	m, err := readPTX(c, c.Args().First())
+	if err != nil {
+		return err
+	}
+	r, err := ptxstate.Analyze(m)
+	if err != nil {
+		return fmt.Errorf("analyze %s: %w", c.Args().First(), err)
+	}
+	if env(c).JSON || c.Bool("json") {
+		return printJSON(c, r)
+	}
+	return writeReport(env(c).Out, r, true)
+}
+
+func ptxInstrumentAction(c *cli.Context) error {
+	if err := argsExactly(c, 1); err != nil {
+		return err
+	}
+	in, outName := c.Args().First(), c.String("output")
+	if outName == "" {
+		return exitcode.Usagef("ptx instrument: -o OUT is required (a file, or - for stdout)")
+	}
+	m, err := readPTX(c, in)
+	if err != nil {
+		return err
+	}
+	out, r, err := ptxstate.Instrument(m)
+	if err != nil {
+		return fmt.Errorf("instrument %s: %w", in, err)
+	}
+	if outName == "-" {
+		if err := out.Print(env(c).Out); err != nil {
+			return fmt.Errorf("write stdout: %w", err)
+		}
+	} else if err := writeFileAtomic(outName, out.Bytes()); err != nil {
+		return err
+	}
+	if !c.Bool("report") {
+		for _, k := range r.Kernels {
+			if !k.Eligible {
+				env(c).Log.Info("kernel left without a twin", "kernel", k.Name, "reasons", strings.Join(k.Refusals, "; "))
+			}
+		}
+		return nil
+	}
+	w := env(c).Out
+	if outName == "-" {
+		w = env(c).Err
+	}
+	if env(c).JSON || c.Bool("json") {
+		var b bytes.Buffer
+		if err := encodeJSON(&b, r); err != nil {
+			return err
+		}
+		_, err := w.Write(b.Bytes())
+		return err
+	}
+	return writeReport(w, r, false)
+}
+
+// writeFileAtomic writes data next to name and renames it into place, so a failed write never
+// leaves a truncated file (and OUT may be the input file).
+func writeFileAtomic(name string, data []byte) error {
+	tmp, err := os.CreateTemp(filepath.Dir(name), ".ptxmig-*.ptx")
+	if err != nil {
+		return fmt.Errorf("write %s: %w", name, err)
+	}
+	defer os.Remove(tmp.Name())
+	if _, err := tmp.Write(data); err != nil {
+		tmp.Close()
+		return fmt.Errorf("write %s: %w", name, err)
+	}
+	if err := tmp.Chmod(0o644); err != nil {
+		tmp.Close()
+		return fmt.Errorf("write %s: %w", name, err)
+	}
+	if err := tmp.Close(); err != nil {
+		return fmt.Errorf("write %s: %w", name, err)
+	}
+	if err := os.Rename(tmp.Name(), name); err != nil {
+		return fmt.Errorf("write %s: %w", name, err)
+	}
+	return nil
+}
+
+// writeReport prints the human form of a report; detail adds barrier sites and live registers.
+func writeReport(w io.Writer, r *ptxstate.Report, detail bool) error {
+	var b strings.Builder
+	fmt.Fprintf(&b, "PTX %s, target %s: %d kernel(s)\n", r.Version, strings.Join(r.Target, ","), len(r.Kernels))
+	for _, k := range r.Kernels {
+		b.WriteString("\n")
+		if k.Eligible {
+			fmt.Fprintf(&b, "%s (line %d): eligible, twin %s\n", k.Name, k.Line, k.Twin)
+		} else {
+			fmt.Fprintf(&b, "%s (line %d): refused\n", k.Name, k.Line)
+			for _, why := range k.Refusals {
+				fmt.Fprintf(&b, "  - %s\n", why)
+			}
+		}
+		for _, n := range k.Notes {
+			fmt.Fprintf(&b, "  note: %s\n", n)
+		}
+		if !detail {
+			continue
+		}
+		dyn := ""
+		if k.DynamicShared {
+			dyn = " + dynamic"
+		}
+		fmt.Fprintf(&b, "  shared memory: %d bytes static%s; local: %d bytes/thread\n", k.SharedStaticBytes, dyn, k.LocalBytes)
+		sr := strings.Join(k.SpecialRegs, " ")
+		if sr == "" {
+			sr = "none"
+		}
+		fmt.Fprintf(&b, "  special registers: %s\n", sr)
+		if len(k.Calls) > 0 {
+			fmt.Fprintf(&b, "  calls: %s\n", strings.Join(k.Calls, " "))
+		}
+		fmt.Fprintf(&b, "  warp collectives: %d; basic blocks: %d; registers: %d\n", k.WarpCollectives, k.Blocks, k.Registers)
+		fmt.Fprintf(&b, "  barrier sites: %d\n", len(k.Barriers))
+		for _, s := range k.Barriers {
+			u := "uniformly reached"
+			if !s.Uniform {
+				u = "divergently reached"
+			}
+			fmt.Fprintf(&b, "    line %d %s (%s): %d live register(s), %d bytes/thread: %s\n", s.Line, s.Op, u, len(s.Live), s.LiveBytes, strings.Join(s.Live, " "))
+		}
+		if k.SaveBytesPerCTA != nil {
+			fmt.Fprintf(&b, "  save area estimate: %d bytes/thread, %d bytes/CTA\n", k.SaveBytesPerThread, *k.SaveBytesPerCTA)
+		} else {
+			fmt.Fprintf(&b, "  save area estimate: %d bytes/thread (+%d bytes shared per CTA; block size not declared)\n", k.SaveBytesPerThread, k.SharedStaticBytes)
+		}
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+func encodeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}

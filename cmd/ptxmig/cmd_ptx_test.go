@@ -1,0 +1,67 @@
+package main
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func TestPtxCommands(t *testing.T) {
+	corpus := filepath.Join("..", "..", "ptxstate", "testdata", "corpus", "earlyret.ptx")
+	out, stderr, code := runCLI(t, "ptx", "analyze", "--json", corpus)
+	if code != 0 {
+		t.Fatalf("analyze exit %d: %s", code, stderr)
+	}
+	var r struct {
+		Kernels []struct {
+			Name     string
+			Eligible bool
+			Refusals []string
+		}
+	}
+	if err := json.Unmarshal([]byte(out), &r); err != nil {
+		t.Fatalf("analyze --json: %v\n%s", err, out)
+	}
+	if len(r.Kernels) != 2 || !r.Kernels[0].Eligible || r.Kernels[1].Eligible || len(r.Kernels[1].Refusals) == 0 {
+		t.Errorf("analyze: %+v", r.Kernels)
+	}
+
+	dst := filepath.Join(t.TempDir(), "out.ptx")
+	out, stderr, code = runCLI(t, "ptx", "instrument", "--report", "-o", dst, corpus)
+	if code != 0 {
+		t.Fatalf("instrument exit %d: %s", code, stderr)
+	}
+	if !strings.Contains(out, "clamp_tail (line 16): eligible, twin clamp_tail__ptxmig") || !strings.Contains(out, "ret_then_sync (line 72): refused") {
+		t.Errorf("instrument --report:\n%s", out)
+	}
+	data, err := os.ReadFile(dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(data), ".entry clamp_tail__ptxmig(") || strings.Contains(string(data), "ret_then_sync__ptxmig") {
+		t.Error("instrumented module: wrong set of twins")
+	}
+	out, _, code = runCLI(t, "ptx", "instrument", "-o", "-", corpus)
+	if code != 0 || out != string(data) {
+		t.Errorf("instrument -o -: exit %d, output differs from the file", code)
+	}
+
+	bad := filepath.Join(t.TempDir(), "bad.ptx")
+	if err := os.WriteFile(bad, []byte(".version 8.4\n.visible .entry k()\n{\n\tmov.u32 %r1, 1\n}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, stderr, code = runCLI(t, "ptx", "analyze", bad)
+	if code != 1 || !strings.Contains(stderr, "line 4 col 2") {
+		t.Errorf("malformed PTX: exit %d, stderr %q", code, stderr)
+	}
+	_, _, code = runCLI(t, "ptx", "instrument", corpus)
+	if code != 2 {
+		t.Errorf("instrument without -o: exit %d, want 2", code)
+	}
+	_, _, code = runCLI(t, "ptx", "analyze", filepath.Join(t.TempDir(), "missing.ptx"))
+	if code != 1 {
+		t.Errorf("missing file: exit %d, want 1", code)
+	}
+}

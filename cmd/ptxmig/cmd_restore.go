@@ -1,0 +1,78 @@
+package main
+
+import (
+	"fmt"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/restore"
+)
+
+func init() {
+	register(&cli.Command{
+		Name:      "restore",
+		Usage:     "bring an image back as a running process, on the same or other GPUs",
+		ArgsUsage: "IMAGE",
+		Description: "IMAGE is an image name or id. Preflight: each checkpointed GPU must map to a present GPU of the\n" +
+			"same chip type with enough free memory, and the original pid must be free (CRIU restores a\n" +
+			"process under its pid). Then the image is materialized (every chunk verified; a corrupt image is\n" +
+			"refused) → CRIU restore (detached: the process outlives ptxmig) → driver restore with GPU pairs\n" +
+			"for every checkpointed GPU → unlock. A failure after CRIU restored the process kills it again;\n" +
+			"the image stays intact (exit status 4).\n\n" +
+			"By default each GPU maps to the GPU with the same UUID, else (another host) the same index.\n\n" +
+			"Examples:\n" +
+			"   ptxmig restore counter-4242-20261122-101500\n" +
+			"   ptxmig restore --gpu 1 trainer-step-900\n" +
+			"   ptxmig restore --gpu-map GPU-5e3a1c2b-0f9d-4e2a-8b7c-1234567890ab=1 trainer-step-900",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "gpu", Usage: "target GPU index per checkpointed GPU, in order: N[,M...]"},
+			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping OLD=NEW[,...] (GPU UUIDs or indexes)"},
+			&cli.BoolFlag{Name: "keep-staging", Usage: "keep the materialized image and CRIU's log"},
+		},
+		Action: restoreAction,
+	})
+}
+
+func restoreAction(c *cli.Context) error {
+	if err := argsExactly(c, 1); err != nil {
+		return err
+	}
+	gpus, err := restore.ParseGPUList(c.String("gpu"))
+	if err != nil {
+		return exitcode.Usagef("--gpu: %v", err)
+	}
+	gmap, err := restore.ParseGPUMap(c.String("gpu-map"))
+	if err != nil {
+		return exitcode.Usagef("--gpu-map: %v", err)
+	}
+	g := env(c)
+	e, closeEnv, err := checkpoint.NewEnv(c.Context, g.Store, g.Log)
+	defer closeEnv()
+	if err != nil {
+		return opError(g.Err, err)
+	}
+	res, err := restore.Restore(c.Context, e, restore.Options{Image: c.Args().First(), GPUs: gpus, GPUMap: gmap, KeepStaging: c.Bool("keep-staging")})
+	if err != nil {
+		return opError(g.Err, err)
+	}
+	if g.JSON {
+		return printJSON(c, res)
+	}
+	w := g.Out
+	fmt.Fprintf(w, "restored image %s as pid %d (%s)\n", res.Image, res.PID, res.Kind)
+	for _, p := range res.Pairs {
+		fmt.Fprintf(w, "  GPU %d %s -> GPU %d %s\n", p.From.Index, p.From.UUID, p.To.Index, p.To.UUID)
+	}
+	fmt.Fprintf(w, "  %-15s %s (%s)\n", "materialize", ms(res.Materialize), checkpoint.HumanBytes(res.Bytes))
+	labels := map[string]string{restore.StepCRIURestore: "criu restore", restore.StepDriverRestore: "host->device", restore.StepUnlock: "unlock"}
+	for _, t := range res.Timings {
+		fmt.Fprintf(w, "  %-15s %s\n", labels[t.Step], ms(t.Duration))
+	}
+	fmt.Fprintf(w, "  %-15s %s\n", "total", ms(res.Total))
+	if res.StagingDir != "" {
+		fmt.Fprintf(w, "staging kept in %s\n", res.StagingDir)
+	}
+	return nil
+}

@@ -1,0 +1,75 @@
+package main
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+)
+
+// TestCheckpointExitCodes checks usage errors and preflight refusals through the CLI.
+func TestCheckpointExitCodes(t *testing.T) {
+	t.Setenv("PTXMIG_LOCK_DIR", t.TempDir())
+	store := filepath.Join(t.TempDir(), "store")
+	tests := []struct {
+		args []string
+		want int
+		msg  string
+	}{
+		{[]string{"checkpoint"}, 2, "want 1 argument"},
+		{[]string{"checkpoint", "abc"}, 2, "positive integer"},
+		{[]string{"checkpoint", "42", "--leave-running"}, 2, "put flags first"},
+		{[]string{"--store", store, "checkpoint", "4194304"}, 3, "no running process"},
+		{[]string{"restore", "--gpu", "x", "img"}, 2, "--gpu"},
+		{[]string{"restore", "--gpu-map", "a", "img"}, 2, "--gpu-map"},
+		{[]string{"--store", store, "restore", "no-such-image"}, 3, "not found"},
+		{[]string{"migrate", "--gpu", "1", "0"}, 2, "positive integer"},
+	}
+	for _, tt := range tests {
+		_, stderr, code := runCLI(t, tt.args...)
+		if code != tt.want || !strings.Contains(stderr, tt.msg) {
+			t.Errorf("ptxmig %v: exit %d, stderr %q; want %d and %q", tt.args, code, stderr, tt.want, tt.msg)
+		}
+	}
+}
+
+// TestCheckpointNonRoot runs the real binary as an unprivileged user: preflight refuses (3).
+func TestCheckpointNonRoot(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to switch to an unprivileged user")
+	}
+	// t.TempDir's parent is private to root; the unprivileged user must reach the binary.
+	dir, err := os.MkdirTemp("", "ptxmig-nonroot-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(dir, "ptxmig")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Skipf("cannot build ptxmig: %v: %s", err, out)
+	}
+	sleeper := exec.Command("sleep", "30")
+	if err := sleeper.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = sleeper.Process.Kill(); _ = sleeper.Wait() }()
+	cmd := exec.Command(bin, "--store", filepath.Join(dir, "store"), "checkpoint", itoa(sleeper.Process.Pid))
+	cmd.Env = append(os.Environ(), "PTXMIG_LOCK_DIR="+filepath.Join(dir, "locks"))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	out, err := cmd.CombinedOutput()
+	ee, ok := err.(*exec.ExitError)
+	if !ok || ee.ExitCode() != 3 {
+		t.Fatalf("non-root checkpoint: %v, output %s; want exit 3", err, out)
+	}
+	if !strings.Contains(string(out), "root") {
+		t.Errorf("message does not say root is needed: %s", out)
+	}
+}
+
+func itoa(n int) string { return strconv.Itoa(n) }

@@ -1,0 +1,358 @@
+package criu
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/checkpoint-restore/go-criu/v7/rpc"
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
+)
+
+// ErrFailed means CRIU reported a failed dump or restore; the *Error carries its log tail.
+var ErrFailed = errors.New("criu failed")
+
+// Error is a failed CRIU request. CRIU's RPC answer rarely says why ("err:0"); the reason is in
+// its log, so the error carries the log's path and last lines.
+type Error struct {
+	Op      string   // "dump pid 42", "restore"
+	Msg     string   // CRIU's RPC message or the transport failure
+	LogPath string   // full log
+	Tail    []string // last lines of the log
+}
+
+func (e *Error) Error() string {
+	s := fmt.Sprintf("criu %s: %s", e.Op, e.Msg)
+	if e.LogPath != "" {
+		s += " (log: " + e.LogPath + ")"
+	}
+	return s
+}
+
+// Is makes every *Error match ErrFailed.
+func (e *Error) Is(target error) bool { return target == ErrFailed }
+
+// LogTail returns the last n lines of the file at path (fewer when it is shorter), or nil.
+func LogTail(path string, n int) []string {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	var lines []string
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64*1024), 1024*1024)
+	for sc.Scan() {
+		lines = append(lines, sc.Text())
+		if len(lines) > 4*n {
+			lines = append(lines[:0], lines[len(lines)-n:]...)
+		}
+	}
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return lines
+}
+
+// maxReply bounds one CRIU RPC message; a longer one is reported, not truncated silently.
+const maxReply = 1 << 20
+
+// swrk runs one `criu swrk` process for one request. Unlike go-criu's own loop it creates the
+// socket pair close-on-exec and hands CRIU its end through ExtraFiles (no fd leaks into concurrent
+// forks), reads replies of any size up to maxReply and checks for truncation, and puts CRIU in its
+// own process group so a Ctrl-C aimed at ptxmig does not kill CRIU halfway through: ptxmig lets a
+// started CRIU request finish and rolls back afterwards.
+func swrk(bin string, req *rpc.CriuReq, onNotify func(*rpc.CriuNotify) error) (*rpc.CriuResp, error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("socketpair: %w", err)
+	}
+	cln := os.NewFile(uintptr(fds[0]), "criu-client")
+	srv := os.NewFile(uintptr(fds[1]), "criu-server")
+	defer cln.Close()
+
+	var stderr bytes.Buffer
+	cmd := exec.Command(bin, "swrk", "3")
+	cmd.ExtraFiles = []*os.File{srv}
+	cmd.Stdout = &stderr
+	cmd.Stderr = &stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		srv.Close()
+		return nil, fmt.Errorf("start %s swrk: %w", bin, err)
+	}
+	srv.Close()
+	resp, err := exchange(cln, req, onNotify)
+	cln.Close() // CRIU exits when its socket closes
+	werr := cmd.Wait()
+	if err != nil {
+		if out := strings.TrimSpace(stderr.String()); out != "" {
+			err = fmt.Errorf("%w; criu output: %s", err, out)
+		}
+		return resp, err
+	}
+	if werr != nil {
+		slog.Debug("criu swrk exited with an error after a successful request", "err", werr, "output", stderr.String())
+	}
+	return resp, nil
+}
+
+func exchange(sk *os.File, req *rpc.CriuReq, onNotify func(*rpc.CriuNotify) error) (*rpc.CriuResp, error) {
+	buf := make([]byte, maxReply)
+	for {
+		b, err := proto.Marshal(req)
+		if err != nil {
+			return nil, fmt.Errorf("marshal criu request: %w", err)
+		}
+		if _, err := sk.Write(b); err != nil {
+			return nil, fmt.Errorf("send criu request: %w", err)
+		}
+		n, _, rflags, _, err := unix.Recvmsg(int(sk.Fd()), buf, nil, 0)
+		if err != nil {
+			return nil, fmt.Errorf("read criu reply: %w", err)
+		}
+		if rflags&unix.MSG_TRUNC != 0 {
+			return nil, fmt.Errorf("criu reply longer than %d bytes", maxReply)
+		}
+		if n == 0 {
+			return nil, errors.New("criu closed the connection without a reply (it crashed or was killed)")
+		}
+		resp := &rpc.CriuResp{}
+		if err := proto.Unmarshal(buf[:n], resp); err != nil {
+			return nil, fmt.Errorf("decode criu reply: %w", err)
+		}
+		if !resp.GetSuccess() {
+			msg := resp.GetCrErrmsg()
+			if msg == "" {
+				msg = "operation failed"
+			}
+			if e := resp.GetCrErrno(); e != 0 {
+				msg += ": " + syscall.Errno(e).Error()
+			}
+			return resp, errors.New(msg)
+		}
+		if resp.GetType() != rpc.CriuReqType_NOTIFY {
+			if resp.GetType() != req.GetType() {
+				return resp, fmt.Errorf("criu answered %s to %s", resp.GetType(), req.GetType())
+			}
+			return resp, nil
+		}
+		if onNotify != nil {
+			if err := onNotify(resp.GetNotify()); err != nil {
+				return resp, fmt.Errorf("notify %s: %w", resp.GetNotify().GetScript(), err)
+			}
+		}
+		req = &rpc.CriuReq{Type: rpc.CriuReqType_NOTIFY.Enum(), NotifySuccess: proto.Bool(true)}
+	}
+}
+
+// DumpOptions describe one dump. ImagesDir must exist and be empty; CRIU writes its log there.
+type DumpOptions struct {
+	PID            int
+	ImagesDir      string
+	LogFile        string // name inside ImagesDir; default "dump.log"
+	LeaveRunning   bool   // resume the process after the dump
+	LeaveStopped   bool   // leave it stopped (SIGSTOP) after the dump instead of killing it
+	ShellJob       bool   // the process belongs to a shell's session/terminal
+	TCPEstablished bool   // dump established TCP connections
+	FileLocks      bool
+	ExtUnixSk      bool
+}
+
+// RestoreOptions describe one restore. The restored process is detached: it outlives ptxmig.
+type RestoreOptions struct {
+	ImagesDir      string
+	WorkDir        string // where the log goes; default ImagesDir
+	LogFile        string // default "restore.log"
+	ShellJob       bool
+	TCPEstablished bool
+	FileLocks      bool
+	ExtUnixSk      bool
+}
+
+// BuildDumpOpts turns DumpOptions into CRIU's RPC options with the images dir as fd imgFD.
+func BuildDumpOpts(o DumpOptions, imgFD int) (*rpc.CriuOpts, error) {
+	if o.PID <= 0 {
+		return nil, fmt.Errorf("dump: bad pid %d", o.PID)
+	}
+	if o.LeaveRunning && o.LeaveStopped {
+		return nil, errors.New("dump: leave-running and leave-stopped are exclusive")
+	}
+	opts := &rpc.CriuOpts{
+		ImagesDirFd: proto.Int32(int32(imgFD)),
+		Pid:         proto.Int32(int32(o.PID)),
+		LogLevel:    proto.Int32(4),
+		LogFile:     proto.String(orDefault(o.LogFile, "dump.log")),
+	}
+	setBool(&opts.LeaveRunning, o.LeaveRunning)
+	setBool(&opts.LeaveStopped, o.LeaveStopped)
+	setBool(&opts.ShellJob, o.ShellJob)
+	setBool(&opts.TcpEstablished, o.TCPEstablished)
+	setBool(&opts.FileLocks, o.FileLocks)
+	setBool(&opts.ExtUnixSk, o.ExtUnixSk)
+	return opts, nil
+}
+
+// BuildRestoreOpts turns RestoreOptions into CRIU's RPC options (images dir fd imgFD, work dir
+// fd workFD or -1).
+func BuildRestoreOpts(o RestoreOptions, imgFD, workFD int) *rpc.CriuOpts {
+	opts := &rpc.CriuOpts{
+		ImagesDirFd: proto.Int32(int32(imgFD)),
+		LogLevel:    proto.Int32(4),
+		LogFile:     proto.String(orDefault(o.LogFile, "restore.log")),
+	}
+	if workFD >= 0 {
+		opts.WorkDirFd = proto.Int32(int32(workFD))
+	}
+	setBool(&opts.ShellJob, o.ShellJob)
+	setBool(&opts.TcpEstablished, o.TCPEstablished)
+	setBool(&opts.FileLocks, o.FileLocks)
+	setBool(&opts.ExtUnixSk, o.ExtUnixSk)
+	return opts
+}
+
+func setBool(dst **bool, v bool) {
+	if v {
+		*dst = proto.Bool(true)
+	}
+}
+
+func orDefault(s, def string) string {
+	if s == "" {
+		return def
+	}
+	return s
+}
+
+// Dumper runs CRIU dumps and restores with the binary Bin.
+type Dumper struct {
+	Bin string
+}
+
+// NewDumper finds CRIU (see Find) and checks its version.
+func NewDumper(ctx context.Context) (*Dumper, string, error) {
+	bin, text, err := Check(ctx)
+	if err != nil {
+		return nil, text, err
+	}
+	return &Dumper{Bin: bin}, text, nil
+}
+
+// DumpResult reports a finished dump.
+type DumpResult struct {
+	Duration time.Duration
+	LogPath  string
+}
+
+// Dump checkpoints the process tree rooted at o.PID into o.ImagesDir. On failure the error is an
+// *Error with the log tail.
+func (d *Dumper) Dump(ctx context.Context, o DumpOptions) (*DumpResult, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	dir, err := openDir(o.ImagesDir)
+	if err != nil {
+		return nil, fmt.Errorf("dump pid %d: %w", o.PID, err)
+	}
+	defer dir.Close()
+	opts, err := BuildDumpOpts(o, int(dir.Fd()))
+	if err != nil {
+		return nil, err
+	}
+	logPath := filepath.Join(o.ImagesDir, opts.GetLogFile())
+	t0 := time.Now()
+	_, err = swrk(d.Bin, &rpc.CriuReq{Type: rpc.CriuReqType_DUMP.Enum(), Opts: opts}, nil)
+	res := &DumpResult{Duration: time.Since(t0), LogPath: logPath}
+	if err != nil {
+		return res, &Error{Op: fmt.Sprintf("dump pid %d", o.PID), Msg: err.Error(), LogPath: logPath, Tail: LogTail(logPath, 20)}
+	}
+	return res, nil
+}
+
+// RestoreResult reports a finished restore.
+type RestoreResult struct {
+	PID      int
+	Duration time.Duration
+	LogPath  string
+}
+
+// Restore restores the process tree in o.ImagesDir, detached, and returns the root's PID.
+func (d *Dumper) Restore(ctx context.Context, o RestoreOptions) (*RestoreResult, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	dir, err := openDir(o.ImagesDir)
+	if err != nil {
+		return nil, fmt.Errorf("restore: %w", err)
+	}
+	defer dir.Close()
+	workFD := -1
+	logDir := o.ImagesDir
+	if o.WorkDir != "" {
+		wd, err := openDir(o.WorkDir)
+		if err != nil {
+			return nil, fmt.Errorf("restore: %w", err)
+		}
+		defer wd.Close()
+		workFD = int(wd.Fd())
+		logDir = o.WorkDir
+	}
+	opts := BuildRestoreOpts(o, int(dir.Fd()), workFD)
+	logPath := filepath.Join(logDir, opts.GetLogFile())
+	t0 := time.Now()
+	var notifiedPID int32
+	resp, err := swrk(d.Bin, &rpc.CriuReq{Type: rpc.CriuReqType_RESTORE.Enum(), Opts: opts}, func(n *rpc.CriuNotify) error {
+		if n.GetScript() == "post-restore" {
+			notifiedPID = n.GetPid()
+		}
+		return nil
+	})
+	res := &RestoreResult{Duration: time.Since(t0), LogPath: logPath}
+	if err != nil {
+		return res, &Error{Op: "restore", Msg: err.Error(), LogPath: logPath, Tail: LogTail(logPath, 20)}
+	}
+	res.PID = int(resp.GetRestore().GetPid())
+	if res.PID <= 0 {
+		res.PID = int(notifiedPID)
+	}
+	if res.PID <= 0 {
+		return res, &Error{Op: "restore", Msg: "criu reported success but no pid", LogPath: logPath, Tail: LogTail(logPath, 20)}
+	}
+	return res, nil
+}
+
+// openDir opens a directory without following a symlink in its last component.
+func openDir(path string) (*os.File, error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open directory %s: %w", path, err)
+	}
+	return os.NewFile(uintptr(fd), path), nil
+}
+
+// CheckKernel runs `criu check` and returns its output on failure.
+func CheckKernel(ctx context.Context, bin string) error {
+	out, err := exec.CommandContext(ctx, bin, "check").CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s check: %w: %s", bin, err, lastLine(out))
+	}
+	return nil
+}
+
+func lastLine(b []byte) string {
+	s := strings.TrimSpace(string(b))
+	if i := strings.LastIndexByte(s, '\n'); i >= 0 {
+		s = s[i+1:]
+	}
+	return s
+}

@@ -1,0 +1,192 @@
+package criu
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ptxmig/ptxmig/internal/testproc"
+)
+
+func TestBuildDumpOpts(t *testing.T) {
+	tests := []struct {
+		name    string
+		in      DumpOptions
+		check   func(t *testing.T, o string)
+		wantErr bool
+	}{
+		{"plain", DumpOptions{PID: 42}, func(t *testing.T, o string) {
+			for _, w := range []string{"images_dir_fd:7", "pid:42", "log_level:4", `log_file:"dump.log"`} {
+				if !strings.Contains(o, w) {
+					t.Errorf("opts %s lack %s", o, w)
+				}
+			}
+			for _, no := range []string{"shell_job", "leave_running", "tcp_established", "leave_stopped"} {
+				if strings.Contains(o, no) {
+					t.Errorf("opts %s set %s unasked", o, no)
+				}
+			}
+		}, false},
+		{"all", DumpOptions{PID: 1, LeaveStopped: true, ShellJob: true, TCPEstablished: true, LogFile: "x.log"}, func(t *testing.T, o string) {
+			for _, w := range []string{"leave_stopped:true", "shell_job:true", "tcp_established:true", `log_file:"x.log"`} {
+				if !strings.Contains(o, w) {
+					t.Errorf("opts %s lack %s", o, w)
+				}
+			}
+		}, false},
+		{"bad pid", DumpOptions{PID: 0}, nil, true},
+		{"exclusive", DumpOptions{PID: 3, LeaveRunning: true, LeaveStopped: true}, nil, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			o, err := BuildDumpOpts(tt.in, 7)
+			if (err != nil) != tt.wantErr {
+				t.Fatalf("err = %v, wantErr %v", err, tt.wantErr)
+			}
+			if err == nil {
+				tt.check(t, strings.ReplaceAll(o.String(), " ", ""))
+			}
+		})
+	}
+}
+
+func TestBuildRestoreOpts(t *testing.T) {
+	o := strings.ReplaceAll(BuildRestoreOpts(RestoreOptions{ShellJob: true}, 5, 6).String(), " ", "")
+	for _, w := range []string{"images_dir_fd:5", "work_dir_fd:6", "shell_job:true", `log_file:"restore.log"`, "log_level:4"} {
+		if !strings.Contains(o, w) {
+			t.Errorf("restore opts %s lack %s", o, w)
+		}
+	}
+	if o2 := BuildRestoreOpts(RestoreOptions{}, 5, -1).String(); strings.Contains(o2, "work_dir_fd") {
+		t.Errorf("restore opts %s set a work dir", o2)
+	}
+}
+
+func TestLogTail(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "log")
+	var b strings.Builder
+	for i := 0; i < 100; i++ {
+		b.WriteString(strings.Repeat("x", i%7) + "\n")
+	}
+	b.WriteString("Error (criu/cr-dump.c:1): last line\n")
+	if err := os.WriteFile(p, []byte(b.String()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	tail := LogTail(p, 3)
+	if len(tail) != 3 || tail[2] != "Error (criu/cr-dump.c:1): last line" {
+		t.Fatalf("tail = %q", tail)
+	}
+	if LogTail(filepath.Join(t.TempDir(), "none"), 3) != nil {
+		t.Fatal("tail of a missing file")
+	}
+}
+
+// usableCRIU skips the test unless it runs as root with a CRIU >= 4.0 that passes `criu check`.
+func usableCRIU(t *testing.T) *Dumper {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("CRIU dump/restore needs root")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	d, _, err := NewDumper(ctx)
+	if err != nil {
+		t.Skipf("no usable CRIU (run scripts/install-criu.sh): %v", err)
+	}
+	if err := CheckKernel(ctx, d.Bin); err != nil {
+		t.Skipf("criu check fails on this kernel: %v", err)
+	}
+	return d
+}
+
+// TestDumpRestoreRealProcess dumps a running CPU process with the installed CRIU, restores it from
+// the images, and checks that it continues its hash chain exactly under its original PID.
+func TestDumpRestoreRealProcess(t *testing.T) {
+	d := usableCRIU(t)
+	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) // reap the restored process too
+	dir := t.TempDir()
+	bin, err := testproc.Build(dir)
+	if err != nil {
+		t.Skipf("cannot build the test program: %v", err)
+	}
+	state := filepath.Join(dir, "state")
+	p, err := testproc.Start(bin, state, testproc.Options{MiB: 2, IntervalMs: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Kill()
+	if _, err := testproc.WaitState(state, func(s testproc.State) bool { return s.Step >= 5 }, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	images := filepath.Join(dir, "images")
+	work := filepath.Join(dir, "work")
+	for _, d := range []string{images, work} {
+		if err := os.Mkdir(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx := context.Background()
+	if _, err := d.Dump(ctx, DumpOptions{PID: p.PID, ImagesDir: images}); err != nil {
+		var ce *Error
+		if errors.As(err, &ce) {
+			t.Logf("criu log tail:\n%s", strings.Join(ce.Tail, "\n"))
+		}
+		t.Fatal(err)
+	}
+	select {
+	case <-p.Exited():
+	case <-time.After(10 * time.Second):
+		t.Fatal("process still alive 10 s after the dump")
+	}
+	atDump, err := testproc.ReadState(state)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := testproc.NewModel(2)
+	if err := m.Check(atDump); err != nil {
+		t.Fatal(err)
+	}
+
+	res, err := d.Restore(ctx, RestoreOptions{ImagesDir: images, WorkDir: work})
+	if err != nil {
+		var ce *Error
+		if errors.As(err, &ce) {
+			t.Logf("criu log tail:\n%s", strings.Join(ce.Tail, "\n"))
+		}
+		t.Fatal(err)
+	}
+	defer testproc.KillPID(res.PID, 10*time.Second)
+	if res.PID != p.PID {
+		t.Fatalf("restored pid %d, want the original %d", res.PID, p.PID)
+	}
+	after, err := testproc.WaitState(state, func(s testproc.State) bool { return s.Step >= atDump.Step+5 }, 10*time.Second)
+	if err != nil {
+		t.Fatalf("restored process does not advance: %v", err)
+	}
+	if err := m.Check(after); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(work, "restore.log")); err != nil {
+		t.Errorf("restore log not kept in the work dir: %v", err)
+	}
+}
+
+// TestDumpFailureCarriesLog checks a failing dump (no such process) reports CRIU's log tail.
+func TestDumpFailureCarriesLog(t *testing.T) {
+	d := usableCRIU(t)
+	images := t.TempDir()
+	_, err := d.Dump(context.Background(), DumpOptions{PID: 1 << 22, ImagesDir: images})
+	var ce *Error
+	if !errors.As(err, &ce) || !errors.Is(err, ErrFailed) {
+		t.Fatalf("dump of a missing pid: %v, want *criu.Error", err)
+	}
+	if len(ce.Tail) == 0 || ce.LogPath != filepath.Join(images, "dump.log") {
+		t.Fatalf("error lacks the log: %+v", ce)
+	}
+}

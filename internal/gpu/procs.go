@@ -1,0 +1,117 @@
+package gpu
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+)
+
+// ProcInfo describes a process that has the CUDA driver loaded.
+type ProcInfo struct {
+	PID     int      `json:"pid"`
+	Comm    string   `json:"comm"`
+	Cmdline []string `json:"cmdline"`
+	Shim    bool     `json:"shim"`          // libptxmig.so is mapped: started under `ptxmig run`
+	Minors  []int    `json:"device_minors"` // /dev/nvidiaN it has open
+}
+
+// ScanCUDAProcesses lists the processes under procRoot (normally /proc) that map libcuda.so —
+// including checkpointed ones, which hold no GPU and so are invisible to NVML.
+func ScanCUDAProcesses(procRoot string) ([]ProcInfo, error) {
+	ents, err := os.ReadDir(procRoot)
+	if err != nil {
+		return nil, fmt.Errorf("scan %s: %w", procRoot, err)
+	}
+	self := os.Getpid()
+	var out []ProcInfo
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid <= 0 || pid == self {
+			continue
+		}
+		pi, ok := inspect(procRoot, pid)
+		if ok {
+			out = append(out, pi)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].PID < out[j].PID })
+	return out, nil
+}
+
+// Inspect reads one process; ok is false when it does not map libcuda (or is gone).
+func Inspect(pid int) (ProcInfo, bool) { return inspect("/proc", pid) }
+
+func inspect(procRoot string, pid int) (ProcInfo, bool) {
+	dir := filepath.Join(procRoot, strconv.Itoa(pid))
+	cuda, shim, err := scanMaps(filepath.Join(dir, "maps"))
+	if err != nil || !cuda {
+		return ProcInfo{}, false
+	}
+	pi := ProcInfo{PID: pid, Shim: shim}
+	if b, err := os.ReadFile(filepath.Join(dir, "comm")); err == nil {
+		pi.Comm = strings.TrimSpace(string(b))
+	}
+	pi.Cmdline = ReadCmdline(procRoot, pid)
+	if fds, err := os.ReadDir(filepath.Join(dir, "fd")); err == nil {
+		seen := map[int]bool{}
+		for _, fd := range fds {
+			t, err := os.Readlink(filepath.Join(dir, "fd", fd.Name()))
+			if err != nil {
+				continue
+			}
+			if n, ok := strings.CutPrefix(t, "/dev/nvidia"); ok {
+				if m, err := strconv.Atoi(n); err == nil && !seen[m] {
+					seen[m] = true
+					pi.Minors = append(pi.Minors, m)
+				}
+			}
+		}
+		sort.Ints(pi.Minors)
+	}
+	return pi, true
+}
+
+// MapsCUDA reports whether /proc/PID/maps shows libcuda.so (the process uses the CUDA driver)
+// and libptxmig.so (it runs under the ptxmig shim).
+func MapsCUDA(pid int) (cuda, shim bool, err error) {
+	return scanMaps(fmt.Sprintf("/proc/%d/maps", pid))
+}
+
+func scanMaps(path string) (cuda, shim bool, err error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return false, false, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64*1024), 1024*1024)
+	for sc.Scan() {
+		line := sc.Bytes()
+		i := bytes.LastIndexByte(line, '/')
+		if i < 0 {
+			continue
+		}
+		base := line[i+1:]
+		if bytes.HasPrefix(base, []byte("libcuda.so")) {
+			cuda = true
+		}
+		if bytes.HasPrefix(base, []byte("libptxmig.so")) {
+			shim = true
+		}
+	}
+	return cuda, shim, sc.Err()
+}
+
+// ReadCmdline returns the command line of pid (nil when unreadable).
+func ReadCmdline(procRoot string, pid int) []string {
+	b, err := os.ReadFile(filepath.Join(procRoot, strconv.Itoa(pid), "cmdline"))
+	if err != nil || len(b) == 0 {
+		return nil
+	}
+	return strings.Split(strings.TrimRight(string(b), "\x00"), "\x00")
+}

@@ -1,0 +1,267 @@
+// Package shimctl talks to libptxmig, the LD_PRELOAD shim, over its per-process control socket
+// (protocol: docs/SHIM-PROTOCOL.md), and detects which processes run under it.
+package shimctl
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// DefaultSocketDir is where the shim creates <pid>.sock unless PTXMIG_SOCKET_DIR says otherwise.
+const DefaultSocketDir = "/run/ptxmig"
+
+// ProtoVersion is the protocol version this client speaks.
+const ProtoVersion = 1
+
+// maxReply bounds one reply line; the largest replies (module lists) stay far below it.
+const maxReply = 64 << 20
+
+var (
+	// ErrNoShim: the process has no control socket (not started under the shim, not using CUDA
+	// yet, or the socket directory differs).
+	ErrNoShim = errors.New("no ptxmig shim control socket")
+	// ErrProtocol: the reply is not what the protocol allows.
+	ErrProtocol = errors.New("shim protocol error")
+	// ErrShim: the shim answered with an error.
+	ErrShim = errors.New("shim refused the request")
+)
+
+// SocketDir returns the socket directory: dir if set, else $PTXMIG_SOCKET_DIR, else the default.
+func SocketDir(dir string) string {
+	if dir != "" {
+		return dir
+	}
+	if d := os.Getenv("PTXMIG_SOCKET_DIR"); strings.HasPrefix(d, "/") {
+		return d
+	}
+	return DefaultSocketDir
+}
+
+// SocketPath is the control socket of pid under dir.
+func SocketPath(dir string, pid int) string {
+	return filepath.Join(SocketDir(dir), strconv.Itoa(pid)+".sock")
+}
+
+// Detect reports whether pid runs under the shim: its control socket exists in the default
+// directory (or $PTXMIG_SOCKET_DIR) and the process maps libptxmig.so.
+func Detect(pid int) (sock string, ok bool) { return DetectIn("", pid) }
+
+// DetectIn is Detect with an explicit socket directory ("" for the default).
+func DetectIn(dir string, pid int) (sock string, ok bool) {
+	if pid <= 0 {
+		return "", false
+	}
+	sock = SocketPath(dir, pid)
+	st, err := os.Lstat(sock)
+	if err != nil || st.Mode().Type() != os.ModeSocket {
+		return "", false
+	}
+	f, err := os.Open(fmt.Sprintf("/proc/%d/maps", pid))
+	if err != nil {
+		return "", false
+	}
+	defer f.Close()
+	if !mapsHaveShim(f) {
+		return "", false
+	}
+	return sock, true
+}
+
+// mapsHaveShim reports whether a /proc/PID/maps listing maps a file named libptxmig*.so*.
+func mapsHaveShim(r io.Reader) bool {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 6 {
+			continue
+		}
+		base := filepath.Base(strings.Join(fields[5:], " "))
+		if strings.HasPrefix(base, "libptxmig") && strings.Contains(base, ".so") {
+			return true
+		}
+	}
+	return false
+}
+
+// Client is one connection to a shim. It is not safe for concurrent use.
+type Client struct {
+	conn net.Conn
+	r    *bufio.Reader
+	path string
+}
+
+// Dial connects to the control socket at path.
+func Dial(ctx context.Context, path string) (*Client, error) {
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "unix", path)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ECONNREFUSED) {
+			return nil, fmt.Errorf("dial %s: %w: %v", path, ErrNoShim, err)
+		}
+		return nil, fmt.Errorf("dial %s: %w", path, err)
+	}
+	return &Client{conn: conn, r: bufio.NewReaderSize(conn, 64<<10), path: path}, nil
+}
+
+// DialPID connects to pid's socket in dir ("" for the default directory).
+func DialPID(ctx context.Context, dir string, pid int) (*Client, error) {
+	if pid <= 0 {
+		return nil, fmt.Errorf("pid %d: must be positive", pid)
+	}
+	return Dial(ctx, SocketPath(dir, pid))
+}
+
+// Close closes the connection.
+func (c *Client) Close() error { return c.conn.Close() }
+
+type envelope struct {
+	OK     *bool           `json:"ok"`
+	Proto  int             `json:"proto"`
+	Cmd    string          `json:"cmd"`
+	Error  string          `json:"error"`
+	Result json.RawMessage `json:"result"`
+}
+
+// Raw sends one request and returns the validated "result" member of the reply.
+func (c *Client) Raw(ctx context.Context, cmd string, args map[string]string) (json.RawMessage, error) {
+	req := map[string]string{"cmd": cmd}
+	for k, v := range args {
+		req[k] = v
+	}
+	line, err := json.Marshal(req)
+	if err != nil {
+		return nil, fmt.Errorf("%s: encode request: %w", cmd, err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	if d, ok := ctx.Deadline(); ok {
+		deadline = d
+	}
+	if err := c.conn.SetDeadline(deadline); err != nil {
+		return nil, fmt.Errorf("%s: %w", cmd, err)
+	}
+	stop := context.AfterFunc(ctx, func() { c.conn.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	if _, err := c.conn.Write(append(line, '\n')); err != nil {
+		return nil, fmt.Errorf("%s: send to %s: %w", cmd, c.path, err)
+	}
+	reply, err := readLine(c.r, maxReply)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("%s: %w", cmd, ctx.Err())
+		}
+		return nil, fmt.Errorf("%s: read from %s: %w", cmd, c.path, err)
+	}
+	return parseReply(cmd, reply)
+}
+
+func readLine(r *bufio.Reader, max int) ([]byte, error) {
+	var buf []byte
+	for {
+		chunk, err := r.ReadSlice('\n')
+		buf = append(buf, chunk...)
+		if len(buf) > max {
+			return nil, fmt.Errorf("%w: reply longer than %d bytes", ErrProtocol, max)
+		}
+		if err == nil {
+			return buf, nil
+		}
+		if !errors.Is(err, bufio.ErrBufferFull) {
+			if errors.Is(err, io.EOF) {
+				return nil, fmt.Errorf("%w: connection closed before a complete reply", ErrProtocol)
+			}
+			return nil, err
+		}
+	}
+}
+
+// parseReply validates one reply line of the protocol.
+func parseReply(cmd string, line []byte) (json.RawMessage, error) {
+	var env envelope
+	dec := json.NewDecoder(bytes.NewReader(line))
+	if err := dec.Decode(&env); err != nil {
+		return nil, fmt.Errorf("%s: %w: reply is not JSON: %v", cmd, ErrProtocol, err)
+	}
+	if env.OK == nil {
+		return nil, fmt.Errorf("%s: %w: reply has no \"ok\"", cmd, ErrProtocol)
+	}
+	if env.Proto != ProtoVersion {
+		return nil, fmt.Errorf("%s: %w: shim speaks protocol %d, this ptxmig %d", cmd, ErrProtocol, env.Proto, ProtoVersion)
+	}
+	if !*env.OK {
+		if env.Error == "" {
+			return nil, fmt.Errorf("%s: %w: error reply without a message", cmd, ErrProtocol)
+		}
+		return nil, fmt.Errorf("%s: %w: %s", cmd, ErrShim, env.Error)
+	}
+	if env.Cmd != cmd || len(env.Result) == 0 || env.Result[0] != '{' {
+		return nil, fmt.Errorf("%s: %w: reply for %q without an object result", cmd, ErrProtocol, env.Cmd)
+	}
+	return env.Result, nil
+}
+
+// Status asks for the process overview.
+func (c *Client) Status(ctx context.Context) (*Status, error) {
+	raw, err := c.Raw(ctx, "status", nil)
+	if err != nil {
+		return nil, err
+	}
+	var s Status
+	if err := json.Unmarshal(raw, &s); err != nil {
+		return nil, fmt.Errorf("status: %w: %v", ErrProtocol, err)
+	}
+	if s.PID <= 0 {
+		return nil, fmt.Errorf("status: %w: pid %d", ErrProtocol, s.PID)
+	}
+	return &s, nil
+}
+
+// Kernels asks for per-kernel launch accounting.
+func (c *Client) Kernels(ctx context.Context) (*Kernels, error) {
+	raw, err := c.Raw(ctx, "kernels", nil)
+	if err != nil {
+		return nil, err
+	}
+	var k Kernels
+	if err := json.Unmarshal(raw, &k); err != nil {
+		return nil, fmt.Errorf("kernels: %w: %v", ErrProtocol, err)
+	}
+	for _, x := range k.Kernels {
+		if x.Time != nil && (x.Time.P50 < 0 || x.Time.P99 < x.Time.P50 || x.Timed == 0) {
+			return nil, fmt.Errorf("kernels: %w: inconsistent entry for %v", ErrProtocol, x.Name)
+		}
+	}
+	return &k, nil
+}
+
+// DumpModules asks the shim to write every captured image, PTX and cubin into dir (absolute; the
+// shim creates it 0700 if missing and writes files 0600 as the process's user).
+func (c *Client) DumpModules(ctx context.Context, dir string) (*Dump, error) {
+	if !filepath.IsAbs(dir) {
+		return nil, fmt.Errorf("dump-modules: dir %q must be absolute", dir)
+	}
+	raw, err := c.Raw(ctx, "dump-modules", map[string]string{"dir": dir})
+	if err != nil {
+		return nil, err
+	}
+	var d Dump
+	if err := json.Unmarshal(raw, &d); err != nil {
+		return nil, fmt.Errorf("dump-modules: %w: %v", ErrProtocol, err)
+	}
+	if d.Dir != dir || d.Index != "index.json" {
+		return nil, fmt.Errorf("dump-modules: %w: dumped into %q (index %q), asked for %q", ErrProtocol, d.Dir, d.Index, dir)
+	}
+	return &d, nil
+}

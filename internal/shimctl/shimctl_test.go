@@ -1,0 +1,169 @@
+package shimctl
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// fakeShim serves canned replies, one per request line, on a Unix socket in a temp dir.
+func fakeShim(t *testing.T, replies map[string]string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "1234.sock")
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				sc := bufio.NewScanner(c)
+				for sc.Scan() {
+					line := sc.Text()
+					var reply string
+					for k, v := range replies {
+						if strings.Contains(line, `"cmd":"`+k+`"`) {
+							reply = v
+						}
+					}
+					if reply == "" {
+						return
+					}
+					c.Write([]byte(reply))
+					if !strings.HasSuffix(reply, "\n") {
+						return // a truncated reply: the shim went away mid-line
+					}
+				}
+			}()
+		}
+	}()
+	return path
+}
+
+func TestClient(t *testing.T) {
+	tests := []struct {
+		name, cmd, reply string
+		wantErr          error
+		check            func(*testing.T, *Client)
+	}{
+		{name: "status", cmd: "status",
+			reply: `{"ok":true,"proto":1,"cmd":"status","result":{"pid":42,"shim":"ptxmig-shim 1","devices":[{"ordinal":0,"name":"H200","total_bytes":1}],"modules":[{"id":1,"source":"cuLibraryLoadData","format":"fatbin","bytes":10,"ptx":1,"elf":2,"archs":"sm_90,compute_90"}]}}` + "\n",
+			check: func(t *testing.T, c *Client) {
+				s, err := c.Status(context.Background())
+				if err != nil || s.PID != 42 || len(s.Modules) != 1 || s.Modules[0].ELF != 2 || s.Devices[0].Name != "H200" {
+					t.Fatalf("status = %+v, %v", s, err)
+				}
+			}},
+		{name: "kernels", cmd: "kernels",
+			reply: `{"ok":true,"proto":1,"cmd":"kernels","result":{"kernels":[{"name":"k","handle":"0x1","module":1,"launches":5,"shapes":[{"grid":[1,2,3],"block":[4,5,6],"launches":5}],"timed":2,"time_us":{"p50":1.5,"p99":2,"mean":1.7,"max":2}}],"graphs":[],"total_launches":5}}` + "\n",
+			check: func(t *testing.T, c *Client) {
+				k, err := c.Kernels(context.Background())
+				if err != nil || len(k.Kernels) != 1 || *k.Kernels[0].Name != "k" || k.Kernels[0].Shapes[0].Block != [3]uint32{4, 5, 6} || k.Kernels[0].Time.P50 != 1.5 {
+					t.Fatalf("kernels = %+v, %v", k, err)
+				}
+			}},
+		{name: "shim error", cmd: "status", reply: `{"ok":false,"proto":1,"error":"boom"}` + "\n", wantErr: ErrShim},
+		{name: "not json", cmd: "status", reply: "hello\n", wantErr: ErrProtocol},
+		{name: "no ok", cmd: "status", reply: `{"proto":1}` + "\n", wantErr: ErrProtocol},
+		{name: "wrong proto", cmd: "status", reply: `{"ok":true,"proto":7,"cmd":"status","result":{"pid":1}}` + "\n", wantErr: ErrProtocol},
+		{name: "wrong cmd", cmd: "status", reply: `{"ok":true,"proto":1,"cmd":"kernels","result":{"pid":1}}` + "\n", wantErr: ErrProtocol},
+		{name: "bad pid", cmd: "status", reply: `{"ok":true,"proto":1,"cmd":"status","result":{"pid":-3}}` + "\n", wantErr: ErrProtocol},
+		{name: "array result", cmd: "status", reply: `{"ok":true,"proto":1,"cmd":"status","result":[1]}` + "\n", wantErr: ErrProtocol},
+		{name: "truncated", cmd: "status", reply: `{"ok":true,"proto":1,"cmd":"st`, wantErr: ErrProtocol},
+		{name: "bad timing", cmd: "kernels", reply: `{"ok":true,"proto":1,"cmd":"kernels","result":{"kernels":[{"name":"k","timed":1,"time_us":{"p50":5,"p99":1}}]}}` + "\n", wantErr: ErrProtocol},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := fakeShim(t, map[string]string{tt.cmd: tt.reply})
+			c, err := Dial(context.Background(), path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			if tt.check != nil {
+				tt.check(t, c)
+				return
+			}
+			var gotErr error
+			if tt.cmd == "status" {
+				_, gotErr = c.Status(context.Background())
+			} else {
+				_, gotErr = c.Kernels(context.Background())
+			}
+			if !errors.Is(gotErr, tt.wantErr) {
+				t.Fatalf("error = %v, want %v", gotErr, tt.wantErr)
+			}
+		})
+	}
+}
+
+func TestDumpModulesValidates(t *testing.T) {
+	path := fakeShim(t, map[string]string{"dump-modules": `{"ok":true,"proto":1,"cmd":"dump-modules","result":{"dir":"/elsewhere","index":"index.json"}}` + "\n"})
+	c, err := Dial(context.Background(), path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.DumpModules(context.Background(), "relative"); err == nil {
+		t.Fatal("relative dir accepted")
+	}
+	if _, err := c.DumpModules(context.Background(), "/tmp/x"); !errors.Is(err, ErrProtocol) {
+		t.Fatalf("dump into another dir: %v", err)
+	}
+}
+
+func TestDialMissing(t *testing.T) {
+	_, err := DialPID(context.Background(), t.TempDir(), 99999)
+	if !errors.Is(err, ErrNoShim) {
+		t.Fatalf("err = %v, want ErrNoShim", err)
+	}
+}
+
+func TestMapsHaveShim(t *testing.T) {
+	tests := []struct {
+		maps string
+		want bool
+	}{
+		{"7f00-7f01 r-xp 00000000 08:01 123 /usr/local/lib/libptxmig.so\n", true},
+		{"7f00-7f01 r-xp 00000000 08:01 123 /opt/my dir/libptxmig.so\n", true},
+		{"7f00-7f01 r-xp 00000000 08:01 123 /usr/lib/libcuda.so.1\n7f00-7f01 rw-p 00000000 00:00 0\n", false},
+		{"7f00-7f01 r-xp 00000000 08:01 123 /home/libptxmig-notes.txt\n", false},
+		{"", false},
+	}
+	for _, tt := range tests {
+		if got := mapsHaveShim(strings.NewReader(tt.maps)); got != tt.want {
+			t.Errorf("mapsHaveShim(%q) = %v, want %v", tt.maps, got, tt.want)
+		}
+	}
+}
+
+func TestDetect(t *testing.T) {
+	dir := t.TempDir()
+	// This test process has no socket and does not map the shim.
+	if _, ok := DetectIn(dir, os.Getpid()); ok {
+		t.Fatal("detected a shim in the test process")
+	}
+	// A socket alone is not enough: the process must map libptxmig.so.
+	l, err := net.Listen("unix", SocketPath(dir, os.Getpid()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	if _, ok := DetectIn(dir, os.Getpid()); ok {
+		t.Fatal("detected a shim from the socket alone")
+	}
+	if _, ok := Detect(-1); ok {
+		t.Fatal("negative pid detected")
+	}
+}

@@ -1,0 +1,114 @@
+package shimctl
+
+// Status is the result of the "status" request.
+type Status struct {
+	PID             int               `json:"pid"`
+	Shim            string            `json:"shim"`
+	Proto           int               `json:"proto"`
+	Exe             string            `json:"exe"`
+	UptimeS         float64           `json:"uptime_s"`
+	CUDAInitialized bool              `json:"cuda_initialized"`
+	DriverCUDA      int               `json:"driver_cuda_version,omitempty"`
+	Devices         []Device          `json:"devices"`
+	Contexts        []Context         `json:"contexts"`
+	Allocations     map[string]any    `json:"allocations"`
+	Modules         []Module          `json:"modules"`
+	Interception    map[string]uint64 `json:"interception"`
+	Launches        map[string]uint64 `json:"launches"`
+	Sampling        map[string]uint64 `json:"sampling"`
+}
+
+// Device is one CUDA device as the driver reports it inside the process.
+type Device struct {
+	Ordinal           int    `json:"ordinal"`
+	Name              string `json:"name"`
+	UUID              string `json:"uuid,omitempty"`
+	TotalBytes        uint64 `json:"total_bytes"`
+	ComputeCapability string `json:"compute_capability"`
+}
+
+// Context is a CUDA context the process created or retained.
+type Context struct {
+	Handle  string `json:"handle"`
+	Device  int    `json:"device"`
+	Primary bool   `json:"primary"`
+}
+
+// AllocTotal is one allocation kind's live count and bytes.
+type AllocTotal struct {
+	Count     uint64 `json:"count"`
+	Bytes     uint64 `json:"bytes"`
+	PeakBytes uint64 `json:"peak_bytes"`
+}
+
+// Module is one captured module or library image.
+type Module struct {
+	ID          int    `json:"id"`
+	Source      string `json:"source"`
+	Handle      string `json:"handle"`
+	Loaded      bool   `json:"loaded"`
+	Format      string `json:"format"`
+	Bytes       uint64 `json:"bytes"`
+	SHA256      string `json:"sha256,omitempty"`
+	PTX         int    `json:"ptx"`
+	ELF         int    `json:"elf"`
+	Archs       string `json:"archs,omitempty"`
+	Path        string `json:"path,omitempty"`
+	ParseError  string `json:"parse_error,omitempty"`
+	NotCaptured string `json:"not_captured,omitempty"`
+}
+
+// Kernels is the result of the "kernels" request.
+type Kernels struct {
+	Kernels       []Kernel       `json:"kernels"`
+	Graphs        []Graph        `json:"graphs"`
+	TotalLaunches uint64         `json:"total_launches"`
+	Sampling      map[string]int `json:"sampling"`
+}
+
+// Kernel is the launch accounting of one function or kernel handle.
+type Kernel struct {
+	Name        *string `json:"name"`
+	Handle      string  `json:"handle"`
+	Module      int     `json:"module"`
+	Launches    uint64  `json:"launches"`
+	Failed      uint64  `json:"failed"`
+	Cooperative uint64  `json:"cooperative"`
+	Shapes      []Shape `json:"shapes"`
+	OtherShapes uint64  `json:"other_shapes"`
+	Timed       uint64  `json:"timed"`
+	Time        *Timing `json:"time_us,omitempty"`
+}
+
+// Shape is a grid/block configuration and how often it was launched.
+type Shape struct {
+	Grid     [3]uint32 `json:"grid"`
+	Block    [3]uint32 `json:"block"`
+	Launches uint64    `json:"launches"`
+}
+
+// Timing summarises sampled GPU times in microseconds.
+type Timing struct {
+	P50  float64 `json:"p50"`
+	P99  float64 `json:"p99"`
+	Mean float64 `json:"mean"`
+	Max  float64 `json:"max"`
+}
+
+// Graph is the launch count of one graph exec.
+type Graph struct {
+	Exec     string `json:"exec"`
+	Launches uint64 `json:"launches"`
+	Failed   uint64 `json:"failed"`
+}
+
+// Dump is the result of "dump-modules".
+type Dump struct {
+	Dir          string `json:"dir"`
+	Modules      int    `json:"modules"`
+	PTX          int    `json:"ptx"`
+	Cubin        int    `json:"cubin"`
+	FilesWritten int    `json:"files_written"`
+	Errors       int    `json:"errors"`
+	Index        string `json:"index"`
+}

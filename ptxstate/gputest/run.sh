@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# run.sh — ptxstate GPU suite: twins equal their originals bit for bit (straight and under random
+# preemption with relaunch), and their speed and preemption latency. Needs nvcc/ptxas (CUDA 13)
+# and an NVIDIA GPU; about 2-3 minutes on an H200.
+#
+# Environment: PTXMIG_BIN (ptxmig binary; default: ptxmig on PATH, then ../../bin/ptxmig),
+# PTXMIG_OUT (results directory, default ./results), PTXSTATE_CORPUS (directory of the nvcc PTX
+# corpus; default: ./corpus in a gpu bundle, else ../testdata/corpus in the repository).
+# Writes $PTXMIG_OUT/ptxstate-twins.md and ptxstate-instrument.txt; exits non-zero on any
+# mismatch, ptxas failure or setup error.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${PTXMIG_OUT:-$here/results}
+mkdir -p "$out"
+export PATH=/usr/local/cuda/bin:$PATH
+bin=${PTXMIG_BIN:-$(command -v ptxmig || echo "$here/../../bin/ptxmig")}
+[ -x "$bin" ] || { echo "run.sh: ptxmig binary not found (set PTXMIG_BIN)" >&2; exit 2; }
+corpus=${PTXSTATE_CORPUS:-}
+if [ -z "$corpus" ]; then
+  for d in "$here/corpus" "$here/../testdata/corpus"; do [ -f "$d/vecadd.ptx" ] && corpus=$d && break; done
+fi
+[ -n "$corpus" ] && [ -f "$corpus/vecadd.ptx" ] || { echo "run.sh: nvcc PTX corpus not found (set PTXSTATE_CORPUS)" >&2; exit 2; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# Instrument the corpus and assemble every module with the real ptxas for sm_80 and sm_90.
+: >"$out/ptxstate-instrument.txt"
+for f in "$corpus"/*.ptx; do
+  name=$(basename "$f")
+  "$bin" ptx instrument --report -o "$work/$name" "$f" >>"$out/ptxstate-instrument.txt"
+  for arch in sm_80 sm_90; do
+    if [[ "$name" == *.sm_80.ptx || "$arch" == sm_90 ]] || grep -q '^\.target sm_80' "$f"; then
+      ptxas -arch=$arch -c -o /dev/null "$work/$name" || { echo "run.sh: ptxas $arch failed on instrumented $name" >&2; exit 1; }
+    fi
+  done
+done
+echo "instrumented and assembled $(ls "$work"/*.ptx | wc -l) modules"
+
+nvcc -O2 -std=c++17 -o "$work/twin_harness" "$here/twin_harness.cu" -lcuda
+set +e
+"$work/twin_harness" "$here/kernels.spec" "$work" "$out/ptxstate-twins.md" --runs "${PTXSTATE_RUNS:-15}" --preempt-runs "${PTXSTATE_PREEMPT_RUNS:-3}"
+status=$?
+cat "$out/ptxstate-twins.md"
+exit $status

@@ -1,0 +1,367 @@
+// twin_harness: checks and times ptxmig preemptible twins against their original kernels.
+//
+//   twin_harness SPEC PTXDIR OUT.md [--runs N] [--preempt-runs R] [--seed S] [--only KERNEL]
+//
+// For every line of SPEC (see kernels.spec) it loads PTXDIR/FILE (an instrumented module holding
+// both KERNEL and KERNEL__ptxmig) and, on the same random inputs with poisoned outputs:
+//   1. runs the original with the spec's grid;
+//   2. runs the twin straight through (flag never set) on min(blocks, occupancy x SMs) CTAs and
+//      compares every output buffer bit for bit;
+//   3. R times: runs the twin while the host sets the preempt flag at random moments from a
+//      non-blocking side stream, relaunching with the same control block until every block is
+//      done (several preemptions per run), and compares bit for bit again;
+//   4. times original vs twin (CUDA events, median of N) and the preemption latency (side-stream
+//      event after the flag write -> kernel-stream event after the twin ends).
+// Writes a markdown table to OUT.md; exits 1 on any mismatch, 2 on setup errors.
+// Driver API only; the control block layout mirrors shim/include/ptxmig_ctrl.h.
+#include <cuda.h>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#define CK(call)                                                                  \
+  do {                                                                            \
+    CUresult r_ = (call);                                                         \
+    if (r_ != CUDA_SUCCESS) {                                                     \
+      const char *s_ = "?";                                                       \
+      cuGetErrorString(r_, &s_);                                                  \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, s_);          \
+      exit(2);                                                                    \
+    }                                                                             \
+  } while (0)
+
+struct Ctl {  // == struct ptxmig_ctl
+  uint64_t next_block, total_blocks, blocks_done;
+  uint32_t grid_x, grid_y, grid_z, preempt, status, magic, version, reserved[3];
+};
+static_assert(sizeof(Ctl) == 64, "control block size");
+static const size_t kOffPreempt = 36;
+
+struct Param {
+  std::string kind;  // in inout out zero scalar
+  std::string type;
+  size_t count = 0;  // elements (buffers)
+  std::string value; // scalars
+  CUdeviceptr dev = 0;
+  std::vector<unsigned char> init;  // host initial contents (buffers)
+  unsigned char scalar[8] = {0};
+};
+
+struct Case {
+  std::string file, kernel;
+  unsigned grid[3], block[3], smem;
+  std::vector<Param> params;
+};
+
+static size_t typeSize(const std::string &t) {
+  if (t == "f32" || t == "i32" || t == "u32") return 4;
+  if (t == "f64" || t == "i64") return 8;
+  if (t == "u8") return 1;
+  fprintf(stderr, "unknown type %s\n", t.c_str());
+  exit(2);
+}
+
+static void parseDims(const std::string &s, unsigned d[3]) {
+  if (sscanf(s.c_str(), "%u,%u,%u", &d[0], &d[1], &d[2]) != 3) {
+    fprintf(stderr, "bad dims %s\n", s.c_str());
+    exit(2);
+  }
+}
+
+static std::vector<Case> readSpec(const char *path) {
+  std::ifstream in(path);
+  if (!in) { perror(path); exit(2); }
+  std::vector<Case> cases;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream ss(line);
+    Case c;
+    std::string g, b;
+    if (!(ss >> c.file >> c.kernel >> g >> b >> c.smem)) { fprintf(stderr, "bad spec line: %s\n", line.c_str()); exit(2); }
+    parseDims(g, c.grid);
+    parseDims(b, c.block);
+    std::string p;
+    while (ss >> p) {
+      Param q;
+      size_t a = p.find(':'), z = p.rfind(':');
+      if (a == std::string::npos) { fprintf(stderr, "bad param %s\n", p.c_str()); exit(2); }
+      if (a != z) {
+        q.kind = p.substr(0, a);
+        q.type = p.substr(a + 1, z - a - 1);
+        q.count = strtoull(p.c_str() + z + 1, nullptr, 10);
+      } else {
+        q.kind = "scalar";
+        q.type = p.substr(0, a);
+        q.value = p.substr(a + 1);
+      }
+      c.params.push_back(q);
+    }
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+static void fillRandom(Param &q, std::mt19937_64 &rng) {
+  size_t es = typeSize(q.type);
+  q.init.assign(q.count * es, 0);
+  if (q.kind == "out") { std::fill(q.init.begin(), q.init.end(), 0xA5); return; }  // poison
+  if (q.kind == "zero") return;
+  for (size_t i = 0; i < q.count; i++) {
+    unsigned char *d = q.init.data() + i * es;
+    if (q.type == "f32") { float v = (float)((int64_t)(rng() % 2000001) - 1000000) / 1e6f; memcpy(d, &v, 4); }
+    else if (q.type == "f64") { double v = (double)((int64_t)(rng() % 2000001) - 1000000) / 1e6; memcpy(d, &v, 8); }
+    else if (q.type == "i32") { int32_t v = (int32_t)(rng() % 2001) - 1000; if (rng() % 8 == 0) v = 0; memcpy(d, &v, 4); }
+    else if (q.type == "u32") { uint32_t v = (uint32_t)rng(); memcpy(d, &v, 4); }
+    else if (q.type == "i64") { int64_t v = (int64_t)(rng() % 2001) - 1000; memcpy(d, &v, 8); }
+    else if (q.type == "u8") { d[0] = (unsigned char)rng(); }
+  }
+}
+
+static void setScalar(Param &q) {
+  if (q.type == "f32") { float v = strtof(q.value.c_str(), nullptr); memcpy(q.scalar, &v, 4); }
+  else if (q.type == "f64") { double v = strtod(q.value.c_str(), nullptr); memcpy(q.scalar, &v, 8); }
+  else if (q.type == "i32" || q.type == "u32") { int32_t v = (int32_t)strtoll(q.value.c_str(), nullptr, 0); memcpy(q.scalar, &v, 4); }
+  else if (q.type == "i64") { int64_t v = strtoll(q.value.c_str(), nullptr, 0); memcpy(q.scalar, &v, 8); }
+  else { fprintf(stderr, "bad scalar type %s\n", q.type.c_str()); exit(2); }
+}
+
+static void resetBuffers(Case &c, CUstream s) {
+  for (auto &q : c.params)
+    if (q.kind != "scalar") CK(cuMemcpyHtoDAsync(q.dev, q.init.data(), q.init.size(), s));
+}
+
+static bool compareOutputs(Case &c, std::vector<std::vector<unsigned char>> &ref, std::string &why) {
+  size_t k = 0;
+  for (auto &q : c.params) {
+    if (q.kind == "scalar" || q.kind == "in") continue;
+    std::vector<unsigned char> got(q.init.size());
+    CK(cuMemcpyDtoH(got.data(), q.dev, got.size()));
+    if (ref.size() <= k) { ref.push_back(got); k++; continue; }
+    if (memcmp(got.data(), ref[k].data(), got.size()) != 0) {
+      size_t i = 0;
+      while (got[i] == ref[k][i]) i++;
+      char buf[160];
+      snprintf(buf, sizeof buf, "buffer %zu differs first at byte %zu (got %02x want %02x)", k, i, got[i], ref[k][i]);
+      why = buf;
+      return false;
+    }
+    k++;
+  }
+  return true;
+}
+
+static double median(std::vector<double> v) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+static double pct(std::vector<double> v, double p) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  size_t i = (size_t)std::ceil(p * v.size()) - 1;
+  return v[std::min(i, v.size() - 1)];
+}
+
+int main(int argc, char **argv) {
+  if (argc < 4) {
+    fprintf(stderr, "usage: twin_harness SPEC PTXDIR OUT.md [--runs N] [--preempt-runs R] [--seed S] [--only KERNEL]\n");
+    return 2;
+  }
+  int runs = 20, preemptRuns = 3;
+  uint64_t seed = 20240601;
+  std::string only;
+  for (int i = 4; i + 1 < argc; i += 2) {
+    if (!strcmp(argv[i], "--runs")) runs = atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--preempt-runs")) preemptRuns = atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--seed")) seed = strtoull(argv[i + 1], nullptr, 0);
+    else if (!strcmp(argv[i], "--only")) only = argv[i + 1];
+    else { fprintf(stderr, "unknown flag %s\n", argv[i]); return 2; }
+  }
+  std::vector<Case> cases = readSpec(argv[1]);
+  CUdevice dev;
+  CUcontext ctx;
+  CK(cuInit(0));
+  CK(cuDeviceGet(&dev, 0));
+  CK(cuDevicePrimaryCtxRetain(&ctx, dev));
+  CK(cuCtxSetCurrent(ctx));
+  int sms = 0;
+  CK(cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
+  char devName[128];
+  CK(cuDeviceGetName(devName, sizeof devName, dev));
+  CUstream s, side;
+  CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CK(cuStreamCreate(&side, CU_STREAM_NON_BLOCKING));
+  CUdeviceptr dctl;
+  CK(cuMemAlloc(&dctl, sizeof(Ctl)));
+  CUevent e0, e1, eflag;
+  CK(cuEventCreate(&e0, CU_EVENT_DEFAULT));
+  CK(cuEventCreate(&e1, CU_EVENT_DEFAULT));
+  CK(cuEventCreate(&eflag, CU_EVENT_DEFAULT));
+  std::mt19937_64 rng(seed);
+
+  FILE *out = fopen(argv[3], "w");
+  if (!out) { perror(argv[3]); return 2; }
+  fprintf(out, "Device: %s (%d SMs). Seed %llu, median of %d timed runs, %d preempted runs per kernel.\n\n",
+          devName, sms, (unsigned long long)seed, runs, preemptRuns);
+  fprintf(out, "| kernel | blocks | twin CTAs | straight | preempted (preemptions) | original ms | twin ms | slowdown | block-wave us | preempt latency p50/p99 us |\n");
+  fprintf(out, "|---|---|---|---|---|---|---|---|---|---|\n");
+  int failures = 0;
+  std::vector<double> ratios;
+
+  for (auto &c : cases) {
+    if (!only.empty() && c.kernel != only) continue;
+    std::string path = std::string(argv[2]) + "/" + c.file;
+    std::ifstream f(path, std::ios::binary);
+    if (!f) { fprintf(stderr, "%s: cannot read\n", path.c_str()); return 2; }
+    std::string ptx((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    CUmodule mod;
+    CUfunction orig, twin;
+    char log[8192] = {0};
+    CUjit_option opts[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+    void *vals[] = {log, (void *)(uintptr_t)sizeof log};
+    if (cuModuleLoadDataEx(&mod, ptx.c_str(), 2, opts, vals) != CUDA_SUCCESS) {
+      fprintf(stderr, "%s: JIT failed: %s\n", path.c_str(), log);
+      return 2;
+    }
+    CK(cuModuleGetFunction(&orig, mod, c.kernel.c_str()));
+    if (cuModuleGetFunction(&twin, mod, (c.kernel + "__ptxmig").c_str()) != CUDA_SUCCESS) {
+      fprintf(stderr, "%s: no twin %s__ptxmig (was the module instrumented?)\n", path.c_str(), c.kernel.c_str());
+      fprintf(out, "| %s | - | - | NO TWIN | - | - | - | - | - | - |\n", c.kernel.c_str());
+      failures++;
+      continue;
+    }
+    if (c.smem > 48 * 1024) {
+      CK(cuFuncSetAttribute(orig, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, c.smem));
+      CK(cuFuncSetAttribute(twin, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, c.smem));
+    }
+    // Buffers and arguments.
+    std::vector<void *> args, targs;
+    for (auto &q : c.params) {
+      if (q.kind == "scalar") { setScalar(q); continue; }
+      fillRandom(q, rng);
+      CK(cuMemAlloc(&q.dev, q.init.size()));
+    }
+    for (auto &q : c.params) args.push_back(q.kind == "scalar" ? (void *)q.scalar : (void *)&q.dev);
+    targs = args;
+    targs.push_back(&dctl);
+    uint64_t total = (uint64_t)c.grid[0] * c.grid[1] * c.grid[2];
+    unsigned threads = c.block[0] * c.block[1] * c.block[2];
+    int perSM = 0;
+    CK(cuOccupancyMaxActiveBlocksPerMultiprocessor(&perSM, twin, threads, c.smem));
+    unsigned workers = (unsigned)std::min<uint64_t>(total, (uint64_t)std::max(perSM, 1) * sms);
+    Ctl h0 = {};
+    h0.total_blocks = total;
+    h0.grid_x = c.grid[0]; h0.grid_y = c.grid[1]; h0.grid_z = c.grid[2];
+    h0.magic = 0x4d585450u; h0.version = 1;
+    auto launchOrig = [&]() {
+      CK(cuLaunchKernel(orig, c.grid[0], c.grid[1], c.grid[2], c.block[0], c.block[1], c.block[2], c.smem, s, args.data(), nullptr));
+    };
+    auto resetCtl = [&]() { CK(cuMemcpyHtoDAsync(dctl, &h0, sizeof h0, s)); };
+    auto launchTwin = [&]() {
+      CK(cuLaunchKernel(twin, workers, 1, 1, c.block[0], c.block[1], c.block[2], c.smem, s, targs.data(), nullptr));
+    };
+    auto readCtl = [&]() { Ctl h; CK(cuStreamSynchronize(s)); CK(cuMemcpyDtoH(&h, dctl, sizeof h)); return h; };
+
+    // 1. reference
+    std::vector<std::vector<unsigned char>> ref;
+    std::string why;
+    resetBuffers(c, s);
+    launchOrig();
+    CK(cuStreamSynchronize(s));
+    compareOutputs(c, ref, why);
+    // 2. straight
+    resetBuffers(c, s);
+    resetCtl();
+    launchTwin();
+    Ctl h = readCtl();
+    bool straight = h.blocks_done == total && h.next_block >= total && compareOutputs(c, ref, why);
+    if (!straight && why.empty()) why = "control block: blocks_done " + std::to_string(h.blocks_done) + " of " + std::to_string(total);
+    // 4a. timing (needed first for the preemption window)
+    std::vector<double> to, tt;
+    for (int r = 0; r < runs; r++) {
+      float ms;
+      CK(cuEventRecord(e0, s)); launchOrig(); CK(cuEventRecord(e1, s));
+      CK(cuEventSynchronize(e1)); CK(cuEventElapsedTime(&ms, e0, e1)); to.push_back(ms);
+      resetCtl();
+      CK(cuEventRecord(e0, s)); launchTwin(); CK(cuEventRecord(e1, s));
+      CK(cuEventSynchronize(e1)); CK(cuEventElapsedTime(&ms, e0, e1)); tt.push_back(ms);
+    }
+    double mo = median(to), mt = median(tt);
+    double waves = std::ceil((double)total / workers);
+    double waveUs = mo * 1000.0 / waves;
+    // 3. preempted runs
+    bool preemptOK = true;
+    int preemptions = 0;
+    std::vector<double> lat;
+    std::uniform_real_distribution<double> frac(0.02, 0.9);
+    for (int r = 0; r < preemptRuns && preemptOK; r++) {
+      resetBuffers(c, s);
+      resetCtl();
+      CK(cuStreamSynchronize(s));
+      int launches = 0;
+      for (;;) {
+        launchTwin();
+        launches++;
+        // Remaining work shrinks with each launch; aim the flag inside what is left.
+        Ctl cur;
+        CK(cuMemcpyDtoH(&cur, dctl, sizeof cur));  // racy snapshot is fine: only steers the delay
+        double left = mt * 1000.0 * (1.0 - std::min(1.0, (double)cur.blocks_done / total));
+        bool setFlag = launches <= 6;
+        if (setFlag) {
+          auto d = std::chrono::microseconds((long)(frac(rng) * std::max(left, 20.0)));
+          std::this_thread::sleep_for(d);
+          CK(cuMemsetD32Async(dctl + kOffPreempt, 1, 1, side));
+          CK(cuEventRecord(eflag, side));
+        }
+        CK(cuEventRecord(e1, s));
+        CK(cuStreamSynchronize(side));
+        Ctl after = readCtl();
+        if (setFlag && after.blocks_done < total) {
+          float ms;
+          if (cuEventElapsedTime(&ms, eflag, e1) == CUDA_SUCCESS && ms >= 0) lat.push_back(ms * 1000.0);
+          preemptions++;
+        }
+        if (after.next_block >= total) {
+          if (after.blocks_done != total) { preemptOK = false; why = "blocks_done != total after the final launch"; }
+          break;
+        }
+        CK(cuMemsetD32Async(dctl + kOffPreempt, 0, 1, s));
+        if (launches > 100000) { preemptOK = false; why = "no progress"; break; }
+      }
+      if (preemptOK && !compareOutputs(c, ref, why)) preemptOK = false;
+    }
+    double slow = mt / mo;
+    ratios.push_back(slow);
+    fprintf(out, "| %s | %llu | %u | %s | %s (%d) | %.3f | %.3f | %.3f | %.1f | %.1f / %.1f |\n", c.kernel.c_str(),
+            (unsigned long long)total, workers, straight ? "ok" : "MISMATCH", preemptOK ? "ok" : "MISMATCH", preemptions,
+            mo, mt, slow, waveUs, pct(lat, 0.5), pct(lat, 0.99));
+    fflush(out);
+    printf("%-40s straight=%s preempted=%s (%d preemptions) orig=%.3fms twin=%.3fms x%.3f lat p99=%.1fus %s\n", c.kernel.c_str(),
+           straight ? "ok" : "MISMATCH", preemptOK ? "ok" : "MISMATCH", preemptions, mo, mt, slow, pct(lat, 0.99), why.c_str());
+    if (!straight || !preemptOK) failures++;
+    if (preemptOK && preemptRuns > 0 && preemptions == 0) {
+      printf("%-40s warning: no launch was actually preempted\n", c.kernel.c_str());
+    }
+    for (auto &q : c.params)
+      if (q.dev) CK(cuMemFree(q.dev));
+    CK(cuModuleUnload(mod));
+  }
+  double g = 0;
+  for (double r : ratios) g += std::log(r);
+  if (!ratios.empty()) g = std::exp(g / ratios.size());
+  fprintf(out, "\nGeometric-mean slowdown (twin/original, flag never set): %.3f over %zu kernels. Failures: %d.\n", g, ratios.size(), failures);
+  printf("geomean slowdown %.3f over %zu kernels; failures %d\n", g, ratios.size(), failures);
+  fclose(out);
+  return failures ? 1 : 0;
+}

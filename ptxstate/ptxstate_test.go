@@ -1,0 +1,417 @@
+package ptxstate
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"flag"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+var update = flag.Bool("update", false, "rewrite golden files under testdata/golden")
+
+// corpus returns every PTX file of the test corpus: nvcc output and hand-written edge cases.
+func corpus(t testing.TB) []string {
+	t.Helper()
+	var files []string
+	for _, pat := range []string{"testdata/corpus/*.ptx", "testdata/edge/*.ptx"} {
+		m, err := filepath.Glob(pat)
+		if err != nil {
+			t.Fatal(err)
+		}
+		files = append(files, m...)
+	}
+	if len(files) == 0 {
+		t.Fatal("no PTX corpus under testdata/")
+	}
+	return files
+}
+
+func mustParse(t testing.TB, path string) (*Module, []byte) {
+	t.Helper()
+	src, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := Parse(src)
+	if err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	return m, src
+}
+
+func TestRoundTrip(t *testing.T) {
+	for _, path := range corpus(t) {
+		t.Run(filepath.Base(path), func(t *testing.T) {
+			m, src := mustParse(t, path)
+			if got := m.Bytes(); !bytes.Equal(got, src) {
+				t.Fatalf("print(parse(x)) != x (%d vs %d bytes)", len(got), len(src))
+			}
+			// The instrumented module must itself parse and print back unchanged.
+			out, _, err := Instrument(m)
+			if err != nil {
+				t.Fatal(err)
+			}
+			text := out.Bytes()
+			m2, err := Parse(text)
+			if err != nil {
+				t.Fatalf("instrumented module does not parse: %v", err)
+			}
+			if !bytes.Equal(m2.Bytes(), text) {
+				t.Fatal("instrumented module does not round-trip")
+			}
+			// Instrumenting never changes the original items.
+			if !bytes.HasPrefix(text, src[:len(src)-len(m.Trailer)][:firstFuncEnd(m)]) {
+				t.Fatal("text before the first twin changed")
+			}
+		})
+	}
+}
+
+// firstFuncEnd is the byte length of the module up to the end of its first kernel.
+func firstFuncEnd(m *Module) int {
+	n := 0
+	for _, it := range m.Items {
+		n += len(it.Lead)
+		if it.Func != nil {
+			var b bytes.Buffer
+			it.Func.print(&b)
+			n += b.Len()
+			if it.Func.Entry && !it.Func.Proto {
+				return n
+			}
+		} else {
+			n += len(it.Text)
+		}
+	}
+	return n
+}
+
+func golden(t *testing.T, name string, got []byte) {
+	t.Helper()
+	path := filepath.Join("testdata", "golden", name)
+	if *update {
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(path, got, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	want, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("%v (run: go test ./ptxstate -run Golden -update)", err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Errorf("%s differs from its golden file (rerun with -update if intended)", name)
+	}
+}
+
+func TestGolden(t *testing.T) {
+	for _, path := range corpus(t) {
+		name := strings.TrimSuffix(filepath.Base(path), ".ptx")
+		dir := filepath.Base(filepath.Dir(path))
+		t.Run(dir+"/"+name, func(t *testing.T) {
+			m, _ := mustParse(t, path)
+			r, err := Analyze(m)
+			if err != nil {
+				t.Fatal(err)
+			}
+			js, err := json.MarshalIndent(r, "", "  ")
+			if err != nil {
+				t.Fatal(err)
+			}
+			golden(t, dir+"-"+name+".analyze.json", append(js, '\n'))
+			out, _, err := Instrument(m)
+			if err != nil {
+				t.Fatal(err)
+			}
+			golden(t, dir+"-"+name+".instrumented.ptx", out.Bytes())
+		})
+	}
+}
+
+// TestEligibility pins which corpus kernels get a twin and why the others do not.
+func TestEligibility(t *testing.T) {
+	tests := []struct {
+		file, kernel string
+		refusal      string // "" means eligible
+	}{
+		{"corpus/vecadd.ptx", "vecadd", ""},
+		{"corpus/vecadd.ptx", "saxpy", ""},
+		{"corpus/grids.ptx", "matadd2d", ""},
+		{"corpus/grids.ptx", "transpose2d", ""},
+		{"corpus/grids.ptx", "coords3d", ""},
+		{"corpus/reduce.ptx", "reduce_sum", ""},
+		{"corpus/reduce.ptx", "reduce_max_rows", ""},
+		{"corpus/earlyret.ptx", "clamp_tail", ""},
+		{"corpus/earlyret.ptx", "ret_then_sync", "reached divergently"},
+		{"corpus/dynsmem.ptx", "scan_dyn", ""},
+		{"corpus/warp.ptx", "warp_sum", ""},
+		{"corpus/warp.ptx", "warp_vote", ""},
+		{"corpus/atomics.ptx", "histogram", ""},
+		{"corpus/atomics.ptx", "max_abs", ""},
+		{"corpus/devfunc.ptx", "apply_poly", ""},
+		{"corpus/devfunc.ptx", "index_via_call", "reads %ctaid.x"},
+		{"corpus/localarr.ptx", "local_sort8", ""},
+		{"corpus/gridstride.ptx", "scale_gridstride", ""},
+		{"corpus/coopgrid.ptx", "two_phase", "grid-wide synchronisation"},
+		{"corpus/mangled.ptx", "_ZN3ops4fillEPiii", ""},
+		{"edge/barriers.ptx", "divergent_ret_then_bar", "reached divergently"},
+		{"edge/barriers.ptx", "uniform_ret_then_bar", ""},
+		{"edge/refuse.ptx", "gridsync", "spin-wait"},
+		{"edge/refuse.ptx", "spin", "spin-wait"},
+		{"edge/refuse.ptx", "workqueue", "already persistent"},
+		{"edge/refuse.ptx", "clustered", "clusters"},
+		{"edge/refuse.ptx", "launcher", "dynamic parallelism"},
+		{"edge/refuse.ptx", "ctaid_in_func", "reads %ctaid.x"},
+		{"edge/syntax.ptx", "edges", ""},
+	}
+	reports := map[string]*Report{}
+	for _, tt := range tests {
+		r, ok := reports[tt.file]
+		if !ok {
+			m, _ := mustParse(t, filepath.Join("testdata", tt.file))
+			var err error
+			if r, err = Analyze(m); err != nil {
+				t.Fatal(err)
+			}
+			reports[tt.file] = r
+		}
+		var k *KernelReport
+		for i := range r.Kernels {
+			if r.Kernels[i].Name == tt.kernel {
+				k = &r.Kernels[i]
+			}
+		}
+		if k == nil {
+			t.Errorf("%s: kernel %s not found", tt.file, tt.kernel)
+			continue
+		}
+		if tt.refusal == "" {
+			if !k.Eligible {
+				t.Errorf("%s: %s refused: %v", tt.file, tt.kernel, k.Refusals)
+			}
+			continue
+		}
+		if k.Eligible || !strings.Contains(strings.Join(k.Refusals, "\n"), tt.refusal) {
+			t.Errorf("%s: %s: want a refusal containing %q, got eligible=%v %v", tt.file, tt.kernel, tt.refusal, k.Eligible, k.Refusals)
+		}
+	}
+}
+
+func TestLivenessAtBarriers(t *testing.T) {
+	m, _ := mustParse(t, "testdata/edge/vecadd_like.ptx")
+	r, err := Analyze(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var red *KernelReport
+	for i := range r.Kernels {
+		if r.Kernels[i].Name == "reduce_sum" {
+			red = &r.Kernels[i]
+		}
+	}
+	if red == nil || len(red.Barriers) != 2 {
+		t.Fatalf("reduce_sum: want 2 barrier sites, got %+v", red)
+	}
+	// After the first barrier: tid (%r1), the shared slot (%r3), the loop counter init is not
+	// yet live, %r6 (ctaid) and %rd3 (out) are; %f7 (already stored) and %r5 (n) are dead.
+	want := []string{"%r1", "%r3", "%r6", "%rd3"}
+	if got := red.Barriers[0].Live; strings.Join(got, " ") != strings.Join(want, " ") {
+		t.Errorf("live after first barrier = %v, want %v", got, want)
+	}
+	want = []string{"%r1", "%r15", "%r3", "%r6", "%rd3"}
+	if got := red.Barriers[1].Live; strings.Join(got, " ") != strings.Join(want, " ") {
+		t.Errorf("live after loop barrier = %v, want %v", got, want)
+	}
+	if red.SharedStaticBytes != 1024 || red.SaveBytesPerCTA == nil {
+		t.Errorf("shared = %d, save/CTA = %v", red.SharedStaticBytes, red.SaveBytesPerCTA)
+	}
+}
+
+func TestMalformed(t *testing.T) {
+	tests := []struct {
+		name, src string
+		line, col int
+	}{
+		{"unterminated comment", ".version 8.4\n/* never closed", 2, 1},
+		{"missing semicolon", ".version 8.4\n.visible .entry k()\n{\n\tmov.u32 %r1, 1\n}\n", 4, 2},
+		{"missing brace", ".version 8.4\n.visible .entry k()\n{\n\tret;\n", 3, 1},
+		{"bad module item", ".version 8.4\nmov.u32 %r1, 1;\n", 2, 1},
+		{"bad character", ".version 8.4\n.global .u32 x = 1 # 2;\n", 2, 20},
+		{"unterminated string", ".version 8.4\n.pragma \"abc\n;", 2, 9},
+		{"label to nowhere", ".version 8.4\n.target sm_80\n.address_size 64\n.visible .entry k()\n{\n\tbra $L_x;\n}\n", 0, 0},
+		{"unbalanced", ".version 8.4\n.visible .entry k()\n{\n\tld.u32 %r1, [%rd1]];\n}\n", 4, 20},
+		{"number", ".version 8.4\n.global .u32 x = 12abc;\n", 2, 18},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			m, err := Parse([]byte(tt.src))
+			if err == nil {
+				_, err = Analyze(m)
+			}
+			if err == nil {
+				t.Fatal("no error")
+			}
+			var se *SyntaxError
+			if tt.line == 0 {
+				if !strings.Contains(err.Error(), "line") {
+					t.Fatalf("error without a line: %v", err)
+				}
+				return
+			}
+			if !errors.As(err, &se) || !errors.Is(err, ErrSyntax) {
+				t.Fatalf("want *SyntaxError, got %T %v", err, err)
+			}
+			if se.Line != tt.line || se.Col != tt.col {
+				t.Errorf("at %d:%d, want %d:%d (%v)", se.Line, se.Col, tt.line, tt.col, err)
+			}
+		})
+	}
+}
+
+var versionRe = regexp.MustCompile(`(?m)^\.version\s+(\d+)\.(\d+)`)
+var targetRe = regexp.MustCompile(`(?m)^\.target\s+sm_(\d+)[af]?`)
+
+// lowerFor rewrites .version to at most 8.4 (the ISA the local ptxas 12.4 accepts) and .target to
+// arch when the file names a newer SM. Which files this is valid for is decided by assembling the
+// lowered original first: a file whose original no longer assembles uses a newer feature and is
+// skipped for that arch, with the reason logged.
+func lowerFor(src []byte, arch string) []byte {
+	out := versionRe.ReplaceAllFunc(src, func(v []byte) []byte {
+		m := versionRe.FindSubmatch(v)
+		if string(m[1]) > "8" || string(m[1]) == "8" && len(m[2]) == 1 && m[2][0] > '4' {
+			return []byte(".version 8.4")
+		}
+		return v
+	})
+	return targetRe.ReplaceAll(out, []byte(".target "+arch))
+}
+
+func ptxasPath(t *testing.T) string {
+	if p := os.Getenv("PTXAS"); p != "" {
+		return p
+	}
+	p, err := exec.LookPath("ptxas")
+	if err != nil {
+		t.Skip("ptxas not found (scripts/install-ptxas.sh installs it)")
+	}
+	return p
+}
+
+func assemble(t *testing.T, ptxas, arch string, src []byte) error {
+	dir := t.TempDir()
+	in := filepath.Join(dir, "in.ptx")
+	if err := os.WriteFile(in, src, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(ptxas, "-c", "-arch="+arch, "-o", filepath.Join(dir, "out.cubin"), in)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return errors.New(strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
+// TestAssemble runs the real ptxas on every instrumented module, for sm_80 and sm_90. The nvcc
+// corpus is ISA 9.0 (CUDA 13) and the local ptxas 12.4 accepts at most 8.4: the .version line is
+// lowered, which is valid only for files that use no 8.5+ feature; assembling the lowered
+// original first proves that for each file.
+func TestAssemble(t *testing.T) {
+	ptxas := ptxasPath(t)
+	if testing.Short() {
+		t.Skip("ptxas runs are slow; skipped with -short")
+	}
+	twins := 0
+	for _, path := range corpus(t) {
+		m, src := mustParse(t, path)
+		out, rep, err := Instrument(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, arch := range []string{"sm_80", "sm_90"} {
+			t.Run(filepath.Base(path)+"/"+arch, func(t *testing.T) {
+				if err := assemble(t, ptxas, arch, lowerFor(src, arch)); err != nil {
+					t.Skipf("the original, lowered to ISA 8.4/%s, does not assemble here (newer feature): %v", arch, err)
+				}
+				if err := assemble(t, ptxas, arch, lowerFor(out.Bytes(), arch)); err != nil {
+					t.Fatalf("instrumented module does not assemble: %v", err)
+				}
+				for _, k := range rep.Kernels {
+					if k.Eligible {
+						twins++
+					}
+				}
+			})
+		}
+	}
+	if twins == 0 {
+		t.Fatal("no twin was assembled")
+	}
+}
+
+func FuzzParse(f *testing.F) {
+	for _, path := range corpus(f) {
+		src, err := os.ReadFile(path)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(src)
+	}
+	f.Fuzz(func(t *testing.T, src []byte) {
+		m, err := Parse(src)
+		if err != nil {
+			return
+		}
+		if !bytes.Equal(m.Bytes(), src) {
+			t.Fatal("print(parse(x)) != x")
+		}
+		out, _, err := Instrument(m)
+		if err != nil {
+			return
+		}
+		text := out.Bytes()
+		m2, err := Parse(text)
+		if err != nil {
+			t.Fatalf("instrumented output does not parse: %v", err)
+		}
+		if !bytes.Equal(m2.Bytes(), text) {
+			t.Fatal("instrumented output does not round-trip")
+		}
+	})
+}
+
+func BenchmarkParseInstrument(b *testing.B) {
+	var srcs [][]byte
+	total := 0
+	for _, path := range corpus(b) {
+		src, err := os.ReadFile(path)
+		if err != nil {
+			b.Fatal(err)
+		}
+		srcs = append(srcs, src)
+		total += len(src)
+	}
+	b.SetBytes(int64(total))
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		for _, src := range srcs {
+			m, err := Parse(src)
+			if err != nil {
+				b.Fatal(err)
+			}
+			out, _, err := Instrument(m)
+			if err != nil {
+				b.Fatal(err)
+			}
+			_ = out.Bytes()
+		}
+	}
+}

@@ -1,0 +1,1095 @@
+// Tracking: contexts, module images, functions, allocations and launches, plus the reports the
+// control socket serves. Bookkeeping never fails a CUDA call: on any internal failure (out of
+// memory, table full) the record is skipped and the failure logged once.
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fatbin.h"
+#include "sha256.h"
+#include "shim.h"
+
+const char *const alloc_kind_names[AK_COUNT] = {"device", "pitch", "async", "managed", "host_pinned",
+                                                "vmm_physical", "vmm_mapped"};
+const char *const module_source_names[MS_COUNT] = {
+    "__cudaRegisterFatBinary", "cuModuleLoad",      "cuModuleLoadData",      "cuModuleLoadDataEx",
+    "cuModuleLoadFatBinary",   "cuLibraryLoadData", "cuLibraryLoadFromFile", "cuLinkComplete"};
+
+// ---- pointer-keyed open-addressing map (keys 0 and ~0 reserved) ----
+#define PM_EMPTY 0
+#define PM_TOMB UINT64_MAX
+typedef struct {
+  uint64_t *keys;
+  uint64_t *vals;
+  size_t cap, n, used;  // used counts tombstones too
+} pmap;
+
+static size_t pm_hash(uint64_t k, size_t cap) {
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdull;
+  k ^= k >> 33;
+  return (size_t)k & (cap - 1);
+}
+static int pm_grow(pmap *m) {
+  size_t ncap = m->cap ? m->cap * 2 : 64;
+  if (m->n * 4 < m->cap) ncap = m->cap;  // mostly tombstones: rehash in place size
+  uint64_t *nk = calloc(ncap, sizeof *nk), *nv = calloc(ncap, sizeof *nv);
+  if (!nk || !nv) {
+    free(nk);
+    free(nv);
+    return -1;
+  }
+  for (size_t i = 0; i < m->cap; i++) {
+    uint64_t k = m->keys[i];
+    if (k == PM_EMPTY || k == PM_TOMB) continue;
+    size_t j = pm_hash(k, ncap);
+    while (nk[j] != PM_EMPTY) j = (j + 1) & (ncap - 1);
+    nk[j] = k;
+    nv[j] = m->vals[i];
+  }
+  free(m->keys);
+  free(m->vals);
+  m->keys = nk;
+  m->vals = nv;
+  m->cap = ncap;
+  m->used = m->n;
+  return 0;
+}
+static uint64_t *pm_find(pmap *m, uint64_t k) {
+  if (!m->cap || k == PM_EMPTY || k == PM_TOMB) return NULL;
+  for (size_t i = pm_hash(k, m->cap), probes = 0; probes < m->cap; i = (i + 1) & (m->cap - 1), probes++) {
+    if (m->keys[i] == PM_EMPTY) return NULL;
+    if (m->keys[i] == k) return &m->vals[i];
+  }
+  return NULL;
+}
+static int pm_put(pmap *m, uint64_t k, uint64_t v) {
+  if (k == PM_EMPTY || k == PM_TOMB) return -1;
+  uint64_t *p = pm_find(m, k);
+  if (p) {
+    *p = v;
+    return 0;
+  }
+  if ((m->used + 1) * 4 > m->cap * 3 && pm_grow(m)) return -1;
+  size_t i = pm_hash(k, m->cap);
+  while (m->keys[i] != PM_EMPTY && m->keys[i] != PM_TOMB) i = (i + 1) & (m->cap - 1);
+  if (m->keys[i] == PM_EMPTY) m->used++;
+  m->keys[i] = k;
+  m->vals[i] = v;
+  m->n++;
+  return 0;
+}
+static int pm_del(pmap *m, uint64_t k, uint64_t *old) {
+  uint64_t *p = pm_find(m, k);
+  if (!p) return -1;
+  if (old) *old = *p;
+  m->keys[p - m->vals] = PM_TOMB;
+  m->n--;
+  return 0;
+}
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+static uint64_t start_ns;
+__attribute__((constructor)) static void track_init(void) { start_ns = now_ns(); }
+
+// ---- allocations ----
+static pthread_mutex_t alloc_mu = PTHREAD_MUTEX_INITIALIZER;
+static pmap allocs;   // device-address space: value = size << 4 | kind
+static pmap handles;  // VMM physical allocation handles
+static struct {
+  uint64_t count, bytes, peak_bytes;
+} totals[AK_COUNT];
+
+void trk_alloc_add(uint64_t key, uint64_t size, int kind) {
+  if (kind < 0 || kind >= AK_COUNT || size >= (1ull << 59)) return;
+  pthread_mutex_lock(&alloc_mu);
+  pmap *m = kind == AK_VMM_PHYS ? &handles : &allocs;
+  uint64_t old;
+  if (pm_del(m, key, &old) == 0) {  // a reused address we missed the free of
+    totals[old & 15].count--;
+    totals[old & 15].bytes -= old >> 4;
+  }
+  if (pm_put(m, key, size << 4 | (uint64_t)kind) == 0) {
+    totals[kind].count++;
+    totals[kind].bytes += size;
+    if (totals[kind].bytes > totals[kind].peak_bytes) totals[kind].peak_bytes = totals[kind].bytes;
+  } else {
+    LOG_ONCE("allocation table: out of memory; some allocations are not tracked");
+  }
+  pthread_mutex_unlock(&alloc_mu);
+}
+
+void trk_alloc_remove(uint64_t key, int kind) {
+  pthread_mutex_lock(&alloc_mu);
+  pmap *m = kind == AK_VMM_PHYS ? &handles : &allocs;
+  uint64_t old;
+  if (pm_del(m, key, &old) == 0) {
+    totals[old & 15].count--;
+    totals[old & 15].bytes -= old >> 4;
+  }
+  pthread_mutex_unlock(&alloc_mu);
+}
+
+void trk_vmm_unmap(uint64_t ptr, uint64_t size) {
+  pthread_mutex_lock(&alloc_mu);
+  for (size_t i = 0; i < allocs.cap; i++) {
+    uint64_t k = allocs.keys[i], v = allocs.vals[i];
+    if (k == PM_EMPTY || k == PM_TOMB || (v & 15) != AK_VMM_MAP) continue;
+    if (k >= ptr && k - ptr < size) {
+      allocs.keys[i] = PM_TOMB;
+      allocs.n--;
+      totals[AK_VMM_MAP].count--;
+      totals[AK_VMM_MAP].bytes -= v >> 4;
+    }
+  }
+  pthread_mutex_unlock(&alloc_mu);
+}
+
+// ---- contexts ----
+#define MAX_CTX 256
+static pthread_mutex_t ctx_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+  CUcontext ctx;
+  CUdevice dev;
+  int primary;
+} ctxs[MAX_CTX];
+static int nctx;
+static atomic_int cu_inited;
+
+void trk_cuinit(void) { atomic_store(&cu_inited, 1); }
+
+void trk_ctx_add(CUcontext ctx, CUdevice dev, int primary) {
+  pthread_mutex_lock(&ctx_mu);
+  int i;
+  for (i = 0; i < nctx; i++)
+    if (ctxs[i].ctx == ctx) break;
+  if (i == nctx) {
+    if (nctx < MAX_CTX) {
+      ctxs[nctx].ctx = ctx;
+      ctxs[nctx].dev = dev;
+      ctxs[nctx].primary = primary;
+      nctx++;
+    } else {
+      LOG_ONCE("context table full");
+    }
+  }
+  pthread_mutex_unlock(&ctx_mu);
+}
+
+void trk_ctx_remove(CUcontext ctx) {
+  pthread_mutex_lock(&ctx_mu);
+  for (int i = 0; i < nctx; i++)
+    if (ctxs[i].ctx == ctx) {
+      ctxs[i] = ctxs[--nctx];
+      break;
+    }
+  pthread_mutex_unlock(&ctx_mu);
+}
+
+// ---- modules ----
+enum { IMG_NONE, IMG_FATBIN, IMG_ELF, IMG_PTX };
+static const char *const img_names[] = {"unknown", "fatbin", "elf", "ptx"};
+
+typedef struct {
+  int id, source, loaded, format;
+  void *handle;
+  uint8_t *image;
+  size_t size;
+  char *path;
+  const char *drop_reason;  // why no image was kept (NULL when kept)
+  uint64_t loaded_ns;
+  // Derived lazily by the control thread.
+  int analysed;
+  char sha[65];
+  int nptx, nelf, parse_err;
+  char archs[128];
+} module;
+
+static pthread_mutex_t mod_mu = PTHREAD_MUTEX_INITIALIZER;
+static module **mods;
+static size_t nmods, capmods;
+static pmap modmap;  // module/library handle (and aliases) → index + 1
+static uint64_t captured_bytes;
+static int next_module_id = 1;
+
+static int classify(const void *image, size_t known, const uint8_t **data, size_t *size) {
+  const uint8_t *p = image;
+  uint32_t magic;
+  memcpy(&magic, p, 4);
+  if (magic == FATBIN_WRAPPER_MAGIC) {
+    const ptxmig_fatbin_wrapper *w = image;
+    if (!w->data) return IMG_NONE;
+    *data = w->data;
+    *size = fb_container_size(w->data, SIZE_MAX);
+    return *size ? IMG_FATBIN : IMG_NONE;
+  }
+  *data = p;
+  if (magic == FATBIN_CONTAINER_MAGIC) {
+    *size = fb_container_size(p, known ? known : SIZE_MAX);
+    return *size ? IMG_FATBIN : IMG_NONE;
+  }
+  if (fb_elf_size(p, known ? known : 64) || (p[0] == 0x7f && p[1] == 'E' && p[2] == 'L' && p[3] == 'F')) {
+    *size = known ? known : fb_elf_size(p, SIZE_MAX);
+    return *size ? IMG_ELF : IMG_NONE;
+  }
+  size_t n = strnlen((const char *)p, known ? known : (256u << 20));
+  if (known && n == known) n--;  // no NUL inside the known size: keep it as text
+  *size = n + 1;
+  return IMG_PTX;
+}
+
+static uint8_t *read_file(const char *path, size_t max, size_t *len, const char **why) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    *why = "module file unreadable";
+    return NULL;
+  }
+  struct stat st;
+  if (fstat(fd, &st) || !S_ISREG(st.st_mode) || (uint64_t)st.st_size > max) {
+    close(fd);
+    *why = "module file not a regular file or over the capture budget";
+    return NULL;
+  }
+  uint8_t *b = malloc((size_t)st.st_size + 1);
+  size_t got = 0;
+  while (b && got < (size_t)st.st_size) {
+    ssize_t r = read(fd, b + got, (size_t)st.st_size - got);
+    if (r <= 0) {
+      if (r < 0 && errno == EINTR) continue;
+      break;
+    }
+    got += (size_t)r;
+  }
+  close(fd);
+  if (!b || got != (size_t)st.st_size) {
+    free(b);
+    *why = "module file read failed";
+    return NULL;
+  }
+  b[got] = 0;
+  *len = got;
+  return b;
+}
+
+void trk_module_add(int source, void *handle, const void *image, size_t known, const char *path) {
+  ctl_ensure_started();
+  module *m = calloc(1, sizeof *m);
+  if (!m) {
+    LOG_ONCE("module table: out of memory");
+    return;
+  }
+  m->source = source;
+  m->handle = handle;
+  m->loaded = 1;
+  m->loaded_ns = now_ns();
+  pthread_mutex_lock(&mod_mu);
+  uint64_t budget = cfg.capture_max > captured_bytes ? cfg.capture_max - captured_bytes : 0;
+  pthread_mutex_unlock(&mod_mu);
+  if (path) {
+    m->path = strdup(path);
+    size_t len = 0;
+    uint8_t *b = read_file(path, budget, &len, &m->drop_reason);
+    if (b) {
+      const uint8_t *d;
+      size_t sz;
+      m->format = classify(b, len, &d, &sz);
+      if (m->format == IMG_NONE || d != b || sz > len) {
+        m->format = m->format == IMG_NONE ? IMG_NONE : m->format;
+        m->image = b;  // keep the file as it is
+        m->size = len;
+      } else {
+        m->image = b;
+        m->size = sz;
+      }
+    }
+  } else if (image) {
+    const uint8_t *d = NULL;
+    size_t sz = 0;
+    m->format = classify(image, known, &d, &sz);
+    if (m->format == IMG_NONE) {
+      m->drop_reason = "image format not recognised";
+    } else if (sz > budget) {
+      m->drop_reason = "over the capture budget (PTXMIG_CAPTURE_MAX_MB)";
+    } else if ((m->image = malloc(sz + 1))) {
+      memcpy(m->image, d, sz);
+      m->image[sz] = 0;
+      m->size = sz;
+    } else {
+      m->drop_reason = "out of memory";
+    }
+  }
+  pthread_mutex_lock(&mod_mu);
+  if (nmods == capmods) {
+    size_t nc = capmods ? capmods * 2 : 64;
+    module **nm = realloc(mods, nc * sizeof *nm);
+    if (!nm) {
+      pthread_mutex_unlock(&mod_mu);
+      LOG_ONCE("module table: out of memory");
+      free(m->image);
+      free(m->path);
+      free(m);
+      return;
+    }
+    mods = nm;
+    capmods = nc;
+  }
+  m->id = next_module_id++;
+  mods[nmods] = m;
+  if (handle) pm_put(&modmap, (uint64_t)(uintptr_t)handle, nmods + 1);
+  nmods++;
+  captured_bytes += m->size;
+  pthread_mutex_unlock(&mod_mu);
+}
+
+void trk_module_remove(void *handle) {
+  pthread_mutex_lock(&mod_mu);
+  uint64_t *v = pm_find(&modmap, (uint64_t)(uintptr_t)handle);
+  if (v) {
+    module *m = mods[*v - 1];
+    m->loaded = 0;
+    captured_bytes -= m->size;
+    free(m->image);  // only loaded modules are kept; metadata stays for status
+    m->image = NULL;
+    m->size = 0;
+    m->drop_reason = "unloaded";
+    pm_del(&modmap, (uint64_t)(uintptr_t)handle, NULL);
+  }
+  pthread_mutex_unlock(&mod_mu);
+}
+
+void trk_module_alias(void *alias, void *handle) {
+  pthread_mutex_lock(&mod_mu);
+  uint64_t *v = pm_find(&modmap, (uint64_t)(uintptr_t)handle);
+  if (v) pm_put(&modmap, (uint64_t)(uintptr_t)alias, *v);
+  pthread_mutex_unlock(&mod_mu);
+}
+
+static int module_id_of(void *handle) {
+  int id = 0;
+  pthread_mutex_lock(&mod_mu);
+  uint64_t *v = pm_find(&modmap, (uint64_t)(uintptr_t)handle);
+  if (v) id = mods[*v - 1]->id;
+  pthread_mutex_unlock(&mod_mu);
+  return id;
+}
+
+// ---- kernels and launches ----
+#define NSHAPES 4
+#define RING 256
+typedef struct krec {
+  void *fn;
+  char *_Atomic name;
+  atomic_int module_id;
+  int is_graph;
+  atomic_ulong seen, launches, failed, cooperative;
+  struct {
+    unsigned g[3], b[3];
+    atomic_ulong n;
+  } shapes[NSHAPES];
+  atomic_int nshapes;
+  atomic_ulong other_shapes;
+  // timing, under sample_mu
+  float ring[RING];
+  unsigned nring, ringpos;
+  uint64_t nsampled;
+  double sum_us;
+} krec;
+
+static pthread_mutex_t k_mu = PTHREAD_MUTEX_INITIALIZER;
+static pmap kmap;  // function/kernel/graph-exec handle → krec*
+static krec **krecs;
+static size_t nkrecs, capkrecs;
+static atomic_ulong total_launches;
+static atomic_int capture_open;
+
+static krec *krec_get(void *fn, int is_graph) {
+  static __thread void *last_fn;
+  static __thread krec *last_rec;
+  if (fn == last_fn && last_rec) return last_rec;
+  pthread_mutex_lock(&k_mu);
+  uint64_t *v = pm_find(&kmap, (uint64_t)(uintptr_t)fn);
+  krec *r = v ? (krec *)(uintptr_t)*v : NULL;
+  if (!r && fn) {
+    if (nkrecs == capkrecs) {
+      size_t nc = capkrecs ? capkrecs * 2 : 256;
+      krec **nk = realloc(krecs, nc * sizeof *nk);
+      if (nk) {
+        krecs = nk;
+        capkrecs = nc;
+      }
+    }
+    if (nkrecs < capkrecs && (r = calloc(1, sizeof *r))) {
+      r->fn = fn;
+      r->is_graph = is_graph;
+      if (pm_put(&kmap, (uint64_t)(uintptr_t)fn, (uint64_t)(uintptr_t)r)) {
+        free(r);
+        r = NULL;
+      } else {
+        krecs[nkrecs++] = r;
+      }
+    }
+    if (!r) LOG_ONCE("kernel table: out of memory; some launches are not counted");
+  }
+  pthread_mutex_unlock(&k_mu);
+  if (r) {
+    last_fn = fn;
+    last_rec = r;
+  }
+  return r;
+}
+
+void trk_func_named(void *fn, void *owner, const char *name) {
+  krec *r = krec_get(fn, 0);
+  if (!r) return;
+  int mid = module_id_of(owner);
+  if (mid) atomic_store(&r->module_id, mid);
+  if (name && !atomic_load(&r->name)) {
+    char *n = strdup(name), *expect = NULL;
+    if (n && !atomic_compare_exchange_strong(&r->name, &expect, n)) free(n);
+  }
+}
+
+void trk_func_copy(void *fn, void *from) {
+  krec *src = krec_get(from, 0), *r = krec_get(fn, 0);
+  if (!src || !r) return;
+  if (atomic_load(&src->module_id)) atomic_store(&r->module_id, atomic_load(&src->module_id));
+  char *sn = atomic_load(&src->name);
+  if (sn && !atomic_load(&r->name)) {
+    char *n = strdup(sn), *expect = NULL;
+    if (n && !atomic_compare_exchange_strong(&r->name, &expect, n)) free(n);
+  }
+}
+
+void trk_capture(int delta) {
+  if (delta > 0) atomic_fetch_add(&capture_open, 1);
+  else if (atomic_fetch_sub(&capture_open, 1) <= 0) atomic_store(&capture_open, 0);
+}
+
+// ---- sampled GPU time ----
+typedef struct sample {
+  krec *rec;
+  CUevent start, end;
+  CUcontext ctx;
+  CUstream stream;
+} sample;
+#define MAX_PENDING 256
+static pthread_mutex_t sample_mu = PTHREAD_MUTEX_INITIALIZER;
+static sample pending[MAX_PENDING];
+static int npending;
+static struct {
+  pthread_once_t once;
+  CUresult (*event_create)(CUevent *, unsigned);
+  CUresult (*event_record)(CUevent, CUstream);
+  CUresult (*event_query)(CUevent);
+  CUresult (*event_elapsed)(float *, CUevent, CUevent);
+  CUresult (*event_destroy)(CUevent);
+  CUresult (*ctx_get)(CUcontext *);
+  CUresult (*ctx_push)(CUcontext);
+  CUresult (*ctx_pop)(CUcontext *);
+} ev = {PTHREAD_ONCE_INIT, 0, 0, 0, 0, 0, 0, 0, 0};
+
+static void ev_load(void) {
+  ev.event_create = (CUresult(*)(CUevent *, unsigned))drv_sym("cuEventCreate");
+  ev.event_record = (CUresult(*)(CUevent, CUstream))drv_sym("cuEventRecord");
+  ev.event_query = (CUresult(*)(CUevent))drv_sym("cuEventQuery");
+  ev.event_elapsed = (CUresult(*)(float *, CUevent, CUevent))drv_sym("cuEventElapsedTime_v2");
+  if (!ev.event_elapsed) ev.event_elapsed = (CUresult(*)(float *, CUevent, CUevent))drv_sym("cuEventElapsedTime");
+  ev.event_destroy = (CUresult(*)(CUevent))drv_sym("cuEventDestroy_v2");
+  ev.ctx_get = (CUresult(*)(CUcontext *))drv_sym("cuCtxGetCurrent");
+  ev.ctx_push = (CUresult(*)(CUcontext))drv_sym("cuCtxPushCurrent_v2");
+  ev.ctx_pop = (CUresult(*)(CUcontext *))drv_sym("cuCtxPopCurrent_v2");
+  if (!ev.event_create || !ev.event_record || !ev.event_query || !ev.event_elapsed || !ev.event_destroy ||
+      !ev.ctx_get) {
+    ev.event_create = NULL;
+    LOG_ONCE("event API not found in the driver: launch times are not sampled");
+  }
+}
+
+static void sample_free(sample *s) {
+  if (s->start) ev.event_destroy(s->start);
+  if (s->end) ev.event_destroy(s->end);
+  s->start = s->end = NULL;
+}
+
+static void ring_add(krec *r, float us) {
+  r->ring[r->ringpos] = us;
+  r->ringpos = (r->ringpos + 1) % RING;
+  if (r->nring < RING) r->nring++;
+  r->nsampled++;
+  r->sum_us += us;
+}
+
+// samples_harvest collects finished samples without ever waiting: cuEventQuery only.
+void samples_harvest(int max, int from_ctl) {
+  if (!ev.event_create) return;
+  pthread_mutex_lock(&sample_mu);
+  int w = 0, seen = 0;
+  for (int i = 0; i < npending; i++) {
+    sample *s = &pending[i];
+    if (seen >= max) {
+      pending[w++] = *s;
+      continue;
+    }
+    seen++;
+    int pushed = 0;
+    if (from_ctl && ev.ctx_push && ev.ctx_pop && s->ctx) pushed = ev.ctx_push(s->ctx) == CUDA_SUCCESS;
+    CUresult q = ev.event_query(s->end);
+    if (q == CUDA_ERROR_NOT_READY) {
+      pending[w++] = *s;
+    } else {
+      float ms = 0;
+      if (q == CUDA_SUCCESS && ev.event_elapsed(&ms, s->start, s->end) == CUDA_SUCCESS && ms >= 0)
+        ring_add(s->rec, ms * 1000.0f);
+      sample_free(s);
+    }
+    if (pushed) {
+      CUcontext c;
+      ev.ctx_pop(&c);
+    }
+  }
+  npending = w;
+  pthread_mutex_unlock(&sample_mu);
+}
+
+void samples_drop_ctx(CUcontext ctx) {
+  if (!ev.event_create) return;
+  pthread_mutex_lock(&sample_mu);
+  int w = 0;
+  for (int i = 0; i < npending; i++) {
+    if (pending[i].ctx == ctx) sample_free(&pending[i]);
+    else pending[w++] = pending[i];
+  }
+  npending = w;
+  pthread_mutex_unlock(&sample_mu);
+}
+
+static __thread sample tls_sample;  // the sample in flight on this thread between pre and post
+
+void launch_pre(launch_tok *t, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                unsigned bz, CUstream s, int ptsz, int kind) {
+  t->smp = NULL;
+  t->rec = krec_get(f, 0);
+  krec *r = t->rec;
+  if (!r) return;
+  unsigned long seq = atomic_fetch_add(&r->seen, 1);
+  if (kind == LK_COOPERATIVE) atomic_fetch_add(&r->cooperative, 1);
+  t->dims[0] = gx, t->dims[1] = gy, t->dims[2] = gz, t->dims[3] = bx, t->dims[4] = by, t->dims[5] = bz;
+  // Sampling decision: the first N launches of each kernel, then 1 in M; never while a stream
+  // capture is open anywhere in the process.
+  int want = seq < cfg.sample_first || (cfg.sample_every && (seq - cfg.sample_first) % cfg.sample_every == 0);
+  if (!want || atomic_load(&capture_open) > 0) return;
+  pthread_once(&ev.once, ev_load);
+  if (!ev.event_create) return;
+  samples_harvest(8, 0);
+  pthread_mutex_lock(&sample_mu);
+  int full = npending >= MAX_PENDING;
+  pthread_mutex_unlock(&sample_mu);
+  if (full) return;
+  sample *sm = &tls_sample;
+  memset(sm, 0, sizeof *sm);
+  if (ev.ctx_get(&sm->ctx) != CUDA_SUCCESS || !sm->ctx) return;
+  sm->stream = (!s && ptsz) ? CU_STREAM_PER_THREAD : s;
+  if (ev.event_create(&sm->start, 0) != CUDA_SUCCESS) return;
+  if (ev.event_create(&sm->end, 0) != CUDA_SUCCESS || ev.event_record(sm->start, sm->stream) != CUDA_SUCCESS) {
+    sample_free(sm);
+    return;
+  }
+  sm->rec = r;
+  t->smp = sm;
+}
+
+// count_shape records the launch shape: a few distinct shapes per kernel, the rest counted together.
+static void count_shape(krec *r, const unsigned d[6]) {
+  unsigned gx = d[0], gy = d[1], gz = d[2], bx = d[3], by = d[4], bz = d[5];
+  int ns = atomic_load(&r->nshapes), i;
+#define SAME_SHAPE(k)                                                                          \
+  (r->shapes[k].g[0] == gx && r->shapes[k].g[1] == gy && r->shapes[k].g[2] == gz &&            \
+   r->shapes[k].b[0] == bx && r->shapes[k].b[1] == by && r->shapes[k].b[2] == bz)
+  for (i = 0; i < ns; i++)
+    if (SAME_SHAPE(i)) break;
+  if (i == ns && ns < NSHAPES) {
+    pthread_mutex_lock(&k_mu);
+    ns = atomic_load(&r->nshapes);
+    for (i = 0; i < ns; i++)
+      if (SAME_SHAPE(i)) break;
+    if (i == ns && ns < NSHAPES) {
+      r->shapes[ns].g[0] = gx, r->shapes[ns].g[1] = gy, r->shapes[ns].g[2] = gz;
+      r->shapes[ns].b[0] = bx, r->shapes[ns].b[1] = by, r->shapes[ns].b[2] = bz;
+      atomic_store(&r->nshapes, ns + 1);
+      ns++;
+    }
+    pthread_mutex_unlock(&k_mu);
+  }
+#undef SAME_SHAPE
+  if (i < ns) atomic_fetch_add(&r->shapes[i].n, 1);
+  else atomic_fetch_add(&r->other_shapes, 1);
+
+}
+
+void launch_post(launch_tok *t, CUresult r) {
+  krec *k = t->rec;
+  sample *sm = t->smp;
+  if (!k) return;
+  if (r == CUDA_SUCCESS) {
+    atomic_fetch_add(&k->launches, 1);
+    atomic_fetch_add(&total_launches, 1);
+    count_shape(k, t->dims);
+  } else {
+    atomic_fetch_add(&k->failed, 1);
+  }
+  if (!sm) return;
+  if (r != CUDA_SUCCESS || ev.event_record(sm->end, sm->stream) != CUDA_SUCCESS) {
+    sample_free(sm);
+    return;
+  }
+  pthread_mutex_lock(&sample_mu);
+  if (npending < MAX_PENDING) {
+    pending[npending++] = *sm;
+    sm->start = sm->end = NULL;
+  }
+  pthread_mutex_unlock(&sample_mu);
+  if (sm->start) sample_free(sm);
+}
+
+void trk_graph_launch(CUgraphExec g, CUresult r) {
+  krec *k = krec_get(g, 1);
+  if (!k) return;
+  if (r == CUDA_SUCCESS) atomic_fetch_add(&k->launches, 1);
+  else atomic_fetch_add(&k->failed, 1);
+}
+
+// ---- reports for the control socket ----
+
+static void jb_ptr(jbuf *b, const void *p) { jb_printf(b, "\"0x%llx\"", (unsigned long long)(uintptr_t)p); }
+
+typedef struct {
+  int nptx, nelf;
+  char archs[128];
+} walk_acc;
+
+static int count_entry(const fb_entry *e, void *arg) {
+  walk_acc *a = arg;
+  char tag[24];
+  if (e->kind == FB_KIND_PTX) {
+    a->nptx++;
+    snprintf(tag, sizeof tag, "compute_%u", e->arch);
+  } else if (fb_is_elf_kind(e->kind)) {
+    a->nelf++;
+    snprintf(tag, sizeof tag, "sm_%u", e->arch);
+  } else {
+    return 0;
+  }
+  // a comma-separated set of distinct tags
+  size_t tl = strlen(tag), al = strlen(a->archs);
+  for (const char *p = a->archs; *p;) {
+    const char *c = strchr(p, ',');
+    size_t l = c ? (size_t)(c - p) : strlen(p);
+    if (l == tl && memcmp(p, tag, tl) == 0) return 0;
+    p += l + (c ? 1 : 0);
+  }
+  if (al + tl + 2 < sizeof a->archs) snprintf(a->archs + al, sizeof a->archs - al, "%s%s", al ? "," : "", tag);
+  return 0;
+}
+
+// analyse fills a module's derived fields (hash, entry counts); called with mod_mu held.
+static void analyse(module *m) {
+  if (m->analysed || !m->image) return;
+  sha256_hex(m->image, m->size, m->sha);
+  walk_acc a = {0, 0, ""};
+  if (m->format == IMG_FATBIN) {
+    int n = fb_walk(m->image, m->size, count_entry, &a, NULL);
+    if (n < 0) m->parse_err = n;
+  } else if (m->format == IMG_ELF) {
+    a.nelf = 1;
+  } else if (m->format == IMG_PTX) {
+    a.nptx = 1;
+  }
+  m->nptx = a.nptx;
+  m->nelf = a.nelf;
+  memcpy(m->archs, a.archs, sizeof m->archs);
+  m->analysed = 1;
+}
+
+static void report_modules(jbuf *b) {
+  jb_s(b, "[");
+  pthread_mutex_lock(&mod_mu);
+  for (size_t i = 0; i < nmods; i++) {
+    module *m = mods[i];
+    analyse(m);
+    jb_printf(b, "%s{\"id\":%d,\"source\":\"%s\",\"handle\":", i ? "," : "", m->id, module_source_names[m->source]);
+    jb_ptr(b, m->handle);
+    jb_printf(b, ",\"loaded\":%s,\"format\":\"%s\",\"bytes\":%zu", m->loaded ? "true" : "false",
+              img_names[m->format], m->size);
+    if (m->image) jb_printf(b, ",\"sha256\":\"%s\",\"ptx\":%d,\"elf\":%d", m->sha, m->nptx, m->nelf);
+    if (m->archs[0]) {
+      jb_key(b, "archs");
+      jb_str(b, m->archs, strlen(m->archs));
+    }
+    if (m->parse_err) jb_printf(b, ",\"parse_error\":\"%s\"", fb_strerror(m->parse_err));
+    if (m->path) {
+      jb_key(b, "path");
+      jb_str(b, m->path, strlen(m->path));
+    }
+    if (!m->image && m->drop_reason) jb_printf(b, ",\"not_captured\":\"%s\"", m->drop_reason);
+    jb_s(b, "}");
+  }
+  pthread_mutex_unlock(&mod_mu);
+  jb_s(b, "]");
+}
+
+static void report_devices(jbuf *b) {
+  jb_s(b, "[");
+  CUresult (*count)(int *) = (CUresult(*)(int *))drv_sym("cuDeviceGetCount");
+  CUresult (*get)(CUdevice *, int) = (CUresult(*)(CUdevice *, int))drv_sym("cuDeviceGet");
+  CUresult (*name)(char *, int, CUdevice) = (CUresult(*)(char *, int, CUdevice))drv_sym("cuDeviceGetName");
+  CUresult (*mem)(size_t *, CUdevice) = (CUresult(*)(size_t *, CUdevice))drv_sym("cuDeviceTotalMem_v2");
+  CUresult (*attr)(int *, int, CUdevice) = (CUresult(*)(int *, int, CUdevice))drv_sym("cuDeviceGetAttribute");
+  CUresult (*uuid)(unsigned char *, CUdevice) = (CUresult(*)(unsigned char *, CUdevice))drv_sym("cuDeviceGetUuid_v2");
+  if (!uuid) uuid = (CUresult(*)(unsigned char *, CUdevice))drv_sym("cuDeviceGetUuid");
+  int n = 0;
+  if (atomic_load(&cu_inited) && count && get && count(&n) == CUDA_SUCCESS) {
+    for (int i = 0; i < n && i < 64; i++) {
+      CUdevice d;
+      if (get(&d, i) != CUDA_SUCCESS) continue;
+      char nm[256] = "";
+      size_t total = 0;
+      int maj = 0, min = 0;
+      unsigned char u[16];
+      if (name) name(nm, sizeof nm - 1, d);
+      if (mem) mem(&total, d);
+      if (attr) {
+        attr(&maj, 75, d);  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+        attr(&min, 76, d);
+      }
+      jb_printf(b, "%s{\"ordinal\":%d,\"name\":", i ? "," : "", i);
+      jb_str(b, nm, strnlen(nm, sizeof nm));
+      jb_printf(b, ",\"total_bytes\":%zu,\"compute_capability\":\"%d.%d\"", total, maj, min);
+      if (uuid && uuid(u, d) == CUDA_SUCCESS)
+        jb_printf(b,
+                  ",\"uuid\":\"GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x\"",
+                  u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
+                  u[14], u[15]);
+      jb_s(b, "}");
+    }
+  }
+  jb_s(b, "]");
+}
+
+void report_status(jbuf *b) {
+  char exe[512];
+  ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (el < 0) el = 0;
+  jb_printf(b, "{\"pid\":%d,\"shim\":\"%s\",\"proto\":%d,\"exe\":", (int)getpid(), PTXMIG_SHIM_VERSION,
+            PTXMIG_PROTO_VERSION);
+  jb_str(b, exe, (size_t)el);
+  jb_printf(b, ",\"uptime_s\":%.3f,\"cuda_initialized\":%s", (double)(now_ns() - start_ns) / 1e9,
+            atomic_load(&cu_inited) ? "true" : "false");
+  int dv = 0;
+  CUresult (*ver)(int *) = (CUresult(*)(int *))drv_sym("cuDriverGetVersion");
+  if (ver && ver(&dv) == CUDA_SUCCESS) jb_printf(b, ",\"driver_cuda_version\":%d", dv);
+  jb_key(b, "devices");
+  report_devices(b);
+  jb_key(b, "contexts");
+  jb_s(b, "[");
+  pthread_mutex_lock(&ctx_mu);
+  for (int i = 0; i < nctx; i++) {
+    jb_printf(b, "%s{\"handle\":", i ? "," : "");
+    jb_ptr(b, ctxs[i].ctx);
+    jb_printf(b, ",\"device\":%d,\"primary\":%s}", ctxs[i].dev, ctxs[i].primary ? "true" : "false");
+  }
+  pthread_mutex_unlock(&ctx_mu);
+  jb_s(b, "]");
+  jb_key(b, "allocations");
+  jb_s(b, "{");
+  pthread_mutex_lock(&alloc_mu);
+  uint64_t dev_bytes = 0;
+  for (int k = 0; k < AK_COUNT; k++) {
+    jb_printf(b, "\"%s\":{\"count\":%llu,\"bytes\":%llu,\"peak_bytes\":%llu},", alloc_kind_names[k],
+              (unsigned long long)totals[k].count, (unsigned long long)totals[k].bytes,
+              (unsigned long long)totals[k].peak_bytes);
+    if (k != AK_HOST && k != AK_VMM_MAP) dev_bytes += totals[k].bytes;
+  }
+  pthread_mutex_unlock(&alloc_mu);
+  jb_printf(b, "\"device_bytes\":%llu}", (unsigned long long)dev_bytes);
+  jb_key(b, "modules");
+  report_modules(b);
+  jb_printf(b,
+            ",\"interception\":{\"dlsym\":%lu,\"cuGetProcAddress\":%lu,\"cuGetProcAddress_v2\":%lu,"
+            "\"cudaGetDriverEntryPoint\":%lu,\"unmatched\":%lu,\"passthrough\":%lu}",
+            atomic_load(&istats.dlsym_hits), atomic_load(&istats.getproc_hits), atomic_load(&istats.getproc_v2_hits),
+            atomic_load(&istats.entrypoint_hits), atomic_load(&istats.unmatched), atomic_load(&istats.passthrough));
+  pthread_mutex_lock(&k_mu);
+  size_t nk = 0, ng = 0;
+  for (size_t i = 0; i < nkrecs; i++) krecs[i]->is_graph ? ng++ : nk++;
+  pthread_mutex_unlock(&k_mu);
+  jb_printf(b, ",\"launches\":{\"kernels\":%lu,\"distinct_kernels\":%zu,\"graph_execs\":%zu}",
+            atomic_load(&total_launches), nk, ng);
+  jb_printf(b, ",\"sampling\":{\"first\":%u,\"every\":%u}}", cfg.sample_first, cfg.sample_every);
+}
+
+static int cmp_float(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+// Names of kernels obtained through paths that carry no name (enumeration, cudart internals) are
+// asked of the driver when a report needs them.
+static void resolve_name(krec *r) {
+  if (atomic_load(&r->name) || r->is_graph) return;
+  static CUresult (*fget)(const char **, void *), (*kget)(const char **, void *);
+  static CUresult (*fmod)(CUmodule *, void *);
+  static int loaded;
+  if (!loaded) {
+    fget = (CUresult(*)(const char **, void *))drv_sym("cuFuncGetName");
+    kget = (CUresult(*)(const char **, void *))drv_sym("cuKernelGetName");
+    fmod = (CUresult(*)(CUmodule *, void *))drv_sym("cuFuncGetModule");
+    loaded = 1;
+  }
+  const char *n = NULL;
+  if (!(fget && fget(&n, r->fn) == CUDA_SUCCESS && n) && !(kget && kget(&n, r->fn) == CUDA_SUCCESS && n)) return;
+  char *d = strdup(n), *expect = NULL;
+  if (d && !atomic_compare_exchange_strong(&r->name, &expect, d)) free(d);
+  CUmodule m;
+  if (!atomic_load(&r->module_id) && fmod && fmod(&m, r->fn) == CUDA_SUCCESS) {
+    int id = module_id_of(m);
+    if (id) atomic_store(&r->module_id, id);
+  }
+}
+
+void report_kernels(jbuf *b) {
+  samples_harvest(MAX_PENDING, 1);
+  pthread_mutex_lock(&k_mu);
+  size_t n = nkrecs;
+  krec **snap = n ? malloc(n * sizeof *snap) : NULL;
+  if (snap) memcpy(snap, krecs, n * sizeof *snap);
+  else n = 0;
+  pthread_mutex_unlock(&k_mu);
+  jb_s(b, "{\"kernels\":[");
+  int first = 1;
+  for (size_t i = 0; i < n; i++) {
+    krec *r = snap[i];
+    if (r->is_graph) continue;
+    resolve_name(r);
+    jb_s(b, first ? "{\"name\":" : ",{\"name\":");
+    first = 0;
+    char *nm = atomic_load(&r->name);
+    if (nm) jb_str(b, nm, strlen(nm));
+    else jb_s(b, "null");
+    jb_s(b, ",\"handle\":");
+    jb_ptr(b, r->fn);
+    jb_printf(b, ",\"module\":%d,\"launches\":%lu,\"failed\":%lu,\"cooperative\":%lu,\"shapes\":[",
+              atomic_load(&r->module_id), atomic_load(&r->launches), atomic_load(&r->failed),
+              atomic_load(&r->cooperative));
+    int ns = atomic_load(&r->nshapes);
+    for (int k = 0; k < ns; k++)
+      jb_printf(b, "%s{\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],\"launches\":%lu}", k ? "," : "",
+                r->shapes[k].g[0], r->shapes[k].g[1], r->shapes[k].g[2], r->shapes[k].b[0], r->shapes[k].b[1],
+                r->shapes[k].b[2], atomic_load(&r->shapes[k].n));
+    jb_printf(b, "],\"other_shapes\":%lu", atomic_load(&r->other_shapes));
+    float ring[RING];
+    unsigned nr;
+    uint64_t ns_total;
+    double sum;
+    pthread_mutex_lock(&sample_mu);
+    nr = r->nring;
+    memcpy(ring, r->ring, sizeof ring);
+    ns_total = r->nsampled;
+    sum = r->sum_us;
+    pthread_mutex_unlock(&sample_mu);
+    jb_printf(b, ",\"timed\":%llu", (unsigned long long)ns_total);
+    if (nr) {
+      qsort(ring, nr, sizeof ring[0], cmp_float);
+      unsigned i50 = (nr - 1) / 2, i99 = (unsigned)((nr - 1) * 99 / 100);
+      jb_printf(b, ",\"time_us\":{\"p50\":%.3f,\"p99\":%.3f,\"mean\":%.3f,\"max\":%.3f}", ring[i50], ring[i99],
+                sum / (double)ns_total, ring[nr - 1]);
+    }
+    jb_s(b, "}");
+  }
+  jb_s(b, "],\"graphs\":[");
+  first = 1;
+  for (size_t i = 0; i < n; i++) {
+    krec *r = snap[i];
+    if (!r->is_graph) continue;
+    jb_s(b, first ? "{\"exec\":" : ",{\"exec\":");
+    first = 0;
+    jb_ptr(b, r->fn);
+    jb_printf(b, ",\"launches\":%lu,\"failed\":%lu}", atomic_load(&r->launches), atomic_load(&r->failed));
+  }
+  pthread_mutex_lock(&sample_mu);
+  int np = npending;
+  pthread_mutex_unlock(&sample_mu);
+  jb_printf(b, "],\"total_launches\":%lu,\"sampling\":{\"first\":%u,\"every\":%u,\"pending\":%d,\"capture_open\":%d}}",
+            atomic_load(&total_launches), cfg.sample_first, cfg.sample_every, np, atomic_load(&capture_open));
+  free(snap);
+}
+
+// ---- dump ----
+
+// write_blob writes data as DIR/<sha256>.<ext> (0600) unless it already exists; *written is set
+// when a new file was created.
+static int write_blob(int dfd, const void *data, size_t len, const char *ext, char sha[65], int *written) {
+  char name[96];
+  sha256_hex(data, len, sha);
+  snprintf(name, sizeof name, "%s.%s", sha, ext);
+  *written = 0;
+  int fd = openat(dfd, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) return errno == EEXIST ? 0 : -errno;
+  const uint8_t *p = data;
+  size_t off = 0;
+  while (off < len) {
+    ssize_t w = write(fd, p + off, len - off);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      int e = errno ? errno : EIO;
+      close(fd);
+      unlinkat(dfd, name, 0);
+      return -e;
+    }
+    off += (size_t)w;
+  }
+  if (close(fd)) return -errno;
+  *written = 1;
+  return 0;
+}
+
+typedef struct {
+  int dfd;
+  jbuf *idx;
+  int first, nptx, ncubin, written, errors;
+  jbuf *errs;
+} dump_ctx;
+
+static int dump_entry(const fb_entry *e, void *arg) {
+  dump_ctx *d = arg;
+  int is_ptx = e->kind == FB_KIND_PTX, is_elf = fb_is_elf_kind(e->kind);
+  if (!is_ptx && !is_elf) return 0;
+  uint8_t *out;
+  size_t len;
+  static const char *const comp[] = {"none", "lz4", "zstd"};
+  jb_printf(d->idx, "%s{\"kind\":\"%s\",\"arch\":\"%s_%u\",\"compression\":\"%s\"", d->first ? "" : ",",
+            is_ptx ? "ptx" : "cubin", is_ptx ? "compute" : "sm", e->arch, comp[e->compression]);
+  d->first = 0;
+  int rc = fb_decode(e, &out, &len);
+  if (rc != FB_OK) {
+    jb_printf(d->idx, ",\"error\":\"%s\"}", fb_strerror(rc));
+    d->errors++;
+    return 0;
+  }
+  char sha[65];
+  int w = 0;
+  int err = write_blob(d->dfd, out, len, is_ptx ? "ptx" : "cubin", sha, &w);
+  free(out);
+  if (err) {
+    jb_printf(d->idx, ",\"error\":\"write: %s\"}", strerror(-err));
+    d->errors++;
+    return 0;
+  }
+  d->written += w;
+  is_ptx ? d->nptx++ : d->ncubin++;
+  jb_printf(d->idx, ",\"file\":\"%s.%s\",\"bytes\":%zu}", sha, is_ptx ? "ptx" : "cubin", len);
+  return 0;
+}
+
+int report_dump(jbuf *b, const char *dir, char *err, size_t errlen) {
+  if (!dir || dir[0] != '/') {
+    snprintf(err, errlen, "dump-modules: dir must be an absolute path");
+    return -1;
+  }
+  if (mkdir(dir, 0700) && errno != EEXIST) {
+    snprintf(err, errlen, "dump-modules: mkdir %s: %s", dir, strerror(errno));
+    return -1;
+  }
+  int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (dfd < 0) {
+    snprintf(err, errlen, "dump-modules: open %s: %s", dir, strerror(errno));
+    return -1;
+  }
+  // Copy the loaded images out under the lock, then decode and write without it.
+  typedef struct {
+    int id, source, format;
+    uint8_t *img;
+    size_t size;
+  } snapm;
+  pthread_mutex_lock(&mod_mu);
+  snapm *s = nmods ? calloc(nmods, sizeof *s) : NULL;
+  size_t ns = 0;
+  for (size_t i = 0; s && i < nmods; i++) {
+    module *m = mods[i];
+    if (!m->image) continue;
+    s[ns].img = malloc(m->size);
+    if (!s[ns].img) continue;
+    memcpy(s[ns].img, m->image, m->size);
+    s[ns].size = m->size;
+    s[ns].id = m->id;
+    s[ns].source = m->source;
+    s[ns].format = m->format;
+    ns++;
+  }
+  pthread_mutex_unlock(&mod_mu);
+  jbuf idx = {0};
+  jb_printf(&idx, "{\"pid\":%d,\"shim\":\"%s\",\"modules\":[", (int)getpid(), PTXMIG_SHIM_VERSION);
+  dump_ctx d = {.dfd = dfd, .idx = &idx};
+  for (size_t i = 0; i < ns; i++) {
+    char sha[65];
+    int w = 0;
+    const char *ext = s[i].format == IMG_FATBIN ? "fatbin" : s[i].format == IMG_ELF ? "cubin" : "ptx";
+    size_t len = s[i].size;
+    if (s[i].format == IMG_PTX) len = strnlen((const char *)s[i].img, len);
+    int e = write_blob(dfd, s[i].img, len, ext, sha, &w);
+    jb_printf(&idx, "%s{\"id\":%d,\"source\":\"%s\",\"format\":\"%s\"", i ? "," : "", s[i].id,
+              module_source_names[s[i].source], img_names[s[i].format]);
+    if (e) {
+      jb_printf(&idx, ",\"error\":\"write: %s\"}", strerror(-e));
+      d.errors++;
+      continue;
+    }
+    d.written += w;
+    jb_printf(&idx, ",\"image\":\"%s.%s\",\"sha256\":\"%s\",\"entries\":[", sha, ext, sha);
+    d.first = 1;
+    if (s[i].format == IMG_FATBIN) {
+      int n = fb_walk(s[i].img, s[i].size, dump_entry, &d, NULL);
+      if (n < 0) {
+        jb_printf(&idx, "%s{\"error\":\"%s\"}", d.first ? "" : ",", fb_strerror(n));
+        d.errors++;
+      }
+    } else {
+      jb_printf(&idx, "{\"kind\":\"%s\",\"file\":\"%s.%s\",\"bytes\":%zu}", s[i].format == IMG_PTX ? "ptx" : "cubin",
+                sha, ext, len);
+      s[i].format == IMG_PTX ? d.nptx++ : d.ncubin++;
+    }
+    jb_s(&idx, "]}");
+  }
+  jb_s(&idx, "]}\n");
+  for (size_t i = 0; i < ns; i++) free(s[i].img);
+  free(s);
+  int rc = 0;
+  if (idx.oom) {
+    snprintf(err, errlen, "dump-modules: out of memory");
+    rc = -1;
+  } else {
+    int fd = openat(dfd, "index.json.tmp", O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+    ssize_t wr = fd >= 0 ? write(fd, idx.p, idx.len) : -1;
+    if (fd < 0 || wr != (ssize_t)idx.len || close(fd) || renameat(dfd, "index.json.tmp", dfd, "index.json")) {
+      snprintf(err, errlen, "dump-modules: write %s/index.json: %s", dir, strerror(errno));
+      rc = -1;
+    }
+  }
+  close(dfd);
+  free(idx.p);
+  if (rc == 0) {
+    jb_s(b, "{\"dir\":");
+    jb_str(b, dir, strlen(dir));
+    jb_printf(b, ",\"modules\":%zu,\"ptx\":%d,\"cubin\":%d,\"files_written\":%d,\"errors\":%d,\"index\":\"index.json\"}",
+              ns, d.nptx, d.ncubin, d.written, d.errors);
+  }
+  return rc;
+}

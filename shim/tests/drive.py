@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Drives the shim's integration tests (see run.sh): starts each test app with the shim
+preloaded, waits for it to report "ready", then talks to its control socket like ptxmig does."""
+import argparse, json, os, shutil, socket, stat, subprocess, sys, tempfile
+
+failures = []
+
+
+def check(cond, msg):
+    if not cond:
+        failures.append(msg)
+        print("FAIL", msg, file=sys.stderr)
+
+
+class App:
+    def __init__(self, args, env, cwd):
+        self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env=env, cwd=cwd, text=True)
+        self.lines = []
+        while True:
+            line = self.p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{args[0]} exited before ready: {self.p.wait()} {self.p.stderr.read()}")
+            line = line.rstrip("\n")
+            if line == "ready":
+                break
+            self.lines.append(line)
+
+    def finish(self):
+        self.p.stdin.close()
+        rest = self.p.stdout.read()
+        err = self.p.stderr.read()
+        return self.p.wait(), rest, err
+
+
+class Conn:
+    def __init__(self, path):
+        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.s.settimeout(10)
+        self.s.connect(path)
+        self.f = self.s.makefile("rb")
+
+    def raw(self, data):
+        self.s.sendall(data)
+        line = self.f.readline()
+        if not line:
+            raise RuntimeError("connection closed without a reply")
+        return json.loads(line)
+
+    def req(self, **kw):
+        return self.raw((json.dumps(kw) + "\n").encode())
+
+
+def kernel(kernels, name):
+    """All entries of one kernel name (one per function/kernel handle), merged."""
+    ks = [k for k in kernels["kernels"] if k["name"] == name]
+    if not ks:
+        return None
+    m = dict(ks[0], launches=sum(k["launches"] for k in ks), shapes=[s for k in ks for s in k["shapes"]],
+             timed=min(k["timed"] for k in ks))
+    m["time_us"] = min((k.get("time_us", {"p50": 0, "p99": 0}) for k in ks), key=lambda t: t["p50"])
+    return m
+
+
+def fake_counts(lines):
+    for l in lines:
+        if l.startswith("fake "):
+            return dict(kv.split("=") for kv in l.split()[1:])
+    return {}
+
+
+def common_checks(name, sockdir, app, expect_kernels, expect_alloc, expect_sources):
+    path = os.path.join(sockdir, f"{app.p.pid}.sock")
+    check(os.path.exists(path), f"{name}: no control socket at {path}")
+    if not os.path.exists(path):
+        return None
+    st = os.stat(path)
+    check(stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, f"{name}: socket mode {oct(st.st_mode)}")
+    c = Conn(path)
+    s = c.req(cmd="status")
+    check(s["ok"] and s["result"]["pid"] == app.p.pid, f"{name}: status: {s}")
+    r = s["result"]
+    check(r["cuda_initialized"] and r["devices"] and r["devices"][0]["name"] == "Fake GPU", f"{name}: devices {r.get('devices')}")
+    check(any(x["primary"] for x in r["contexts"]), f"{name}: no primary context in {r['contexts']}")
+    for kind, nbytes in expect_alloc.items():
+        check(r["allocations"][kind]["bytes"] == nbytes, f"{name}: allocations[{kind}] = {r['allocations'][kind]}, want {nbytes}")
+    srcs = sorted(m["source"] for m in r["modules"])
+    check(srcs == sorted(expect_sources), f"{name}: module sources {srcs}, want {sorted(expect_sources)}")
+    for m in r["modules"]:
+        check(m.get("sha256") and m["bytes"] > 0, f"{name}: module not captured: {m}")
+    check(r["interception"]["unmatched"] == 0, f"{name}: unmatched resolver pointers {r['interception']}")
+    k = c.req(cmd="kernels")
+    check(k["ok"], f"{name}: kernels: {k}")
+    for kname, (launches, shapes) in expect_kernels.items():
+        kk = kernel(k["result"], kname)
+        check(kk is not None, f"{name}: kernel {kname} missing from {k['result']['kernels']}")
+        if kk:
+            check(kk["launches"] == launches, f"{name}: {kname} launches {kk['launches']}, want {launches}")
+            got = sorted((tuple(x["grid"]), tuple(x["block"]), x["launches"]) for x in kk["shapes"])
+            check(got == sorted(shapes), f"{name}: {kname} shapes {got}, want {sorted(shapes)}")
+            check(kk["timed"] >= 1 and kk["time_us"]["p50"] > 0 and kk["time_us"]["p99"] >= kk["time_us"]["p50"],
+                  f"{name}: {kname} timing {kk.get('timed')} {kk.get('time_us')}")
+            check(kk["module"] > 0, f"{name}: {kname} not attributed to a module")
+    return c, r, k["result"]
+
+
+def protocol_checks(name, c):
+    bad = [b"not json\n", b"{}\n", b'{"cmd":"nope"}\n', b'{"cmd":1}\n', b'{"cmd":"status"\n', b"\x00\xff\xfe{\n",
+           b'{"cmd":"dump-modules"}\n', b'{"cmd":"dump-modules","dir":"relative/dir"}\n', b"[1,2,3]\n",
+           b'{"cmd":"status","cmd":"kernels"}\n', b"x" * 70000 + b"\n"]
+    for b in bad:
+        r = c.raw(b)
+        check(r["ok"] is False and r["error"], f"{name}: garbage {b[:40]!r} got {r}")
+    r = c.req(cmd="status")
+    check(r["ok"], f"{name}: connection unusable after garbage: {r}")
+    # Random bytes on a fresh connection, then close abruptly: the app must not notice.
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(c.s.getpeername())
+    s.sendall(os.urandom(5000))
+    s.close()
+
+
+def dump_checks(name, c, tmp, want_ptx_entry):
+    d = os.path.join(tmp, f"dump-{name}")
+    r = c.req(cmd="dump-modules", dir=d)
+    check(r["ok"], f"{name}: dump: {r}")
+    if not r["ok"]:
+        return
+    idx = json.load(open(os.path.join(d, "index.json")))
+    check(stat.S_IMODE(os.stat(d).st_mode) == 0o700, f"{name}: dump dir mode")
+    files = [e["file"] for m in idx["modules"] for e in m["entries"] if "file" in e]
+    check(all(os.path.exists(os.path.join(d, f)) for f in files), f"{name}: index names missing files")
+    ptx = [f for f in files if f.endswith(".ptx")]
+    check(len(ptx) >= 1, f"{name}: no PTX dumped: {idx}")
+    for f in files:
+        check(stat.S_IMODE(os.stat(os.path.join(d, f)).st_mode) == 0o600, f"{name}: {f} mode")
+    ptxas = shutil.which("ptxas")
+    if ptxas:
+        for f in set(ptx):
+            text = open(os.path.join(d, f)).read()
+            arch = "sm_90" if ".target sm_90" in text else "sm_70"
+            p = subprocess.run([ptxas, "-arch", arch, "-o", os.devnull, os.path.join(d, f)], capture_output=True, text=True)
+            if "Unsupported .version" in p.stderr:
+                print(f"SKIP {name}: {os.path.basename(ptxas)} is older than the PTX ISA of {f} (checked on the GPU host)")
+                continue
+            check(p.returncode == 0, f"{name}: ptxas rejects dumped {f}: {p.stderr[:500]}")
+    else:
+        print(f"SKIP {name}: ptxas not installed; dumped PTX not assembled")
+    if want_ptx_entry:
+        check(any(e.get("kind") == "ptx" and e.get("compression") in ("zstd", "lz4", "none")
+                  for m in idx["modules"] for e in m["entries"]), f"{name}: no fatbin PTX entry in {idx}")
+    # Dumping again writes nothing new (content-addressed).
+    r2 = c.req(cmd="dump-modules", dir=d)
+    check(r2["ok"] and r2["result"]["files_written"] == 0, f"{name}: second dump wrote {r2}")
+
+
+def run_app(opts, name, env_extra, expect_kernels, expect_alloc, expect_sources, fake_expect, want_ptx_entry=False):
+    tmp = tempfile.mkdtemp(prefix=f"ptxmig-shim-{name}-")
+    sockdir = os.path.join(tmp, "sock")
+    exe = os.path.join(opts.build, name)
+    base = dict(os.environ, LD_LIBRARY_PATH=os.path.join(opts.build, "fake"))
+    base.update(env_extra)
+    # Reference run without the shim: same output.
+    ref = App([exe], base, tmp)
+    rc0, rest0, _ = ref.finish()
+    env = dict(base, PTXMIG_SOCKET_DIR=sockdir,
+               LD_PRELOAD=" ".join(x for x in [opts.preload_first, opts.shim] if x))
+    app = App([exe], env, tmp)
+    check(app.lines == ref.lines, f"{name}: output differs under the shim: {app.lines} vs {ref.lines}")
+    counts = fake_counts(app.lines)
+    for k, v in fake_expect.items():
+        check(counts.get(k) == str(v), f"{name}: fake driver saw {k}={counts.get(k)}, want {v}")
+    res = common_checks(name, sockdir, app, expect_kernels, expect_alloc, expect_sources)
+    if res:
+        c, status, kernels = res
+        protocol_checks(name, c)
+        dump_checks(name, c, tmp, want_ptx_entry)
+        c.s.close()
+    rc, rest, err = app.finish()
+    check(rc == rc0 == 0, f"{name}: exit {rc} (without shim {rc0}); stderr: {err[-2000:]}")
+    check(not os.path.exists(os.path.join(sockdir, f"{app.p.pid}.sock")), f"{name}: socket left behind after exit")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shim", required=True)
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--preload-first", default="")
+    opts = ap.parse_args()
+    run_app(opts, "app_direct", {}, {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
+            {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3})
+    res = run_app(opts, "app_dlsym", {}, {"k_test": (7, [((2, 2, 1), (32, 2, 1), 7)])},
+                  {"device": 3 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 7})
+    if res:
+        check(res[1]["interception"]["dlsym"] >= 8, f"app_dlsym: dlsym hits {res[1]['interception']}")
+    res = run_app(opts, "app_getproc", {},
+                  {"k_test": (10, [((1, 1, 1), (64, 1, 1), 4), ((3, 1, 1), (96, 1, 1), 6)])},
+                  {"device": 5 << 20, "async": 7 << 20}, ["cuModuleLoadData", "cuLibraryLoadData"],
+                  {"cuLaunchKernel": 0, "cuLaunchKernel_ptsz": 4, "cuLaunchKernelEx": 6, "cuGetExportTable": 1,
+                   "cuMemAllocAsync_ptsz": 1})
+    if res:
+        i = res[1]["interception"]
+        check(i["cuGetProcAddress"] >= 1 and i["cuGetProcAddress_v2"] >= 10, f"app_getproc: resolver hits {i}")
+    res = run_app(opts, "app_runtime", {},
+                  {"fx_scale": (3, [((2, 1, 1), (128, 1, 1), 3)]),
+                   "_Z6fx_addIfEvPT_PKS0_i": (3, [((2, 1, 1), (128, 1, 1), 3)])},
+                  {"device": 2 << 20}, ["__cudaRegisterFatBinary", "cuLibraryLoadData"], {}, want_ptx_entry=True)
+    if res:
+        mods = res[1]["modules"]
+        check(all(m["format"] == "fatbin" and m["ptx"] == 1 and m["elf"] == 1 and m["archs"] == "sm_90,compute_90"
+                  for m in mods), f"app_runtime: modules {mods}")
+        check(res[1]["interception"]["cudaGetDriverEntryPoint"] >= 1, f"app_runtime: entry point hits {res[1]['interception']}")
+    if failures:
+        print(f"drive.py: {len(failures)} failures ({opts.shim})", file=sys.stderr)
+        sys.exit(1)
+    print(f"drive.py: ok ({os.path.basename(opts.shim)})")
+
+
+if __name__ == "__main__":
+    main()
