@@ -16,8 +16,9 @@ image=demo-$(date +%Y%m%d-%H%M%S)-$$
 pid=""
 cleanup() {
   [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null || true
-  if [ -n "$image" ] && ! "$PTXMIG" images rm "$image" >/dev/null 2>&1; then
-    echo "demo: image $image stays in the store (this ptxmig has no 'images rm')" >&2
+  if [ -n "$image" ] && "$PTXMIG" images 2>/dev/null | grep -q "^$image "; then
+    "$PTXMIG" image rm "$image" >/dev/null && "$PTXMIG" image gc >/dev/null \
+      || echo "demo: could not remove image $image from the store" >&2
   fi
   rm -rf "$work"
 }
@@ -82,6 +83,6 @@ echo "uninterrupted run: $want"
 if [ "$got" != "$want" ]; then echo "demo: FAILED: the restored process did not continue exactly" >&2; exit 1; fi
 echo "identical: the process continued exactly"
 say "the image in the store"
-if "$PTXMIG" images --help >/dev/null 2>&1; then "$PTXMIG" images; else ls -l "${PTXMIG_STORE:-/var/lib/ptxmig}/images/"; fi
+"$PTXMIG" images
 pid=""
 say "demo passed (cleaning up: processes, temporary files, image $image)"
