@@ -77,6 +77,7 @@ type Result struct {
 	PID         int           `json:"pid"`
 	Kind        string        `json:"kind"`
 	GPUs        []store.GPU   `json:"gpus,omitempty"`
+	Visible     []store.GPU   `json:"visible_gpus,omitempty"` // every GPU the process's CUDA driver enumerated
 	LeftRunning bool          `json:"left_running"`
 	Timings     Timings       `json:"timings"`
 	Total       time.Duration `json:"total_ns"`
@@ -115,7 +116,7 @@ func Run(ctx context.Context, env *Env, o Options) (*Result, error) {
 	if err := os.Mkdir(images, 0o700); err != nil {
 		return nil, fmt.Errorf("staging: %w", err)
 	}
-	res := &Result{PID: o.PID, Kind: pf.meta.Kind, GPUs: pf.meta.GPUs, LeftRunning: o.LeaveRunning}
+	res := &Result{PID: o.PID, Kind: pf.meta.Kind, GPUs: pf.meta.GPUs, Visible: pf.meta.Visible, LeftRunning: o.LeaveRunning}
 	var manifest *store.Manifest
 	var stats *store.Stats
 	steps := buildSteps(env, o, pf, images, func(m *store.Manifest, s *store.Stats) { manifest, stats = m, s })
@@ -222,11 +223,11 @@ func preflight(env *Env, o Options) (*plan, error) {
 	if cuda {
 		p.meta.Kind = KindCUDA
 		p.meta.Driver, p.meta.CUDA = env.Host.Driver, env.Host.CUDA
-		gpus, err := sourceGPUs(env, o.PID)
+		gpus, visible, err := sourceGPUs(env, o.PID)
 		if err != nil {
 			return nil, refusef("pid %d: find its GPUs: %w", o.PID, err)
 		}
-		p.meta.GPUs = gpus
+		p.meta.GPUs, p.meta.Visible = gpus, visible
 		for _, g := range gpus {
 			gpuBytes += g.MemoryBytes
 		}
@@ -244,32 +245,74 @@ func preflight(env *Env, o Options) (*plan, error) {
 }
 
 // sourceGPUs lists the GPUs pid uses (NVML's compute processes; else its open /dev/nvidiaN),
-// with the memory it uses on each (MemoryBytes: what a restore needs free).
-func sourceGPUs(env *Env, pid int) ([]store.GPU, error) {
+// with the memory it uses on each (MemoryBytes: what a restore needs free), and the GPUs its
+// CUDA driver enumerates (visible), which a restore onto other GPUs must all pair. MIG
+// (CUDA_VISIBLE_DEVICES naming MIG instances) is refused. When the visible set cannot be
+// determined, or does not contain the used GPUs (the process changed CUDA_VISIBLE_DEVICES after it
+// started), it is left out with a warning: the image then restores onto its own GPUs, and a move
+// is refused or assumes every GPU of the host was visible (see restore.AssumeVisible).
+func sourceGPUs(env *Env, pid int) (used, visible []store.GPU, err error) {
 	if env.GPUs == nil {
-		return nil, nil
+		return nil, nil, nil
 	}
 	devs, err := env.GPUs.Devices()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	var out []store.GPU
 	for _, u := range gpu.UsedBy(devs, pid) {
-		out = append(out, store.GPU{Index: u.Device.Index, UUID: u.Device.UUID, Name: u.Device.Name, ComputeCap: u.Device.ComputeCap, MemoryBytes: u.Memory})
+		used = append(used, store.GPU{Index: u.Device.Index, UUID: u.Device.UUID, Name: u.Device.Name, ComputeCap: u.Device.ComputeCap, MemoryBytes: u.Memory})
 	}
-	if len(out) == 0 {
+	if len(used) == 0 {
 		if pi, ok := gpu.Inspect(pid); ok {
 			for _, m := range pi.Minors {
 				for _, d := range devs {
 					if d.Minor == m {
-						out = append(out, store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap})
+						used = append(used, store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap})
 					}
 				}
 			}
 		}
 	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Index < out[j].Index })
-	return out, nil
+	sort.Slice(used, func(i, j int) bool { return used[i].Index < used[j].Index })
+
+	vis, err := gpu.VisibleTo(pid, devs)
+	if errors.Is(err, gpu.ErrMIG) {
+		return nil, nil, err
+	}
+	if err != nil {
+		env.logger().Warn("cannot tell which GPUs the process sees; the image will not record them, so restoring it onto other GPUs may be refused", "pid", pid, "err", err)
+		return used, nil, nil
+	}
+	if missing := notIn(used, vis); missing != "" {
+		env.logger().Warn("the process uses GPUs its environment does not make visible (did it change CUDA_VISIBLE_DEVICES after it started?); "+
+			"the image will not record its visible GPUs", "pid", pid, "gpus", missing)
+		return used, nil, nil
+	}
+	mem := map[string]uint64{}
+	for _, u := range used {
+		mem[strings.ToLower(u.UUID)] = u.MemoryBytes
+	}
+	for _, d := range vis {
+		visible = append(visible, store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem[strings.ToLower(d.UUID)]})
+	}
+	return used, visible, nil
+}
+
+// notIn lists the used GPUs that are not in vis ("" when all are).
+func notIn(used []store.GPU, vis []gpu.Device) string {
+	var missing []string
+	for _, u := range used {
+		found := false
+		for _, d := range vis {
+			if strings.EqualFold(d.UUID, u.UUID) {
+				found = true
+			}
+		}
+		if !found {
+			missing = append(missing, fmt.Sprintf("%d (%s)", u.Index, u.UUID))
+		}
+	}
+	return strings.Join(missing, ", ")
 }
 
 func rssBytes(pid int) uint64 {

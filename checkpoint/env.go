@@ -70,6 +70,14 @@ type Env struct {
 	Euid        int
 }
 
+// logger is e.Log, or slog's default when unset.
+func (e *Env) logger() *slog.Logger {
+	if e.Log == nil {
+		return slog.Default()
+	}
+	return e.Log
+}
+
 // HostInfo is recorded in every image's manifest.
 type HostInfo struct {
 	Host, Kernel, Driver, CUDA string

@@ -162,6 +162,9 @@ func cooldownAfter(base time.Duration, n int, returnWindow time.Duration) time.D
 	limit := max(base, returnWindow)
 	cd := base
 	for i := 1; i < n && cd < limit; i++ {
+		if cd > limit/2 { // doubling would pass the cap (or overflow for windows near the maximum)
+			return limit
+		}
 		cd *= 2
 	}
 	return min(cd, limit)

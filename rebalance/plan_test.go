@@ -439,3 +439,28 @@ func TestNoPingPong(t *testing.T) {
 		}
 	}
 }
+
+func TestCooldownAfter(t *testing.T) {
+	const maxDur = time.Duration(1<<63 - 1)
+	tests := []struct {
+		base, window time.Duration
+		n            int
+		want         time.Duration
+	}{
+		{10 * time.Minute, time.Hour, 1, 10 * time.Minute},
+		{10 * time.Minute, time.Hour, 2, 20 * time.Minute},
+		{10 * time.Minute, time.Hour, 3, 40 * time.Minute},
+		{10 * time.Minute, time.Hour, 4, time.Hour},
+		{10 * time.Minute, time.Hour, 4096, time.Hour},
+		{time.Hour, 10 * time.Minute, 5, time.Hour}, // capped at the base when it is the larger
+		{0, time.Hour, 9, 0},
+		// A return window near the largest duration must not overflow into a negative cooldown.
+		{10 * time.Minute, maxDur, 4096, maxDur},
+		{maxDur/2 + 1, maxDur, 2, maxDur},
+	}
+	for _, tt := range tests {
+		if got := cooldownAfter(tt.base, tt.n, tt.window); got != tt.want {
+			t.Errorf("cooldownAfter(%v, %d, %v) = %v, want %v", tt.base, tt.n, tt.window, got, tt.want)
+		}
+	}
+}

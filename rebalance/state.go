@@ -221,9 +221,13 @@ func writeFileAtomic(file string, data []byte, mode os.FileMode) error {
 	if err := os.Rename(tmp.Name(), file); err != nil {
 		return fmt.Errorf("write %s: %w", file, err)
 	}
-	if d, err := os.Open(dir); err == nil {
-		_ = d.Sync()
-		d.Close()
+	d, err := os.Open(dir)
+	if err != nil {
+		return fmt.Errorf("write %s: fsync directory: %w", file, err)
+	}
+	defer d.Close()
+	if err := d.Sync(); err != nil {
+		return fmt.Errorf("write %s: fsync directory: %w", file, err)
 	}
 	return nil
 }

@@ -40,13 +40,15 @@ type GPURef struct {
 	Name  string `json:"name"`
 }
 
-// MigrateResult reports a migration. Downtime runs from the start of the lock to the end of the
+// MigrateResult reports a migration. Source and Target are the GPUs the process uses, before and
+// after; Pairs is what the driver gets: one pair per GPU the process sees. Downtime runs from the start of the lock to the end of the
 // unlock: the time the process could not use CUDA.
 type MigrateResult struct {
 	PID        int           `json:"pid"`
 	DryRun     bool          `json:"dry_run"`
 	Source     []GPURef      `json:"source"`
 	Target     []GPURef      `json:"target"`
+	Pairs      []Pair        `json:"gpu_pairs"` // every GPU the process sees, used ones first
 	Plan       []string      `json:"plan"`
 	Lock       time.Duration `json:"lock_ns"`
 	Checkpoint time.Duration `json:"checkpoint_ns"`
@@ -107,8 +109,10 @@ func MigrateWith(ctx context.Context, env *checkpoint.Env, o MigrateOptions) (*M
 		return nil, refusef("list GPUs: %w", err)
 	}
 	var src []store.GPU
+	mem := map[string]uint64{}
 	for _, u := range gpu.UsedBy(devs, pid) {
 		src = append(src, store.GPU{Index: u.Device.Index, UUID: u.Device.UUID, Name: u.Device.Name, ComputeCap: u.Device.ComputeCap, MemoryBytes: u.Memory})
+		mem[strings.ToLower(u.Device.UUID)] = u.Memory
 	}
 	if len(src) == 0 {
 		return nil, refusef("pid %d holds no GPU memory according to NVML: nothing to migrate", pid)
@@ -116,20 +120,22 @@ func MigrateWith(ctx context.Context, env *checkpoint.Env, o MigrateOptions) (*M
 	if len(o.GPUs) == 0 && len(o.GPUMap) == 0 {
 		return nil, refusef("migrate pid %d: no target: give --gpu N", pid)
 	}
-	pairs, err := PlanPairs(src, devs, o.GPUs, o.GPUMap, true)
+	visDevs, err := gpu.VisibleTo(pid, devs)
+	if err != nil {
+		return nil, refusef("migrate pid %d: find the GPUs it sees: %w", pid, err)
+	}
+	pairs, err := PlanPairs(src, StoreGPUs(visDevs, mem), devs, o.GPUs, o.GPUMap, true)
 	if err != nil {
 		return nil, refusef("migrate pid %d: %w", pid, err)
 	}
-	res := &MigrateResult{PID: pid, DryRun: o.DryRun}
-	moves := false
+	res := &MigrateResult{PID: pid, DryRun: o.DryRun, Pairs: pairs}
 	for _, p := range pairs {
-		res.Source = append(res.Source, GPURef{Index: p.From.Index, UUID: p.From.UUID, Name: p.From.Name})
-		res.Target = append(res.Target, GPURef{Index: p.To.Index, UUID: p.To.UUID, Name: p.To.Name})
-		if !p.Identity() {
-			moves = true
+		if p.Used {
+			res.Source = append(res.Source, GPURef{Index: p.From.Index, UUID: p.From.UUID, Name: p.From.Name})
+			res.Target = append(res.Target, GPURef{Index: p.To.Index, UUID: p.To.UUID, Name: p.To.Name})
 		}
 	}
-	if !moves {
+	if !anyMove(pairs) {
 		return nil, refusef("pid %d already runs on GPU %s: nothing to migrate", pid, indexes(res.Target))
 	}
 	dpairs, err := DriverPairs(pairs)
@@ -139,9 +145,9 @@ func MigrateWith(ctx context.Context, env *checkpoint.Env, o MigrateOptions) (*M
 	res.Plan = []string{
 		fmt.Sprintf("lock pid %d (timeout %s)", pid, lockTimeoutText(o.LockTimeout)),
 		fmt.Sprintf("checkpoint: copy its GPU memory (%s) to host memory", human(sum(src))),
-		fmt.Sprintf("restore with GPU pairs %s", pairText(pairs)),
+		fmt.Sprintf("restore with %d GPU pairs, one per GPU the process sees: %s", len(pairs), pairText(pairs)),
 		fmt.Sprintf("unlock pid %d", pid),
-		fmt.Sprintf("on failure: restore onto GPU %s and unlock", indexes(res.Source)),
+		fmt.Sprintf("on failure: restore without pairs (back onto GPU %s) and unlock", indexes(res.Source)),
 	}
 	if o.DryRun {
 		return res, nil
@@ -183,7 +189,7 @@ func indexes(refs []GPURef) string {
 func pairText(pairs []Pair) string {
 	parts := make([]string, len(pairs))
 	for i, p := range pairs {
-		parts[i] = fmt.Sprintf("GPU %d %s -> GPU %d %s", p.From.Index, p.From.UUID, p.To.Index, p.To.UUID)
+		parts[i] = p.String()
 	}
 	return strings.Join(parts, "; ")
 }
@@ -197,7 +203,8 @@ func lockTimeoutText(d time.Duration) string {
 
 // migrateSteps is the migration transaction: lock → checkpoint → restore with pairs → unlock.
 // If the restore onto the targets fails, the checkpoint's undo restores onto the source GPUs
-// (no pairs) and the lock's undo unlocks.
+// and the lock's undo unlocks. That restore passes no pairs: the driver then puts every GPU back
+// where it was checkpointed (the identity), which needs no bijection and works on every driver.
 func migrateSteps(drv checkpoint.Driver, pid int, dpairs []cudackpt.Pair, lockTimeout time.Duration) []checkpoint.Step {
 	return []checkpoint.Step{
 		{Name: MigrateLock,

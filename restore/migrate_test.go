@@ -12,14 +12,39 @@ import (
 
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/store"
 )
 
-// fakeDriver models the driver's state machine for one process on one GPU.
+// fakeDriver models the driver's state machine for one process on one GPU. With visible set, it
+// also checks restore pairs as driver 580 does: they must pair every visible GPU, one to one.
 type fakeDriver struct {
 	state    cudackpt.State
 	gpu      string
+	visible  []string
 	calls    []string
 	failNext map[string]error // call name → error, consumed once
+}
+
+var errInvalidValue = errors.New("CUDA_ERROR_INVALID_VALUE (1): invalid argument")
+
+func (f *fakeDriver) checkPairs(pairs []cudackpt.Pair) error {
+	if len(pairs) == 0 || f.visible == nil {
+		return nil
+	}
+	olds, news := map[string]bool{}, map[string]bool{}
+	for _, p := range pairs {
+		olds[p.Old.String()], news[p.New.String()] = true, true
+	}
+	if len(olds) != len(pairs) || len(news) != len(pairs) || len(pairs) != len(f.visible) {
+		return errInvalidValue
+	}
+	for _, v := range f.visible {
+		if !olds[v] {
+			return errInvalidValue
+		}
+	}
+	return nil
 }
 
 func (f *fakeDriver) fail(call string) error {
@@ -60,8 +85,14 @@ func (f *fakeDriver) Restore(_ int, pairs []cudackpt.Pair) error {
 	if err := f.fail(name); err != nil {
 		return err
 	}
-	if len(pairs) > 0 {
-		f.gpu = pairs[0].New.String()
+	if err := f.checkPairs(pairs); err != nil {
+		return err
+	}
+	for _, p := range pairs {
+		if p.Old.String() == f.gpu {
+			f.gpu = p.New.String()
+			break
+		}
 	}
 	f.state = cudackpt.Locked
 	return nil
@@ -78,28 +109,31 @@ func (f *fakeDriver) Unlock(int) error {
 // the move itself completed.
 func TestMigrateRollback(t *testing.T) {
 	src, dst := mustUUID(t, u0), mustUUID(t, u1)
-	pairs := []cudackpt.Pair{{Old: src, New: dst}}
+	swap := []cudackpt.Pair{{Old: src, New: dst}, {Old: dst, New: src}}
+	partial := []cudackpt.Pair{{Old: src, New: dst}} // what ptxmig passed before it paired every visible GPU
 	oom := errors.New("CUDA_ERROR_OUT_OF_MEMORY")
 	tests := []struct {
 		name      string
+		pairs     []cudackpt.Pair
 		fail      string
 		wantGPU   string
 		wantCalls []string
 		wantErr   bool
 	}{
-		{"success", "", u1, []string{"lock", "checkpoint", "restore-to-" + u1, "unlock"}, false},
-		{"lock times out", "lock", u0, []string{"lock"}, true},
-		{"checkpoint fails", "checkpoint", u0, []string{"lock", "checkpoint", "unlock"}, true},
-		{"target fails mid-restore", "restore-to-" + u1, u0, []string{"lock", "checkpoint", "restore-to-" + u1, "restore", "unlock"}, true},
-		{"unlock fails once", "unlock", u1, []string{"lock", "checkpoint", "restore-to-" + u1, "unlock", "unlock"}, true},
+		{"success", swap, "", u1, []string{"lock", "checkpoint", "restore-to-" + u1, "unlock"}, false},
+		{"lock times out", swap, "lock", u0, []string{"lock"}, true},
+		{"checkpoint fails", swap, "checkpoint", u0, []string{"lock", "checkpoint", "unlock"}, true},
+		{"target fails mid-restore", swap, "restore-to-" + u1, u0, []string{"lock", "checkpoint", "restore-to-" + u1, "restore", "unlock"}, true},
+		{"unlock fails once", swap, "unlock", u1, []string{"lock", "checkpoint", "restore-to-" + u1, "unlock", "unlock"}, true},
+		{"partial pairs: driver refuses, rolled back", partial, "", u0, []string{"lock", "checkpoint", "restore-to-" + u1, "restore", "unlock"}, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			d := &fakeDriver{state: cudackpt.Running, gpu: u0, failNext: map[string]error{}}
+			d := &fakeDriver{state: cudackpt.Running, gpu: u0, visible: []string{u0, u1}, failNext: map[string]error{}}
 			if tt.fail != "" {
 				d.failNext[tt.fail] = oom
 			}
-			_, err := checkpoint.Execute(context.Background(), migrateSteps(d, 42, pairs, time.Second), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil)))
+			_, err := checkpoint.Execute(context.Background(), migrateSteps(d, 42, tt.pairs, time.Second), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil)))
 			if (err != nil) != tt.wantErr {
 				t.Fatalf("err = %v", err)
 			}
@@ -123,4 +157,25 @@ func mustUUID(t *testing.T, s string) cudackpt.UUID {
 		t.Fatal(err)
 	}
 	return u
+}
+
+// TestPlannedPairsSatisfyDriver runs planned pairs through the fake driver's 580 check: moving
+// 0→1 on a two-GPU host passes both GPUs, and the process ends on GPU 1.
+func TestPlannedPairsSatisfyDriver(t *testing.T) {
+	two := []gpu.Device{dev(0, u0, "NVIDIA H200", 0), dev(1, u1, "NVIDIA H200", 0)}
+	pairs, err := PlanPairs([]store.GPU{src(0, u0, 1)}, StoreGPUs(two, nil), two, []int{1}, nil, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dp, err := DriverPairs(pairs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := &fakeDriver{state: cudackpt.Running, gpu: u0, visible: []string{u0, u1}, failNext: map[string]error{}}
+	if _, err := checkpoint.Execute(context.Background(), migrateSteps(d, 42, dp, time.Second), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil))); err != nil {
+		t.Fatalf("planned pairs %s: %v", pairText(pairs), err)
+	}
+	if d.gpu != u1 || d.state != cudackpt.Running {
+		t.Fatalf("process ends %v on %s, want running on %s", d.state, d.gpu, u1)
+	}
 }

@@ -6,6 +6,7 @@ package restore
 import (
 	"errors"
 	"fmt"
+	"sort"
 	"strconv"
 	"strings"
 
@@ -20,28 +21,89 @@ var (
 	ErrNoRoom       = errors.New("not enough free GPU memory")
 	ErrBadTarget    = errors.New("bad GPU target")
 	ErrPIDInUse     = errors.New("the original PID is in use")
+	// ErrTooFewGPUs: the process saw more GPUs than the target host has of the same chip, and the
+	// driver needs a distinct target for every GPU the process saw.
+	ErrTooFewGPUs = errors.New("too few GPUs to pair every GPU the process sees")
+	// ErrVisibleUnknown: a move needs the process's visible-GPU set, which is unknown or
+	// inconsistent with the GPUs it uses.
+	ErrVisibleUnknown = errors.New("the GPUs visible to the process are unknown")
 )
 
-// Pair maps one checkpointed (or current) GPU onto a target GPU.
+// Pair maps one checkpointed (or current) GPU onto a target GPU. Used pairs carry the process's
+// memory; the others are GPUs the process could see but did not use, which the driver needs
+// paired too.
 type Pair struct {
 	From store.GPU  `json:"from"`
 	To   gpu.Device `json:"to"`
+	Used bool       `json:"used"`
 }
 
 // Identity reports whether the pair keeps the GPU.
 func (p Pair) Identity() bool { return strings.EqualFold(p.From.UUID, p.To.UUID) }
 
-// PlanPairs decides where each source GPU goes and checks the targets, without side effects.
+// String is "GPU 0 (GPU-…) -> GPU 1 (GPU-…) [used]".
+func (p Pair) String() string {
+	role := "visible"
+	if p.Used {
+		role = "used"
+	}
+	return fmt.Sprintf("GPU %d (%s) -> GPU %d (%s) [%s]", p.From.Index, p.From.UUID, p.To.Index, p.To.UUID, role)
+}
+
+// PlanPairs decides where each GPU of the process goes and checks the targets, without side
+// effects. used are the GPUs the process uses (with their memory), visible the GPUs its CUDA
+// driver enumerated (a superset of used; nil when unknown), devs the target host's GPUs.
 //
-//   - gpuMap (old UUID or index → new UUID or index) or targets (one target index per source
-//     GPU, in source order; a single target is accepted for a single source GPU) choose targets;
-//     giving both is an error;
+// The used GPUs go where the operator asked:
+//   - gpuMap (old UUID or index → new UUID or index) or targets (one target index per used GPU,
+//     in order; a single target is accepted for a single GPU) choose targets; giving both is an
+//     error;
 //   - with neither, each GPU maps to the GPU with its UUID, else (another host) the GPU with its
 //     index;
 //   - every target must exist, be the same chip (name and compute capability) and be distinct;
-//   - each target needs the source's recorded memory free, unless live and unmoved (a live
+//   - each target needs the used GPU's recorded memory free, unless live and unmoved (a live
 //     process already holds that memory).
-func PlanPairs(src []store.GPU, devs []gpu.Device, targets []int, gpuMap map[string]string, live bool) ([]Pair, error) {
+//
+// When a used GPU moves, the driver needs a pair for every visible GPU, and the pairs must be a
+// bijection (each old UUID once, each new UUID once): the other visible GPUs keep their GPU (same
+// UUID, else same index) unless it is taken, and the rest take the remaining same-chip GPUs in
+// index order, GPUs the process already sees first. Moving 0→1 on two GPUs gives {0→1, 1→0};
+// moving 0→2 on four gives {0→2, 1→1, 2→0, 3→3}; with CUDA_VISIBLE_DEVICES=1,3 moving 1→3 gives
+// {1→3, 3→1}. They need no free memory: the process holds none there.
+//
+// The result lists the used pairs first (in used order), then the other visible GPUs by index.
+// When nothing moves it still lists the visible GPUs that are present (DriverPairs then passes
+// none).
+func PlanPairs(used, visible []store.GPU, devs []gpu.Device, targets []int, gpuMap map[string]string, live bool) ([]Pair, error) {
+	pairs, err := planUsed(used, devs, targets, gpuMap)
+	if err != nil || len(pairs) == 0 {
+		return pairs, err
+	}
+	moves := anyMove(pairs)
+	rest, err := completeVisible(pairs, visible, devs)
+	switch {
+	case err == nil:
+		pairs = append(pairs, rest...)
+	case moves:
+		return nil, err
+	default:
+		// Nothing moves, so the driver gets no pairs; a visible GPU missing from this host does
+		// not matter then.
+	}
+	for _, p := range pairs {
+		if !p.Used || live && p.Identity() {
+			continue
+		}
+		if need := p.From.MemoryBytes; need > p.To.MemoryFree() {
+			return nil, fmt.Errorf("%w: GPU %d (%s) has %s free, the process needs %s (it used that much on GPU %d)",
+				ErrNoRoom, p.To.Index, p.To.UUID, human(p.To.MemoryFree()), human(need), p.From.Index)
+		}
+	}
+	return pairs, nil
+}
+
+// planUsed maps the used GPUs as the operator asked.
+func planUsed(src []store.GPU, devs []gpu.Device, targets []int, gpuMap map[string]string) ([]Pair, error) {
 	if len(targets) > 0 && len(gpuMap) > 0 {
 		return nil, fmt.Errorf("%w: give --gpu or --gpu-map, not both", ErrBadTarget)
 	}
@@ -58,7 +120,7 @@ func PlanPairs(src []store.GPU, devs []gpu.Device, targets []int, gpuMap map[str
 		}
 		return nil, fmt.Errorf("%w: %d targets for %d GPUs (%s)", ErrBadTarget, len(targets), len(src), srcList(src))
 	}
-	used := map[string]bool{}
+	taken := map[string]bool{}
 	for k := range gpuMap {
 		found := false
 		for _, s := range src {
@@ -93,22 +155,160 @@ func PlanPairs(src []store.GPU, devs []gpu.Device, targets []int, gpuMap map[str
 				"the driver restores only onto the same chip type", ErrChipMismatch,
 				s.Index, s.Name, s.ComputeCap, s.UUID, to.Index, to.Name, to.ComputeCap, to.UUID)
 		}
-		if used[to.UUID] {
+		if taken[strings.ToLower(to.UUID)] {
 			return nil, fmt.Errorf("%w: GPU %d (%s) is the target of two GPUs", ErrBadTarget, to.Index, to.UUID)
 		}
-		used[to.UUID] = true
-		pairs = append(pairs, Pair{From: s, To: to})
-	}
-	for _, p := range pairs {
-		if live && p.Identity() {
-			continue
-		}
-		if need := p.From.MemoryBytes; need > p.To.MemoryFree() {
-			return nil, fmt.Errorf("%w: GPU %d (%s) has %s free, the process needs %s (it used that much on GPU %d)",
-				ErrNoRoom, p.To.Index, p.To.UUID, human(p.To.MemoryFree()), human(need), p.From.Index)
-		}
+		taken[strings.ToLower(to.UUID)] = true
+		pairs = append(pairs, Pair{From: s, To: to, Used: true})
 	}
 	return pairs, nil
+}
+
+func anyMove(pairs []Pair) bool {
+	for _, p := range pairs {
+		if !p.Identity() {
+			return true
+		}
+	}
+	return false
+}
+
+// completeVisible pairs the visible GPUs the process does not use, so that together with the
+// used pairs every visible GPU has a distinct same-chip target.
+func completeVisible(usedPairs []Pair, visible []store.GPU, devs []gpu.Device) ([]Pair, error) {
+	if visible == nil {
+		return nil, fmt.Errorf("%w: the driver needs a pair for every GPU the process sees, and this image does not "+
+			"record them (it was made by an older ptxmig on another host); restore it without moving, or checkpoint "+
+			"the process again with this version", ErrVisibleUnknown)
+	}
+	key := func(u string) string { return strings.ToLower(u) }
+	usedSrc, taken := map[string]bool{}, map[string]bool{}
+	for _, p := range usedPairs {
+		usedSrc[key(p.From.UUID)] = true
+		taken[key(p.To.UUID)] = true
+	}
+	seen := map[string]bool{}
+	var others []store.GPU
+	for _, v := range visible {
+		k := key(v.UUID)
+		if v.UUID == "" || seen[k] {
+			return nil, fmt.Errorf("%w: the visible set (%s) has a GPU without a UUID or listed twice", ErrVisibleUnknown, srcList(visible))
+		}
+		seen[k] = true
+		if !usedSrc[k] {
+			others = append(others, v)
+		}
+	}
+	for _, p := range usedPairs {
+		if !seen[key(p.From.UUID)] {
+			return nil, fmt.Errorf("%w: the process uses GPU %d (%s), which is not among the GPUs its environment makes "+
+				"visible (%s); did it change CUDA_VISIBLE_DEVICES after it started?", ErrVisibleUnknown, p.From.Index, p.From.UUID, srcList(visible))
+		}
+	}
+	sort.SliceStable(others, func(i, j int) bool { return others[i].Index < others[j].Index })
+
+	out := make([]Pair, len(others))
+	var fill []int // positions in others still without a target
+	for i, s := range others {
+		if d, ok := identityTarget(s, devs); ok && !taken[key(d.UUID)] && sameChip(s, d) {
+			out[i] = Pair{From: s, To: d}
+			taken[key(d.UUID)] = true
+			continue
+		}
+		fill = append(fill, i)
+	}
+	// Remaining targets: first the GPUs the process already sees (the ones its used GPUs left),
+	// so that it stays on its own set of GPUs where it can; then the others; each in index order.
+	byIndex := append([]gpu.Device(nil), devs...)
+	sort.SliceStable(byIndex, func(i, j int) bool {
+		si, sj := seen[key(byIndex[i].UUID)], seen[key(byIndex[j].UUID)]
+		if si != sj {
+			return si
+		}
+		return byIndex[i].Index < byIndex[j].Index
+	})
+	for _, i := range fill {
+		s := others[i]
+		found := false
+		for _, d := range byIndex {
+			if !taken[key(d.UUID)] && sameChip(s, d) {
+				out[i] = Pair{From: s, To: d}
+				taken[key(d.UUID)] = true
+				found = true
+				break
+			}
+		}
+		if !found {
+			free := 0
+			for _, d := range devs {
+				if !taken[key(d.UUID)] {
+					free++
+				}
+			}
+			sentinel := ErrTooFewGPUs
+			if free > 0 {
+				sentinel = ErrChipMismatch
+			}
+			return nil, fmt.Errorf("%w: the process sees %d GPUs (%s) and the driver needs a distinct target of the same chip "+
+				"for each; none is left for GPU %d (%s, %s) on this host (%s)",
+				sentinel, len(visible), srcList(visible), s.Index, s.UUID, s.Name, devList(devs))
+		}
+	}
+	return out, nil
+}
+
+// identityTarget is the GPU a visible GPU keeps: the one with its UUID, else (another host) the
+// one with its index.
+func identityTarget(s store.GPU, devs []gpu.Device) (gpu.Device, bool) {
+	for _, d := range devs {
+		if strings.EqualFold(d.UUID, s.UUID) {
+			return d, true
+		}
+	}
+	for _, d := range devs {
+		if d.Index == s.Index {
+			return d, true
+		}
+	}
+	return gpu.Device{}, false
+}
+
+// AssumeVisible is the visible set for an image that does not record one: every GPU of this
+// host, as if the process had run here without CUDA_VISIBLE_DEVICES. It holds only when the
+// image was made on this host (its used GPUs are here); otherwise ok is false. Callers should
+// warn: a process that ran with CUDA_VISIBLE_DEVICES saw fewer GPUs, and the driver then refuses
+// the pairs (the restore rolls back).
+func AssumeVisible(used []store.GPU, devs []gpu.Device) ([]store.GPU, bool) {
+	mem := map[string]uint64{}
+	for _, u := range used {
+		if _, err := gpu.Find(devs, u.UUID); err != nil || u.UUID == "" {
+			return nil, false
+		}
+		mem[strings.ToLower(u.UUID)] = u.MemoryBytes
+	}
+	return StoreGPUs(devs, mem), true
+}
+
+// StoreGPUs converts devices into recorded GPUs, with the memory a process used on each (by
+// lower-case UUID), sorted by index.
+func StoreGPUs(devs []gpu.Device, mem map[string]uint64) []store.GPU {
+	out := make([]store.GPU, 0, len(devs))
+	for _, d := range devs {
+		out = append(out, store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem[strings.ToLower(d.UUID)]})
+	}
+	sort.SliceStable(out, func(i, j int) bool { return out[i].Index < out[j].Index })
+	return out
+}
+
+func devList(devs []gpu.Device) string {
+	if len(devs) == 0 {
+		return "no GPUs"
+	}
+	parts := make([]string, len(devs))
+	for i, d := range devs {
+		parts[i] = fmt.Sprintf("GPU %d %s %s", d.Index, d.UUID, d.Name)
+	}
+	return strings.Join(parts, ", ")
 }
 
 func mapped(m map[string]string, s store.GPU) string {
@@ -144,7 +344,9 @@ func exampleTargets(n int) string {
 }
 
 // DriverPairs converts a plan into the driver's UUID pairs; nil when no GPU moves (so drivers
-// older than 580, which cannot remap, work for same-GPU restores).
+// older than 580, which cannot remap, work for same-GPU restores). When a GPU moves, the plan
+// must pair every visible GPU as a bijection (PlanPairs makes it so; DriverPairs re-checks):
+// driver 580 refuses a partial array with CUDA_ERROR_INVALID_VALUE.
 func DriverPairs(pairs []Pair) ([]cudackpt.Pair, error) {
 	moves := false
 	for _, p := range pairs {
@@ -156,6 +358,7 @@ func DriverPairs(pairs []Pair) ([]cudackpt.Pair, error) {
 		return nil, nil
 	}
 	out := make([]cudackpt.Pair, 0, len(pairs))
+	olds, news := map[cudackpt.UUID]bool{}, map[cudackpt.UUID]bool{}
 	for _, p := range pairs {
 		o, err := cudackpt.ParseUUID(p.From.UUID)
 		if err != nil {
@@ -165,6 +368,10 @@ func DriverPairs(pairs []Pair) ([]cudackpt.Pair, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%w: target GPU %d: %w", ErrBadTarget, p.To.Index, err)
 		}
+		if olds[o] || news[n] {
+			return nil, fmt.Errorf("%w: the pairs are not a one-to-one mapping (%s)", ErrBadTarget, pairText(pairs))
+		}
+		olds[o], news[n] = true, true
 		out = append(out, cudackpt.Pair{Old: o, New: n})
 	}
 	return out, nil

@@ -2,6 +2,7 @@ package restore
 
 import (
 	"errors"
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
@@ -63,7 +64,8 @@ func TestPlanPairs(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			pairs, err := PlanPairs(tt.src, tt.devs, tt.targets, tt.gmap, tt.live)
+			// The process saw only the GPUs it used: these cases are about the used GPUs' targets.
+			pairs, err := PlanPairs(tt.src, tt.src, tt.devs, tt.targets, tt.gmap, tt.live)
 			if tt.wantErr != nil {
 				if !errors.Is(err, tt.wantErr) {
 					t.Fatalf("err = %v, want %v", err, tt.wantErr)
@@ -85,7 +87,7 @@ func TestPlanPairs(t *testing.T) {
 }
 
 func TestChipMismatchNamesBoth(t *testing.T) {
-	_, err := PlanPairs([]store.GPU{src(0, u0, 1)}, []gpu.Device{dev(0, u0, "NVIDIA H200", 0), dev(1, u1, "NVIDIA H100 80GB HBM3", 0)}, []int{1}, nil, false)
+	_, err := PlanPairs([]store.GPU{src(0, u0, 1)}, nil, []gpu.Device{dev(0, u0, "NVIDIA H200", 0), dev(1, u1, "NVIDIA H100 80GB HBM3", 0)}, []int{1}, nil, false)
 	for _, w := range []string{"NVIDIA H200", "NVIDIA H100 80GB HBM3", u0, u1} {
 		if err == nil || !contains(err.Error(), w) {
 			t.Errorf("error %v does not name %s", err, w)
@@ -127,5 +129,164 @@ func TestParseFlags(t *testing.T) {
 		if _, err := ParseGPUMap(bad); err == nil {
 			t.Errorf("ParseGPUMap(%q) accepted", bad)
 		}
+	}
+}
+
+const (
+	u3   = "GPU-33333333-3333-3333-3333-333333333333"
+	uA0  = "GPU-a0a0a0a0-0000-0000-0000-000000000000" // GPUs of the host an image came from
+	uA1  = "GPU-a1a1a1a1-1111-1111-1111-111111111111"
+	uA2  = "GPU-a2a2a2a2-2222-2222-2222-222222222222"
+	uA3  = "GPU-a3a3a3a3-3333-3333-3333-333333333333"
+	h100 = "NVIDIA H100 80GB HBM3"
+	h200 = "NVIDIA H200"
+)
+
+func gpus(devs ...gpu.Device) []store.GPU { return StoreGPUs(devs, nil) }
+
+func chip(g store.GPU, name string) store.GPU { g.Name = name; return g }
+
+// pairsText renders a plan as "FROM>TO" by index, with "*" on used pairs.
+func pairsText(pairs []Pair) []string {
+	var out []string
+	for _, p := range pairs {
+		s := fmt.Sprintf("%d>%d", p.From.Index, p.To.Index)
+		if p.Used {
+			s += "*"
+		}
+		out = append(out, s)
+	}
+	return out
+}
+
+// TestPlanVisiblePairs covers the bijection over the visible GPUs that driver 580 requires.
+func TestPlanVisiblePairs(t *testing.T) {
+	two := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h200, 0)}
+	four := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h200, 0), dev(2, u2, h200, 0), dev(3, u3, h200, 0)}
+	mixed3 := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h200, 0), dev(2, u2, h100, 0)}
+	h200h100 := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h100, 0)}
+	gpu0Full := []gpu.Device{dev(0, u0, h200, 100<<30), dev(1, u1, h200, 0)}
+	gpu1Full := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h200, 100<<30)}
+	cvd := func(v string, devs []gpu.Device) []store.GPU {
+		vis, err := gpu.VisibleDevices(map[string]string{gpu.EnvVisibleDevices: v}, devs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return gpus(vis...)
+	}
+	otherHost2 := []store.GPU{src(0, uA0, 1), src(1, uA1, 1)}
+	otherHost4 := []store.GPU{src(0, uA0, 1), src(1, uA1, 1), src(2, uA2, 1), src(3, uA3, 1)}
+	tests := []struct {
+		name     string
+		used     []store.GPU
+		visible  []store.GPU
+		devs     []gpu.Device
+		targets  []int
+		gmap     map[string]string
+		live     bool
+		want     []string
+		wantErr  error
+		noDriver bool // DriverPairs must be nil (nothing moves)
+	}{
+		{"2 GPUs, move 0 to 1: swap", []store.GPU{src(0, u0, 1)}, gpus(two...), two, []int{1}, nil, false, []string{"0>1*", "1>0"}, nil, false},
+		{"2 GPUs, move 1 to 0: swap", []store.GPU{src(1, u1, 1)}, gpus(two...), two, []int{0}, nil, true, []string{"1>0*", "0>1"}, nil, false},
+		{"4 GPUs, move 0 to 2", []store.GPU{src(0, u0, 1)}, gpus(four...), four, []int{2}, nil, false, []string{"0>2*", "1>1", "2>0", "3>3"}, nil, false},
+		{"4 GPUs, move 0,1 to 2,3", []store.GPU{src(0, u0, 1), src(1, u1, 1)}, gpus(four...), four, []int{2, 3}, nil, false, []string{"0>2*", "1>3*", "2>0", "3>1"}, nil, false},
+		{"4 GPUs, move 3 to 0 by --gpu-map", []store.GPU{src(3, u3, 1)}, gpus(four...), four, nil, map[string]string{u3: "0"}, false, []string{"3>0*", "0>3", "1>1", "2>2"}, nil, false},
+		{"CUDA_VISIBLE_DEVICES=2,3 (indexes), move 2 to 0", []store.GPU{src(2, u2, 1)}, cvd("2,3", four), four, []int{0}, nil, false, []string{"2>0*", "3>3"}, nil, false},
+		{"CUDA_VISIBLE_DEVICES by UUID prefix, move 1 to 3", []store.GPU{src(1, u1, 1)}, cvd("GPU-1111,GPU-3333", four), four, []int{3}, nil, false, []string{"1>3*", "3>1"}, nil, false},
+		{"CUDA_VISIBLE_DEVICES=0,1 on 4 GPUs, move 0 to 2", []store.GPU{src(0, u0, 1)}, cvd("0,1", four), four, []int{2}, nil, false, []string{"0>2*", "1>1"}, nil, false},
+		{"CUDA_VISIBLE_DEVICES=1,3 on 4 GPUs, move 1 to 0", []store.GPU{src(1, u1, 1)}, cvd("3,1", four), four, []int{0}, nil, false, []string{"1>0*", "3>3"}, nil, false},
+		{"CUDA_VISIBLE_DEVICES=0 on 2 GPUs: one pair", []store.GPU{src(0, u0, 1)}, cvd("0", two), two, []int{1}, nil, false, []string{"0>1*"}, nil, false},
+		{"no move: no driver pairs, visible listed", []store.GPU{src(0, u0, 1)}, gpus(two...), two, nil, nil, false, []string{"0>0*", "1>1"}, nil, true},
+		{"no move, --gpu naming the same GPU", []store.GPU{src(1, u1, 1)}, gpus(four...), four, []int{1}, nil, false, []string{"1>1*", "0>0", "2>2", "3>3"}, nil, true},
+		{"no move, a visible GPU gone from the host", []store.GPU{src(0, u0, 1)}, append(gpus(two...), src(5, uA3, 0)), two, nil, nil, false, []string{"0>0*"}, nil, true},
+		{"no move, visible set unknown", []store.GPU{src(0, u0, 1)}, nil, two, nil, nil, false, []string{"0>0*"}, nil, true},
+		{"mixed host: the other chip keeps its GPU", []store.GPU{src(0, u0, 1)}, gpus(mixed3...), mixed3, []int{1}, nil, false, []string{"0>1*", "1>0", "2>2"}, nil, false},
+		{"other host, visible recorded: pairs by index", []store.GPU{src(1, uA1, 1)}, otherHost2, two, nil, nil, false, []string{"1>1*", "0>0"}, nil, false},
+		{"other host, used GPU moved by --gpu", []store.GPU{src(1, uA1, 1)}, otherHost2, two, []int{0}, nil, false, []string{"1>0*", "0>1"}, nil, false},
+		{"memory checked only where used memory goes", []store.GPU{src(0, u0, 4<<30)}, gpus(gpu0Full...), gpu0Full, []int{1}, nil, false, []string{"0>1*", "1>0"}, nil, false},
+		{"used target without room refused", []store.GPU{src(0, u0, 4<<30)}, gpus(gpu1Full...), gpu1Full, []int{1}, nil, true, nil, ErrNoRoom, false},
+		{"other chip needed for a visible GPU: refused", []store.GPU{src(0, uA0, 1)}, otherHost2, h200h100, nil, nil, false, nil, ErrChipMismatch, false},
+		{"mixed chips in the visible set, target host all H200", []store.GPU{src(0, u0, 1)}, []store.GPU{src(0, u0, 1), chip(src(1, u1, 1), h100)}, two, []int{1}, nil, false, nil, ErrChipMismatch, false},
+		{"fewer target GPUs than visible: refused", []store.GPU{src(0, uA0, 1)}, otherHost4, two, nil, nil, false, nil, ErrTooFewGPUs, false},
+		{"move with visible set unknown: refused", []store.GPU{src(0, u0, 1)}, nil, two, []int{1}, nil, false, nil, ErrVisibleUnknown, false},
+		{"used GPU outside the visible set: refused", []store.GPU{src(1, u1, 1)}, cvd("0", two), two, []int{0}, nil, false, nil, ErrVisibleUnknown, false},
+		{"visible GPU listed twice: refused", []store.GPU{src(0, u0, 1)}, append(gpus(two...), src(1, u1, 0)), two, []int{1}, nil, false, nil, ErrVisibleUnknown, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pairs, err := PlanPairs(tt.used, tt.visible, tt.devs, tt.targets, tt.gmap, tt.live)
+			if tt.wantErr != nil {
+				if !errors.Is(err, tt.wantErr) {
+					t.Fatalf("err = %v, want %v", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := pairsText(pairs); !reflect.DeepEqual(got, tt.want) {
+				t.Fatalf("pairs = %v, want %v", got, tt.want)
+			}
+			dp, err := DriverPairs(pairs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tt.noDriver != (dp == nil) {
+				t.Fatalf("driver pairs = %v, want none: %v", dp, tt.noDriver)
+			}
+			if dp != nil && len(dp) != len(tt.visible) {
+				t.Fatalf("%d driver pairs for %d visible GPUs", len(dp), len(tt.visible))
+			}
+		})
+	}
+}
+
+func TestTooFewGPUsNamesBothSets(t *testing.T) {
+	two := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h200, 0)}
+	vis := []store.GPU{src(0, uA0, 1), src(1, uA1, 1), src(2, uA2, 1)}
+	_, err := PlanPairs(vis[:1], vis, two, nil, nil, false)
+	for _, w := range []string{uA0, uA1, uA2, u0, u1, "sees 3 GPUs"} {
+		if err == nil || !strings.Contains(err.Error(), w) {
+			t.Errorf("error %v does not name %s", err, w)
+		}
+	}
+}
+
+func TestDriverPairsRefusesNonBijection(t *testing.T) {
+	dup := []Pair{{From: src(0, u0, 1), To: dev(1, u1, h200, 0), Used: true}, {From: src(1, u1, 1), To: dev(1, u1, h200, 0)}}
+	if _, err := DriverPairs(dup); !errors.Is(err, ErrBadTarget) {
+		t.Errorf("two GPUs onto one: %v, want ErrBadTarget", err)
+	}
+}
+
+func TestAssumeVisible(t *testing.T) {
+	two := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h200, 0)}
+	v, ok := AssumeVisible([]store.GPU{src(1, u1, 7)}, two)
+	if !ok || len(v) != 2 || v[0].UUID != u0 || v[1].UUID != u1 || v[1].MemoryBytes != 7 || v[0].MemoryBytes != 0 {
+		t.Errorf("same host: %+v, %v; want both GPUs, memory on GPU 1", v, ok)
+	}
+	if v, ok := AssumeVisible([]store.GPU{src(0, uX, 1)}, two); ok {
+		t.Errorf("other host: %+v accepted; its GPUs cannot be named", v)
+	}
+	meta := store.Metadata{GPUs: []store.GPU{src(0, u0, 1)}, Visible: []store.GPU{src(0, u0, 1)}}
+	if v, assumed := recordedVisible(meta, two); assumed || len(v) != 1 {
+		t.Errorf("recorded set: %+v, assumed %v", v, assumed)
+	}
+	meta.Visible = nil
+	if v, assumed := recordedVisible(meta, two); !assumed || len(v) != 2 {
+		t.Errorf("older image: %+v, assumed %v", v, assumed)
+	}
+}
+
+func TestPairString(t *testing.T) {
+	p := Pair{From: src(0, u0, 1), To: dev(1, u1, h200, 0), Used: true}
+	if got, want := p.String(), "GPU 0 ("+u0+") -> GPU 1 ("+u1+") [used]"; got != want {
+		t.Errorf("String() = %q, want %q", got, want)
+	}
+	p.Used = false
+	if !strings.HasSuffix(p.String(), "[visible]") {
+		t.Errorf("String() = %q, want [visible]", p.String())
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/store"
 )
@@ -39,7 +40,8 @@ type Result struct {
 	ImageID     string             `json:"image_id"`
 	PID         int                `json:"pid"`
 	Kind        string             `json:"kind"`
-	Pairs       []Pair             `json:"gpu_pairs,omitempty"`
+	Pairs       []Pair             `json:"gpu_pairs,omitempty"` // every visible GPU; the driver gets them only when one moves
+	Remapped    bool               `json:"remapped"`            // the driver got the pairs (a GPU moved)
 	Materialize time.Duration      `json:"materialize_ns"`
 	Timings     checkpoint.Timings `json:"timings"`
 	Total       time.Duration      `json:"total_ns"`
@@ -100,13 +102,20 @@ func Restore(ctx context.Context, env *checkpoint.Env, o Options) (*Result, erro
 			if err != nil {
 				return nil, refusef("list GPUs: %w", err)
 			}
-			pairs, err := PlanPairs(meta.GPUs, devs, o.GPUs, o.GPUMap, false)
+			visible, assumed := recordedVisible(meta, devs)
+			pairs, err := PlanPairs(meta.GPUs, visible, devs, o.GPUs, o.GPUMap, false)
 			if err != nil {
 				return nil, refusef("image %s: %w", m.Name, err)
 			}
 			res.Pairs = pairs
 			if dpairs, err = DriverPairs(pairs); err != nil {
 				return nil, refusef("image %s: %w", m.Name, err)
+			}
+			res.Remapped = dpairs != nil
+			if assumed && dpairs != nil && env.Log != nil {
+				env.Log.Warn("image records no visible-GPU set (made by an older ptxmig): assuming the process saw every GPU "+
+					"of this host; if it ran with CUDA_VISIBLE_DEVICES the driver will refuse the pairs and the restore rolls back",
+					"image", m.Name, "pairs", pairText(pairs))
 			}
 		}
 	} else if len(o.GPUs) > 0 || len(o.GPUMap) > 0 {
@@ -225,6 +234,20 @@ func Restore(ctx context.Context, env *checkpoint.Env, o Options) (*Result, erro
 	}
 	res.Total = time.Since(t0)
 	return res, nil
+}
+
+// recordedVisible is the image's visible-GPU set; for images without one (older ptxmig), every
+// GPU of this host when the image was made here (assumed is then true), else nil (a move is
+// then refused: the other host's GPUs cannot be named).
+func recordedVisible(meta store.Metadata, devs []gpu.Device) (visible []store.GPU, assumed bool) {
+	if len(meta.Visible) > 0 {
+		return meta.Visible, false
+	}
+	v, ok := AssumeVisible(meta.GPUs, devs)
+	if !ok {
+		return nil, false
+	}
+	return v, true
 }
 
 // waitPIDFree waits for a dying process with the image's PID to go away, then refuses if the

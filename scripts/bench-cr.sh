@@ -138,7 +138,7 @@ for g in "${sizes[@]}"; do
   t=$(date +%s%N); "$CRIU" restore -d -D "$base" -o restore.log; b_crest=$(ms "$t")
   "$work/cuckpt" "$pid" restore unlock >"$raw/base-rs-$g.txt"; b_rs=$(ms "$t")
   # baseline migrate: the four driver calls back to back in one process (the driver's own time)
-  "$work/cuckpt" "$pid" lock:10000 checkpoint "restore:$u0=$u1" unlock >"$raw/base-mig-$g.txt"
+  "$work/cuckpt" "$pid" lock:10000 checkpoint "restore:$u0=$u1,$u1=$u0" unlock >"$raw/base-mig-$g.txt"
   b_mg=$(awk '$1 != "cuInit" {s += $2} END {printf "%d", s}' "$raw/base-mig-$g.txt")
   kill -9 "$pid"; gone "$pid" || true; pid=""
   rm -rf "$base" "$store"

@@ -48,15 +48,11 @@ func (s *Store) Export(ctx context.Context, ref string, w io.Writer) error {
 // ExportWith is Export with options; the Stats count the bytes written to w as WrittenBytes.
 func (s *Store) ExportWith(ctx context.Context, ref string, w io.Writer, o GetOptions) (*Stats, error) {
 	start := time.Now()
-	lk, err := s.lockShared(ctx)
+	m, lk, err := s.getLocked(ctx, ref)
 	if err != nil {
 		return nil, fmt.Errorf("export %s: %w", ref, err)
 	}
 	defer lk.unlock()
-	m, err := s.Get(ref)
-	if err != nil {
-		return nil, fmt.Errorf("export %s: %w", ref, err)
-	}
 	st, err := s.export(ctx, m, w, o, start)
 	if err != nil {
 		return nil, fmt.Errorf("export %s: %w", m.Name, err)

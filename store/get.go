@@ -49,22 +49,31 @@ func (s *Store) readChunkFile(id ChunkID, buf []byte) ([]byte, error) {
 // followed.
 func (s *Store) Materialize(ctx context.Context, ref, dstDir string, o GetOptions) (*Stats, error) {
 	start := time.Now()
-	// Hold the store lock from reading the manifest on, so gc cannot remove the chunks of an
-	// image removed meanwhile.
-	lk, err := s.lockShared(ctx)
+	m, lk, err := s.getLocked(ctx, ref)
 	if err != nil {
 		return nil, fmt.Errorf("materialize %s: %w", ref, err)
 	}
 	defer lk.unlock()
-	m, err := s.Get(ref)
-	if err != nil {
-		return nil, fmt.Errorf("materialize %s: %w", ref, err)
-	}
 	st, err := s.materialize(ctx, m, dstDir, o, start)
 	if err != nil {
 		return nil, fmt.Errorf("materialize %s into %s: %w", m.Name, dstDir, err)
 	}
 	return st, nil
+}
+
+// getLocked takes the store lock shared and reads the manifest of ref under it, so gc cannot
+// remove the chunks of an image removed meanwhile. The caller unlocks; on error nothing is held.
+func (s *Store) getLocked(ctx context.Context, ref string) (*Manifest, *lock, error) {
+	lk, err := s.lockShared(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	m, err := s.Get(ref)
+	if err != nil {
+		lk.unlock()
+		return nil, nil, err
+	}
+	return m, lk, nil
 }
 
 func (s *Store) materialize(ctx context.Context, m *Manifest, dstDir string, o GetOptions, start time.Time) (st *Stats, err error) {
@@ -159,6 +168,8 @@ func prepareTarget(dir string) (created bool, err error) {
 }
 
 // cleanupTarget removes what a failed materialize wrote (os.RemoveAll does not follow links).
+// Only real directories are made writable again: os.Chmod follows symlinks, and an image's
+// symlink may point anywhere on the host.
 func cleanupTarget(dir string, created bool) {
 	if created {
 		os.RemoveAll(dir)
@@ -167,7 +178,9 @@ func cleanupTarget(dir string, created bool) {
 	ents, _ := os.ReadDir(dir)
 	for _, e := range ents {
 		p := filepath.Join(dir, e.Name())
-		os.Chmod(p, 0o700) // a read-only directory would block RemoveAll
+		if e.Type().IsDir() {
+			os.Chmod(p, 0o700) // a read-only directory would block RemoveAll
+		}
 		os.RemoveAll(p)
 	}
 }

@@ -55,7 +55,9 @@ type GPU struct {
 	MemoryBytes uint64 `json:"memory_bytes,omitempty"`
 }
 
-// Metadata is free-form provenance recorded with an image.
+// Metadata is free-form provenance recorded with an image. GPUs are the GPUs the process used;
+// Visible, a superset, are the GPUs its CUDA driver enumerated (CUDA_VISIBLE_DEVICES, else every
+// GPU of the host): a restore onto other GPUs must pair each of them.
 type Metadata struct {
 	Kind    string            `json:"kind,omitempty"` // "cuda", "cpu", or empty for a plain directory
 	Host    string            `json:"host,omitempty"`
@@ -63,7 +65,8 @@ type Metadata struct {
 	Driver  string            `json:"driver,omitempty"`
 	CUDA    string            `json:"cuda,omitempty"`
 	CRIU    string            `json:"criu,omitempty"`
-	GPUs    []GPU             `json:"gpus,omitempty"`
+	GPUs    []GPU             `json:"gpus,omitempty"`         // the GPUs the process used
+	Visible []GPU             `json:"visible_gpus,omitempty"` // every GPU its CUDA driver enumerated (absent in older images)
 	PID     int               `json:"pid,omitempty"`
 	Cmdline []string          `json:"cmdline,omitempty"`
 	Extra   map[string]string `json:"extra,omitempty"`
@@ -383,7 +386,7 @@ func (md *Metadata) validate() error {
 	for k, v := range md.Extra {
 		strs = append(strs, k, v)
 	}
-	for _, g := range md.GPUs {
+	for _, g := range append(append([]GPU(nil), md.GPUs...), md.Visible...) {
 		strs = append(strs, g.UUID, g.Name, g.ComputeCap)
 		if g.Index < 0 {
 			return fmt.Errorf("gpu index %d", g.Index)

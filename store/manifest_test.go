@@ -214,6 +214,9 @@ func TestManifestValidation(t *testing.T) {
 		{"minor-9", func(m *Manifest) { m.FormatVersion = "1.9" }, nil},
 		{"bad-version", func(m *Manifest) { m.FormatVersion = "x" }, ErrCorrupt},
 		{"negative-pid", func(m *Manifest) { m.Meta.PID = -1 }, ErrCorrupt},
+		{"visible-gpus", func(m *Manifest) { m.Meta.Visible = []GPU{{Index: 0, UUID: "GPU-a"}, m.Meta.GPUs[0]} }, nil},
+		{"visible-negative-index", func(m *Manifest) { m.Meta.Visible = []GPU{{Index: -1, UUID: "GPU-a"}} }, ErrCorrupt},
+		{"visible-long-name", func(m *Manifest) { m.Meta.Visible = []GPU{{Name: strings.Repeat("x", 65<<10)}} }, ErrCorrupt},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -274,6 +274,46 @@ func TestPutErrors(t *testing.T) {
 	assertNoGarbage(t, s)
 }
 
+// A failed materialize into an existing directory cleans up without following the image's
+// symlinks: a link to a host file must not get that file chmodded or removed.
+func TestFailedMaterializeLeavesSymlinkTargetsAlone(t *testing.T) {
+	s := openTestStore(t)
+	ctx := context.Background()
+	host := filepath.Join(t.TempDir(), "host-file")
+	if err := os.WriteFile(host, []byte("host"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	src := t.TempDir()
+	if err := os.Symlink(host, filepath.Join(src, "a-link")); err != nil {
+		t.Fatal(err)
+	}
+	writeRandom(t, filepath.Join(src, "b-data"), 2*testChunk, 8)
+	m, _, err := s.Put(ctx, src, PutOptions{Name: "x", ChunkSize: testChunk})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Files[0].Type != TypeSymlink || m.Files[1].Path != "b-data" {
+		t.Fatalf("unexpected files %+v", m.Files)
+	}
+	if err := os.Remove(s.chunkPath(m.Files[1].Chunks[1].Hash)); err != nil {
+		t.Fatal(err)
+	}
+	dst := t.TempDir()
+	if _, err := s.Materialize(ctx, "x", dst, GetOptions{}); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("materialize with a missing chunk: %v", err)
+	}
+	if ents, _ := os.ReadDir(dst); len(ents) != 0 {
+		t.Errorf("failed materialize left %v in %s", ents, dst)
+	}
+	fi, err := os.Stat(host)
+	if err != nil {
+		t.Fatalf("symlink target after cleanup: %v", err)
+	}
+	if fi.Mode().Perm() != 0o644 {
+		t.Fatalf("symlink target mode %v after cleanup, want untouched 0644", fi.Mode().Perm())
+	}
+}
+
 func TestMaterializeTargetChecks(t *testing.T) {
 	s := openTestStore(t)
 	ctx := context.Background()

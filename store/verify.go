@@ -41,12 +41,7 @@ func (s *Store) Verify(ctx context.Context, ref string) (*VerifyReport, error) {
 // VerifyWith is Verify with worker, memory and progress options.
 func (s *Store) VerifyWith(ctx context.Context, ref string, o GetOptions) (*VerifyReport, error) {
 	start := time.Now()
-	lk, err := s.lockShared(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("verify %s: %w", ref, err)
-	}
-	defer lk.unlock()
-	m, err := s.Get(ref)
+	m, lk, err := s.getLocked(ctx, ref)
 	if err != nil {
 		if errors.Is(err, ErrCorrupt) || errors.Is(err, ErrUnsupportedVersion) {
 			r := &VerifyReport{Name: ref, Problems: []Problem{{Path: "(manifest)", Err: err.Error()}}}
@@ -54,6 +49,7 @@ func (s *Store) VerifyWith(ctx context.Context, ref string, o GetOptions) (*Veri
 		}
 		return nil, fmt.Errorf("verify %s: %w", ref, err)
 	}
+	defer lk.unlock()
 	r, err := s.verify(ctx, m, o)
 	if r != nil {
 		r.Duration = time.Since(start)

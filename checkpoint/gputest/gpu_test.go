@@ -75,6 +75,12 @@ type proc struct {
 
 func start(t *testing.T, name string, args ...string) *proc {
 	t.Helper()
+	return startEnv(t, nil, name, args...)
+}
+
+// startEnv is start with extra environment variables (KEY=VALUE).
+func startEnv(t *testing.T, env []string, name string, args ...string) *proc {
+	t.Helper()
 	dir := filepath.Join(out, "gputest", t.Name())
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
@@ -92,6 +98,9 @@ func start(t *testing.T, name string, args ...string) *proc {
 		cmd = exec.Command(filepath.Join(workloads, name), args...)
 	}
 	cmd.Stdout, cmd.Stderr = f, f
+	if env != nil {
+		cmd.Env = append(os.Environ(), env...)
+	}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -172,6 +181,40 @@ func ptxmig(t *testing.T, args ...string) (string, string, int) {
 	return so.String(), se.String(), code
 }
 
+// logPairs records the GPU pairs an operation used, in the test log and in
+// $PTXMIG_OUT/gputest/pairs.log (the driver-580 pairing rule is what these runs confirm).
+func logPairs(t *testing.T, what string, pairs []restore.Pair) {
+	t.Helper()
+	var b strings.Builder
+	fmt.Fprintf(&b, "%s %s: %d GPU pairs\n", t.Name(), what, len(pairs))
+	for _, p := range pairs {
+		fmt.Fprintf(&b, "  %s\n", p)
+	}
+	t.Log(b.String())
+	dir := filepath.Join(out, "gputest")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(filepath.Join(dir, "pairs.log"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	_, _ = f.WriteString(b.String())
+}
+
+// visibleHere is how many GPUs a workload started by these tests sees (they inherit this
+// process's environment), plus extra variables.
+func visibleHere(t *testing.T, devs []gpu.Device, extra ...string) int {
+	t.Helper()
+	env := gpu.ParseEnviron([]byte(strings.Join(append(os.Environ(), extra...), "\x00")))
+	vis, err := gpu.VisibleDevices(env, devs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(vis)
+}
+
 // gpuOf returns the GPU index NVML shows pid on (-1: none).
 func gpuOf(t *testing.T, pid int) int {
 	t.Helper()
@@ -219,7 +262,7 @@ func counterArgs(steps int, device int) []string {
 
 // (a) counter checkpointed on GPU 0, restored with --gpu 1: same final checksum, shows on GPU 1.
 func TestCheckpointRestoreOtherGPU(t *testing.T) {
-	need(t, 2)
+	devs := need(t, 2)
 	ref := make(chan []string, 1)
 	go func() {
 		ref <- reference(t, "counter", "--mib", "256", "--steps", "60", "--interval-ms", "0", "--device", "1")
@@ -234,11 +277,19 @@ func TestCheckpointRestoreOtherGPU(t *testing.T) {
 	if err := json.Unmarshal([]byte(so), &cr); err != nil || cr.Kind != "cuda" || len(cr.GPUs) != 1 || cr.GPUs[0].Index != 0 {
 		t.Fatalf("checkpoint result %+v (%v)", cr, err)
 	}
+	if n := visibleHere(t, devs); len(cr.Visible) != n {
+		t.Fatalf("checkpoint recorded %d visible GPUs (%+v), want %d", len(cr.Visible), cr.Visible, n)
+	}
 	<-p.done
-	_, _, code = ptxmig(t, "restore", "--gpu", "1", "gpu-a")
+	so, _, code = ptxmig(t, "--json", "restore", "--gpu", "1", "gpu-a")
 	if code != 0 {
 		t.Fatalf("restore exit %d", code)
 	}
+	var rr restore.Result
+	if err := json.Unmarshal([]byte(so), &rr); err != nil || !rr.Remapped || len(rr.Pairs) != len(cr.Visible) {
+		t.Fatalf("restore result %+v (%v), want %d pairs given to the driver", rr, err, len(cr.Visible))
+	}
+	logPairs(t, "restore --gpu 1", rr.Pairs)
 	if g := gpuOf(t, p.pid); g != 1 {
 		t.Fatalf("restored pid %d is on GPU %d in NVML, want 1", p.pid, g)
 	}
@@ -248,7 +299,7 @@ func TestCheckpointRestoreOtherGPU(t *testing.T) {
 
 // (b) migrate 0 → 1 → 0 in place with exact continuity.
 func TestMigrateThereAndBack(t *testing.T) {
-	need(t, 2)
+	devs := need(t, 2)
 	ref := make(chan []string, 1)
 	go func() {
 		ref <- reference(t, "counter", "--mib", "256", "--steps", "80", "--interval-ms", "0", "--device", "1")
@@ -263,6 +314,10 @@ func TestMigrateThereAndBack(t *testing.T) {
 		var mr restore.MigrateResult
 		if err := json.Unmarshal([]byte(so), &mr); err != nil || mr.Downtime <= 0 || mr.Target[0].Index != to {
 			t.Fatalf("migrate result %+v (%v)", mr, err)
+		}
+		logPairs(t, fmt.Sprintf("migrate --gpu %d", to), mr.Pairs)
+		if n := visibleHere(t, devs); len(mr.Pairs) != n {
+			t.Fatalf("migrate used %d GPU pairs, want one per visible GPU (%d)", len(mr.Pairs), n)
 		}
 		if g := gpuOf(t, p.pid); g != to {
 			t.Fatalf("after migrate pid %d is on GPU %d, want %d", p.pid, g, to)
@@ -382,7 +437,10 @@ func TestMigrateTargetFailsMidRestore(t *testing.T) {
 			}
 			return nil
 		}}
-	_, err = restore.MigrateWith(context.Background(), env, restore.MigrateOptions{PID: p.pid, GPUs: []int{1}, LockTimeout: 10 * time.Second})
+	mr, err := restore.MigrateWith(context.Background(), env, restore.MigrateOptions{PID: p.pid, GPUs: []int{1}, LockTimeout: 10 * time.Second})
+	if mr != nil {
+		logPairs(t, "migrate into a full GPU", mr.Pairs)
+	}
 	if filler != nil {
 		_ = syscall.Kill(filler.pid, syscall.SIGKILL)
 	}
@@ -446,4 +504,64 @@ func TestLockTimeoutLeavesProcessRunning(t *testing.T) {
 	if len(got) == 0 || got[len(got)-1] != want[len(want)-1] {
 		t.Fatalf("result %v, want %v", got, want)
 	}
+}
+
+// (f) processes that see only GPU 0 (CUDA_VISIBLE_DEVICES by UUID prefix, and by index) are moved
+// to GPU 1, which they cannot see: one GPU pair, whose target lies outside their visible set. This
+// checks that driver 580 accepts such a pair (the pairs must cover the GPUs the process sees).
+func TestVisibleSubsetMovesOutside(t *testing.T) {
+	devs := need(t, 2)
+	ref := reference(t, "counter", "--mib", "256", "--steps", "60", "--interval-ms", "0", "--device", "1")
+	prefix := devs[0].UUID
+	if len(prefix) > 12 {
+		prefix = prefix[:12] // "GPU-" and 8 hex digits
+	}
+	t.Run("migrate, UUID prefix", func(t *testing.T) {
+		p := startEnv(t, []string{"CUDA_VISIBLE_DEVICES=" + prefix}, "counter", counterArgs(60, 0)...)
+		waitLine(t, p.log, "step 10 ", 60*time.Second)
+		if g := gpuOf(t, p.pid); g != 0 {
+			t.Fatalf("pid %d started on GPU %d, want 0", p.pid, g)
+		}
+		so, _, code := ptxmig(t, "--json", "migrate", "--gpu", "1", strconv.Itoa(p.pid))
+		if code != 0 {
+			t.Fatalf("migrate exit %d", code)
+		}
+		var mr restore.MigrateResult
+		if err := json.Unmarshal([]byte(so), &mr); err != nil || len(mr.Pairs) != 1 || mr.Pairs[0].To.Index != 1 {
+			t.Fatalf("migrate result %+v (%v), want the single pair GPU 0 -> GPU 1", mr, err)
+		}
+		logPairs(t, "migrate --gpu 1", mr.Pairs)
+		if g := gpuOf(t, p.pid); g != 1 {
+			t.Fatalf("after migrate pid %d is on GPU %d, want 1", p.pid, g)
+		}
+		<-p.done
+		sameResults(t, results(p.log), ref)
+	})
+	t.Run("checkpoint-restore, index", func(t *testing.T) {
+		p := startEnv(t, []string{"CUDA_VISIBLE_DEVICES=0", "CUDA_DEVICE_ORDER=PCI_BUS_ID"}, "counter", counterArgs(60, 0)...)
+		waitLine(t, p.log, "step 10 ", 60*time.Second)
+		so, _, code := ptxmig(t, "--json", "checkpoint", "--name", "gpu-f", strconv.Itoa(p.pid))
+		if code != 0 {
+			t.Fatalf("checkpoint exit %d", code)
+		}
+		var cr checkpoint.Result
+		if err := json.Unmarshal([]byte(so), &cr); err != nil || len(cr.Visible) != 1 || cr.Visible[0].Index != 0 {
+			t.Fatalf("checkpoint result %+v (%v), want GPU 0 as the only visible GPU", cr, err)
+		}
+		<-p.done
+		so, _, code = ptxmig(t, "--json", "restore", "--gpu", "1", "gpu-f")
+		if code != 0 {
+			t.Fatalf("restore exit %d", code)
+		}
+		var rr restore.Result
+		if err := json.Unmarshal([]byte(so), &rr); err != nil || len(rr.Pairs) != 1 || rr.Pairs[0].To.Index != 1 {
+			t.Fatalf("restore result %+v (%v), want the single pair GPU 0 -> GPU 1", rr, err)
+		}
+		logPairs(t, "restore --gpu 1", rr.Pairs)
+		if g := gpuOf(t, p.pid); g != 1 {
+			t.Fatalf("restored pid %d is on GPU %d, want 1", p.pid, g)
+		}
+		waitExit(t, p.pid, 2*time.Minute)
+		sameResults(t, results(p.log), ref)
+	})
 }

@@ -25,8 +25,10 @@ func init() {
 			"for the estimated size, no other ptxmig operation on PID), then: driver lock (waits for running\n" +
 			"kernels up to --lock-timeout) → driver checkpoint (GPU memory to host memory, GPUs released) →\n" +
 			"CRIU dump → store. The manifest records host, kernel, driver, CUDA, the source GPUs (index, UUID,\n" +
-			"name, compute capability, memory used), the pid and the command line. A process that does not\n" +
-			"use CUDA is checkpointed with CRIU alone.\n\n" +
+			"name, compute capability, memory used), the GPUs visible to the process (CUDA_VISIBLE_DEVICES in\n" +
+			"its environment, else every GPU: a restore onto other GPUs pairs each of them; MIG is not\n" +
+			"supported), the pid and the command line. A process that does not use CUDA is checkpointed with\n" +
+			"CRIU alone.\n\n" +
 			"Without --leave-running the process is stopped by the dump and killed once the image is stored.\n" +
 			"Any failure — or SIGINT/SIGTERM to ptxmig — after the lock rolls back: the process is resumed,\n" +
 			"restored onto its GPUs and unlocked, and runs on as before (exit status 4). CRIU's full log stays\n" +
@@ -77,6 +79,13 @@ func checkpointAction(c *cli.Context) error {
 		gpus += fmt.Sprintf(", GPU %d %s %s", gp.Index, gp.Name, gp.UUID)
 	}
 	fmt.Fprintf(w, "checkpointed pid %d (%s%s)\n", res.PID, res.Kind, gpus)
+	if len(res.Visible) > 0 {
+		vis := make([]string, len(res.Visible))
+		for i, v := range res.Visible {
+			vis[i] = fmt.Sprintf("%d (%s)", v.Index, v.UUID)
+		}
+		fmt.Fprintf(w, "GPUs visible to it: %s\n", strings.Join(vis, ", "))
+	}
 	fmt.Fprintf(w, "image %s (id %s)\n", res.Image, shortID(res.ImageID))
 	labels := map[string]string{
 		checkpoint.StepLock: "lock", checkpoint.StepCheckpoint: "device->host", checkpoint.StepDump: "criu dump",

@@ -517,6 +517,9 @@ func imageExport(c *cli.Context) error {
 		if err := os.Rename(tmp.Name(), out); err != nil {
 			return fmt.Errorf("export %s: %w", out, err)
 		}
+		if err := syncParent(out); err != nil {
+			return fmt.Errorf("export %s: %w", out, err)
+		}
 	}
 	if env(c).JSON {
 		return printJSONTo(info, map[string]any{"image": c.Args().First(), "output": out, "stream_bytes": st.WrittenBytes, "stats": newStatsJSON(st)})
@@ -566,6 +569,16 @@ func imageImport(c *cli.Context) error {
 	fmt.Fprintf(env(c).Out, "imported %s (id %s): %d chunks, %d already present, %s written\n",
 		m.Name, m.ID, st.Chunks, st.DedupChunks, progress.Bytes(st.WrittenBytes))
 	return nil
+}
+
+// syncParent fsyncs the directory holding path, making a rename into it durable.
+func syncParent(path string) error {
+	d, err := os.Open(filepath.Dir(path))
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
 }
 
 func printJSONTo(w io.Writer, v any) error {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"io"
 	"time"
 
 	"github.com/urfave/cli/v2"
@@ -18,7 +19,10 @@ func init() {
 		Description: "Driver lock → checkpoint (GPU memory to host memory) → restore with GPU pairs onto the targets →\n" +
 			"unlock. The process keeps its pid, memory addresses and handles; CUDA device ordinals inside it\n" +
 			"stay the same while the physical GPU changes. Preflight checks the targets (same chip type, enough\n" +
-			"free memory). If anything fails after the lock, or ptxmig gets SIGINT/SIGTERM, the process is\n" +
+			"free memory). The driver needs a pair for every GPU the process sees (CUDA_VISIBLE_DEVICES in its\n" +
+			"environment, else every GPU): the GPUs it uses go where --gpu/--gpu-map say, the others keep\n" +
+			"their GPU or take the ones left free (moving 0 to 1 on two GPUs pairs 0->1 and 1->0); --dry-run\n" +
+			"lists the pairs. If anything fails after the lock, or ptxmig gets SIGINT/SIGTERM, the process is\n" +
 			"restored onto its source GPUs and unlocked (exit status 4). Prints the downtime and its parts.\n\n" +
 			"Examples:\n" +
 			"   ptxmig migrate --gpu 1 4242\n" +
@@ -64,15 +68,32 @@ func migrateAction(c *cli.Context) error {
 		for i, s := range res.Plan {
 			fmt.Fprintf(w, "  %d. %s\n", i+1, s)
 		}
+		printPairs(w, res.Pairs, true)
 		return nil
 	}
 	for i := range res.Source {
 		fmt.Fprintf(w, "migrated pid %d: GPU %d %s -> GPU %d %s\n", res.PID, res.Source[i].Index, res.Source[i].UUID, res.Target[i].Index, res.Target[i].UUID)
 	}
+	printPairs(w, res.Pairs, true)
 	fmt.Fprintf(w, "  %-15s %s\n", "lock", ms(res.Lock))
 	fmt.Fprintf(w, "  %-15s %s\n", "device->host", ms(res.Checkpoint))
 	fmt.Fprintf(w, "  %-15s %s\n", "host->device", ms(res.Restore))
 	fmt.Fprintf(w, "  %-15s %s\n", "unlock", ms(res.Unlock))
 	fmt.Fprintf(w, "  %-15s %s\n", "downtime", ms(res.Downtime))
 	return nil
+}
+
+// printPairs lists GPU pairs, one a line; remapped says whether the driver got them.
+func printPairs(w io.Writer, pairs []restore.Pair, remapped bool) {
+	if len(pairs) == 0 {
+		return
+	}
+	if remapped {
+		fmt.Fprintf(w, "GPU pairs given to the driver (one per GPU the process sees):\n")
+	} else {
+		fmt.Fprintf(w, "GPUs (unmoved; the driver got no pairs):\n")
+	}
+	for _, p := range pairs {
+		fmt.Fprintf(w, "  %s\n", p)
+	}
 }

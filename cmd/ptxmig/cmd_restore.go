@@ -19,9 +19,12 @@ func init() {
 			"same chip type with enough free memory, and the original pid must be free (CRIU restores a\n" +
 			"process under its pid). Then the image is materialized (every chunk verified; a corrupt image is\n" +
 			"refused) → CRIU restore (detached: the process outlives ptxmig) → driver restore with GPU pairs\n" +
-			"for every checkpointed GPU → unlock. A failure after CRIU restored the process kills it again;\n" +
-			"the image stays intact (exit status 4).\n\n" +
-			"By default each GPU maps to the GPU with the same UUID, else (another host) the same index.\n\n" +
+			"→ unlock. A failure after CRIU restored the process kills it again; the image stays intact\n" +
+			"(exit status 4).\n\n" +
+			"By default each GPU maps to the GPU with the same UUID, else (another host) the same index.\n" +
+			"When a GPU moves, the driver needs a pair for every GPU the process saw (recorded at checkpoint:\n" +
+			"CUDA_VISIBLE_DEVICES, else every GPU of its host): the ones it did not use keep their GPU or take\n" +
+			"the ones left free, so the host needs at least that many GPUs of the same chip.\n\n" +
 			"Examples:\n" +
 			"   ptxmig restore counter-4242-20261122-101500\n" +
 			"   ptxmig restore --gpu 1 trainer-step-900\n" +
@@ -62,9 +65,7 @@ func restoreAction(c *cli.Context) error {
 	}
 	w := g.Out
 	fmt.Fprintf(w, "restored image %s as pid %d (%s)\n", res.Image, res.PID, res.Kind)
-	for _, p := range res.Pairs {
-		fmt.Fprintf(w, "  GPU %d %s -> GPU %d %s\n", p.From.Index, p.From.UUID, p.To.Index, p.To.UUID)
-	}
+	printPairs(w, res.Pairs, res.Remapped)
 	fmt.Fprintf(w, "  %-15s %s (%s)\n", "materialize", ms(res.Materialize), checkpoint.HumanBytes(res.Bytes))
 	labels := map[string]string{restore.StepCRIURestore: "criu restore", restore.StepDriverRestore: "host->device", restore.StepUnlock: "unlock"}
 	for _, t := range res.Timings {

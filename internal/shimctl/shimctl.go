@@ -17,6 +17,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // DefaultSocketDir is where the shim creates <pid>.sock unless PTXMIG_SOCKET_DIR says otherwise.
@@ -36,6 +38,9 @@ var (
 	ErrProtocol = errors.New("shim protocol error")
 	// ErrShim: the shim answered with an error.
 	ErrShim = errors.New("shim refused the request")
+	// ErrPeer: the socket named after a PID is served by another process (a stale or planted
+	// socket); nothing is sent to it.
+	ErrPeer = errors.New("control socket not served by the expected process")
 )
 
 // SocketDir returns the socket directory: dir if set, else $PTXMIG_SOCKET_DIR, else the default.
@@ -116,12 +121,50 @@ func Dial(ctx context.Context, path string) (*Client, error) {
 	return &Client{conn: conn, r: bufio.NewReaderSize(conn, 64<<10), path: path}, nil
 }
 
-// DialPID connects to pid's socket in dir ("" for the default directory).
+// DialPID connects to pid's socket in dir ("" for the default directory) and checks, with
+// SO_PEERCRED, that pid itself listens on it: ptxmig runs as root and must not talk to a socket
+// another process left or planted under that name.
 func DialPID(ctx context.Context, dir string, pid int) (*Client, error) {
 	if pid <= 0 {
 		return nil, fmt.Errorf("pid %d: must be positive", pid)
 	}
-	return Dial(ctx, SocketPath(dir, pid))
+	c, err := Dial(ctx, SocketPath(dir, pid))
+	if err != nil {
+		return nil, err
+	}
+	got, err := peerPID(c.conn)
+	if err == nil && got != pid {
+		err = fmt.Errorf("%w: %s is served by pid %d, not %d", ErrPeer, c.path, got, pid)
+	}
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// peerPID returns the PID of the process at the other end of a Unix socket connection (for a
+// listening server: the process that called listen).
+func peerPID(conn net.Conn) (int, error) {
+	uc, ok := conn.(*net.UnixConn)
+	if !ok {
+		return 0, fmt.Errorf("%w: not a Unix socket connection", ErrPeer)
+	}
+	raw, err := uc.SyscallConn()
+	if err != nil {
+		return 0, fmt.Errorf("peer credentials: %w", err)
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return 0, fmt.Errorf("peer credentials: %w", err)
+	}
+	if cerr != nil {
+		return 0, fmt.Errorf("peer credentials: %w", cerr)
+	}
+	return int(cred.Pid), nil
 }
 
 // Close closes the connection.

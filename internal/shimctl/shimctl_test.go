@@ -123,6 +123,41 @@ func TestDumpModulesValidates(t *testing.T) {
 	}
 }
 
+func TestDialPIDChecksPeer(t *testing.T) {
+	dir := t.TempDir()
+	reply := `{"ok":true,"proto":1,"cmd":"status","result":{"pid":1}}` + "\n"
+	serve := func(pid int) {
+		t.Helper()
+		l, err := net.Listen("unix", SocketPath(dir, pid))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { l.Close() })
+		go func() {
+			for {
+				c, err := l.Accept()
+				if err != nil {
+					return
+				}
+				c.Write([]byte(reply))
+				c.Close()
+			}
+		}()
+	}
+	// A socket named after pid 1 but served by this test process: an impostor.
+	serve(1)
+	if _, err := DialPID(context.Background(), dir, 1); !errors.Is(err, ErrPeer) {
+		t.Fatalf("dial a socket served by another process: %v, want ErrPeer", err)
+	}
+	// The socket named after this process is served by it.
+	serve(os.Getpid())
+	c, err := DialPID(context.Background(), dir, os.Getpid())
+	if err != nil {
+		t.Fatalf("dial own socket: %v", err)
+	}
+	c.Close()
+}
+
 func TestDialMissing(t *testing.T) {
 	_, err := DialPID(context.Background(), t.TempDir(), 99999)
 	if !errors.Is(err, ErrNoShim) {

@@ -23,22 +23,6 @@ static atomic_int started_pid;  // pid that owns the running control thread (0: 
 static int listen_fd = -1;
 static char sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 
-static void reply_error(int fd, const char *msg) {
-  jbuf b = {0};
-  jb_printf(&b, "{\"ok\":false,\"proto\":%d,\"error\":", PTXMIG_PROTO_VERSION);
-  jb_str(&b, msg, strlen(msg));
-  jb_s(&b, "}\n");
-  if (!b.oom) {
-    size_t off = 0;
-    while (off < b.len) {
-      ssize_t w = send(fd, b.p + off, b.len - off, MSG_NOSIGNAL);
-      if (w <= 0) break;
-      off += (size_t)w;
-    }
-  }
-  free(b.p);
-}
-
 static int send_all(int fd, const char *p, size_t n) {
   size_t off = 0;
   while (off < n) {
@@ -48,6 +32,15 @@ static int send_all(int fd, const char *p, size_t n) {
     off += (size_t)w;
   }
   return 0;
+}
+
+static void reply_error(int fd, const char *msg) {
+  jbuf b = {0};
+  jb_printf(&b, "{\"ok\":false,\"proto\":%d,\"error\":", PTXMIG_PROTO_VERSION);
+  jb_str(&b, msg, strlen(msg));
+  jb_s(&b, "}\n");
+  if (!b.oom) send_all(fd, b.p, b.len);
+  free(b.p);
 }
 
 // handle_line answers one request; returns -1 when the connection should close.

@@ -572,6 +572,34 @@ void samples_drop_ctx(CUcontext ctx) {
   pthread_mutex_unlock(&sample_mu);
 }
 
+// ---- fork ----
+// A fork while another thread is inside the bookkeeping would leave the child with that thread's
+// locks held forever. The table locks are only ever held for memory work (never across a driver
+// call, never nested), so prepare takes them all and both sides release them. sample_mu is held
+// across driver calls (event queries): taking it in prepare could wait on the driver's own fork
+// handlers, so the child re-creates it instead, and forgets the parent's pending samples (their
+// events belong to the parent's contexts).
+static void fork_prepare(void) {
+  pthread_mutex_lock(&ctx_mu);
+  pthread_mutex_lock(&alloc_mu);
+  pthread_mutex_lock(&mod_mu);
+  pthread_mutex_lock(&k_mu);
+}
+static void fork_parent(void) {
+  pthread_mutex_unlock(&k_mu);
+  pthread_mutex_unlock(&mod_mu);
+  pthread_mutex_unlock(&alloc_mu);
+  pthread_mutex_unlock(&ctx_mu);
+}
+static void fork_child(void) {
+  fork_parent();
+  pthread_mutex_init(&sample_mu, NULL);
+  npending = 0;
+}
+__attribute__((constructor)) static void track_fork_init(void) {
+  pthread_atfork(fork_prepare, fork_parent, fork_child);
+}
+
 static __thread sample tls_sample;  // the sample in flight on this thread between pre and post
 
 void launch_pre(launch_tok *t, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
@@ -934,6 +962,20 @@ void report_kernels(jbuf *b) {
 
 // ---- dump ----
 
+// write_all writes all of data to fd; 0 or an errno value.
+static int write_all(int fd, const void *data, size_t len) {
+  const uint8_t *p = data;
+  size_t off = 0;
+  while (off < len) {
+    ssize_t w = write(fd, p + off, len - off);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return errno;
+    if (w == 0) return EIO;
+    off += (size_t)w;
+  }
+  return 0;
+}
+
 // write_blob writes data as DIR/<sha256>.<ext> (0600) unless it already exists; *written is set
 // when a new file was created.
 static int write_blob(int dfd, const void *data, size_t len, const char *ext, char sha[65], int *written) {
@@ -943,20 +985,12 @@ static int write_blob(int dfd, const void *data, size_t len, const char *ext, ch
   *written = 0;
   int fd = openat(dfd, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return errno == EEXIST ? 0 : -errno;
-  const uint8_t *p = data;
-  size_t off = 0;
-  while (off < len) {
-    ssize_t w = write(fd, p + off, len - off);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      int e = errno ? errno : EIO;
-      close(fd);
-      unlinkat(dfd, name, 0);
-      return -e;
-    }
-    off += (size_t)w;
+  int e = write_all(fd, data, len);
+  if (close(fd) && !e) e = errno;
+  if (e) {
+    unlinkat(dfd, name, 0);  // never leave a partial blob under its content hash
+    return -e;
   }
-  if (close(fd)) return -errno;
   *written = 1;
   return 0;
 }
@@ -1076,10 +1110,14 @@ int report_dump(jbuf *b, const char *dir, char *err, size_t errlen) {
     snprintf(err, errlen, "dump-modules: out of memory");
     rc = -1;
   } else {
+    // Written through write_all so a short write is retried, and the fd is closed on every path.
     int fd = openat(dfd, "index.json.tmp", O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
-    ssize_t wr = fd >= 0 ? write(fd, idx.p, idx.len) : -1;
-    if (fd < 0 || wr != (ssize_t)idx.len || close(fd) || renameat(dfd, "index.json.tmp", dfd, "index.json")) {
-      snprintf(err, errlen, "dump-modules: write %s/index.json: %s", dir, strerror(errno));
+    int e = fd < 0 ? errno : write_all(fd, idx.p, idx.len);
+    if (fd >= 0 && close(fd) && !e) e = errno;
+    if (!e && renameat(dfd, "index.json.tmp", dfd, "index.json")) e = errno;
+    if (e) {
+      if (fd >= 0) unlinkat(dfd, "index.json.tmp", 0);
+      snprintf(err, errlen, "dump-modules: write %s/index.json: %s", dir, strerror(e));
       rc = -1;
     }
   }

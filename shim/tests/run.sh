@@ -20,6 +20,11 @@ trap 'rm -rf "$sd"' EXIT
 PTXMIG_SOCKET_DIR=$sd LD_PRELOAD="$shim" python3 -c 'import ctypes, json; print(json.dumps([1]))' >/dev/null
 [ -z "$(ls -A "$sd")" ] || { echo "shim test: a non-CUDA process created a socket" >&2; exit 1; }
 
+# fork while another thread is inside the shim's bookkeeping: every child must finish (no lock
+# inherited held); app_fork kills a stuck child with SIGALRM and fails.
+LD_LIBRARY_PATH="$build/fake" PTXMIG_SOCKET_DIR=$sd LD_PRELOAD="$shim" "$build/app_fork" 300 >/dev/null \
+  || { echo "shim test: fork while tracking deadlocked or failed (app_fork)" >&2; exit 1; }
+
 python3 "$here/drive.py" --shim "$shim" --build "$build"
 asan=$(${CC:-cc} -print-file-name=libasan.so)
 if [ -f "$asan" ]; then
