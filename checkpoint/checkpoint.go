@@ -275,19 +275,14 @@ func sourceGPUs(env *Env, pid int) (used, visible []store.GPU, err error) {
 	}
 	sort.Slice(used, func(i, j int) bool { return used[i].Index < used[j].Index })
 
-	vis, err := gpu.VisibleTo(pid, devs)
-	if errors.Is(err, gpu.ErrMIG) {
+	// The driver's restore needs a GPU pair for every GPU of the host, whatever the process's
+	// CUDA_VISIBLE_DEVICES says (measured on driver 580: a process that saw only GPU 0 moved to
+	// GPU 1 with {0→1, 1→0} and was refused with {0→1}), so the image records them all. The
+	// environment still matters for one thing: MIG instances cannot be paired.
+	if _, err := gpu.VisibleTo(pid, devs); errors.Is(err, gpu.ErrMIG) {
 		return nil, nil, err
 	}
-	if err != nil {
-		env.logger().Warn("cannot tell which GPUs the process sees; the image will not record them, so restoring it onto other GPUs may be refused", "pid", pid, "err", err)
-		return used, nil, nil
-	}
-	if missing := notIn(used, vis); missing != "" {
-		env.logger().Warn("the process uses GPUs its environment does not make visible (did it change CUDA_VISIBLE_DEVICES after it started?); "+
-			"the image will not record its visible GPUs", "pid", pid, "gpus", missing)
-		return used, nil, nil
-	}
+	vis := gpu.DriverSet(devs)
 	mem := map[string]uint64{}
 	for _, u := range used {
 		mem[strings.ToLower(u.UUID)] = u.MemoryBytes

@@ -44,8 +44,9 @@ func startWithEnv(t *testing.T, env []string) int {
 	}
 }
 
-// TestSourceGPUsRecordsVisible reads the visible set of real processes started with different
-// CUDA_VISIBLE_DEVICES values.
+// TestSourceGPUsRecordsVisible checks that the image records every GPU of the host as the set to
+// pair on restore, whatever CUDA_VISIBLE_DEVICES real processes were started with (the driver
+// pairs over all host GPUs), and that MIG instances are refused.
 func TestSourceGPUsRecordsVisible(t *testing.T) {
 	tests := []struct {
 		name        string
@@ -54,10 +55,10 @@ func TestSourceGPUsRecordsVisible(t *testing.T) {
 		wantErr     error
 	}{
 		{"unset: every GPU", nil, []int{0, 1}, nil},
-		{"index subset", []string{"CUDA_VISIBLE_DEVICES=0"}, []int{0}, nil},
+		{"index subset: still every GPU", []string{"CUDA_VISIBLE_DEVICES=0"}, []int{0, 1}, nil},
 		{"UUID prefixes", []string{"CUDA_VISIBLE_DEVICES=GPU-1111,GPU-0000"}, []int{0, 1}, nil},
-		{"used GPU not visible: not recorded", []string{"CUDA_VISIBLE_DEVICES=1"}, nil, nil},
-		{"garbage: no GPUs, so not recorded", []string{"CUDA_VISIBLE_DEVICES=banana"}, nil, nil},
+		{"other GPU only: still every GPU", []string{"CUDA_VISIBLE_DEVICES=1"}, []int{0, 1}, nil},
+		{"garbage: still every GPU", []string{"CUDA_VISIBLE_DEVICES=banana"}, []int{0, 1}, nil},
 		{"MIG refused", []string{"CUDA_VISIBLE_DEVICES=MIG-4f2e7c1a-1111-2222-3333-444444444444"}, nil, gpu.ErrMIG},
 	}
 	for _, tt := range tests {

@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -412,6 +413,65 @@ func BenchmarkParseInstrument(b *testing.B) {
 				b.Fatal(err)
 			}
 			_ = out.Bytes()
+		}
+	}
+}
+
+func TestClaimSize(t *testing.T) {
+	tests := []struct {
+		name             string
+		left, ctas       uint64
+		bmin, bmax, bdiv uint32
+		want             uint64
+	}{
+		{"defaults, plenty left: capped at max", 1 << 20, 1056, 0, 0, 0, DefaultBatchMax},
+		{"defaults, guided middle", 10 * 4 * 1056, 1056, 0, 0, 0, 10},
+		{"defaults, tail: floor at min", 100, 1056, 0, 0, 0, DefaultBatchMin},
+		{"nothing left still claims min", 0, 1056, 1, 8, 2, 1},
+		{"max below min is raised to min", 1 << 30, 8, 8, 4, 1, 8},
+		{"no batching", 1 << 30, 132, 1, 1, 1, 1},
+		{"zero ctas treated as one", 64, 0, 1, 100, 2, 32},
+		{"custom divisor", 1000, 10, 1, 1000, 10, 10},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := ClaimSize(tc.left, tc.ctas, tc.bmin, tc.bmax, tc.bdiv); got != tc.want {
+				t.Errorf("ClaimSize(%d, %d, %d, %d, %d) = %d, want %d", tc.left, tc.ctas, tc.bmin, tc.bmax, tc.bdiv, got, tc.want)
+			}
+		})
+	}
+}
+
+// TestCtrlHeader checks that shim/include/ptxmig_ctrl.h, the shim's copy of the control-block
+// layout, defines the same offsets and constants as ctrl.go.
+func TestCtrlHeader(t *testing.T) {
+	src, err := os.ReadFile("../shim/include/ptxmig_ctrl.h")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defs := map[string]string{}
+	for _, m := range regexp.MustCompile(`(?m)^#define (PTXMIG_\w+) (\S+)`).FindAllSubmatch(src, -1) {
+		defs[string(m[1])] = strings.TrimSuffix(string(m[2]), "u")
+	}
+	want := map[string]int{
+		"PTXMIG_CTL_OFF_NEXT_BLOCK": CtlOffNextBlock, "PTXMIG_CTL_OFF_TOTAL_BLOCKS": CtlOffTotalBlocks,
+		"PTXMIG_CTL_OFF_BLOCKS_DONE": CtlOffBlocksDone, "PTXMIG_CTL_OFF_GRID_X": CtlOffGridX,
+		"PTXMIG_CTL_OFF_PREEMPT": CtlOffPreempt, "PTXMIG_CTL_OFF_STATUS": CtlOffStatus,
+		"PTXMIG_CTL_OFF_BATCH_MAX": CtlOffBatchMax, "PTXMIG_CTL_OFF_BATCH_MIN": CtlOffBatchMin,
+		"PTXMIG_CTL_OFF_BATCH_DIV": CtlOffBatchDiv, "PTXMIG_CTL_SIZE": CtlSize,
+		"PTXMIG_CTL_MAGIC": CtlMagic, "PTXMIG_CTL_VERSION": CtlVersion, "PTXMIG_CTL_STATUS_PREEMPTED": CtlStatusPreempted,
+		"PTXMIG_BATCH_MIN_DEFAULT": DefaultBatchMin, "PTXMIG_BATCH_MAX_DEFAULT": DefaultBatchMax,
+		"PTXMIG_BATCH_DIV_DEFAULT": DefaultBatchDiv,
+	}
+	for name, v := range want {
+		got, ok := defs[name]
+		if !ok {
+			t.Errorf("%s: not defined in ptxmig_ctrl.h", name)
+			continue
+		}
+		n, err := strconv.ParseInt(got, 0, 64)
+		if err != nil || n != int64(v) {
+			t.Errorf("%s = %s in ptxmig_ctrl.h, ctrl.go has %d", name, got, v)
 		}
 	}
 }

@@ -57,22 +57,26 @@ func rewriteStmt(s *Stmt, repl map[int]string) string {
 }
 
 // Registers of the twin's scheduler (declared as ranges, so they cannot collide with nvcc's).
+// Only vb, cnt, par, the virtual grid and the leader's in-flight claim and flag stay live across
+// the body; the rest of the leader's state is in shared memory (see shSlots...).
 const (
-	rCtl    = "%ptxmig_rd0" // control block (global address)
-	rTotal  = "%ptxmig_rd1" // total virtual blocks
-	rVB     = "%ptxmig_rd2" // claimed virtual block
+	rCtl    = "%ptxmig_rd0" // control block (global address); reloaded from the parameter where needed
+	rVB     = "%ptxmig_rd1" // first virtual block of a batch
+	rPend   = "%ptxmig_rd2" // leader: first block of the claim in flight (atom result), ~0 if none
 	rT64a   = "%ptxmig_rd3"
 	rT64b   = "%ptxmig_rd4"
 	rT64c   = "%ptxmig_rd5"
-	rGX     = "%ptxmig_r0" // original grid
+	rCur    = "%ptxmig_rd6" // leader: end of the last batch seen (claim position estimate)
+	rG      = "%ptxmig_rd7" // leader: claim size
+	rGX     = "%ptxmig_r0"  // original grid
 	rGY     = "%ptxmig_r1"
 	rGZ     = "%ptxmig_r2"
 	rTmp    = "%ptxmig_r3"
 	rTmp2   = "%ptxmig_r4"
-	rPar    = "%ptxmig_r5" // parity slot byte offset: 0 or 8
-	rPrev   = "%ptxmig_r6" // 1 once this CTA has run a block
-	rSlot   = "%ptxmig_r7" // shared address of the slots
-	rFlag   = "%ptxmig_r8"
+	rPar    = "%ptxmig_r5" // parity slot byte offset: 0 or slotStride
+	rFlag   = "%ptxmig_r6" // leader: preempt flag, loaded during each batch's last block
+	rSlot   = "%ptxmig_r7" // shared address of the scheduler state
+	rCnt    = "%ptxmig_r8" // blocks left in the current batch, this one included
 	rAddr   = "%ptxmig_r9"
 	rCX     = "%ptxmig_r10" // virtual %ctaid
 	rCY     = "%ptxmig_r11"
@@ -80,9 +84,12 @@ const (
 	rV32    = "%ptxmig_r13"
 	pLead   = "%ptxmig_p0"
 	pT      = "%ptxmig_p1"
-	pCount  = "%ptxmig_p2"
+	pC      = "%ptxmig_p2"
 	pFits32 = "%ptxmig_p3"
 	pOneDim = "%ptxmig_p4"
+	pS      = "%ptxmig_p5"
+	rF      = "%ptxmig_f0" // leader: claim size arithmetic
+	rF2     = "%ptxmig_f1"
 )
 
 var virtualSpecial = map[string]string{
@@ -90,12 +97,18 @@ var virtualSpecial = map[string]string{
 	"%nctaid.x": rGX, "%nctaid.y": rGY, "%nctaid.z": rGZ,
 }
 
-// makeTwin builds the shared parity-slot variable and the twin function of kernel f.
+// makeTwin builds the shared scheduler-state variable and the twin function of kernel f.
+//
+// Scheduling (docs/PTXSTATE.md, "What a twin does"): the CTA leader claims batches of
+// consecutive virtual blocks with one atom.add each (guided sizes, ClaimSize) and keeps one claim
+// in flight: the claim for batch k+1 is issued right after batch k is published, so its latency
+// overlaps batch k's body. The preempt flag is read (asynchronously) at the start of each batch's
+// last block and consulted only before issuing a claim; a claim already issued always runs.
 func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 	twinName := f.Name + TwinSuffix
 	slotName := slotPrefix + f.Name
-	slot := &Item{Kind: ItemVar, Lead: "\n\n// ptxmig: claim slots of " + twinName + " (two, by iteration parity)\n",
-		Text: fmt.Sprintf(".shared .align 8 .b8 %s[%d];", slotName, twinSlotBytes)}
+	slot := &Item{Kind: ItemVar, Lead: "\n\n// ptxmig: scheduler state of " + twinName + " (two parity slots, leader state)\n",
+		Text: fmt.Sprintf(".shared .align 16 .b8 %s[%d];", slotName, twinSlotBytes)}
 
 	// Header: same text with the new name and one more parameter.
 	h := f.Head
@@ -127,20 +140,53 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 		}
 	}
 	L := func(n string) string { return labelPrefix + n }
+	sh := func(off int) string { return fmt.Sprintf("[%s+%d]", rSlot, off) }
+	ctl := func(off int) string { return fmt.Sprintf("[%s+%d]", rCtl, off) }
+	loadCtl := []string{"ld.param.u64 \t" + rCtl + ", [" + CtlParam + "];", "cvta.to.global.u64 \t" + rCtl + ", " + rCtl + ";"}
+	// claim (leader only): unless the flag is set or no block is left after rCur, issue
+	// atom.add(next_block, G) into rPend (not waited for here) and record G; else rPend = ~0.
+	claim := func(id string) {
+		emit(
+			"ld.shared.u64 \t"+rT64a+", "+sh(shTotal)+";",
+			"setp.lt.u64 \t"+pC+", "+rCur+", "+rT64a+";",
+			"setp.ne.and.u32 \t"+pS+", "+rFlag+", 0, "+pC+";",
+			fmt.Sprintf("@%s red.global.or.b32 \t%s, %d;", pS, ctl(CtlOffStatus), CtlStatusPreempted),
+			"setp.eq.and.u32 \t"+pC+", "+rFlag+", 0, "+pC+";",
+			"mov.u64 \t"+rPend+", -1;",
+			"mov.u64 \t"+rG+", 0;",
+			"@!"+pC+" bra \t"+L("noclaim"+id)+";",
+			"// G = clamp(left * (1/(div*ctas)), min, max) in f32: any G >= 1 is correct, so rounding is harmless",
+			"sub.u64 \t"+rT64a+", "+rT64a+", "+rCur+";",
+			"cvt.rn.f32.u64 \t"+rF+", "+rT64a+";",
+			"ld.shared.f32 \t"+rF2+", "+sh(shInvDiv)+";",
+			"mul.f32 \t"+rF+", "+rF+", "+rF2+";",
+			"ld.shared.v2.u32 \t{"+rTmp+", "+rTmp2+"}, "+sh(shMin)+";",
+			"cvt.rn.f32.u32 \t"+rF2+", "+rTmp2+";",
+			"min.f32 \t"+rF+", "+rF+", "+rF2+";",
+			"cvt.rzi.u32.f32 \t"+rTmp2+", "+rF+";",
+			"max.u32 \t"+rTmp2+", "+rTmp2+", "+rTmp+";",
+			"cvt.u64.u32 \t"+rG+", "+rTmp2+";",
+			fmt.Sprintf("atom.global.add.u64 \t%s, %s, %s;", rPend, ctl(CtlOffNextBlock), rG),
+			L("noclaim"+id)+":",
+			"st.shared.u64 \t"+sh(shPendG)+", "+rG+";",
+		)
+	}
 	emit(
 		"// ptxmig: preemptible persistent-thread scheduler (docs/PTXSTATE.md)",
-		".reg .pred \t%ptxmig_p<5>;",
+		".reg .pred \t%ptxmig_p<6>;",
 		".reg .b32 \t%ptxmig_r<14>;",
-		".reg .b64 \t%ptxmig_rd<6>;",
-		"ld.param.u64 \t"+rCtl+", ["+CtlParam+"];",
-		"cvta.to.global.u64 \t"+rCtl+", "+rCtl+";",
-		fmt.Sprintf("ld.global.u64 \t%s, [%s+%d];", rTotal, rCtl, CtlOffTotalBlocks),
-		fmt.Sprintf("ld.global.u32 \t%s, [%s+%d];", rGX, rCtl, CtlOffGridX),
-		fmt.Sprintf("ld.global.u32 \t%s, [%s+%d];", rGY, rCtl, CtlOffGridY),
-		fmt.Sprintf("ld.global.u32 \t%s, [%s+%d];", rGZ, rCtl, CtlOffGridZ),
-		"setp.le.u64 \t"+pFits32+", "+rTotal+", 4294967295;",
+		".reg .b64 \t%ptxmig_rd<8>;",
+		".reg .f32 \t%ptxmig_f<2>;",
+	)
+	emit(loadCtl...)
+	emit(
+		fmt.Sprintf("ld.global.u64 \t%s, %s;", rT64c, ctl(CtlOffTotalBlocks)),
+		fmt.Sprintf("ld.global.u32 \t%s, %s;", rGX, ctl(CtlOffGridX)),
+		fmt.Sprintf("ld.global.u32 \t%s, %s;", rGY, ctl(CtlOffGridY)),
+		fmt.Sprintf("ld.global.u32 \t%s, %s;", rGZ, ctl(CtlOffGridZ)),
+		"setp.le.u64 \t"+pFits32+", "+rT64c+", 4294967295;",
 		"cvt.u64.u32 \t"+rT64a+", "+rGX+";",
-		"setp.eq.u64 \t"+pOneDim+", "+rT64a+", "+rTotal+";",
+		"setp.eq.u64 \t"+pOneDim+", "+rT64a+", "+rT64c+";",
 		"mov.u32 \t"+rTmp+", %tid.x;",
 		"mov.u32 \t"+rTmp2+", %tid.y;",
 		"or.b32 \t"+rTmp+", "+rTmp+", "+rTmp2+";",
@@ -148,40 +194,61 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 		"or.b32 \t"+rTmp+", "+rTmp+", "+rTmp2+";",
 		"setp.eq.u32 \t"+pLead+", "+rTmp+", 0;",
 		"mov.u32 \t"+rPar+", 0;",
-		"mov.u32 \t"+rPrev+", 0;",
 		"mov.u32 \t"+rSlot+", "+slotName+";",
+		"@!"+pLead+" bra \t"+L("wait")+";",
+		"// leader: resolve the claim tuning, then make the first claim (waited for at the first publish)",
+		fmt.Sprintf("ld.volatile.global.u32 \t%s, %s;", rFlag, ctl(CtlOffPreempt)),
+		fmt.Sprintf("ld.volatile.global.u64 \t%s, %s;", rCur, ctl(CtlOffNextBlock)),
+		"st.shared.u64 \t"+sh(shTotal)+", "+rT64c+";",
+		fmt.Sprintf("ld.global.u32 \t%s, %s;", rTmp, ctl(CtlOffBatchMin)),
+		"setp.eq.u32 \t"+pT+", "+rTmp+", 0;",
+		fmt.Sprintf("@%s mov.u32 \t%s, %d;", pT, rTmp, DefaultBatchMin),
+		fmt.Sprintf("ld.global.u32 \t%s, %s;", rTmp2, ctl(CtlOffBatchMax)),
+		"setp.eq.u32 \t"+pT+", "+rTmp2+", 0;",
+		fmt.Sprintf("@%s mov.u32 \t%s, %d;", pT, rTmp2, DefaultBatchMax),
+		"max.u32 \t"+rTmp2+", "+rTmp2+", "+rTmp+";",
+		"st.shared.v2.u32 \t"+sh(shMin)+", {"+rTmp+", "+rTmp2+"};",
+		fmt.Sprintf("ld.global.u32 \t%s, %s;", rTmp, ctl(CtlOffBatchDiv)),
+		"setp.eq.u32 \t"+pT+", "+rTmp+", 0;",
+		fmt.Sprintf("@%s mov.u32 \t%s, %d;", pT, rTmp, DefaultBatchDiv),
+		"mov.u32 \t"+rTmp2+", %nctaid.x;",
+		"mov.u32 \t"+rAddr+", %nctaid.y;",
+		"mul.lo.u32 \t"+rTmp2+", "+rTmp2+", "+rAddr+";",
+		"mov.u32 \t"+rAddr+", %nctaid.z;",
+		"mul.lo.u32 \t"+rTmp2+", "+rTmp2+", "+rAddr+";",
+		"mul.wide.u32 \t"+rT64a+", "+rTmp+", "+rTmp2+";",
+		"cvt.rn.f32.u64 \t"+rF+", "+rT64a+";",
+		"rcp.rn.f32 \t"+rF+", "+rF+";",
+		"st.shared.f32 \t"+sh(shInvDiv)+", "+rF+";",
+		"mov.u64 \t"+rT64a+", 0;",
+		"st.shared.u64 \t"+sh(shDone)+", "+rT64a+";",
+	)
+	claim("0")
+	emit(
 		L("claim")+":",
 		"@!"+pLead+" bra \t"+L("wait")+";",
-		fmt.Sprintf("ld.volatile.global.u32 \t%s, [%s+%d];", rFlag, rCtl, CtlOffPreempt),
-		"setp.ne.u32 \t"+pT+", "+rFlag+", 0;",
-		"mov.u64 \t"+rVB+", -1;",
-		fmt.Sprintf("@%s red.global.or.b32 \t[%s+%d], %d;", pT, rCtl, CtlOffStatus, CtlStatusPreempted),
-		fmt.Sprintf("@!%s atom.global.add.u64 \t%s, [%s+%d], 1;", pT, rVB, rCtl, CtlOffNextBlock),
-		"add.u32 \t"+rAddr+", "+rSlot+", "+rPar+";",
-		"st.shared.u64 \t["+rAddr+"], "+rVB+";",
-		L("wait")+":",
-		"bar.sync \t0;",
-		"add.u32 \t"+rAddr+", "+rSlot+", "+rPar+";",
-		"ld.shared.u64 \t"+rVB+", ["+rAddr+"];",
-		"xor.b32 \t"+rPar+", "+rPar+", 8;",
-		"setp.ne.and.u32 \t"+pCount+", "+rPrev+", 0, "+pLead+";",
-		fmt.Sprintf("@%s red.global.add.u64 \t[%s+%d], 1;", pCount, rCtl, CtlOffBlocksDone),
-		"mov.u32 \t"+rPrev+", 1;",
-		"setp.ge.u64 \t"+pT+", "+rVB+", "+rTotal+";",
-		"@"+pT+" bra.uni \t"+L("exit")+";",
-		"@!"+pOneDim+" bra.uni \t"+L("ndim")+";",
+		"// leader: publish the claim in flight as {base, end}; an empty batch (base == end) ends the CTA",
+		"ld.shared.u64 \t"+rT64a+", "+sh(shTotal)+";",
+		"ld.shared.u64 \t"+rG+", "+sh(shPendG)+";",
+		"add.u64 \t"+rCur+", "+rPend+", "+rG+";",
+		"min.u64 \t"+rCur+", "+rCur+", "+rT64a+";",
+		"min.u64 \t"+rVB+", "+rPend+", "+rCur+";",
+		"// decompose the batch's first block once; threads step %ctaid from it",
+		"setp.eq.u64 \t"+pT+", "+rVB+", "+rCur+";",
+		"@"+pT+" bra \t"+L("pub")+";",
+		"@!"+pOneDim+" bra \t"+L("ndim")+";",
 		"cvt.u32.u64 \t"+rCX+", "+rVB+";",
 		"mov.u32 \t"+rCY+", 0;",
 		"mov.u32 \t"+rCZ+", 0;",
-		"bra.uni \t"+L("body")+";",
+		"bra \t"+L("pub")+";",
 		L("ndim")+":",
-		"@!"+pFits32+" bra.uni \t"+L("d64")+";",
+		"@!"+pFits32+" bra \t"+L("d64")+";",
 		"cvt.u32.u64 \t"+rV32+", "+rVB+";",
 		"rem.u32 \t"+rCX+", "+rV32+", "+rGX+";",
 		"div.u32 \t"+rV32+", "+rV32+", "+rGX+";",
 		"rem.u32 \t"+rCY+", "+rV32+", "+rGY+";",
 		"div.u32 \t"+rCZ+", "+rV32+", "+rGY+";",
-		"bra.uni \t"+L("body")+";",
+		"bra \t"+L("pub")+";",
 		L("d64")+":",
 		"cvt.u64.u32 \t"+rT64a+", "+rGX+";",
 		"rem.u64 \t"+rT64b+", "+rVB+", "+rT64a+";",
@@ -192,6 +259,40 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 		"cvt.u32.u64 \t"+rCY+", "+rT64c+";",
 		"div.u64 \t"+rT64c+", "+rT64b+", "+rT64a+";",
 		"cvt.u32.u64 \t"+rCZ+", "+rT64c+";",
+		L("pub")+":",
+		"add.u32 \t"+rAddr+", "+rSlot+", "+rPar+";",
+		"st.shared.v2.u64 \t["+rAddr+"], {"+rVB+", "+rCur+"};",
+		"st.shared.v2.u32 \t["+rAddr+"+16], {"+rCX+", "+rCY+"};",
+		"st.shared.u32 \t["+rAddr+"+24], "+rCZ+";",
+		"ld.shared.u64 \t"+rT64a+", "+sh(shDone)+";",
+		"sub.u64 \t"+rT64b+", "+rCur+", "+rVB+";",
+		"add.u64 \t"+rT64a+", "+rT64a+", "+rT64b+";",
+		"st.shared.u64 \t"+sh(shDone)+", "+rT64a+";",
+		L("wait")+":",
+		"bar.sync \t0;",
+		"add.u32 \t"+rAddr+", "+rSlot+", "+rPar+";",
+		"ld.shared.v2.u64 \t{"+rVB+", "+rT64a+"}, ["+rAddr+"];",
+		"ld.shared.v2.u32 \t{"+rCX+", "+rCY+"}, ["+rAddr+"+16];",
+		"ld.shared.u32 \t"+rCZ+", ["+rAddr+"+24];",
+		fmt.Sprintf("xor.b32 \t%s, %s, %d;", rPar, rPar, slotStride),
+		"sub.u64 \t"+rT64a+", "+rT64a+", "+rVB+";",
+		"cvt.u32.u64 \t"+rCnt+", "+rT64a+";",
+		"setp.eq.u32 \t"+pT+", "+rCnt+", 0;",
+		"@"+pT+" bra.uni \t"+L("exit")+";",
+		"@!"+pLead+" bra \t"+L("block")+";",
+		"// leader: keep one claim in flight, from the end of the batch just published",
+	)
+	emit(loadCtl...)
+	claim("1")
+	emit(
+		L("block")+":",
+		"// leader: read the flag during the batch's last block, for the next claim decision",
+		"setp.eq.and.u32 \t"+pT+", "+rCnt+", 1, "+pLead+";",
+		"@!"+pT+" bra \t"+L("body")+";",
+	)
+	emit(loadCtl...)
+	emit(
+		fmt.Sprintf("ld.volatile.global.u32 \t%s, %s;", rFlag, ctl(CtlOffPreempt)),
 		L("body")+":",
 		"// ptxmig: original body",
 	)
@@ -224,8 +325,30 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 	}
 	emit(
 		L("next")+":",
-		"bra \t"+L("claim")+";",
+		"// the whole CTA finished this block: next block of the batch, or the next claim",
+		"sub.u32 \t"+rCnt+", "+rCnt+", 1;",
+		"setp.eq.u32 \t"+pT+", "+rCnt+", 0;",
+		"@"+pT+" bra \t"+L("claim")+";",
+		"// the next %ctaid in x-fastest order (blocks of a batch are consecutive)",
+		"add.u32 \t"+rCX+", "+rCX+", 1;",
+		"setp.eq.u32 \t"+pT+", "+rCX+", "+rGX+";",
+		"@"+pT+" mov.u32 \t"+rCX+", 0;",
+		"@"+pT+" add.u32 \t"+rCY+", "+rCY+", 1;",
+		"setp.eq.and.u32 \t"+pT+", "+rCY+", "+rGY+", "+pT+";",
+		"@"+pT+" mov.u32 \t"+rCY+", 0;",
+		"@"+pT+" add.u32 \t"+rCZ+", "+rCZ+", 1;",
+		"bar.sync \t0;",
+		"bra \t"+L("block")+";",
 		L("exit")+":",
+		"@!"+pLead+" bra \t"+L("ret")+";",
+		"ld.shared.u64 \t"+rT64a+", "+sh(shDone)+";",
+		"setp.ne.u64 \t"+pT+", "+rT64a+", 0;",
+		"@!"+pT+" bra \t"+L("ret")+";",
+	)
+	emit(loadCtl...)
+	emit(
+		fmt.Sprintf("red.global.add.u64 \t%s, %s;", ctl(CtlOffBlocksDone), rT64a),
+		L("ret")+":",
 		"ret;",
 	)
 	tw.Body = body

@@ -2,6 +2,7 @@ package restore
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -48,7 +49,7 @@ type MigrateResult struct {
 	DryRun     bool          `json:"dry_run"`
 	Source     []GPURef      `json:"source"`
 	Target     []GPURef      `json:"target"`
-	Pairs      []Pair        `json:"gpu_pairs"` // every GPU the process sees, used ones first
+	Pairs      []Pair        `json:"gpu_pairs"` // every GPU of the host, used ones first
 	Plan       []string      `json:"plan"`
 	Lock       time.Duration `json:"lock_ns"`
 	Checkpoint time.Duration `json:"checkpoint_ns"`
@@ -120,10 +121,11 @@ func MigrateWith(ctx context.Context, env *checkpoint.Env, o MigrateOptions) (*M
 	if len(o.GPUs) == 0 && len(o.GPUMap) == 0 {
 		return nil, refusef("migrate pid %d: no target: give --gpu N", pid)
 	}
-	visDevs, err := gpu.VisibleTo(pid, devs)
-	if err != nil {
-		return nil, refusef("migrate pid %d: find the GPUs it sees: %w", pid, err)
+	// Pairs cover every GPU of the host (see gpu.DriverSet); only MIG is refused.
+	if _, err := gpu.VisibleTo(pid, devs); errors.Is(err, gpu.ErrMIG) {
+		return nil, refusef("migrate pid %d: %w", pid, err)
 	}
+	visDevs := gpu.DriverSet(devs)
 	pairs, err := PlanPairs(src, StoreGPUs(visDevs, mem), devs, o.GPUs, o.GPUMap, true)
 	if err != nil {
 		return nil, refusef("migrate pid %d: %w", pid, err)
@@ -145,7 +147,7 @@ func MigrateWith(ctx context.Context, env *checkpoint.Env, o MigrateOptions) (*M
 	res.Plan = []string{
 		fmt.Sprintf("lock pid %d (timeout %s)", pid, lockTimeoutText(o.LockTimeout)),
 		fmt.Sprintf("checkpoint: copy its GPU memory (%s) to host memory", human(sum(src))),
-		fmt.Sprintf("restore with %d GPU pairs, one per GPU the process sees: %s", len(pairs), pairText(pairs)),
+		fmt.Sprintf("restore with %d GPU pairs, one per GPU of the host: %s", len(pairs), pairText(pairs)),
 		fmt.Sprintf("unlock pid %d", pid),
 		fmt.Sprintf("on failure: restore without pairs (back onto GPU %s) and unlock", indexes(res.Source)),
 	}
@@ -158,7 +160,18 @@ func MigrateWith(ctx context.Context, env *checkpoint.Env, o MigrateOptions) (*M
 	}
 	defer lk.Release()
 
-	steps := migrateSteps(env.Driver, pid, dpairs, o.LockTimeout)
+	// Re-read free memory right before the driver restore: on driver 580 a restore that runs
+	// out of memory on the target leaves the process CHECKPOINTED for good (every later restore
+	// fails with CUDA_ERROR_OPERATING_SYSTEM, measured), so a target that filled up since
+	// preflight must be caught here, while restoring onto the source still works.
+	recheck := func() error {
+		devs, err := env.GPUs.Devices()
+		if err != nil {
+			return fmt.Errorf("re-read GPU memory before restore: %w", err)
+		}
+		return CheckRoom(pairs, devs, true)
+	}
+	steps := migrateSteps(env.Driver, pid, dpairs, o.LockTimeout, recheck)
 	t0 := time.Now()
 	timings, err := checkpoint.Execute(ctx, steps, env.Hook, 0, env.Log)
 	res.Lock, res.Checkpoint = timings.Of(MigrateLock), timings.Of(MigrateCheckpoint)
@@ -205,7 +218,9 @@ func lockTimeoutText(d time.Duration) string {
 // If the restore onto the targets fails, the checkpoint's undo restores onto the source GPUs
 // and the lock's undo unlocks. That restore passes no pairs: the driver then puts every GPU back
 // where it was checkpointed (the identity), which needs no bijection and works on every driver.
-func migrateSteps(drv checkpoint.Driver, pid int, dpairs []cudackpt.Pair, lockTimeout time.Duration) []checkpoint.Step {
+//
+// recheck (may be nil) runs just before the restore onto the targets; its error fails that step.
+func migrateSteps(drv checkpoint.Driver, pid int, dpairs []cudackpt.Pair, lockTimeout time.Duration, recheck func() error) []checkpoint.Step {
 	return []checkpoint.Step{
 		{Name: MigrateLock,
 			Do: func(context.Context) error { return drv.Lock(pid, lockTimeout) },
@@ -227,7 +242,14 @@ func migrateSteps(drv checkpoint.Driver, pid int, dpairs []cudackpt.Pair, lockTi
 				}
 				return nil
 			}},
-		{Name: MigrateRestore, Do: func(context.Context) error { return drv.Restore(pid, dpairs) }},
+		{Name: MigrateRestore, Do: func(context.Context) error {
+			if recheck != nil && len(dpairs) > 0 {
+				if err := recheck(); err != nil {
+					return err
+				}
+			}
+			return drv.Restore(pid, dpairs)
+		}},
 		{Name: MigrateUnlock, Do: func(context.Context) error { return drv.Unlock(pid) }},
 	}
 }

@@ -133,7 +133,7 @@ func TestMigrateRollback(t *testing.T) {
 			if tt.fail != "" {
 				d.failNext[tt.fail] = oom
 			}
-			_, err := checkpoint.Execute(context.Background(), migrateSteps(d, 42, tt.pairs, time.Second), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil)))
+			_, err := checkpoint.Execute(context.Background(), migrateSteps(d, 42, tt.pairs, time.Second, nil), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil)))
 			if (err != nil) != tt.wantErr {
 				t.Fatalf("err = %v", err)
 			}
@@ -172,10 +172,54 @@ func TestPlannedPairsSatisfyDriver(t *testing.T) {
 		t.Fatal(err)
 	}
 	d := &fakeDriver{state: cudackpt.Running, gpu: u0, visible: []string{u0, u1}, failNext: map[string]error{}}
-	if _, err := checkpoint.Execute(context.Background(), migrateSteps(d, 42, dp, time.Second), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil))); err != nil {
+	if _, err := checkpoint.Execute(context.Background(), migrateSteps(d, 42, dp, time.Second, nil), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil))); err != nil {
 		t.Fatalf("planned pairs %s: %v", pairText(pairs), err)
 	}
 	if d.gpu != u1 || d.state != cudackpt.Running {
 		t.Fatalf("process ends %v on %s, want running on %s", d.state, d.gpu, u1)
+	}
+}
+
+// TestMigrateRecheckBeforeRestore: a target that lost its free memory after preflight is caught
+// just before the driver restore (which, on driver 580, cannot be retried after running out of
+// memory), so the process is restored onto its source and unlocked instead.
+func TestMigrateRecheckBeforeRestore(t *testing.T) {
+	src, dst := mustUUID(t, u0), mustUUID(t, u1)
+	swap := []cudackpt.Pair{{Old: src, New: dst}, {Old: dst, New: src}}
+	d := &fakeDriver{state: cudackpt.Running, gpu: u0, visible: []string{u0, u1}, failNext: map[string]error{}}
+	recheck := func() error { return fmt.Errorf("%w: GPU 1 filled up", ErrNoRoom) }
+	_, err := checkpoint.Execute(context.Background(), migrateSteps(d, 42, swap, time.Second, recheck), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if !errors.Is(err, ErrNoRoom) {
+		t.Fatalf("err = %v, want ErrNoRoom", err)
+	}
+	want := []string{"lock", "checkpoint", "restore", "unlock"}
+	if !reflect.DeepEqual(d.calls, want) {
+		t.Errorf("calls %q, want %q (no restore onto the full target)", d.calls, want)
+	}
+	if d.state != cudackpt.Running || d.gpu != u0 {
+		t.Errorf("process ends %v on %s, want running on %s", d.state, d.gpu, u0)
+	}
+	var se *checkpoint.StepError
+	if !errors.As(err, &se) || !se.RolledBack() {
+		t.Errorf("want a rolled-back step error, got %v", err)
+	}
+}
+
+func TestCheckRoom(t *testing.T) {
+	devs := []gpu.Device{dev(0, u0, "NVIDIA H200", 0), dev(1, u1, "NVIDIA H200", 0)}
+	pairs, err := PlanPairs([]store.GPU{src(0, u0, 1)}, StoreGPUs(devs, nil), devs, []int{1}, nil, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := CheckRoom(pairs, devs, true); err != nil {
+		t.Fatalf("room available: %v", err)
+	}
+	full := []gpu.Device{devs[0], devs[1]}
+	full[1].MemoryUsed = full[1].MemoryTotal
+	if err := CheckRoom(pairs, full, true); !errors.Is(err, ErrNoRoom) {
+		t.Fatalf("full target: err = %v, want ErrNoRoom", err)
+	}
+	if err := CheckRoom(pairs, devs[:1], true); !errors.Is(err, ErrBadTarget) {
+		t.Fatalf("vanished target: err = %v, want ErrBadTarget", err)
 	}
 }

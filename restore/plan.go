@@ -23,7 +23,7 @@ var (
 	ErrPIDInUse     = errors.New("the original PID is in use")
 	// ErrTooFewGPUs: the process saw more GPUs than the target host has of the same chip, and the
 	// driver needs a distinct target for every GPU the process saw.
-	ErrTooFewGPUs = errors.New("too few GPUs to pair every GPU the process sees")
+	ErrTooFewGPUs = errors.New("too few GPUs to pair every GPU of the source host")
 	// ErrVisibleUnknown: a move needs the process's visible-GPU set, which is unknown or
 	// inconsistent with the GPUs it uses.
 	ErrVisibleUnknown = errors.New("the GPUs visible to the process are unknown")
@@ -90,16 +90,33 @@ func PlanPairs(used, visible []store.GPU, devs []gpu.Device, targets []int, gpuM
 		// Nothing moves, so the driver gets no pairs; a visible GPU missing from this host does
 		// not matter then.
 	}
+	if err := CheckRoom(pairs, devs, live); err != nil {
+		return nil, err
+	}
+	return pairs, nil
+}
+
+// CheckRoom verifies that every target receiving used memory has that much free in devs (a
+// fresh NVML reading). A live process's unmoved GPUs already hold their memory.
+func CheckRoom(pairs []Pair, devs []gpu.Device, live bool) error {
+	free := map[string]uint64{}
+	for _, d := range devs {
+		free[strings.ToLower(d.UUID)] = d.MemoryFree()
+	}
 	for _, p := range pairs {
 		if !p.Used || live && p.Identity() {
 			continue
 		}
-		if need := p.From.MemoryBytes; need > p.To.MemoryFree() {
-			return nil, fmt.Errorf("%w: GPU %d (%s) has %s free, the process needs %s (it used that much on GPU %d)",
-				ErrNoRoom, p.To.Index, p.To.UUID, human(p.To.MemoryFree()), human(need), p.From.Index)
+		avail, ok := free[strings.ToLower(p.To.UUID)]
+		if !ok {
+			return fmt.Errorf("%w: GPU %d (%s) is gone", ErrBadTarget, p.To.Index, p.To.UUID)
+		}
+		if need := p.From.MemoryBytes; need > avail {
+			return fmt.Errorf("%w: GPU %d (%s) has %s free, the process needs %s (it used that much on GPU %d)",
+				ErrNoRoom, p.To.Index, p.To.UUID, human(avail), human(need), p.From.Index)
 		}
 	}
-	return pairs, nil
+	return nil
 }
 
 // planUsed maps the used GPUs as the operator asked.

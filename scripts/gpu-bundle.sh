@@ -28,6 +28,9 @@ pkgs=$(grep -rl --include='*_test.go' '^//go:build.*\bgpu\b' --exclude-dir=dist 
 for p in $pkgs; do
   name=$(echo "${p#./}" | tr '/' '-')
   go test -c -tags gpu -trimpath -ldflags="-s -w" -o "$dist/tests/$name.test" "$p"
+  # A dedicated gputest package runs whole; elsewhere only the GPU tests (TestGPU*) run there,
+  # since unit tests need testdata/ that the bundle does not carry.
+  [ "$(basename "$p")" = gputest ] || echo '^TestGPU' >"$dist/tests/$name.run"
 done
 
 cp testdata/workloads/* "$dist/workloads/"

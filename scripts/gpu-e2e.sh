@@ -72,7 +72,8 @@ for t in "$here"/tests/*.test; do
   [ -e "$t" ] || continue
   name=go:$(basename "$t" .test)
   want "$name" || continue
-  run_suite "$name" "$PTXMIG_OUT/${name#go:}.log" "$t" -test.v -test.timeout 9m
+  pattern=.; [ -f "${t%.test}.run" ] && pattern=$(cat "${t%.test}.run")
+  run_suite "$name" "$PTXMIG_OUT/${name#go:}.log" "$t" -test.v -test.timeout 9m -test.run "$pattern"
 done
 for d in "$here"/gputest/*/; do
   [ -x "$d/run.sh" ] || continue

@@ -25,8 +25,8 @@ func init() {
 			"for the estimated size, no other ptxmig operation on PID), then: driver lock (waits for running\n" +
 			"kernels up to --lock-timeout) → driver checkpoint (GPU memory to host memory, GPUs released) →\n" +
 			"CRIU dump → store. The manifest records host, kernel, driver, CUDA, the source GPUs (index, UUID,\n" +
-			"name, compute capability, memory used), the GPUs visible to the process (CUDA_VISIBLE_DEVICES in\n" +
-			"its environment, else every GPU: a restore onto other GPUs pairs each of them; MIG is not\n" +
+			"name, compute capability, memory used), every GPU of the host (a restore onto other GPUs must\n" +
+			"pair each of them, whatever CUDA_VISIBLE_DEVICES the process has; MIG is not\n" +
 			"supported), the pid and the command line. A process that does not use CUDA is checkpointed with\n" +
 			"CRIU alone.\n\n" +
 			"Without --leave-running the process is stopped by the dump and killed once the image is stored.\n" +

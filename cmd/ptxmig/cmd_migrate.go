@@ -19,8 +19,8 @@ func init() {
 		Description: "Driver lock → checkpoint (GPU memory to host memory) → restore with GPU pairs onto the targets →\n" +
 			"unlock. The process keeps its pid, memory addresses and handles; CUDA device ordinals inside it\n" +
 			"stay the same while the physical GPU changes. Preflight checks the targets (same chip type, enough\n" +
-			"free memory). The driver needs a pair for every GPU the process sees (CUDA_VISIBLE_DEVICES in its\n" +
-			"environment, else every GPU): the GPUs it uses go where --gpu/--gpu-map say, the others keep\n" +
+			"free memory). The driver needs a pair for every GPU of the host, whatever CUDA_VISIBLE_DEVICES\n" +
+			"the process has (driver 580): the GPUs it uses go where --gpu/--gpu-map say, the others keep\n" +
 			"their GPU or take the ones left free (moving 0 to 1 on two GPUs pairs 0->1 and 1->0); --dry-run\n" +
 			"lists the pairs. If anything fails after the lock, or ptxmig gets SIGINT/SIGTERM, the process is\n" +
 			"restored onto its source GPUs and unlocked (exit status 4). Prints the downtime and its parts.\n\n" +
@@ -89,7 +89,7 @@ func printPairs(w io.Writer, pairs []restore.Pair, remapped bool) {
 		return
 	}
 	if remapped {
-		fmt.Fprintf(w, "GPU pairs given to the driver (one per GPU the process sees):\n")
+		fmt.Fprintf(w, "GPU pairs given to the driver (one per GPU of the host):\n")
 	} else {
 		fmt.Fprintf(w, "GPUs (unmoved; the driver got no pairs):\n")
 	}

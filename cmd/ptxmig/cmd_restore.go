@@ -22,8 +22,8 @@ func init() {
 			"→ unlock. A failure after CRIU restored the process kills it again; the image stays intact\n" +
 			"(exit status 4).\n\n" +
 			"By default each GPU maps to the GPU with the same UUID, else (another host) the same index.\n" +
-			"When a GPU moves, the driver needs a pair for every GPU the process saw (recorded at checkpoint:\n" +
-			"CUDA_VISIBLE_DEVICES, else every GPU of its host): the ones it did not use keep their GPU or take\n" +
+			"When a GPU moves, the driver needs a pair for every GPU of the source host (recorded at\n" +
+			"checkpoint, whatever CUDA_VISIBLE_DEVICES was): the ones it did not use keep their GPU or take\n" +
 			"the ones left free, so the host needs at least that many GPUs of the same chip.\n\n" +
 			"Examples:\n" +
 			"   ptxmig restore counter-4242-20261122-101500\n" +

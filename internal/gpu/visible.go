@@ -150,3 +150,13 @@ func VisibleTo(pid int, devs []Device) ([]Device, error) {
 	}
 	return vis, nil
 }
+
+// DriverSet returns the GPUs a checkpointed process's restore must pair: every GPU of the host,
+// sorted by index, whatever the process's CUDA_VISIBLE_DEVICES. Measured on driver 580.159.04
+// (2x H200, 2026-11-22): a process started with CUDA_VISIBLE_DEVICES=0 was refused
+// (CUDA_ERROR_INVALID_VALUE) with the pairs {0→1} and moved to GPU 1 with {0→1, 1→0}.
+func DriverSet(devs []Device) []Device {
+	out := append([]Device(nil), devs...)
+	sort.Slice(out, func(i, j int) bool { return out[i].Index < out[j].Index })
+	return out
+}

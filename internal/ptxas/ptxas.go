@@ -74,7 +74,7 @@ type Error struct {
 }
 
 func (e *Error) Error() string { return fmt.Sprintf("ptxas -arch=%s: %v\n%s", e.Arch, e.Err, e.Output) }
-func (e *Error) Unwrap() error  { return e.Err }
+func (e *Error) Unwrap() error { return e.Err }
 
 // Assemble assembles ptx for arch (e.g. "sm_90") and returns the cubin bytes.
 func Assemble(ctx context.Context, bin string, ptx []byte, arch string) ([]byte, error) {

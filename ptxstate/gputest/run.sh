@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # run.sh — ptxstate GPU suite: twins equal their originals bit for bit (straight and under random
 # preemption with relaunch), and their speed and preemption latency. Needs nvcc/ptxas (CUDA 13)
-# and an NVIDIA GPU; about 2-3 minutes on an H200.
+# and an NVIDIA GPU; about 4-6 minutes on an H200 (the large sizes need ~3 GiB of GPU memory).
 #
 # Environment: PTXMIG_BIN (ptxmig binary; default: ptxmig on PATH, then ../../bin/ptxmig),
 # PTXMIG_OUT (results directory, default ./results), PTXSTATE_CORPUS (directory of the nvcc PTX
 # corpus; default: ./corpus in a gpu bundle, else ../testdata/corpus in the repository).
-# Writes $PTXMIG_OUT/ptxstate-twins.md and ptxstate-instrument.txt; exits non-zero on any
-# mismatch, ptxas failure or setup error.
+# PTXSTATE_RUNS (timed runs, default 15), PTXSTATE_PREEMPT_RUNS (default 3), PTXSTATE_TUNE
+# (claim-size settings timed besides the defaults, "MIN,MAX,DIV;...").
+# Writes $PTXMIG_OUT/ptxstate-twins.md (kernels.spec: large sizes), ptxstate-twins-small.md
+# (kernels-small.spec) and ptxstate-instrument.txt; exits non-zero on any mismatch, ptxas failure
+# or setup error.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${PTXMIG_OUT:-$here/results}
@@ -36,9 +39,20 @@ for f in "$corpus"/*.ptx; do
 done
 echo "instrumented and assembled $(ls "$work"/*.ptx | wc -l) modules"
 
+command -v nvcc >/dev/null || { echo "run.sh: nvcc not found (CUDA 13 in /usr/local/cuda/bin)" >&2; exit 2; }
 nvcc -O2 -std=c++17 -o "$work/twin_harness" "$here/twin_harness.cu" -lcuda
-set +e
-"$work/twin_harness" "$here/kernels.spec" "$work" "$out/ptxstate-twins.md" --runs "${PTXSTATE_RUNS:-15}" --preempt-runs "${PTXSTATE_PREEMPT_RUNS:-3}"
-status=$?
-cat "$out/ptxstate-twins.md"
+# Large sizes (every original >= ~0.2 ms: the headline numbers), then the sizes of the first run.
+# Both check bit for bit; the exit status is non-zero if either finds a mismatch or fails.
+status=0
+for spec in kernels kernels-small; do
+  md="$out/ptxstate-twins${spec#kernels}.md"
+  set +e
+  "$work/twin_harness" "$here/$spec.spec" "$work" "$md" --runs "${PTXSTATE_RUNS:-15}" \
+    --preempt-runs "${PTXSTATE_PREEMPT_RUNS:-3}" --tune "${PTXSTATE_TUNE:-1,1,1;1,16,4;4,32,4}"
+  rc=$?
+  set -e
+  echo "== $md (exit $rc)"
+  [ -f "$md" ] && cat "$md"
+  [ $rc -eq 0 ] || status=$rc
+done
 exit $status

@@ -1,23 +1,28 @@
 // twin_harness: checks and times ptxmig preemptible twins against their original kernels.
 //
 //   twin_harness SPEC PTXDIR OUT.md [--runs N] [--preempt-runs R] [--seed S] [--only KERNEL]
+//                [--tune "MIN,MAX,DIV;..."]
 //
 // For every line of SPEC (see kernels.spec) it loads PTXDIR/FILE (an instrumented module holding
 // both KERNEL and KERNEL__ptxmig) and, on the same random inputs with poisoned outputs:
 //   1. runs the original with the spec's grid;
-//   2. runs the twin straight through (flag never set) on min(blocks, occupancy x SMs) CTAs and
-//      compares every output buffer bit for bit;
+//   2. runs the twin straight through (flag never set) on min(blocks, occupancy x SMs) CTAs
+//      (occupancy of the twin, cuOccupancyMaxActiveBlocksPerMultiprocessor) with the default claim
+//      sizes (control-block tuning fields zero) and compares every output buffer bit for bit;
 //   3. R times: runs the twin while the host sets the preempt flag at random moments from a
 //      non-blocking side stream, relaunching with the same control block until every block is
 //      done (several preemptions per run), and compares bit for bit again;
 //   4. times original vs twin (CUDA events, median of N) and the preemption latency (side-stream
-//      event after the flag write -> kernel-stream event after the twin ends).
+//      event after the flag write -> kernel-stream event after the twin ends);
+//   5. times the twin again for each --tune claim-size setting (batch_min,batch_max,batch_div of
+//      the control block; default "1,1,1;1,16,4;4,32,4"), each also checked bit for bit.
 // Writes a markdown table to OUT.md; exits 1 on any mismatch, 2 on setup errors.
 // Driver API only; the control block layout mirrors shim/include/ptxmig_ctrl.h.
 #include <cuda.h>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -40,12 +45,15 @@
     }                                                                             \
   } while (0)
 
-struct Ctl {  // == struct ptxmig_ctl
+struct Ctl {  // == struct ptxmig_ctl (version 2)
   uint64_t next_block, total_blocks, blocks_done;
-  uint32_t grid_x, grid_y, grid_z, preempt, status, magic, version, reserved[3];
+  uint32_t grid_x, grid_y, grid_z, preempt, status, magic, version, batch_max, batch_min, batch_div;
 };
 static_assert(sizeof(Ctl) == 64, "control block size");
+static_assert(offsetof(Ctl, preempt) == 36 && offsetof(Ctl, batch_max) == 52 && offsetof(Ctl, batch_div) == 60, "control block layout");
 static const size_t kOffPreempt = 36;
+
+struct Tune { unsigned bmin, bmax, bdiv; };
 
 struct Param {
   std::string kind;  // in inout out zero scalar
@@ -180,15 +188,30 @@ int main(int argc, char **argv) {
   }
   int runs = 20, preemptRuns = 3;
   uint64_t seed = 20240601;
-  std::string only;
+  std::string only, tuneArg = "1,1,1;1,16,4;4,32,4";
   for (int i = 4; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--runs")) runs = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--preempt-runs")) preemptRuns = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--seed")) seed = strtoull(argv[i + 1], nullptr, 0);
     else if (!strcmp(argv[i], "--only")) only = argv[i + 1];
+    else if (!strcmp(argv[i], "--tune")) tuneArg = argv[i + 1];
     else { fprintf(stderr, "unknown flag %s\n", argv[i]); return 2; }
   }
+  if ((argc - 4) % 2 != 0) { fprintf(stderr, "flag %s needs a value\n", argv[argc - 1]); return 2; }
+  if (runs < 1 || preemptRuns < 0) { fprintf(stderr, "--runs must be >= 1 and --preempt-runs >= 0\n"); return 2; }
+  std::vector<Tune> tunes;
+  {
+    std::istringstream ts(tuneArg);
+    std::string item;
+    while (std::getline(ts, item, ';')) {
+      if (item.empty()) continue;
+      Tune t;
+      if (sscanf(item.c_str(), "%u,%u,%u", &t.bmin, &t.bmax, &t.bdiv) != 3) { fprintf(stderr, "bad --tune item %s (want MIN,MAX,DIV)\n", item.c_str()); return 2; }
+      tunes.push_back(t);
+    }
+  }
   std::vector<Case> cases = readSpec(argv[1]);
+  if (cases.empty()) { fprintf(stderr, "%s: no cases\n", argv[1]); return 2; }
   CUdevice dev;
   CUcontext ctx;
   CK(cuInit(0));
@@ -212,12 +235,16 @@ int main(int argc, char **argv) {
 
   FILE *out = fopen(argv[3], "w");
   if (!out) { perror(argv[3]); return 2; }
-  fprintf(out, "Device: %s (%d SMs). Seed %llu, median of %d timed runs, %d preempted runs per kernel.\n\n",
-          devName, sms, (unsigned long long)seed, runs, preemptRuns);
+  fprintf(out, "Device: %s (%d SMs). Spec %s. Seed %llu, median of %d timed runs, %d preempted runs per kernel.\n"
+          "Twin: control block in device memory (cuMemAlloc), preempt flag raised by cuMemsetD32Async on a non-blocking side stream; "
+          "default claim sizes (batch_min/max/div = 0, i.e. the kernel's defaults).\n\n",
+          devName, sms, argv[1], (unsigned long long)seed, runs, preemptRuns);
   fprintf(out, "| kernel | blocks | twin CTAs | straight | preempted (preemptions) | original ms | twin ms | slowdown | block-wave us | preempt latency p50/p99 us |\n");
   fprintf(out, "|---|---|---|---|---|---|---|---|---|---|\n");
   int failures = 0;
   std::vector<double> ratios;
+  std::vector<std::vector<double>> tuneRatios(tunes.size());
+  std::string tuneRows;
 
   for (auto &c : cases) {
     if (!only.empty() && c.kernel != only) continue;
@@ -263,7 +290,7 @@ int main(int argc, char **argv) {
     Ctl h0 = {};
     h0.total_blocks = total;
     h0.grid_x = c.grid[0]; h0.grid_y = c.grid[1]; h0.grid_z = c.grid[2];
-    h0.magic = 0x4d585450u; h0.version = 1;
+    h0.magic = 0x4d585450u; h0.version = 2;  // batch_* = 0: the twin's default claim sizes
     auto launchOrig = [&]() {
       CK(cuLaunchKernel(orig, c.grid[0], c.grid[1], c.grid[2], c.block[0], c.block[1], c.block[2], c.smem, s, args.data(), nullptr));
     };
@@ -285,8 +312,9 @@ int main(int argc, char **argv) {
     resetCtl();
     launchTwin();
     Ctl h = readCtl();
-    bool straight = h.blocks_done == total && h.next_block >= total && compareOutputs(c, ref, why);
-    if (!straight && why.empty()) why = "control block: blocks_done " + std::to_string(h.blocks_done) + " of " + std::to_string(total);
+    bool straight = h.blocks_done == total && h.next_block >= total && h.status == 0 && compareOutputs(c, ref, why);
+    if (!straight && why.empty())
+      why = "control block: blocks_done " + std::to_string(h.blocks_done) + " of " + std::to_string(total) + ", status " + std::to_string(h.status);
     // 4a. timing (needed first for the preemption window)
     std::vector<double> to, tt;
     for (int r = 0; r < runs; r++) {
@@ -341,8 +369,41 @@ int main(int argc, char **argv) {
       }
       if (preemptOK && !compareOutputs(c, ref, why)) preemptOK = false;
     }
+    // 5. claim-size sweep: same launches with explicit tuning fields, checked and timed.
+    char head[256];
+    snprintf(head, sizeof head, "| %s | %llu | %.3f (x%.3f)", c.kernel.c_str(), (unsigned long long)total, mt, mt / mo);
+    std::string row = head;
+    for (size_t ti = 0; ti < tunes.size(); ti++) {
+      Ctl ht = h0;
+      ht.batch_min = tunes[ti].bmin; ht.batch_max = tunes[ti].bmax; ht.batch_div = tunes[ti].bdiv;
+      auto resetTune = [&]() { CK(cuMemcpyHtoDAsync(dctl, &ht, sizeof ht, s)); };
+      resetBuffers(c, s);
+      resetTune();
+      launchTwin();
+      Ctl hv = readCtl();
+      std::string twhy;
+      bool ok = hv.blocks_done == total && hv.next_block >= total && compareOutputs(c, ref, twhy);
+      std::vector<double> tv;
+      for (int r = 0; r < runs; r++) {
+        float ms;
+        resetTune();
+        CK(cuEventRecord(e0, s)); launchTwin(); CK(cuEventRecord(e1, s));
+        CK(cuEventSynchronize(e1)); CK(cuEventElapsedTime(&ms, e0, e1)); tv.push_back(ms);
+      }
+      double m = median(tv);
+      tuneRatios[ti].push_back(m / mo);
+      char cell[64];
+      snprintf(cell, sizeof cell, " | %.3f (x%.3f)%s", m, m / mo, ok ? "" : " MISMATCH");
+      row += cell;
+      if (!ok) {
+        failures++;
+        printf("%-40s tune %u,%u,%u: MISMATCH %s\n", c.kernel.c_str(), tunes[ti].bmin, tunes[ti].bmax, tunes[ti].bdiv, twhy.c_str());
+      }
+    }
+    tuneRows += row + " |\n";
     double slow = mt / mo;
     ratios.push_back(slow);
+    if (mo < 0.2) printf("%-40s note: original takes %.3f ms (< 0.2 ms): launch overhead weighs on the ratio\n", c.kernel.c_str(), mo);
     fprintf(out, "| %s | %llu | %u | %s | %s (%d) | %.3f | %.3f | %.3f | %.1f | %.1f / %.1f |\n", c.kernel.c_str(),
             (unsigned long long)total, workers, straight ? "ok" : "MISMATCH", preemptOK ? "ok" : "MISMATCH", preemptions,
             mo, mt, slow, waveUs, pct(lat, 0.5), pct(lat, 0.99));
@@ -361,6 +422,19 @@ int main(int argc, char **argv) {
   for (double r : ratios) g += std::log(r);
   if (!ratios.empty()) g = std::exp(g / ratios.size());
   fprintf(out, "\nGeometric-mean slowdown (twin/original, flag never set): %.3f over %zu kernels. Failures: %d.\n", g, ratios.size(), failures);
+  if (!tunes.empty()) {
+    fprintf(out, "\nClaim-size sweep (batch_min,batch_max,batch_div in the control block; twin ms, median of %d, and slowdown):\n\n| kernel | blocks | default ms", runs);
+    for (auto &t : tunes) fprintf(out, " | %u,%u,%u", t.bmin, t.bmax, t.bdiv);
+    fprintf(out, " |\n|---|---|---");
+    for (size_t ti = 0; ti < tunes.size(); ti++) fprintf(out, "|---");
+    fprintf(out, "|\n%s| geomean | | %.3f", tuneRows.c_str(), g);
+    for (auto &rs : tuneRatios) {
+      double tg = 0;
+      for (double r : rs) tg += std::log(r);
+      fprintf(out, " | %.3f", rs.empty() ? NAN : std::exp(tg / rs.size()));
+    }
+    fprintf(out, " |\n");
+  }
   printf("geomean slowdown %.3f over %zu kernels; failures %d\n", g, ratios.size(), failures);
   fclose(out);
   return failures ? 1 : 0;
