@@ -205,15 +205,20 @@ static void *substitute(const char *symbol, void *p, int version, unsigned long 
   if (hook_by_wrapper(p) >= 0) return p;
   for (int i = 0; i < H_COUNT; i++)
     if (!hooks[i].lib && atomic_load(&hooks[i].real) == p) return hooks[i].wrapper;
-  // Not an exported driver symbol: match by (symbol, version, flags), adopting the pointer only
-  // when that wrapper has no real function yet, so that no ABI is ever mixed up.
+  // Not an exported driver symbol: the real driver's resolver hands out internal entry points,
+  // not the addresses of its exported symbols. (symbol, version range, flags) names exactly one
+  // ABI, the one of this hook's exported symbol, so the wrapper (which calls that exported
+  // symbol, or adopts p when the driver exports none) serves the caller with the same ABI.
   int ptsz = flags == CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
   for (int i = 0; i < H_COUNT && symbol; i++) {
     hook_t *h = &hooks[i];
     if (h->lib || !h->query || strcmp(h->query, symbol) != 0 || h->ptsz != ptsz) continue;
     if (version < h->lo || (h->hi && version >= h->hi)) continue;
     void *expect = NULL;
-    if (atomic_compare_exchange_strong(&h->real, &expect, p)) return h->wrapper;
+    if (atomic_compare_exchange_strong(&h->real, &expect, p) || expect) {
+      atomic_fetch_add(&istats.by_name, 1);
+      return h->wrapper;
+    }
     break;
   }
   if (symbol && strncmp(symbol, "cu", 2) == 0) {

@@ -39,7 +39,7 @@ void *real_dlsym_fn(void *h, const char *name);
 
 // Interception counters (for status and the self-test).
 typedef struct {
-  atomic_ulong dlsym_hits, getproc_hits, getproc_v2_hits, entrypoint_hits, unmatched, passthrough;
+  atomic_ulong dlsym_hits, getproc_hits, getproc_v2_hits, entrypoint_hits, by_name, unmatched, passthrough;
 } intercept_stats;
 extern intercept_stats istats;
 

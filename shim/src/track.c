@@ -852,9 +852,10 @@ void report_status(jbuf *b) {
   report_modules(b);
   jb_printf(b,
             ",\"interception\":{\"dlsym\":%lu,\"cuGetProcAddress\":%lu,\"cuGetProcAddress_v2\":%lu,"
-            "\"cudaGetDriverEntryPoint\":%lu,\"unmatched\":%lu,\"passthrough\":%lu}",
+            "\"cudaGetDriverEntryPoint\":%lu,\"by_name\":%lu,\"unmatched\":%lu,\"passthrough\":%lu}",
             atomic_load(&istats.dlsym_hits), atomic_load(&istats.getproc_hits), atomic_load(&istats.getproc_v2_hits),
-            atomic_load(&istats.entrypoint_hits), atomic_load(&istats.unmatched), atomic_load(&istats.passthrough));
+            atomic_load(&istats.entrypoint_hits), atomic_load(&istats.by_name), atomic_load(&istats.unmatched),
+            atomic_load(&istats.passthrough));
   pthread_mutex_lock(&k_mu);
   size_t nk = 0, ng = 0;
   for (size_t i = 0; i < nkrecs; i++) krecs[i]->is_graph ? ng++ : nk++;

@@ -203,6 +203,16 @@ def main():
     if res:
         i = res[1]["interception"]
         check(i["cuGetProcAddress"] >= 1 and i["cuGetProcAddress_v2"] >= 10, f"app_getproc: resolver hits {i}")
+    # The real driver's resolver returns internal entry points, not its exported symbols' addresses:
+    # the shim must recognise them by (symbol, version, flags) and still see every launch.
+    res = run_app(opts, "app_getproc", {"FAKE_CUDA_INTERNAL_PTRS": "1"},
+                  {"k_test": (10, [((1, 1, 1), (64, 1, 1), 4), ((3, 1, 1), (96, 1, 1), 6)])},
+                  {"device": 5 << 20, "async": 7 << 20}, ["cuModuleLoadData", "cuLibraryLoadData"],
+                  {"cuLaunchKernel": 0, "cuLaunchKernel_ptsz": 4, "cuLaunchKernelEx": 6, "cuGetExportTable": 1,
+                   "cuMemAllocAsync_ptsz": 1})
+    if res:
+        i = res[1]["interception"]
+        check(i["by_name"] >= 5, f"app_getproc with internal pointers: by-name matches {i}")
     res = run_app(opts, "app_runtime", {},
                   {"fx_scale": (3, [((2, 1, 1), (128, 1, 1), 3)]),
                    "_Z6fx_addIfEvPT_PKS0_i": (3, [((2, 1, 1), (128, 1, 1), 3)])},

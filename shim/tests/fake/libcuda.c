@@ -191,7 +191,27 @@ static const struct { const char *name; void *fn; } table[] = {
     T(cuStreamEndCapture) T(cuCtxSynchronize) T(cuGetExportTable) T(cuGetProcAddress) T(cuGetProcAddress_v2)
 #undef T
 };
+// With FAKE_CUDA_INTERNAL_PTRS=1 the resolver hands out internal entry points (distinct addresses
+// from the exported symbols, same ABI), as the real driver's cuGetProcAddress does for the
+// functions below: a shim must still recognise them by (symbol, version, flags).
+static CUresult i_cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, void *s, void **p, void **x) { return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, sh, s, p, x); }
+static CUresult i_cuLaunchKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, void *s, void **p, void **x) { return cuLaunchKernel_ptsz(f, gx, gy, gz, bx, by, bz, sh, s, p, x); }
+static CUresult i_cuLaunchKernelEx(const cfg_t *c, void *f, void **p, void **x) { return cuLaunchKernelEx(c, f, p, x); }
+static CUresult i_cuLibraryLoadData(void **l, const void *code, void *a, void *b, unsigned c, void *d, void *e, unsigned g) { return cuLibraryLoadData(l, code, a, b, c, d, e, g); }
+static CUresult i_cuModuleLoadData(void **m, const void *img) { return cuModuleLoadData(m, img); }
+static CUresult i_cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, void *s) { return cuMemAllocAsync_ptsz(p, n, s); }
+static CUresult i_cuGetProcAddress_v2(const char *sym, void **pfn, int ver, unsigned long long flags, int *st) { return cuGetProcAddress_v2(sym, pfn, ver, flags, st); }
+static const struct { const char *name; void *fn; } internal[] = {
+    {"cuLaunchKernel", (void *)i_cuLaunchKernel}, {"cuLaunchKernel_ptsz", (void *)i_cuLaunchKernel_ptsz},
+    {"cuLaunchKernelEx", (void *)i_cuLaunchKernelEx}, {"cuLibraryLoadData", (void *)i_cuLibraryLoadData},
+    {"cuModuleLoadData", (void *)i_cuModuleLoadData}, {"cuMemAllocAsync_ptsz", (void *)i_cuMemAllocAsync_ptsz},
+    {"cuGetProcAddress_v2", (void *)i_cuGetProcAddress_v2},
+};
 static void *lookup(const char *n) {
+  const char *ip = getenv("FAKE_CUDA_INTERNAL_PTRS");
+  if (ip && *ip == '1')
+    for (size_t i = 0; i < sizeof internal / sizeof internal[0]; i++)
+      if (strcmp(internal[i].name, n) == 0) return internal[i].fn;
   for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
     if (strcmp(table[i].name, n) == 0) return table[i].fn;
   return NULL;
