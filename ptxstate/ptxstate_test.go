@@ -475,3 +475,150 @@ func TestCtrlHeader(t *testing.T) {
 		}
 	}
 }
+
+// TestTwinConvergence checks two structural properties of every twin that the GPU relies on
+// and that a batched scheduler once broke (transpose2d faulted with
+// CUDA_ERROR_INVALID_ADDRESS_SPACE on an H200, its body's bar.sync reached by a warp whose
+// leader lane was still in claim code):
+//   - the control flow is reducible: every retreating edge of a depth-first walk goes to a block
+//     that dominates its source (the scheduler loop has one entry, so ptxas can reconverge the
+//     leader's divergent set-up before it);
+//   - no path from a branch on the leader predicate reaches the original body ($__ptxmig_body)
+//     without passing a bar.sync first: leader-only code always ends at a barrier, so every warp
+//     enters the body (with its own aligned barriers and shfl.sync/vote) converged.
+func TestTwinConvergence(t *testing.T) {
+	for _, path := range corpus(t) {
+		m, _ := mustParse(t, path)
+		out, _, err := Instrument(m)
+		if err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		m2, err := Parse(out.Bytes())
+		if err != nil {
+			t.Fatalf("%s: instrumented output: %v", path, err)
+		}
+		for _, it := range m2.Items {
+			if it.Kind != ItemFunc || !strings.HasSuffix(it.Func.Name, TwinSuffix) {
+				continue
+			}
+			t.Run(filepath.Base(path)+"/"+it.Func.Name, func(t *testing.T) {
+				g, err := buildCFG(it.Func)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if bad := irreducibleEdges(g); len(bad) > 0 {
+					t.Errorf("irreducible control flow: retreating edges to non-dominators %v (block -> block)", bad)
+				}
+				if line, ok := leaderReachesBody(g); !ok {
+					t.Errorf("the leader-only branch at line %d reaches the original body without a bar.sync", line)
+				}
+			})
+		}
+	}
+}
+
+// dominators returns, per block, the set of blocks dominating it (entry: block 0; iterative).
+func dominators(g *CFG) []bitset {
+	n := len(g.Blocks)
+	dom := make([]bitset, n)
+	for i := range dom {
+		dom[i] = newBitset(n)
+		if i == 0 {
+			dom[i].set(0)
+			continue
+		}
+		for j := 0; j < n; j++ {
+			dom[i].set(j)
+		}
+	}
+	tmp := newBitset(n)
+	for changed := true; changed; {
+		changed = false
+		for i := 1; i < n; i++ {
+			first := true
+			for _, p := range g.Blocks[i].Preds {
+				if first {
+					tmp.copyFrom(dom[p])
+					first = false
+					continue
+				}
+				for k := range tmp {
+					tmp[k] &= dom[p][k]
+				}
+			}
+			if first { // unreachable: leave as is
+				continue
+			}
+			tmp.set(i)
+			if !tmp.equal(dom[i]) {
+				dom[i].copyFrom(tmp)
+				changed = true
+			}
+		}
+	}
+	return dom
+}
+
+// irreducibleEdges returns the retreating edges (to a block on the DFS stack) whose target does
+// not dominate their source, as "from->to".
+func irreducibleEdges(g *CFG) []string {
+	dom := dominators(g)
+	state := make([]uint8, len(g.Blocks)) // 0 new, 1 on stack, 2 done
+	var bad []string
+	var dfs func(b int)
+	dfs = func(b int) {
+		state[b] = 1
+		for _, s := range g.Blocks[b].Succs {
+			if s >= len(g.Blocks) {
+				continue
+			}
+			switch state[s] {
+			case 0:
+				dfs(s)
+			case 1:
+				if !dom[b].has(s) {
+					bad = append(bad, strconv.Itoa(b)+"->"+strconv.Itoa(s))
+				}
+			}
+		}
+		state[b] = 2
+	}
+	dfs(0)
+	return bad
+}
+
+// leaderReachesBody walks from every branch guarded by the leader predicate and reports the
+// line of one that reaches the body label before any bar.sync/barrier.sync.
+func leaderReachesBody(g *CFG) (int, bool) {
+	body := g.Fn.Body
+	for _, b := range g.Blocks {
+		last := body[b.End-1]
+		if last.Kind != StInstr || last.Base() != "bra" || last.Pred != pLead {
+			continue
+		}
+		seen := make([]bool, len(g.Blocks))
+		work := append([]int(nil), b.Succs...)
+		for len(work) > 0 {
+			x := work[len(work)-1]
+			work = work[:len(work)-1]
+			if x >= len(g.Blocks) || seen[x] {
+				continue
+			}
+			seen[x] = true
+			stopped := false
+			for _, s := range body[g.Blocks[x].Start:g.Blocks[x].End] {
+				if s.Kind == StLabel && s.Name == labelPrefix+"body" {
+					return last.Line, false
+				}
+				if s.Kind == StInstr && (s.Base() == "bar" || s.Base() == "barrier") && (s.HasMod("sync") || s.Op == "bar" || s.HasMod("red")) {
+					stopped = true
+					break
+				}
+			}
+			if !stopped {
+				work = append(work, g.Blocks[x].Succs...)
+			}
+		}
+	}
+	return 0, true
+}

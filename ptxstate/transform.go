@@ -104,6 +104,13 @@ var virtualSpecial = map[string]string{
 // in flight: the claim for batch k+1 is issued right after batch k is published, so its latency
 // overlaps batch k's body. The preempt flag is read (asynchronously) at the start of each batch's
 // last block and consulted only before issuing a claim; a claim already issued always runs.
+//
+// Convergence (TestTwinConvergence checks it on every twin): all leader-only code sits in one region
+// that ends at the scheduler's bar.sync, and the loop has a single entry ($__ptxmig_claim), so the
+// control flow is reducible and every warp enters the original body converged. The body's own
+// bar.sync (an aligned barrier) and warp-synchronous instructions (shfl.sync, vote) need that:
+// a leader lane still in scheduler code while its warp's other lanes run the body is undefined
+// behaviour, and on H200 it faulted (CUDA_ERROR_INVALID_ADDRESS_SPACE in transpose2d).
 func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 	twinName := f.Name + TwinSuffix
 	slotName := slotPrefix + f.Name
@@ -195,7 +202,7 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 		"setp.eq.u32 \t"+pLead+", "+rTmp+", 0;",
 		"mov.u32 \t"+rPar+", 0;",
 		"mov.u32 \t"+rSlot+", "+slotName+";",
-		"@!"+pLead+" bra \t"+L("wait")+";",
+		"@!"+pLead+" bra \t"+L("claim")+";",
 		"// leader: resolve the claim tuning, then make the first claim (waited for at the first publish)",
 		fmt.Sprintf("ld.volatile.global.u32 \t%s, %s;", rFlag, ctl(CtlOffPreempt)),
 		fmt.Sprintf("ld.volatile.global.u64 \t%s, %s;", rCur, ctl(CtlOffNextBlock)),
@@ -225,6 +232,7 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 	)
 	claim("0")
 	emit(
+		"// the loop's only entry: the leader's divergent set-up reconverges here (reducible CFG)",
 		L("claim")+":",
 		"@!"+pLead+" bra \t"+L("wait")+";",
 		"// leader: publish the claim in flight as {base, end}; an empty batch (base == end) ends the CTA",
@@ -268,6 +276,13 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 		"sub.u64 \t"+rT64b+", "+rCur+", "+rVB+";",
 		"add.u64 \t"+rT64a+", "+rT64a+", "+rT64b+";",
 		"st.shared.u64 \t"+sh(shDone)+", "+rT64a+";",
+		"// leader: keep one claim in flight, from the end of the batch just published (none once",
+		"// the batch is empty: rCur == total); the atom's result is waited for at the next publish",
+	)
+	emit(loadCtl...)
+	claim("1")
+	emit(
+		"// every leader-only path ends at this barrier: the warp enters the body converged",
 		L("wait")+":",
 		"bar.sync \t0;",
 		"add.u32 \t"+rAddr+", "+rSlot+", "+rPar+";",
@@ -279,20 +294,13 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 		"cvt.u32.u64 \t"+rCnt+", "+rT64a+";",
 		"setp.eq.u32 \t"+pT+", "+rCnt+", 0;",
 		"@"+pT+" bra.uni \t"+L("exit")+";",
-		"@!"+pLead+" bra \t"+L("block")+";",
-		"// leader: keep one claim in flight, from the end of the batch just published",
-	)
-	emit(loadCtl...)
-	claim("1")
-	emit(
 		L("block")+":",
-		"// leader: read the flag during the batch's last block, for the next claim decision",
+		"// leader: read the flag during the batch's last block, for the next claim decision;",
+		"// predicated, not branched around: no divergent branch between the barrier and the body",
 		"setp.eq.and.u32 \t"+pT+", "+rCnt+", 1, "+pLead+";",
-		"@!"+pT+" bra \t"+L("body")+";",
-	)
-	emit(loadCtl...)
-	emit(
-		fmt.Sprintf("ld.volatile.global.u32 \t%s, %s;", rFlag, ctl(CtlOffPreempt)),
+		"@"+pT+" ld.param.u64 \t"+rCtl+", ["+CtlParam+"];",
+		"@"+pT+" cvta.to.global.u64 \t"+rCtl+", "+rCtl+";",
+		fmt.Sprintf("@%s ld.volatile.global.u32 \t%s, %s;", pT, rFlag, ctl(CtlOffPreempt)),
 		L("body")+":",
 		"// ptxmig: original body",
 	)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # run.sh — ptxstate GPU suite: twins equal their originals bit for bit (straight and under random
 # preemption with relaunch), and their speed and preemption latency. Needs nvcc/ptxas (CUDA 13)
-# and an NVIDIA GPU; about 4-6 minutes on an H200 (the large sizes need ~3 GiB of GPU memory).
+# and an NVIDIA GPU; about 4-6 minutes on an H200 with the defaults (the large sizes need ~6 GiB of
+# GPU memory: every buffer and a device copy of its initial contents), well under a minute with
+# PTXSTATE_RUNS=5 PTXSTATE_PREEMPT_RUNS=2 PTXSTATE_TUNE="1,16,4".
 #
 # Environment: PTXMIG_BIN (ptxmig binary; default: ptxmig on PATH, then ../../bin/ptxmig),
 # PTXMIG_OUT (results directory, default ./results), PTXSTATE_CORPUS (directory of the nvcc PTX
@@ -53,6 +55,13 @@ for spec in kernels kernels-small; do
   set -e
   echo "== $md (exit $rc)"
   [ -f "$md" ] && cat "$md"
+  if [ $rc -ge 2 ]; then
+    # A CUDA error (a faulting kernel) kills the context: the harness names the kernel and phase on
+    # stderr above and stops; the kernels after it in $spec.spec were not run.
+    echo "run.sh: twin_harness stopped on $spec.spec (exit $rc): see the 'kernel ... (phase)' line above; later kernels were not run" >&2
+    status=$rc
+    break
+  fi
   [ $rc -eq 0 ] || status=$rc
 done
 exit $status

@@ -34,13 +34,18 @@
 #include <thread>
 #include <vector>
 
+// The case being run and its phase: a kernel fault kills the context, so the harness cannot go on
+// to the next kernel; it names the kernel and phase that faulted, then exits 2.
+static std::string gKernel = "(setup)", gPhase = "";
+
 #define CK(call)                                                                  \
   do {                                                                            \
     CUresult r_ = (call);                                                         \
     if (r_ != CUDA_SUCCESS) {                                                     \
       const char *s_ = "?";                                                       \
       cuGetErrorString(r_, &s_);                                                  \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, s_);          \
+      fprintf(stderr, "%s:%d: kernel %s (%s): %s: %s (CUresult %d)\n", __FILE__,  \
+              __LINE__, gKernel.c_str(), gPhase.c_str(), #call, s_, (int)r_);     \
       exit(2);                                                                    \
     }                                                                             \
   } while (0)
@@ -61,6 +66,7 @@ struct Param {
   size_t count = 0;  // elements (buffers)
   std::string value; // scalars
   CUdeviceptr dev = 0;
+  CUdeviceptr devInit = 0;          // device copy of init: resets are device-to-device copies
   std::vector<unsigned char> init;  // host initial contents (buffers)
   unsigned char scalar[8] = {0};
 };
@@ -120,20 +126,42 @@ static std::vector<Case> readSpec(const char *path) {
   return cases;
 }
 
-static void fillRandom(Param &q, std::mt19937_64 &rng) {
+static inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// fillRandom fills a buffer's initial contents: element i is a hash of (key, i), so the contents
+// depend only on the seed and the spec, and the fill runs on every host core (2^28-element
+// buffers take seconds with a sequential generator).
+static void fillRandom(Param &q, uint64_t key) {
   size_t es = typeSize(q.type);
   q.init.assign(q.count * es, 0);
   if (q.kind == "out") { std::fill(q.init.begin(), q.init.end(), 0xA5); return; }  // poison
   if (q.kind == "zero") return;
-  for (size_t i = 0; i < q.count; i++) {
-    unsigned char *d = q.init.data() + i * es;
-    if (q.type == "f32") { float v = (float)((int64_t)(rng() % 2000001) - 1000000) / 1e6f; memcpy(d, &v, 4); }
-    else if (q.type == "f64") { double v = (double)((int64_t)(rng() % 2000001) - 1000000) / 1e6; memcpy(d, &v, 8); }
-    else if (q.type == "i32") { int32_t v = (int32_t)(rng() % 2001) - 1000; if (rng() % 8 == 0) v = 0; memcpy(d, &v, 4); }
-    else if (q.type == "u32") { uint32_t v = (uint32_t)rng(); memcpy(d, &v, 4); }
-    else if (q.type == "i64") { int64_t v = (int64_t)(rng() % 2001) - 1000; memcpy(d, &v, 8); }
-    else if (q.type == "u8") { d[0] = (unsigned char)rng(); }
+  auto fill = [&q, es, key](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; i++) {
+      unsigned char *d = q.init.data() + i * es;
+      uint64_t r = splitmix64(key ^ (i * 0xd1342543de82ef95ull)), r2 = splitmix64(r);
+      if (q.type == "f32") { float v = (float)((int64_t)(r % 2000001) - 1000000) / 1e6f; memcpy(d, &v, 4); }
+      else if (q.type == "f64") { double v = (double)((int64_t)(r % 2000001) - 1000000) / 1e6; memcpy(d, &v, 8); }
+      else if (q.type == "i32") { int32_t v = (int32_t)(r % 2001) - 1000; if (r2 % 8 == 0) v = 0; memcpy(d, &v, 4); }
+      else if (q.type == "u32") { uint32_t v = (uint32_t)r; memcpy(d, &v, 4); }
+      else if (q.type == "i64") { int64_t v = (int64_t)(r % 2001) - 1000; memcpy(d, &v, 8); }
+      else if (q.type == "u8") { d[0] = (unsigned char)r; }
+    }
+  };
+  unsigned nt = std::max(1u, std::min(32u, std::thread::hardware_concurrency()));
+  if (q.count < (1u << 16)) nt = 1;
+  std::vector<std::thread> ts;
+  size_t chunk = (q.count + nt - 1) / nt;
+  for (unsigned t = 0; t < nt; t++) {
+    size_t lo = std::min(q.count, t * chunk), hi = std::min(q.count, lo + chunk);
+    ts.emplace_back(fill, lo, hi);
   }
+  for (auto &t : ts) t.join();
 }
 
 static void setScalar(Param &q) {
@@ -146,7 +174,7 @@ static void setScalar(Param &q) {
 
 static void resetBuffers(Case &c, CUstream s) {
   for (auto &q : c.params)
-    if (q.kind != "scalar") CK(cuMemcpyHtoDAsync(q.dev, q.init.data(), q.init.size(), s));
+    if (q.kind != "scalar") CK(cuMemcpyDtoDAsync(q.dev, q.devInit, q.init.size(), s));
 }
 
 static bool compareOutputs(Case &c, std::vector<std::vector<unsigned char>> &ref, std::string &why) {
@@ -248,6 +276,8 @@ int main(int argc, char **argv) {
 
   for (auto &c : cases) {
     if (!only.empty() && c.kernel != only) continue;
+    gKernel = c.file + " " + c.kernel;
+    gPhase = "load";
     std::string path = std::string(argv[2]) + "/" + c.file;
     std::ifstream f(path, std::ios::binary);
     if (!f) { fprintf(stderr, "%s: cannot read\n", path.c_str()); return 2; }
@@ -276,8 +306,10 @@ int main(int argc, char **argv) {
     std::vector<void *> args, targs;
     for (auto &q : c.params) {
       if (q.kind == "scalar") { setScalar(q); continue; }
-      fillRandom(q, rng);
+      fillRandom(q, rng());
       CK(cuMemAlloc(&q.dev, q.init.size()));
+      CK(cuMemAlloc(&q.devInit, q.init.size()));
+      CK(cuMemcpyHtoD(q.devInit, q.init.data(), q.init.size()));
     }
     for (auto &q : c.params) args.push_back(q.kind == "scalar" ? (void *)q.scalar : (void *)&q.dev);
     targs = args;
@@ -301,6 +333,7 @@ int main(int argc, char **argv) {
     auto readCtl = [&]() { Ctl h; CK(cuStreamSynchronize(s)); CK(cuMemcpyDtoH(&h, dctl, sizeof h)); return h; };
 
     // 1. reference
+    gPhase = "original";
     std::vector<std::vector<unsigned char>> ref;
     std::string why;
     resetBuffers(c, s);
@@ -308,6 +341,7 @@ int main(int argc, char **argv) {
     CK(cuStreamSynchronize(s));
     compareOutputs(c, ref, why);
     // 2. straight
+    gPhase = "twin, straight";
     resetBuffers(c, s);
     resetCtl();
     launchTwin();
@@ -316,6 +350,7 @@ int main(int argc, char **argv) {
     if (!straight && why.empty())
       why = "control block: blocks_done " + std::to_string(h.blocks_done) + " of " + std::to_string(total) + ", status " + std::to_string(h.status);
     // 4a. timing (needed first for the preemption window)
+    gPhase = "timing original and twin";
     std::vector<double> to, tt;
     for (int r = 0; r < runs; r++) {
       float ms;
@@ -329,6 +364,7 @@ int main(int argc, char **argv) {
     double waves = std::ceil((double)total / workers);
     double waveUs = mo * 1000.0 / waves;
     // 3. preempted runs
+    gPhase = "twin, preempted";
     bool preemptOK = true;
     int preemptions = 0;
     std::vector<double> lat;
@@ -375,6 +411,7 @@ int main(int argc, char **argv) {
     std::string row = head;
     for (size_t ti = 0; ti < tunes.size(); ti++) {
       Ctl ht = h0;
+      gPhase = "twin, tune " + std::to_string(tunes[ti].bmin) + "," + std::to_string(tunes[ti].bmax) + "," + std::to_string(tunes[ti].bdiv);
       ht.batch_min = tunes[ti].bmin; ht.batch_max = tunes[ti].bmax; ht.batch_div = tunes[ti].bdiv;
       auto resetTune = [&]() { CK(cuMemcpyHtoDAsync(dctl, &ht, sizeof ht, s)); };
       resetBuffers(c, s);
@@ -414,8 +451,11 @@ int main(int argc, char **argv) {
     if (preemptOK && preemptRuns > 0 && preemptions == 0) {
       printf("%-40s warning: no launch was actually preempted\n", c.kernel.c_str());
     }
-    for (auto &q : c.params)
+    gPhase = "cleanup";
+    for (auto &q : c.params) {
       if (q.dev) CK(cuMemFree(q.dev));
+      if (q.devInit) CK(cuMemFree(q.devInit));
+    }
     CK(cuModuleUnload(mod));
   }
   double g = 0;
