@@ -7,7 +7,6 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/ptxmig/ptxmig/internal/exitcode"
 	"github.com/ptxmig/ptxmig/restore"
 )
 
@@ -45,13 +44,9 @@ func migrateAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	gpus, err := restore.ParseGPUList(c.String("gpu"))
+	gpus, gmap, err := gpuTargets(c)
 	if err != nil {
-		return exitcode.Usagef("--gpu: %v", err)
-	}
-	gmap, err := restore.ParseGPUMap(c.String("gpu-map"))
-	if err != nil {
-		return exitcode.Usagef("--gpu-map: %v", err)
+		return err
 	}
 	g := env(c)
 	res, err := restore.Migrate(c.Context, restore.MigrateOptions{PID: pid, GPUs: gpus, GPUMap: gmap,

@@ -42,13 +42,9 @@ func restoreAction(c *cli.Context) error {
 	if err := argsExactly(c, 1); err != nil {
 		return err
 	}
-	gpus, err := restore.ParseGPUList(c.String("gpu"))
+	gpus, gmap, err := gpuTargets(c)
 	if err != nil {
-		return exitcode.Usagef("--gpu: %v", err)
-	}
-	gmap, err := restore.ParseGPUMap(c.String("gpu-map"))
-	if err != nil {
-		return exitcode.Usagef("--gpu-map: %v", err)
+		return err
 	}
 	g := env(c)
 	e, closeEnv, err := checkpoint.NewEnv(c.Context, g.Store, g.Log)
@@ -76,4 +72,17 @@ func restoreAction(c *cli.Context) error {
 		fmt.Fprintf(w, "staging kept in %s\n", res.StagingDir)
 	}
 	return nil
+}
+
+// gpuTargets parses --gpu and --gpu-map, shared by restore and migrate.
+func gpuTargets(c *cli.Context) ([]int, map[string]string, error) {
+	gpus, err := restore.ParseGPUList(c.String("gpu"))
+	if err != nil {
+		return nil, nil, exitcode.Usagef("--gpu: %v", err)
+	}
+	gmap, err := restore.ParseGPUMap(c.String("gpu-map"))
+	if err != nil {
+		return nil, nil, exitcode.Usagef("--gpu-map: %v", err)
+	}
+	return gpus, gmap, nil
 }
