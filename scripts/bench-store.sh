@@ -11,8 +11,9 @@
 # with apt-get when missing and running as root).
 #
 # Every tool reads its input from the page cache (inputs are read once first). "cp+sync" is cp
-# followed by `sync -f`, the fair anchor for ptxmig, which fsyncs every chunk before it commits
-# an image; plain cp (page cache only) is listed too.
+# followed by `sync -f` (syncfs), the fair anchor for ptxmig, which makes every chunk durable
+# (one syncfs before the chunks are renamed into place, one after) before it commits an image;
+# plain cp (page cache only) is listed too.
 set -euo pipefail
 
 size_mib=${1:-1024}

@@ -225,6 +225,10 @@ func TestENOSPC(t *testing.T) {
 	if _, err := s.Get("big"); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("failed put left an image: %v", err)
 	}
+	// The failed Put removes the chunk files it staged but had not renamed into place.
+	if ents, _ := os.ReadDir(s.tmpDir()); len(ents) > 0 {
+		t.Errorf("failed put left %d temp files", len(ents))
+	}
 	if _, err := s.GC(ctx); err != nil {
 		t.Fatal(err)
 	}

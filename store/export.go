@@ -9,7 +9,6 @@ import (
 	"io"
 	"io/fs"
 	"os"
-	"path/filepath"
 	"sync"
 	"time"
 )
@@ -257,6 +256,11 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 		return nil, nil, err
 	}
 	defer lk.unlock()
+	stage, err := s.newChunkStage()
+	if err != nil {
+		return nil, nil, err
+	}
+	defer stage.close() // removes the temp files of a failed Import
 
 	needed := map[ChunkID]int{} // id → raw size
 	var total int64
@@ -293,9 +297,7 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 		free <- nil
 	}
 	jobs := make(chan rec)
-	var mu sync.Mutex
 	got := map[ChunkID]bool{}
-	dirs := map[string]bool{}
 	var wg sync.WaitGroup
 	for range workers {
 		wg.Add(1)
@@ -312,11 +314,9 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 					if fi, serr := os.Lstat(s.chunkPath(j.id)); serr == nil && fi.Mode().IsRegular() {
 						c.dedup.Add(int64(len(out)))
 						c.dedupChunks.Add(1)
-					} else if err = s.writeChunk(j.id, j.buf); err == nil {
+						stage.markFound()
+					} else if err = stage.add(j.id, j.buf); err == nil {
 						c.written.Add(int64(len(j.buf)))
-						mu.Lock()
-						dirs[filepath.Dir(s.chunkPath(j.id))] = true
-						mu.Unlock()
 					}
 				}
 				if err != nil {
@@ -410,11 +410,10 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 		if fi, err := os.Lstat(s.chunkPath(id)); err != nil || !fi.Mode().IsRegular() {
 			return nil, nil, fmt.Errorf("%w: chunk %s neither in the stream nor in the store", ErrBadStream, id)
 		}
+		stage.markFound()
 	}
-	for d := range dirs {
-		if err := syncDir(d); err != nil {
-			return nil, nil, err
-		}
+	if err := stage.commit(); err != nil {
+		return nil, nil, err
 	}
 	if err := s.writeFileAtomic(s.manifestPath(m.Name), raw, false); err != nil {
 		if errors.Is(err, fs.ErrExist) {

@@ -204,13 +204,18 @@ func (s *Store) put(ctx context.Context, srcDir string, o PutOptions, start time
 		return nil, nil, err
 	}
 	defer lk.unlock()
+	stage, err := s.newChunkStage()
+	if err != nil {
+		return nil, nil, err
+	}
+	defer stage.close() // removes the temp files of a failed Put
 
 	var c counters
 	for _, src := range srcs {
 		c.logical.Add(src.size)
 	}
 	stop := reportProgress(ctx, o.Progress, &c.done, c.logical.Load())
-	pw := &putWork{s: s, m: m, c: &c, claimed: map[ChunkID]bool{}, sizes: map[ChunkID]int{}, dirs: map[string]bool{}}
+	pw := &putWork{s: s, m: m, c: &c, stage: stage, claimed: map[ChunkID]bool{}, sizes: map[ChunkID]int{}}
 	err = pw.run(ctx, srcs, workers, o.ChunkSize)
 	stop()
 	if err != nil {
@@ -235,10 +240,8 @@ func (s *Store) put(ctx context.Context, srcDir string, o PutOptions, start time
 			}
 		}
 	}
-	for d := range pw.dirs {
-		if err := syncDir(d); err != nil {
-			return nil, nil, err
-		}
+	if err := stage.commit(); err != nil {
+		return nil, nil, err
 	}
 	if err := s.commitManifest(m); err != nil {
 		return nil, nil, err
@@ -266,14 +269,14 @@ func (s *Store) commitManifest(m *Manifest) error {
 }
 
 type putWork struct {
-	s *Store
-	m *Manifest
-	c *counters
+	s     *Store
+	m     *Manifest
+	c     *counters
+	stage *chunkStage
 
 	mu      sync.Mutex
 	claimed map[ChunkID]bool // chunks this Put writes or found stored
 	sizes   map[ChunkID]int  // chunk file sizes
-	dirs    map[string]bool  // chunk directories to fsync before the manifest
 }
 
 type putJob struct {
@@ -383,6 +386,7 @@ func (pw *putWork) chunk(f *os.File, j putJob, buf, out []byte, enc *encoder) ([
 		if fi, err := os.Lstat(pw.s.chunkPath(ch.Hash)); err == nil && fi.Mode().IsRegular() {
 			dup = true
 			pw.setSize(ch.Hash, int(fi.Size()))
+			pw.stage.markFound()
 		}
 	}
 	if dup {
@@ -391,14 +395,11 @@ func (pw *putWork) chunk(f *os.File, j putJob, buf, out []byte, enc *encoder) ([
 		return out, nil
 	}
 	out = enc.encode(data, out)
-	if err := pw.s.writeChunk(ch.Hash, out); err != nil {
+	if err := pw.stage.add(ch.Hash, out); err != nil {
 		return out, err
 	}
 	pw.setSize(ch.Hash, len(out))
 	pw.c.written.Add(int64(len(out)))
-	pw.mu.Lock()
-	pw.dirs[filepath.Dir(pw.s.chunkPath(ch.Hash))] = true
-	pw.mu.Unlock()
 	return out, nil
 }
 
@@ -412,34 +413,4 @@ func (pw *putWork) setSize(id ChunkID, n int) {
 	pw.mu.Lock()
 	pw.sizes[id] = n
 	pw.mu.Unlock()
-}
-
-// writeChunk stores an encoded chunk file: temp file, fdatasync, rename. An existing chunk of the
-// same id has the same content and is replaced harmlessly.
-func (s *Store) writeChunk(id ChunkID, data []byte) error {
-	f, err := os.CreateTemp(s.tmpDir(), "c-*")
-	if err != nil {
-		return fmt.Errorf("write chunk %s: %w", id, err)
-	}
-	tmp := f.Name()
-	fail := func(err error) error {
-		f.Close()
-		os.Remove(tmp)
-		return fmt.Errorf("write chunk %s: %w", id, err)
-	}
-	if _, err := f.Write(data); err != nil {
-		return fail(err)
-	}
-	if err := unix.Fdatasync(int(f.Fd())); err != nil {
-		return fail(err)
-	}
-	if err := f.Close(); err != nil {
-		os.Remove(tmp)
-		return fmt.Errorf("write chunk %s: %w", id, err)
-	}
-	if err := os.Rename(tmp, s.chunkPath(id)); err != nil {
-		os.Remove(tmp)
-		return fmt.Errorf("write chunk %s: %w", id, err)
-	}
-	return nil
 }

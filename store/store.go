@@ -11,7 +11,8 @@
 //	tmp/                temp files, renamed into place once complete and fsynced
 //
 // Chunks are written before the manifest that references them, so a crash at any moment leaves
-// every image intact and at worst unreferenced chunks or temp files, which GC removes.
+// every image intact and at worst unreferenced chunks or temp files, which GC removes. A writer's
+// chunk temp files are fsynced together by one syncfs(2) before any is renamed (see chunkStage).
 package store
 
 import (
