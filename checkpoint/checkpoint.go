@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -114,6 +115,7 @@ func Run(ctx context.Context, env *Env, o Options) (*Result, error) {
 	}
 	images := filepath.Join(staging, "images")
 	if err := os.Mkdir(images, 0o700); err != nil {
+		_ = os.RemoveAll(staging)
 		return nil, fmt.Errorf("staging: %w", err)
 	}
 	res := &Result{PID: o.PID, Kind: pf.meta.Kind, GPUs: pf.meta.GPUs, Visible: pf.meta.Visible, LeftRunning: o.LeaveRunning}
@@ -237,7 +239,7 @@ func preflight(env *Env, o Options) (*plan, error) {
 	if err := checkWritable(env.Store.Dir(), p.estimate); err != nil {
 		return nil, err
 	}
-	p.stagingRoot, err = chooseStaging(o.StagingRoot, p.estimate, gpuBytes)
+	p.stagingRoot, err = ChooseStaging(o.StagingRoot, p.estimate, gpuBytes)
 	if err != nil {
 		return nil, err
 	}
@@ -310,16 +312,23 @@ func notIn(used []store.GPU, vis []gpu.Device) string {
 	return strings.Join(missing, ", ")
 }
 
-func rssBytes(pid int) uint64 {
-	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+func rssBytes(pid int) uint64 { return procKB(fmt.Sprintf("/proc/%d/status", pid), "VmRSS:") }
+
+// procKB reads a "Key:   123 kB" line of a /proc file (status, meminfo) in bytes; 0 when the
+// file or the key is missing or the value does not parse.
+func procKB(path, key string) uint64 {
+	f, err := os.Open(path)
 	if err != nil {
 		return 0
 	}
 	defer f.Close()
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "VmRSS:"); ok {
-			kb, _ := strconv.ParseUint(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+		if v, ok := strings.CutPrefix(sc.Text(), key); ok {
+			kb, err := strconv.ParseUint(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+			if err != nil || kb > math.MaxUint64>>10 {
+				return 0
+			}
 			return kb << 10
 		}
 	}
@@ -355,50 +364,39 @@ const (
 	StagingDisk  = "/var/tmp/ptxmig"
 )
 
-// chooseStaging picks where CRIU writes: an explicit root, else tmpfs when the images fit in
-// memory next to the process (whose host memory grows by its GPU memory at checkpoint), else disk.
-func chooseStaging(explicit string, estimate, gpuBytes uint64) (string, error) {
+// ChooseStaging picks where CRIU's images go: an explicit root, else tmpfs when they fit in
+// memory with extraMem to spare (a checkpointed process's host memory grows by its GPU memory; a
+// restore holds the image twice), else disk. The root must have need bytes free, and must be a
+// directory private to ptxmig (see oplock.PrivateDir): the defaults lie in world-writable
+// /dev/shm and /var/tmp. Failures wrap ErrRefused.
+func ChooseStaging(explicit string, need, extraMem uint64) (string, error) {
 	if explicit != "" {
-		return ensureStagingRoot(explicit, estimate)
+		return ensureStagingRoot(explicit, need)
 	}
-	if avail := MemAvailable(); avail > 0 && avail > estimate+gpuBytes+1<<30 {
-		if root, err := ensureStagingRoot(StagingTmpfs, estimate); err == nil {
+	if avail := MemAvailable(); avail > 0 && avail > need+extraMem+1<<30 {
+		if root, err := ensureStagingRoot(StagingTmpfs, need); err == nil {
 			return root, nil
 		}
 	}
-	return ensureStagingRoot(StagingDisk, estimate)
+	return ensureStagingRoot(StagingDisk, need)
 }
 
-func ensureStagingRoot(root string, estimate uint64) (string, error) {
-	if err := os.MkdirAll(root, 0o700); err != nil {
+func ensureStagingRoot(root string, need uint64) (string, error) {
+	if err := oplock.PrivateDir(root); err != nil {
 		return "", refusef("staging %s: %w", root, err)
 	}
 	free, err := freeBytes(root)
 	if err != nil {
 		return "", refusef("staging %s: %w", root, err)
 	}
-	if free < estimate {
-		return "", refusef("staging %s has %s free, CRIU's images may need %s", root, HumanBytes(int64(free)), HumanBytes(int64(estimate)))
+	if free < need {
+		return "", refusef("staging %s has %s free, CRIU's images may need %s", root, HumanBytes(int64(free)), HumanBytes(int64(need)))
 	}
 	return root, nil
 }
 
 // MemAvailable is /proc/meminfo's MemAvailable in bytes (0 when unknown).
-func MemAvailable() uint64 {
-	f, err := os.Open("/proc/meminfo")
-	if err != nil {
-		return 0
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "MemAvailable:"); ok {
-			kb, _ := strconv.ParseUint(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
-			return kb << 10
-		}
-	}
-	return 0
-}
+func MemAvailable() uint64 { return procKB("/proc/meminfo", "MemAvailable:") }
 
 // buildSteps assembles the transaction. Without LeaveRunning the process is dumped and left
 // stopped, stored, then killed: a store failure rolls back to a running process. With

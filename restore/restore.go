@@ -138,15 +138,11 @@ func Restore(ctx context.Context, env *checkpoint.Env, o Options) (*Result, erro
 	for _, g := range meta.GPUs {
 		gpuBytes += g.MemoryBytes
 	}
-	root := o.StagingRoot
-	if root == "" {
-		root = checkpoint.StagingDisk
-		if avail := checkpoint.MemAvailable(); avail > 2*logical+gpuBytes+1<<30 {
-			root = checkpoint.StagingTmpfs
-		}
-	}
-	if err := os.MkdirAll(root, 0o700); err != nil {
-		return nil, refusef("staging %s: %w", root, err)
+	// The image is materialized (logical bytes on the staging file system) and, on tmpfs, also
+	// read back into the restored process's memory.
+	root, err := checkpoint.ChooseStaging(o.StagingRoot, logical, logical+gpuBytes)
+	if err != nil {
+		return nil, err
 	}
 	staging, err := os.MkdirTemp(root, "rst-"+m.Name+"-")
 	if err != nil {
@@ -160,7 +156,7 @@ func Restore(ctx context.Context, env *checkpoint.Env, o Options) (*Result, erro
 	}()
 	images, work := filepath.Join(staging, "images"), filepath.Join(staging, "work")
 	if err := os.Mkdir(work, 0o700); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("staging: %w", err)
 	}
 	tm := time.Now()
 	st, err := env.Store.Materialize(ctx, m.ID, images, store.GetOptions{Progress: o.Progress})
@@ -225,7 +221,7 @@ func Restore(ctx context.Context, env *checkpoint.Env, o Options) (*Result, erro
 			return nil, err
 		}
 		if !o.KeepStaging {
-			removeAllBut(images)
+			_ = os.RemoveAll(images) // keep work/ (CRIU's log), drop the image copy
 		}
 		return nil, f
 	}
@@ -271,5 +267,3 @@ func waitPIDFree(ctx context.Context, pid int, wait time.Duration) error {
 	}
 	return nil
 }
-
-func removeAllBut(dir string) { _ = os.RemoveAll(dir) }

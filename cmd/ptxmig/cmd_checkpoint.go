@@ -56,6 +56,10 @@ func checkpointAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
+	lockTimeout, err := lockTimeoutFlag(c)
+	if err != nil {
+		return err
+	}
 	g := env(c)
 	e, closeEnv, err := checkpoint.NewEnv(c.Context, g.Store, g.Log)
 	defer closeEnv()
@@ -64,7 +68,7 @@ func checkpointAction(c *cli.Context) error {
 	}
 	res, err := checkpoint.Run(c.Context, e, checkpoint.Options{
 		PID: pid, Name: c.String("name"), LeaveRunning: c.Bool("leave-running"),
-		LockTimeout: c.Duration("lock-timeout"), TCPEstablished: c.Bool("tcp-established"),
+		LockTimeout: lockTimeout, TCPEstablished: c.Bool("tcp-established"),
 		ShellJob: c.Bool("shell-job"), KeepStaging: c.Bool("keep-staging"),
 	})
 	if err != nil {
@@ -116,6 +120,15 @@ func parsePID(s string) (int, error) {
 		return 0, exitcode.Usagef("PID %q: want a positive integer", s)
 	}
 	return pid, nil
+}
+
+// lockTimeoutFlag reads --lock-timeout, shared by checkpoint and migrate; 0 means no limit.
+func lockTimeoutFlag(c *cli.Context) (time.Duration, error) {
+	d := c.Duration("lock-timeout")
+	if d < 0 {
+		return 0, exitcode.Usagef("--lock-timeout %s: want 0 (no limit) or a positive duration", d)
+	}
+	return d, nil
 }
 
 func shortID(id string) string {

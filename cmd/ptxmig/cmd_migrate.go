@@ -48,9 +48,13 @@ func migrateAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
+	lockTimeout, err := lockTimeoutFlag(c)
+	if err != nil {
+		return err
+	}
 	g := env(c)
 	res, err := restore.Migrate(c.Context, restore.MigrateOptions{PID: pid, GPUs: gpus, GPUMap: gmap,
-		DryRun: c.Bool("dry-run"), LockTimeout: c.Duration("lock-timeout")})
+		DryRun: c.Bool("dry-run"), LockTimeout: lockTimeout})
 	if err != nil {
 		return opError(g.Err, err)
 	}

@@ -22,6 +22,8 @@ func TestCheckpointExitCodes(t *testing.T) {
 		{[]string{"checkpoint"}, 2, "want 1 argument"},
 		{[]string{"checkpoint", "abc"}, 2, "positive integer"},
 		{[]string{"checkpoint", "42", "--leave-running"}, 2, "put flags first"},
+		{[]string{"checkpoint", "--lock-timeout", "-1s", "42"}, 2, "--lock-timeout"},
+		{[]string{"migrate", "--lock-timeout", "-1s", "--gpu", "1", "42"}, 2, "--lock-timeout"},
 		{[]string{"--store", store, "checkpoint", "4194304"}, 3, "no running process"},
 		{[]string{"restore", "--gpu", "x", "img"}, 2, "--gpu"},
 		{[]string{"restore", "--gpu-map", "a", "img"}, 2, "--gpu-map"},

@@ -122,6 +122,11 @@ static CUresult ptx_restore(int pid, ptx_gpu_pair *pairs, unsigned int n) {
 	return cu.restore(pid, &a);
 }
 static CUresult ptx_unlock(int pid) { ptx_unlock_args a; memset(&a, 0, sizeof a); return cu.unlock(pid, &a); }
+_Static_assert(sizeof(ptx_lock_args) == 64, "CUcheckpointLockArgs is 64 bytes");
+_Static_assert(sizeof(ptx_ckpt_args) == 64, "CUcheckpointCheckpointArgs is 64 bytes");
+_Static_assert(sizeof(ptx_unlock_args) == 64, "CUcheckpointUnlockArgs is 64 bytes");
+_Static_assert(sizeof(ptx_restore_args) == 64, "CUcheckpointRestoreArgs is 64 bytes");
+_Static_assert(sizeof(ptx_gpu_pair) == 32, "CUcheckpointGpuPair is 32 bytes");
 static int ptx_sizes_ok(void) {
 	return sizeof(ptx_lock_args) == 64 && sizeof(ptx_ckpt_args) == 64 && sizeof(ptx_unlock_args) == 64 &&
 	       sizeof(ptx_restore_args) == 64 && sizeof(ptx_gpu_pair) == 32;
@@ -363,6 +368,10 @@ func (d *Driver) RestoreThreadID(pid int) (int, error) {
 // Lock blocks further CUDA calls of pid and waits for submitted work, for at most timeout
 // (0: no limit). On ErrTimeout the process is left running.
 func (d *Driver) Lock(pid int, timeout time.Duration) error {
+	if timeout < 0 {
+		// C.uint would wrap a negative count into a 49-day timeout.
+		return fmt.Errorf("cuCheckpointProcessLock(pid %d): negative timeout %s", pid, timeout)
+	}
 	ms := timeout.Milliseconds()
 	if timeout > 0 && ms == 0 {
 		ms = 1
@@ -430,9 +439,10 @@ func (d *Driver) Devices() ([]Device, error) {
 			return nil, cuErr(fmt.Sprintf("cuDeviceGetUuid(%d)", i), r)
 		}
 		var name [256]C.char
-		if r := C.ptx_device_name(&name[0], C.int(len(name)), dev); r != cuSuccess {
+		if r := C.ptx_device_name(&name[0], C.int(len(name)-1), dev); r != cuSuccess {
 			return nil, cuErr(fmt.Sprintf("cuDeviceGetName(%d)", i), r)
 		}
+		name[len(name)-1] = 0 // C.GoString stops inside the buffer even if the driver filled it
 		var maj, minr C.int
 		if r := C.ptx_device_attr(&maj, attrCCMajor, dev); r != cuSuccess {
 			return nil, cuErr(fmt.Sprintf("cuDeviceGetAttribute(%d, major)", i), r)

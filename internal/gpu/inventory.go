@@ -12,7 +12,7 @@ import (
 // Process is a compute process on a GPU as NVML reports it.
 type Process struct {
 	PID        int    `json:"pid"`
-	UsedMemory uint64 `json:"used_memory_bytes"` // includes the CUDA context; for placement, not image sizes
+	UsedMemory uint64 `json:"used_memory_bytes"` // includes the CUDA context; for placement, not image sizes; 0: unknown
 }
 
 // Device is one GPU of this host. Utilization and power are -1 when the GPU does not report them.
@@ -140,7 +140,16 @@ func readDevice(idx int, h nvml.Device) (Device, error) {
 		return d, nvmlErr(fmt.Sprintf("GPU %d processes", idx), r)
 	}
 	for _, p := range procs {
-		d.Processes = append(d.Processes, Process{PID: int(p.Pid), UsedMemory: p.UsedGpuMemory})
+		if p.Pid == 0 {
+			continue
+		}
+		used := p.UsedGpuMemory
+		if used > d.MemoryTotal {
+			// NVML_VALUE_NOT_AVAILABLE (all ones: no permission, or another PID namespace).
+			// Summed into image and room estimates it would wrap around: record it as unknown.
+			used = 0
+		}
+		d.Processes = append(d.Processes, Process{PID: int(p.Pid), UsedMemory: used})
 	}
 	sort.Slice(d.Processes, func(a, b int) bool { return d.Processes[a].PID < d.Processes[b].PID })
 	return d, nil

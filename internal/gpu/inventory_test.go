@@ -33,7 +33,8 @@ func fakeDevice(uuid, name string, used uint64, procs []nvml.ProcessInfo, power 
 
 func TestInventoryDevices(t *testing.T) {
 	devs := []*mock.Device{
-		fakeDevice("GPU-aaaa", "NVIDIA H200", 1<<30, []nvml.ProcessInfo{{Pid: 20, UsedGpuMemory: 300}, {Pid: 10, UsedGpuMemory: 700}}, nvml.SUCCESS),
+		fakeDevice("GPU-aaaa", "NVIDIA H200", 1<<30, []nvml.ProcessInfo{{Pid: 20, UsedGpuMemory: 300}, {Pid: 10, UsedGpuMemory: 700},
+			{Pid: 30, UsedGpuMemory: ^uint64(0)}, {Pid: 0, UsedGpuMemory: 5}}, nvml.SUCCESS),
 		fakeDevice("GPU-bbbb", "NVIDIA H200", 0, nil, nvml.ERROR_NOT_SUPPORTED),
 	}
 	shut := 0
@@ -53,7 +54,7 @@ func TestInventoryDevices(t *testing.T) {
 	}
 	want0 := Device{Index: 0, UUID: "GPU-aaaa", Name: "NVIDIA H200", ComputeCap: "9.0", BusID: "0000:1b:00.0", Minor: 3,
 		MemoryUsed: 1 << 30, MemoryTotal: 100 << 30, Utilization: 37, PowerW: 123.456,
-		Processes: []Process{{PID: 10, UsedMemory: 700}, {PID: 20, UsedMemory: 300}}}
+		Processes: []Process{{PID: 10, UsedMemory: 700}, {PID: 20, UsedMemory: 300}, {PID: 30, UsedMemory: 0}}} // 30: NVML_VALUE_NOT_AVAILABLE; pid 0 dropped
 	if !reflect.DeepEqual(got[0], want0) {
 		t.Errorf("device 0 = %+v\nwant %+v", got[0], want0)
 	}

@@ -41,7 +41,7 @@ func Acquire(pid int, op string, wait time.Duration) (*Lock, error) {
 		return nil, fmt.Errorf("lock: bad pid %d", pid)
 	}
 	dir := Dir()
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	if err := PrivateDir(dir); err != nil {
 		return nil, fmt.Errorf("lock dir: %w", err)
 	}
 	path := filepath.Join(dir, fmt.Sprintf("pid-%d.lock", pid))
@@ -61,9 +61,8 @@ func Acquire(pid int, op string, wait time.Duration) (*Lock, error) {
 			return nil, fmt.Errorf("lock %s: %w", path, err)
 		}
 		if time.Now().After(deadline) {
-			holder, _ := os.ReadFile(path)
+			h := readHolder(f)
 			f.Close()
-			h := strings.TrimSpace(string(holder))
 			if h == "" {
 				h = "unknown holder"
 			}
@@ -76,6 +75,59 @@ func Acquire(pid int, op string, wait time.Duration) (*Lock, error) {
 		_, _ = f.WriteAt([]byte(rec), 0)
 	}
 	return &Lock{f: f, path: path}, nil
+}
+
+// readHolder reads the holder record through the open (O_NOFOLLOW) descriptor, at most 256
+// bytes, keeping only printable characters: it is printed to a terminal.
+func readHolder(f *os.File) string {
+	b := make([]byte, 256)
+	n, _ := f.ReadAt(b, 0)
+	return strings.TrimSpace(strings.Map(func(r rune) rune {
+		if r < ' ' || r == 0x7f {
+			return -1
+		}
+		return r
+	}, string(b[:n])))
+}
+
+// ErrUnsafeDir means a directory ptxmig keeps private state in (locks, staging) is a symlink,
+// not a directory, or owned by another user, so it could be used to redirect or read what
+// ptxmig, running as root, writes there.
+var ErrUnsafeDir = errors.New("unsafe directory")
+
+// PrivateDir makes path a directory only the current user can use: it creates it (and missing
+// parents) with mode 0700, then refuses a symlink, a non-directory or a directory owned by
+// another user, and tightens the mode of one it owns to 0700. Staging roots live in the
+// world-writable /dev/shm and /var/tmp, where another user could have created the name first.
+func PrivateDir(path string) error {
+	mkErr := os.MkdirAll(path, 0o700) // fails on a file in the way: Lstat below says why
+	var st unix.Stat_t
+	if err := unix.Lstat(path, &st); err != nil {
+		if mkErr != nil {
+			return fmt.Errorf("create %s: %w", path, mkErr)
+		}
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	switch {
+	case st.Mode&unix.S_IFMT == unix.S_IFLNK:
+		return fmt.Errorf("%s: %w: it is a symlink", path, ErrUnsafeDir)
+	case st.Mode&unix.S_IFMT != unix.S_IFDIR:
+		return fmt.Errorf("%s: %w: not a directory", path, ErrUnsafeDir)
+	case int(st.Uid) != os.Geteuid():
+		return fmt.Errorf("%s: %w: owned by uid %d, not %d (remove it)", path, ErrUnsafeDir, st.Uid, os.Geteuid())
+	}
+	if st.Mode&0o777 != 0o700 {
+		// O_NOFOLLOW|O_DIRECTORY: chmod the directory just checked, never a symlink's target.
+		fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("%s: %w", path, err)
+		}
+		defer unix.Close(fd)
+		if err := unix.Fchmod(fd, 0o700); err != nil {
+			return fmt.Errorf("chmod %s: %w", path, err)
+		}
+	}
+	return nil
 }
 
 // Release drops the lock. The file stays (removing it would race with a waiter that opened it).

@@ -2,7 +2,9 @@ package oplock
 
 import (
 	"errors"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -71,4 +73,88 @@ func TestLockDiesWithHolder(t *testing.T) {
 		t.Fatalf("lock stayed taken after its holder died: %v", err)
 	}
 	l.Release()
+}
+
+// TestPrivateDir checks the directories ptxmig writes into as root: created 0700, a loose mode
+// tightened, and a symlink, a file or another user's directory refused (the attack: another user
+// pre-creates /dev/shm/ptxmig to read or redirect process images).
+func TestPrivateDir(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create a directory owned by another user")
+	}
+	tests := []struct {
+		name    string
+		setup   func(t *testing.T, path string)
+		wantErr bool
+	}{
+		{"missing", func(*testing.T, string) {}, false},
+		{"missing parent", func(t *testing.T, path string) {}, false},
+		{"loose mode", func(t *testing.T, path string) { mkdir(t, path, 0o777) }, false},
+		{"symlink to a private dir", func(t *testing.T, path string) {
+			target := t.TempDir()
+			if err := os.Symlink(target, path); err != nil {
+				t.Fatal(err)
+			}
+		}, true},
+		{"file", func(t *testing.T, path string) {
+			if err := os.WriteFile(path, nil, 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}, true},
+		{"other owner", func(t *testing.T, path string) {
+			mkdir(t, path, 0o700)
+			if err := os.Chown(path, 65534, 65534); err != nil {
+				t.Fatal(err)
+			}
+		}, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "ptxmig")
+			if tt.name == "missing parent" {
+				path = filepath.Join(path, "locks")
+			}
+			tt.setup(t, path)
+			err := PrivateDir(path)
+			if tt.wantErr {
+				if !errors.Is(err, ErrUnsafeDir) {
+					t.Fatalf("PrivateDir: %v, want ErrUnsafeDir", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			st, err := os.Lstat(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !st.IsDir() || st.Mode().Perm() != 0o700 {
+				t.Fatalf("%s: mode %v, want a 0700 directory", path, st.Mode())
+			}
+		})
+	}
+}
+
+func mkdir(t *testing.T, path string, mode os.FileMode) {
+	t.Helper()
+	if err := os.Mkdir(path, mode); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(path, mode); err != nil { // past the umask
+		t.Fatal(err)
+	}
+}
+
+// TestAcquireRefusesSymlinkedDir checks that a lock directory that is a symlink is refused.
+func TestAcquireRefusesSymlinkedDir(t *testing.T) {
+	link := filepath.Join(t.TempDir(), "locks")
+	if err := os.Symlink(t.TempDir(), link); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PTXMIG_LOCK_DIR", link)
+	if l, err := Acquire(4242, "checkpoint", 0); !errors.Is(err, ErrUnsafeDir) {
+		l.Release()
+		t.Fatalf("Acquire in a symlinked dir: %v, want ErrUnsafeDir", err)
+	}
 }

@@ -1,0 +1,75 @@
+package checkpoint
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/ptxmig/ptxmig/internal/oplock"
+)
+
+func TestProcKB(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "status")
+	content := "Name:\tcat\nVmRSS:\t    2048 kB\nMemAvailable:   bad kB\nHuge:\t18446744073709551615 kB\n"
+	if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		path, key string
+		want      uint64
+	}{
+		{path, "VmRSS:", 2 << 20},
+		{path, "MemAvailable:", 0}, // does not parse
+		{path, "Huge:", 0},         // would overflow in bytes
+		{path, "VmSwap:", 0},       // missing
+		{filepath.Join(dir, "none"), "VmRSS:", 0},
+	}
+	for _, tt := range tests {
+		if got := procKB(tt.path, tt.key); got != tt.want {
+			t.Errorf("procKB(%s, %q) = %d, want %d", filepath.Base(tt.path), tt.key, got, tt.want)
+		}
+	}
+	if rssBytes(os.Getpid()) == 0 {
+		t.Error("rssBytes(self) = 0")
+	}
+}
+
+// TestChooseStagingRefusesUnsafeRoot checks that a staging root another user could control is
+// refused before CRIU writes process memory into it: a symlink (to anywhere) and a directory
+// owned by another user.
+func TestChooseStagingRefusesUnsafeRoot(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create a directory owned by another user")
+	}
+	dir := t.TempDir()
+	link := filepath.Join(dir, "link")
+	if err := os.Symlink(t.TempDir(), link); err != nil {
+		t.Fatal(err)
+	}
+	foreign := filepath.Join(dir, "foreign")
+	if err := os.Mkdir(foreign, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(foreign, 65534, 65534); err != nil {
+		t.Fatal(err)
+	}
+	for _, root := range []string{link, foreign} {
+		_, err := ChooseStaging(root, 0, 0)
+		if !errors.Is(err, ErrRefused) || !errors.Is(err, oplock.ErrUnsafeDir) {
+			t.Errorf("ChooseStaging(%s) = %v, want a refusal wrapping ErrUnsafeDir", root, err)
+		}
+	}
+	good := filepath.Join(dir, "good")
+	got, err := ChooseStaging(good, 0, 0)
+	if err != nil || got != good {
+		t.Fatalf("ChooseStaging(%s) = %q, %v", good, got, err)
+	}
+	if st, err := os.Lstat(good); err != nil || st.Mode().Perm() != 0o700 {
+		t.Fatalf("staging root mode: %v, %v; want 0700", st.Mode(), err)
+	}
+	if _, err := ChooseStaging(good, 1<<62, 0); !errors.Is(err, ErrRefused) {
+		t.Errorf("ChooseStaging with no room: %v, want ErrRefused", err)
+	}
+}
