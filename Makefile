@@ -26,6 +26,9 @@ shim:
 deps:
 	@command -v $(GO) >/dev/null || { echo "make: Go not found; install Go >= 1.26 at /usr/local/go" >&2; exit 1; }
 	@command -v gcc >/dev/null || { echo "make: gcc not found (apt-get install build-essential)" >&2; exit 1; }
+	@# The shim's tests drive their apps from python3 and link one with c++.
+	@command -v python3 >/dev/null && command -v c++ >/dev/null || \
+		{ DEBIAN_FRONTEND=noninteractive apt-get -qq update && DEBIAN_FRONTEND=noninteractive apt-get -qq install -y python3 g++ >/dev/null; }
 	scripts/install-criu.sh
 	scripts/install-ptxas.sh
 
