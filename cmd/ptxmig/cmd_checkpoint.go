@@ -166,6 +166,12 @@ func opError(stderr io.Writer, err error) error {
 	if staging != "" {
 		fmt.Fprintf(stderr, "ptxmig: logs kept in %s\n", staging)
 	}
+	return withOpExitCode(err)
+}
+
+// withOpExitCode attaches the exit status of a checkpoint/restore/migrate failure: refused by
+// preflight 3, busy 5, failed and rolled back 4, anything else 1.
+func withOpExitCode(err error) error {
 	var se *checkpoint.StepError
 	switch {
 	case errors.Is(err, checkpoint.ErrRefused):

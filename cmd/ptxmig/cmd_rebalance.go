@@ -9,9 +9,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/exitcode"
-	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/rebalance"
 	"github.com/ptxmig/ptxmig/restore"
 )
@@ -179,18 +177,11 @@ func rebalanceAction(c *cli.Context) error {
 
 // rebalanceExit maps a run's error to an exit status; a failed move carries the migration's.
 func rebalanceExit(err error) error {
-	var se *checkpoint.StepError
 	switch {
 	case err == nil:
 		return nil
 	case errors.Is(err, rebalance.ErrBadPolicy):
 		return exitcode.Wrap(exitcode.Usage, err)
-	case errors.Is(err, checkpoint.ErrRefused):
-		return exitcode.Wrap(exitcode.Refused, err)
-	case errors.Is(err, oplock.ErrBusy):
-		return exitcode.Wrap(exitcode.Busy, err)
-	case errors.As(err, &se) && se.RolledBack():
-		return exitcode.Wrap(exitcode.RolledBack, err)
 	}
-	return exitcode.Wrap(exitcode.Failed, err)
+	return withOpExitCode(err)
 }
