@@ -29,6 +29,8 @@ typedef int CUjit_option;
 typedef int CUlibraryOption;
 typedef int CUstreamCaptureMode;
 
+typedef struct { char bytes[16]; } CUuuid;
+
 #define CU_STREAM_PER_THREAD ((CUstream)0x2)
 
 // cuGetProcAddress flags and status.

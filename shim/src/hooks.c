@@ -86,6 +86,7 @@ void *drv_sym(const char *name) {
 // 0 = none), per-thread-stream variant, library: 0 driver, 1 runtime)
 #define HOOKS(X)                                                                  \
   X(cuInit, "cuInit", 0, 0, 0, 0)                                                 \
+  X(cuGetExportTable, NULL, 0, 0, 0, 0)                                           \
   X(cuGetProcAddress, "cuGetProcAddress", 0, 12000, 0, 0)                         \
   X(cuGetProcAddress_v2, "cuGetProcAddress", 12000, 0, 0, 0)                      \
   X(cuCtxCreate_v2, "cuCtxCreate", 3020, 13000, 0, 0)                             \
@@ -142,6 +143,7 @@ void *drv_sym(const char *name) {
   X(cuStreamEndCapture, "cuStreamEndCapture", 0, 0, 0, 0)                         \
   X(cuStreamEndCapture_ptsz, "cuStreamEndCapture", 0, 0, 1, 0)                    \
   X(__cudaRegisterFatBinary, NULL, 0, 0, 0, 1)                                    \
+  X(__cudaUnregisterFatBinary, NULL, 0, 0, 0, 1)                                  \
   X(__cudaRegisterFunction, NULL, 0, 0, 0, 1)                                     \
   X(cudaGetDriverEntryPoint, NULL, 0, 0, 0, 1)                                    \
   X(cudaGetDriverEntryPoint_ptsz, NULL, 0, 0, 0, 1)                               \
@@ -202,6 +204,7 @@ static void *substitute(const char *symbol, void *p, int version, unsigned long 
   pthread_once(&table_once, table_init);
   pthread_once(&resolve_once, resolve_all);
   ctl_ensure_started();
+  if (cfg.debug) shim_log("trace: resolve %s version %d flags %llu -> %p", symbol ? symbol : "(entry point)", version, flags, p);
   if (hook_by_wrapper(p) >= 0) return p;
   for (int i = 0; i < H_COUNT; i++)
     if (!hooks[i].lib && atomic_load(&hooks[i].real) == p) return hooks[i].wrapper;
@@ -249,11 +252,18 @@ static void *dlsym_decide_cu(void *handle, const char *name) {
   int i;
   for (i = 0; i < H_COUNT; i++)
     if (strcmp(hooks[i].name, name) == 0) break;
-  if (i == H_COUNT) return DLSYM_PASS;
+  if (i == H_COUNT) {
+    if (cfg.debug) shim_log("trace: dlsym(%p, %s): not hooked", handle, name);
+    return DLSYM_PASS;
+  }
   void *r = real_dlsym ? real_dlsym(handle, name) : NULL;
   if (!r) return NULL;
   void *mine = hook_real(i);
-  if (mine != r) return r;  // a different library's symbol: not ours to wrap
+  if (mine != r) {
+    if (cfg.debug) shim_log("trace: dlsym(%p, %s): %p is not the driver's %p", handle, name, r, mine);
+    return r;  // a different library's symbol: not ours to wrap
+  }
+  if (cfg.debug) shim_log("trace: dlsym(%p, %s): wrapped", handle, name);
   atomic_fetch_add(&istats.dlsym_hits, 1);
   ctl_ensure_started();
   return hooks[i].wrapper;
@@ -346,6 +356,18 @@ ENTRYPOINT(cudaGetDriverEntryPoint_ptsz)
   }
 ENTRYPOINT_V(cudaGetDriverEntryPointByVersion)
 ENTRYPOINT_V(cudaGetDriverEntryPointByVersion_ptsz)
+
+// cuGetExportTable hands out the driver's private tables. It passes through untouched; the
+// wrapper exists only so PTXMIG_DEBUG=1 shows which tables an app asks for.
+EXPORT CUresult cuGetExportTable(const void **table, const CUuuid *id) {
+  CALL_REAL(cuGetExportTable, table, id);
+  if (cfg.debug && id) {
+    const unsigned char *b = (const unsigned char *)id->bytes;
+    shim_log("trace: cuGetExportTable(%02x%02x%02x%02x-%02x%02x%02x%02x-%02x%02x%02x%02x-%02x%02x%02x%02x) -> %d",
+             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15], (int)r_);
+  }
+  return r_;
+}
 
 // ---- init and contexts ----
 EXPORT CUresult cuInit(unsigned flags) {
@@ -466,6 +488,17 @@ EXPORT void **__cudaRegisterFatBinary(void *wrapper) {
   void **h = real(wrapper);
   trk_module_add(MS_REGISTER_FATBIN, h, wrapper, 0, NULL);
   return h;
+}
+// The registered image is borrowed in place (track.c): forget it before the runtime lets the
+// library's mapping go.
+EXPORT void __cudaUnregisterFatBinary(void **h) {
+  trk_module_remove(h);
+  __typeof__(&__cudaUnregisterFatBinary) real = REAL(__cudaUnregisterFatBinary);
+  if (!real) {
+    LOG_ONCE("__cudaUnregisterFatBinary: no CUDA runtime found behind the shim");
+    return;
+  }
+  real(h);
 }
 EXPORT void __cudaRegisterFunction(void **fatCubinHandle, const char *hostFun, char *deviceFun,
                                    const char *deviceName, int thread_limit, void *tid, void *bid,

@@ -199,11 +199,19 @@ void trk_ctx_remove(CUcontext ctx) {
 enum { IMG_NONE, IMG_FATBIN, IMG_ELF, IMG_PTX };
 static const char *const img_names[] = {"unknown", "fatbin", "elf", "ptx"};
 
+// A module's image is either a private copy (the caller may free its buffer after the load) or,
+// for a fatbin registered by the shared runtime, borrowed in place: those bytes live in the
+// registering library's mapped image, which stays mapped until __cudaUnregisterFatBinary (hooked:
+// the module is dropped under mod_mu before the real call, so no reader outlives the mapping).
+// Loads of bytes already borrowed (the runtime loading a registered fatbin lazily) borrow too and
+// are given a private copy if the registration ends while they stay loaded.
 typedef struct {
   int id, source, loaded, format;
   void *handle;
   uint8_t *image;
   size_t size;
+  int borrowed;       // image points into the app's memory; never freed by the shim
+  int borrow_of;      // id of the registration whose bytes a borrowed load shares (0: none)
   char *path;
   const char *drop_reason;  // why no image was kept (NULL when kept)
   uint64_t loaded_ns;
@@ -218,8 +226,17 @@ static pthread_mutex_t mod_mu = PTHREAD_MUTEX_INITIALIZER;
 static module **mods;
 static size_t nmods, capmods;
 static pmap modmap;  // module/library handle (and aliases) → index + 1
-static uint64_t captured_bytes;
+static uint64_t captured_bytes, borrowed_bytes;
 static int next_module_id = 1;
+
+// borrowed_source returns the loaded registration whose bytes are exactly [d, d+sz); mod_mu held.
+static module *borrowed_source(const uint8_t *d, size_t sz) {
+  for (size_t i = 0; i < nmods; i++) {
+    module *m = mods[i];
+    if (m->loaded && m->borrowed && !m->borrow_of && m->image == d && m->size == sz) return m;
+  }
+  return NULL;
+}
 
 static int classify(const void *image, size_t known, const uint8_t **data, size_t *size) {
   const uint8_t *p = image;
@@ -315,8 +332,19 @@ void trk_module_add(int source, void *handle, const void *image, size_t known, c
     const uint8_t *d = NULL;
     size_t sz = 0;
     m->format = classify(image, known, &d, &sz);
+    module *src = NULL;
+    if (m->format != IMG_NONE && source != MS_REGISTER_FATBIN) {
+      pthread_mutex_lock(&mod_mu);
+      src = borrowed_source(d, sz);
+      if (src) m->borrow_of = src->id;
+      pthread_mutex_unlock(&mod_mu);
+    }
     if (m->format == IMG_NONE) {
       m->drop_reason = "image format not recognised";
+    } else if (source == MS_REGISTER_FATBIN || src) {
+      m->image = (uint8_t *)d;
+      m->size = sz;
+      m->borrowed = 1;
     } else if (sz > budget) {
       m->drop_reason = "over the capture budget (PTXMIG_CAPTURE_MAX_MB)";
     } else if ((m->image = malloc(sz + 1))) {
@@ -334,7 +362,7 @@ void trk_module_add(int source, void *handle, const void *image, size_t known, c
     if (!nm) {
       pthread_mutex_unlock(&mod_mu);
       LOG_ONCE("module table: out of memory");
-      free(m->image);
+      if (!m->borrowed) free(m->image);
       free(m->path);
       free(m);
       return;
@@ -346,8 +374,45 @@ void trk_module_add(int source, void *handle, const void *image, size_t known, c
   mods[nmods] = m;
   if (handle) pm_put(&modmap, (uint64_t)(uintptr_t)handle, nmods + 1);
   nmods++;
-  captured_bytes += m->size;
+  if (m->borrowed) borrowed_bytes += m->size;
+  else captured_bytes += m->size;
   pthread_mutex_unlock(&mod_mu);
+}
+
+// drop_image forgets a module's image; mod_mu held.
+static void drop_image(module *m, const char *why) {
+  if (!m->image) return;
+  if (m->borrowed) {
+    borrowed_bytes -= m->size;
+  } else {
+    captured_bytes -= m->size;
+    free(m->image);
+  }
+  m->image = NULL;
+  m->size = 0;
+  m->borrowed = 0;
+  m->drop_reason = why;
+}
+
+// give_private_copies gives every loaded module that borrows reg's bytes a private copy (reg is going away);
+// mod_mu held.
+static void give_private_copies(module *reg) {
+  for (size_t i = 0; i < nmods; i++) {
+    module *m = mods[i];
+    if (m == reg || !m->image || m->borrow_of != reg->id) continue;
+    uint8_t *c = cfg.capture_max >= captured_bytes + m->size ? malloc(m->size + 1) : NULL;
+    if (!c) {
+      drop_image(m, "its registration ended and no private copy fitted the capture budget");
+      continue;
+    }
+    memcpy(c, m->image, m->size);
+    c[m->size] = 0;
+    borrowed_bytes -= m->size;
+    captured_bytes += m->size;
+    m->image = c;
+    m->borrowed = 0;
+    m->borrow_of = 0;
+  }
 }
 
 void trk_module_remove(void *handle) {
@@ -356,11 +421,8 @@ void trk_module_remove(void *handle) {
   if (v) {
     module *m = mods[*v - 1];
     m->loaded = 0;
-    captured_bytes -= m->size;
-    free(m->image);  // only loaded modules are kept; metadata stays for status
-    m->image = NULL;
-    m->size = 0;
-    m->drop_reason = "unloaded";
+    if (m->borrowed && !m->borrow_of) give_private_copies(m);
+    drop_image(m, "unloaded");  // only loaded modules are kept; metadata stays for status
     pm_del(&modmap, (uint64_t)(uintptr_t)handle, NULL);
   }
   pthread_mutex_unlock(&mod_mu);
@@ -757,7 +819,11 @@ static void report_modules(jbuf *b) {
     jb_ptr(b, m->handle);
     jb_printf(b, ",\"loaded\":%s,\"format\":\"%s\",\"bytes\":%zu", m->loaded ? "true" : "false",
               img_names[m->format], m->size);
-    if (m->image) jb_printf(b, ",\"sha256\":\"%s\",\"ptx\":%d,\"elf\":%d", m->sha, m->nptx, m->nelf);
+    if (m->image) {
+      jb_printf(b, ",\"sha256\":\"%s\",\"ptx\":%d,\"elf\":%d,\"image\":\"%s\"", m->sha, m->nptx, m->nelf,
+                m->borrowed ? "borrowed" : "copy");
+      if (m->borrow_of) jb_printf(b, ",\"same_image_as\":%d", m->borrow_of);
+    }
     if (m->archs[0]) {
       jb_key(b, "archs");
       jb_str(b, m->archs, strlen(m->archs));
@@ -848,6 +914,10 @@ void report_status(jbuf *b) {
   }
   pthread_mutex_unlock(&alloc_mu);
   jb_printf(b, "\"device_bytes\":%llu}", (unsigned long long)dev_bytes);
+  pthread_mutex_lock(&mod_mu);
+  jb_printf(b, ",\"module_bytes\":{\"copied\":%llu,\"borrowed\":%llu,\"budget\":%llu}",
+            (unsigned long long)captured_bytes, (unsigned long long)borrowed_bytes, (unsigned long long)cfg.capture_max);
+  pthread_mutex_unlock(&mod_mu);
   jb_key(b, "modules");
   report_modules(b);
   jb_printf(b,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Drives the shim's integration tests (see run.sh): starts each test app with the shim
 preloaded, waits for it to report "ready", then talks to its control socket like ptxmig does."""
-import argparse, json, os, shutil, socket, stat, subprocess, sys, tempfile
+import argparse, hashlib, json, os, shutil, socket, stat, subprocess, sys, tempfile
 
 failures = []
 
@@ -87,7 +87,8 @@ def common_checks(name, sockdir, app, expect_kernels, expect_alloc, expect_sourc
     srcs = sorted(m["source"] for m in r["modules"])
     check(srcs == sorted(expect_sources), f"{name}: module sources {srcs}, want {sorted(expect_sources)}")
     for m in r["modules"]:
-        check(m.get("sha256") and m["bytes"] > 0, f"{name}: module not captured: {m}")
+        if m["loaded"]:
+            check(m.get("sha256") and m["bytes"] > 0, f"{name}: module not captured: {m}")
     check(r["interception"]["unmatched"] == 0, f"{name}: unmatched resolver pointers {r['interception']}")
     k = c.req(cmd="kernels")
     check(k["ok"], f"{name}: kernels: {k}")
@@ -222,6 +223,29 @@ def main():
         check(all(m["format"] == "fatbin" and m["ptx"] == 1 and m["elf"] == 1 and m["archs"] == "sm_90,compute_90"
                   for m in mods), f"app_runtime: modules {mods}")
         check(res[1]["interception"]["cudaGetDriverEntryPoint"] >= 1, f"app_runtime: entry point hits {res[1]['interception']}")
+    # A registered fatbin is borrowed in place, and the lazy load of the same bytes shares it.
+    if res:
+        reg = [m for m in res[1]["modules"] if m["source"] == "__cudaRegisterFatBinary"]
+        lib = [m for m in res[1]["modules"] if m["source"] == "cuLibraryLoadData"]
+        check(reg and all(m["image"] == "borrowed" for m in reg), f"app_runtime: registrations not borrowed: {reg}")
+        check(lib and all(m["image"] == "borrowed" and m.get("same_image_as") in [r["id"] for r in reg] for m in lib),
+              f"app_runtime: lazy loads do not share the registration's bytes: {lib}")
+        mb = res[1]["module_bytes"]
+        check(mb["copied"] == 0 and mb["borrowed"] == sum(m["bytes"] for m in reg + lib), f"app_runtime: module_bytes {mb}")
+    # The registration ends and its bytes are unmapped while the library stays loaded: the library
+    # keeps a private copy of the same bytes and status/dump never touch the unmapped pages.
+    fb = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testdata", "fatbin", "multi_plain.fatbin")
+    res = run_app(opts, "app_unregister", {"FATBIN": fb}, {}, {}, ["__cudaRegisterFatBinary", "cuLibraryLoadData"], {})
+    if res:
+        want = hashlib.sha256(open(fb, "rb").read()).hexdigest()
+        mods = {m["source"]: m for m in res[1]["modules"]}
+        reg, lib = mods["__cudaRegisterFatBinary"], mods["cuLibraryLoadData"]
+        check(not reg["loaded"] and reg.get("not_captured") == "unloaded" and "image" not in reg,
+              f"app_unregister: registration after unregister: {reg}")
+        check(lib["loaded"] and lib.get("image") == "copy" and lib.get("sha256") == want and "same_image_as" not in lib,
+              f"app_unregister: library after its registration ended: {lib} (want sha256 {want})")
+        mb = res[1]["module_bytes"]
+        check(mb["borrowed"] == 0 and mb["copied"] == lib["bytes"], f"app_unregister: module_bytes {mb}")
     if failures:
         print(f"drive.py: {len(failures)} failures ({opts.shim})", file=sys.stderr)
         sys.exit(1)

@@ -25,6 +25,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--report-time", action="store_true",
+                   help="print 'steps_per_s X' for the steps after the first 20 to stderr")
     a = p.parse_args()
     torch.manual_seed(a.seed)
     torch.use_deterministic_algorithms(True)
@@ -43,7 +45,11 @@ def main() -> int:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     print(f"pid {os.getpid()} device {a.device} steps {a.steps}", flush=True)
     loss = None
+    t0 = None
     for step in range(1, a.steps + 1):
+        if step == 21:
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
         i = (step * 512) % 4096
         xb, yb = x[i:i + 512], y[i:i + 512]
         opt.zero_grad(set_to_none=True)
@@ -55,6 +61,8 @@ def main() -> int:
         if a.sleep_ms > 0:
             time.sleep(a.sleep_ms / 1000.0)
     print(f"final loss {loss.item():.17g}", flush=True)
+    if a.report_time and t0 is not None:
+        print(f"steps_per_s {(a.steps - 20) / (time.perf_counter() - t0):.3f}", file=sys.stderr, flush=True)
     return 0
 
 
