@@ -297,6 +297,29 @@ static uint8_t *read_file(const char *path, size_t max, size_t *len, const char 
   return b;
 }
 
+// insert_locked adds m to the table (or frees it when the table cannot grow); mod_mu held.
+static void insert_locked(module *m) {
+  if (nmods == capmods) {
+    size_t nc = capmods ? capmods * 2 : 64;
+    module **nm = realloc(mods, nc * sizeof *nm);
+    if (!nm) {
+      LOG_ONCE("module table: out of memory");
+      if (!m->borrowed) free(m->image);
+      free(m->path);
+      free(m);
+      return;
+    }
+    mods = nm;
+    capmods = nc;
+  }
+  m->id = next_module_id++;
+  mods[nmods] = m;
+  if (m->handle) pm_put(&modmap, (uint64_t)(uintptr_t)m->handle, nmods + 1);
+  nmods++;
+  if (m->borrowed) borrowed_bytes += m->size;
+  else captured_bytes += m->size;
+}
+
 void trk_module_add(int source, void *handle, const void *image, size_t known, const char *path) {
   ctl_ensure_started();
   module *m = calloc(1, sizeof *m);
@@ -319,63 +342,47 @@ void trk_module_add(int source, void *handle, const void *image, size_t known, c
       const uint8_t *d;
       size_t sz;
       m->format = classify(b, len, &d, &sz);
-      if (m->format == IMG_NONE || d != b || sz > len) {
-        m->format = m->format == IMG_NONE ? IMG_NONE : m->format;
-        m->image = b;  // keep the file as it is
-        m->size = len;
-      } else {
-        m->image = b;
-        m->size = sz;
-      }
+      m->image = b;  // an unrecognised or oddly framed file is kept as it is
+      m->size = (m->format == IMG_NONE || d != b || sz > len) ? len : sz;
     }
   } else if (image) {
     const uint8_t *d = NULL;
     size_t sz = 0;
     m->format = classify(image, known, &d, &sz);
-    module *src = NULL;
-    if (m->format != IMG_NONE && source != MS_REGISTER_FATBIN) {
-      pthread_mutex_lock(&mod_mu);
-      src = borrowed_source(d, sz);
-      if (src) m->borrow_of = src->id;
-      pthread_mutex_unlock(&mod_mu);
-    }
     if (m->format == IMG_NONE) {
       m->drop_reason = "image format not recognised";
-    } else if (source == MS_REGISTER_FATBIN || src) {
+    } else if (source == MS_REGISTER_FATBIN) {
       m->image = (uint8_t *)d;
       m->size = sz;
       m->borrowed = 1;
-    } else if (sz > budget) {
-      m->drop_reason = "over the capture budget (PTXMIG_CAPTURE_MAX_MB)";
-    } else if ((m->image = malloc(sz + 1))) {
-      memcpy(m->image, d, sz);
-      m->image[sz] = 0;
-      m->size = sz;
     } else {
-      m->drop_reason = "out of memory";
+      // A load of exactly the bytes of a live registration shares them. The lookup and the
+      // insertion happen under one hold of mod_mu, so the registration cannot end in between.
+      pthread_mutex_lock(&mod_mu);
+      module *src = borrowed_source(d, sz);
+      if (src) {
+        m->image = (uint8_t *)d;
+        m->size = sz;
+        m->borrowed = 1;
+        m->borrow_of = src->id;
+        insert_locked(m);
+        pthread_mutex_unlock(&mod_mu);
+        return;
+      }
+      pthread_mutex_unlock(&mod_mu);
+      if (sz > budget) {
+        m->drop_reason = "over the capture budget (PTXMIG_CAPTURE_MAX_MB)";
+      } else if ((m->image = malloc(sz + 1))) {
+        memcpy(m->image, d, sz);
+        m->image[sz] = 0;
+        m->size = sz;
+      } else {
+        m->drop_reason = "out of memory";
+      }
     }
   }
   pthread_mutex_lock(&mod_mu);
-  if (nmods == capmods) {
-    size_t nc = capmods ? capmods * 2 : 64;
-    module **nm = realloc(mods, nc * sizeof *nm);
-    if (!nm) {
-      pthread_mutex_unlock(&mod_mu);
-      LOG_ONCE("module table: out of memory");
-      if (!m->borrowed) free(m->image);
-      free(m->path);
-      free(m);
-      return;
-    }
-    mods = nm;
-    capmods = nc;
-  }
-  m->id = next_module_id++;
-  mods[nmods] = m;
-  if (handle) pm_put(&modmap, (uint64_t)(uintptr_t)handle, nmods + 1);
-  nmods++;
-  if (m->borrowed) borrowed_bytes += m->size;
-  else captured_bytes += m->size;
+  insert_locked(m);
   pthread_mutex_unlock(&mod_mu);
 }
 
