@@ -32,9 +32,11 @@ const (
 )
 
 // ClaimSize is the number of virtual blocks a twin CTA claims with one atomic (the kernel
-// computes the same in PTX): guided self-scheduling, clamp(left/(div x ctas), min, max), where
-// left = total - (the end of the last batch this CTA saw) and zero tuning fields take their
-// defaults. Exported so hosts and tests can reason about claim counts and preemption latency.
+// computes the same in PTX): guided self-scheduling, clamp(left/(div x ctas), min, max), capped at
+// ceil(left/ctas) so that no CTA takes more than its share of the last wave, where left = total -
+// (the end of the last batch this CTA saw) and zero tuning fields take their defaults. The kernel
+// claims only while left > 0; ClaimSize(0, ...) is 0. Exported so hosts and tests can reason about
+// claim counts and preemption latency.
 func ClaimSize(left, ctas uint64, batchMin, batchMax, batchDiv uint32) uint64 {
 	gmin, gmax, div := uint64(batchMin), uint64(batchMax), uint64(batchDiv)
 	if gmin == 0 {
@@ -52,8 +54,8 @@ func ClaimSize(left, ctas uint64, batchMin, batchMax, batchDiv uint32) uint64 {
 	if ctas == 0 {
 		ctas = 1
 	}
-	g := left / (div * ctas)
-	return min(max(g, gmin), gmax)
+	g := min(max(left/(div*ctas), gmin), gmax)
+	return min(g, (left+ctas-1)/ctas)
 }
 
 // Shared-memory scheduler state of one twin CTA (__ptxmig_slot_K, twinSlotBytes, 16-aligned):
@@ -69,6 +71,7 @@ const (
 	shDone        = 88  // u64 blocks this CTA published (= ran, at exit)
 	shMin         = 96  // u32 batch_min (resolved)
 	shMax         = 100 // u32 batch_max (resolved)
+	shInvCtas     = 104 // f32 1/(twin CTAs)
 	twinSlotBytes = 112
 	slotStride    = 32
 )

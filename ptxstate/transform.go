@@ -152,7 +152,11 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 	loadCtl := []string{"ld.param.u64 \t" + rCtl + ", [" + CtlParam + "];", "cvta.to.global.u64 \t" + rCtl + ", " + rCtl + ";"}
 	// claim (leader only): unless the flag is set or no block is left after rCur, issue
 	// atom.add(next_block, G) into rPend (not waited for here) and record G; else rPend = ~0.
-	claim := func(id string) {
+	// With mayDefer (the claim kept in flight during a batch), a claim in the last wave (at most
+	// one block per CTA left, as this CTA sees it) is deferred instead: rPend = ~1, G = 0, and the
+	// leader claims at the next publish, when it is ready to run what it gets. Claiming ahead there
+	// would take a block that an idle CTA could start now (a one-wave grid ran in two waves).
+	claim := func(id string, mayDefer bool) {
 		emit(
 			"ld.shared.u64 \t"+rT64a+", "+sh(shTotal)+";",
 			"setp.lt.u64 \t"+pC+", "+rCur+", "+rT64a+";",
@@ -162,9 +166,23 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 			"mov.u64 \t"+rPend+", -1;",
 			"mov.u64 \t"+rG+", 0;",
 			"@!"+pC+" bra \t"+L("noclaim"+id)+";",
-			"// G = clamp(left * (1/(div*ctas)), min, max) in f32: any G >= 1 is correct, so rounding is harmless",
+			"// G = min(clamp(left * (1/(div*ctas)), min, max), ceil(left/ctas)) in f32: any G >= 1 is",
+			"// correct, so rounding is harmless; the cap keeps a CTA from taking more than its share of",
+			"// the last wave (a one-wave grid claimed in pairs would run in two waves)",
 			"sub.u64 \t"+rT64a+", "+rT64a+", "+rCur+";",
 			"cvt.rn.f32.u64 \t"+rF+", "+rT64a+";",
+			"ld.shared.f32 \t"+rF2+", "+sh(shInvCtas)+";",
+			"mul.f32 \t"+rF2+", "+rF+", "+rF2+";",
+			"cvt.rpi.u32.f32 \t"+rAddr+", "+rF2+";",
+		)
+		if mayDefer {
+			emit(
+				"setp.le.u32 \t"+pS+", "+rAddr+", 1;",
+				"@"+pS+" mov.u64 \t"+rPend+", -2;",
+				"@"+pS+" bra \t"+L("noclaim"+id)+";",
+			)
+		}
+		emit(
 			"ld.shared.f32 \t"+rF2+", "+sh(shInvDiv)+";",
 			"mul.f32 \t"+rF+", "+rF+", "+rF2+";",
 			"ld.shared.v2.u32 \t{"+rTmp+", "+rTmp2+"}, "+sh(shMin)+";",
@@ -172,6 +190,7 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 			"min.f32 \t"+rF+", "+rF+", "+rF2+";",
 			"cvt.rzi.u32.f32 \t"+rTmp2+", "+rF+";",
 			"max.u32 \t"+rTmp2+", "+rTmp2+", "+rTmp+";",
+			"min.u32 \t"+rTmp2+", "+rTmp2+", "+rAddr+";",
 			"cvt.u64.u32 \t"+rG+", "+rTmp2+";",
 			fmt.Sprintf("atom.global.add.u64 \t%s, %s, %s;", rPend, ctl(CtlOffNextBlock), rG),
 			L("noclaim"+id)+":",
@@ -227,14 +246,25 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 		"cvt.rn.f32.u64 \t"+rF+", "+rT64a+";",
 		"rcp.rn.f32 \t"+rF+", "+rF+";",
 		"st.shared.f32 \t"+sh(shInvDiv)+", "+rF+";",
+		"cvt.rn.f32.u32 \t"+rF+", "+rTmp2+";",
+		"rcp.rn.f32 \t"+rF+", "+rF+";",
+		"st.shared.f32 \t"+sh(shInvCtas)+", "+rF+";",
 		"mov.u64 \t"+rT64a+", 0;",
 		"st.shared.u64 \t"+sh(shDone)+", "+rT64a+";",
 	)
-	claim("0")
+	claim("0", false)
 	emit(
 		"// the loop's only entry: the leader's divergent set-up reconverges here (reducible CFG)",
 		L("claim")+":",
 		"@!"+pLead+" bra \t"+L("wait")+";",
+		"// leader: a deferred claim (rPend == ~1) is made now, for the batch about to be published",
+		"setp.ne.u64 \t"+pT+", "+rPend+", -2;",
+		"@"+pT+" bra \t"+L("ready")+";",
+	)
+	emit(loadCtl...)
+	claim("2", false)
+	emit(
+		L("ready")+":",
 		"// leader: publish the claim in flight as {base, end}; an empty batch (base == end) ends the CTA",
 		"ld.shared.u64 \t"+rT64a+", "+sh(shTotal)+";",
 		"ld.shared.u64 \t"+rG+", "+sh(shPendG)+";",
@@ -280,7 +310,7 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 		"// the batch is empty: rCur == total); the atom's result is waited for at the next publish",
 	)
 	emit(loadCtl...)
-	claim("1")
+	claim("1", true)
 	emit(
 		"// every leader-only path ends at this barrier: the warp enters the body converged",
 		L("wait")+":",
