@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"runtime"
 	"path/filepath"
 	"regexp"
 	"sort"
@@ -121,7 +122,8 @@ func Run(ctx context.Context, env *Env, o Options) (*Result, error) {
 	res := &Result{PID: o.PID, Kind: pf.meta.Kind, GPUs: pf.meta.GPUs, Visible: pf.meta.Visible, LeftRunning: o.LeaveRunning}
 	var manifest *store.Manifest
 	var stats *store.Stats
-	steps := buildSteps(env, o, pf, images, func(m *store.Manifest, s *store.Stats) { manifest, stats = m, s })
+	steps, cleanup := buildSteps(env, o, pf, images, func(m *store.Manifest, s *store.Stats) { manifest, stats = m, s })
+	defer cleanup()
 	timings, err := Execute(ctx, steps, env.Hook, 0, env.Log)
 	res.Timings = timings
 	if err != nil {
@@ -402,8 +404,19 @@ func MemAvailable() uint64 { return procKB("/proc/meminfo", "MemAvailable:") }
 // stopped, stored, then killed: a store failure rolls back to a running process. With
 // LeaveRunning, CRIU resumes it after the dump and the driver restores and unlocks it before the
 // (slow) store, so it runs while the image is written.
-func buildSteps(env *Env, o Options, p *plan, images string, stored func(*store.Manifest, *store.Stats)) []Step {
+// buildSteps returns the checkpoint's steps and a cleanup to run after them whatever happened
+// (it drops the store's prestaged work if the store step did not take it).
+func buildSteps(env *Env, o Options, p *plan, images string, stored func(*store.Manifest, *store.Stats)) ([]Step, func()) {
 	pid := o.PID
+	// The store starts on the dump's files while CRIU still writes them (store.Prestage), so the
+	// store step after the dump only re-reads, re-hashes and commits what is already encoded.
+	var pre *store.Prestage
+	dropPre := func() {
+		if pre != nil {
+			pre.Close()
+			pre = nil
+		}
+	}
 	d := env.Driver
 	var steps []Step
 	if p.cuda {
@@ -430,7 +443,20 @@ func buildSteps(env *Env, o Options, p *plan, images string, stored func(*store.
 		ShellJob: o.ShellJob, TCPEstablished: o.TCPEstablished}
 	steps = append(steps, Step{Name: StepDump,
 		Do: func(ctx context.Context) error {
-			_, err := env.CRIU.Dump(ctx, dump)
+			var err error
+			if pre, err = env.Store.Prestage(ctx, images, store.PutOptions{Workers: prestageWorkers()}); err != nil {
+				env.logger().Debug("no prestage; the store runs after the dump", "err", err)
+				pre = nil
+			}
+			_, err = env.CRIU.Dump(ctx, dump)
+			if pre != nil {
+				if perr := pre.Stop(); perr != nil {
+					env.logger().Debug("prestage stopped early", "err", perr)
+				}
+			}
+			if err != nil {
+				dropPre()
+			}
 			return err
 		},
 		Undo: func(context.Context) error {
@@ -450,7 +476,8 @@ func buildSteps(env *Env, o Options, p *plan, images string, stored func(*store.
 		name = DefaultName(p.meta.Extra[ExtraComm], pid, time.Now())
 	}
 	steps = append(steps, Step{Name: StepStore, Do: func(ctx context.Context) error {
-		m, s, err := env.Store.Put(ctx, images, store.PutOptions{Name: name, Meta: p.meta, Progress: o.Progress})
+		m, s, err := env.Store.Put(ctx, images, store.PutOptions{Name: name, Meta: p.meta, Progress: o.Progress, Prestaged: pre})
+		dropPre()
 		if err != nil {
 			return fmt.Errorf("store image %q: %w", name, err)
 		}
@@ -462,8 +489,11 @@ func buildSteps(env *Env, o Options, p *plan, images string, stored func(*store.
 			return KillAndWait(pid, 10*time.Second)
 		}})
 	}
-	return steps
+	return steps, dropPre
 }
+
+// prestageWorkers leaves half the CPUs to CRIU while the dump runs.
+func prestageWorkers() int { return max(1, runtime.NumCPU()/2) }
 
 // continueProcess resumes a process CRIU left stopped, and checks it left the stopped state.
 func continueProcess(pid int) error {

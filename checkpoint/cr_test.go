@@ -64,8 +64,12 @@ func setup(t *testing.T) *fixture {
 }
 
 func (f *fixture) start(t *testing.T, name string) (*testproc.Proc, *testproc.Model) {
+	return f.startMiB(t, name, 2)
+}
+
+func (f *fixture) startMiB(t *testing.T, name string, mib int) (*testproc.Proc, *testproc.Model) {
 	t.Helper()
-	p, err := testproc.Start(f.bin, filepath.Join(f.dir, name), testproc.Options{MiB: 2, IntervalMs: 5})
+	p, err := testproc.Start(f.bin, filepath.Join(f.dir, name), testproc.Options{MiB: mib, IntervalMs: 5})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +77,7 @@ func (f *fixture) start(t *testing.T, name string) (*testproc.Proc, *testproc.Mo
 	if _, err := testproc.WaitState(p.StateFile, func(s testproc.State) bool { return s.Step >= 5 }, 10*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	return p, testproc.NewModel(2)
+	return p, testproc.NewModel(mib)
 }
 
 func (f *fixture) restore(t *testing.T, image string) *restore.Result {
@@ -217,6 +221,55 @@ func TestRollbackOnStoreFailure(t *testing.T) {
 			if _, err := f.st.Get("never"); !errors.Is(err, store.ErrNotFound) {
 				t.Errorf("image after a failed store: %v", err)
 			}
+		})
+	}
+}
+
+// TestPrestageDuringDump: the store encodes the dump's chunks while CRIU writes them (its temp
+// files exist when the store step starts); a failed store step leaves none behind and the process
+// running, and a successful one gives an image that restores exactly.
+func TestPrestageDuringDump(t *testing.T) {
+	for _, fail := range []bool{true, false} {
+		t.Run(map[bool]string{true: "store fails", false: "store succeeds"}[fail], func(t *testing.T) {
+			f := setup(t)
+			p, m := f.startMiB(t, "state", 48)
+			tmp := filepath.Join(f.st.Dir(), "tmp")
+			staged := -1
+			f.env.Hook = func(_ context.Context, step string) error {
+				if step != checkpoint.StepStore {
+					return nil
+				}
+				ents, _ := os.ReadDir(tmp)
+				staged = len(ents)
+				if fail {
+					return errors.New("injected store failure")
+				}
+				return nil
+			}
+			_, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, Name: "pre", StagingRoot: f.stage})
+			if staged < 1 {
+				t.Errorf("no chunk was staged during the dump (%d temp files when the store step began)", staged)
+			}
+			if ents, _ := os.ReadDir(tmp); len(ents) != 0 {
+				t.Errorf("%d store temp files left after the checkpoint", len(ents))
+			}
+			if fail {
+				if err == nil {
+					t.Fatal("checkpoint succeeded despite the injected store failure")
+				}
+				if !testproc.Alive(p.PID) {
+					t.Fatal("process died")
+				}
+				now, _ := testproc.ReadState(p.StateFile)
+				advancesExactly(t, p.StateFile, m, now.Step, 10)
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			before, _ := testproc.ReadState(p.StateFile)
+			f.restore(t, "pre")
+			advancesExactly(t, p.StateFile, m, before.Step, 10)
 		})
 	}
 }

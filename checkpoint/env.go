@@ -49,6 +49,7 @@ type CRIU interface {
 // ImageStore is the part of the store checkpoint and restore use (*store.Store implements it).
 type ImageStore interface {
 	Put(ctx context.Context, srcDir string, o store.PutOptions) (*store.Manifest, *store.Stats, error)
+	Prestage(ctx context.Context, dir string, o store.PutOptions) (*store.Prestage, error)
 	Get(ref string) (*store.Manifest, error)
 	Materialize(ctx context.Context, ref, dstDir string, o store.GetOptions) (*store.Stats, error)
 	Dir() string

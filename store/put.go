@@ -26,6 +26,9 @@ type PutOptions struct {
 	Workers     int      // parallel readers/hashers/compressors; default the CPU count
 	MemoryLimit int64    // bound on chunk buffers; default DefaultMemoryLimit
 	Progress    Progress // may be nil
+	// Prestaged: a stopped Prestage of the same directory whose staged chunks this Put reuses
+	// (after re-reading and re-hashing every chunk). The caller still Closes it.
+	Prestaged *Prestage
 }
 
 // GetOptions configures Materialize, Verify and Export.
@@ -204,18 +207,24 @@ func (s *Store) put(ctx context.Context, srcDir string, o PutOptions, start time
 		return nil, nil, err
 	}
 	defer lk.unlock()
-	stage, err := s.newChunkStage()
-	if err != nil {
+	var c counters
+	pw := &putWork{s: s, m: m, c: &c, claimed: map[ChunkID]bool{}, sizes: map[ChunkID]int{}}
+	if o.Prestaged != nil {
+		pre, staged, err := o.Prestaged.take(root)
+		if err != nil {
+			return nil, nil, err
+		}
+		pw.stage, pw.claimed, pw.sizes, pw.pre = pre.stage, pre.claimed, pre.sizes, staged
+	} else if pw.stage, err = s.newChunkStage(); err != nil {
 		return nil, nil, err
 	}
+	stage := pw.stage
 	defer stage.close() // removes the temp files of a failed Put
 
-	var c counters
 	for _, src := range srcs {
 		c.logical.Add(src.size)
 	}
 	stop := reportProgress(ctx, o.Progress, &c.done, c.logical.Load())
-	pw := &putWork{s: s, m: m, c: &c, stage: stage, claimed: map[ChunkID]bool{}, sizes: map[ChunkID]int{}}
 	err = pw.run(ctx, srcs, workers, o.ChunkSize)
 	stop()
 	if err != nil {
@@ -239,6 +248,18 @@ func (s *Store) put(ctx context.Context, srcDir string, o PutOptions, start time
 				c.stored.Add(int64(ch.Stored))
 			}
 		}
+	}
+	if o.Prestaged != nil {
+		// Staged chunks of regions the writer rewrote after the Prestage read them.
+		used := map[ChunkID]bool{}
+		for i := range m.Files {
+			for _, ch := range m.Files[i].Chunks {
+				if !ch.Zero {
+					used[ch.Hash] = true
+				}
+			}
+		}
+		stage.keepOnly(used)
 	}
 	if err := stage.commit(); err != nil {
 		return nil, nil, err
@@ -277,6 +298,7 @@ type putWork struct {
 	mu      sync.Mutex
 	claimed map[ChunkID]bool // chunks this Put writes or found stored
 	sizes   map[ChunkID]int  // chunk file sizes
+	pre     map[ChunkID]int  // staged by a Prestage and not yet counted: encoded size
 }
 
 type putJob struct {
@@ -389,6 +411,9 @@ func (pw *putWork) chunk(f *os.File, j putJob, buf, out []byte, enc *encoder) ([
 			pw.stage.markFound()
 		}
 	}
+	if dup && pw.takePrestaged(ch.Hash) {
+		return out, nil
+	}
 	if dup {
 		pw.c.dedup.Add(int64(n))
 		pw.c.dedupChunks.Add(1)
@@ -401,6 +426,19 @@ func (pw *putWork) chunk(f *os.File, j putJob, buf, out []byte, enc *encoder) ([
 	pw.setSize(ch.Hash, len(out))
 	pw.c.written.Add(int64(len(out)))
 	return out, nil
+}
+
+// takePrestaged counts a chunk a Prestage staged as written by this Put, the first time one of
+// its occurrences is met (later ones are deduplicated, as without a Prestage).
+func (pw *putWork) takePrestaged(id ChunkID) bool {
+	pw.mu.Lock()
+	n, ok := pw.pre[id]
+	delete(pw.pre, id)
+	pw.mu.Unlock()
+	if ok {
+		pw.c.written.Add(int64(n))
+	}
+	return ok
 }
 
 func (pw *putWork) zero(ch *Chunk) {

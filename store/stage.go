@@ -59,6 +59,10 @@ func (cs *chunkStage) add(id ChunkID, data []byte) error {
 	if err == nil && !syncfsReportsErrors() {
 		// This kernel's syncfs does not report writeback errors: sync each file as it is written.
 		err = unix.Fdatasync(int(f.Fd()))
+	} else if err == nil {
+		// Start writeback now, without waiting: the disk works while later chunks are encoded,
+		// and commit's syncfs finds less to flush. Only a hint; errors surface at syncfs.
+		_ = unix.SyncFileRange(int(f.Fd()), 0, 0, unix.SYNC_FILE_RANGE_WRITE)
 	}
 	if cerr := f.Close(); err == nil {
 		err = cerr
@@ -71,6 +75,22 @@ func (cs *chunkStage) add(id ChunkID, data []byte) error {
 	cs.staged = append(cs.staged, stagedChunk{tmp: tmp, id: id})
 	cs.mu.Unlock()
 	return nil
+}
+
+// keepOnly deletes the staged temp files of chunks not in used (a Prestage staged content the
+// writer later replaced): only referenced chunks are published.
+func (cs *chunkStage) keepOnly(used map[ChunkID]bool) {
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	kept := cs.staged[:0]
+	for _, t := range cs.staged {
+		if used[t.id] {
+			kept = append(kept, t)
+		} else {
+			os.Remove(t.tmp)
+		}
+	}
+	cs.staged = kept
 }
 
 // found records that the writer references a chunk it found under its final name instead of

@@ -1,0 +1,199 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+const preChunk = 64 << 10
+
+// growFile appends n chunks of seeded random bytes to path in pieces, pausing so that a Prestage
+// polls between them (the way CRIU writes pages-*.img while it dumps).
+func growFile(t *testing.T, path string, n int, seed uint64) []byte {
+	t.Helper()
+	r := rand.New(rand.NewPCG(seed, 1))
+	all := make([]byte, n*preChunk+1234) // a partial last chunk too
+	for i := range all {
+		all[i] = byte(r.Uint32())
+	}
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	for off := 0; off < len(all); off += preChunk / 2 {
+		if _, err := f.Write(all[off:min(off+preChunk/2, len(all))]); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	return all
+}
+
+// waitStaged polls until the Prestage staged at least n chunks.
+func waitStaged(t *testing.T, p *Prestage, n int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for p.Stats().Chunks < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("prestage staged %d chunks, want >= %d", p.Stats().Chunks, n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func countFiles(t *testing.T, dir string) int {
+	t.Helper()
+	n := 0
+	err := filepath.WalkDir(dir, func(_ string, d os.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() {
+			n++
+		}
+		return err
+	})
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func distinctChunks(m *Manifest) int {
+	seen := map[ChunkID]bool{}
+	for _, f := range m.Files {
+		for _, c := range f.Chunks {
+			if !c.Zero {
+				seen[c.Hash] = true
+			}
+		}
+	}
+	return len(seen)
+}
+
+func TestPrestage(t *testing.T) {
+	tests := []struct {
+		name    string
+		rewrite bool // overwrite an already-staged region before the Put
+	}{
+		{"writer appends", false},
+		{"writer rewrites a staged region", true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			s := openTestStore(t)
+			src := t.TempDir()
+			if err := os.WriteFile(filepath.Join(src, "core.img"), []byte("small file"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			p, err := s.Prestage(ctx, src, PutOptions{ChunkSize: preChunk, Workers: 2})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Close()
+			data := growFile(t, filepath.Join(src, "pages-1.img"), 12, 7)
+			waitStaged(t, p, 12)
+			if tc.rewrite {
+				f, err := os.OpenFile(filepath.Join(src, "pages-1.img"), os.O_WRONLY, 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				other := make([]byte, preChunk)
+				for i := range other {
+					other[i] = byte(i*7 + 3)
+				}
+				if _, err := f.WriteAt(other, 3*preChunk); err != nil {
+					t.Fatal(err)
+				}
+				f.Close()
+				copy(data[3*preChunk:], other)
+			}
+			if err := p.Stop(); err != nil {
+				t.Fatal(err)
+			}
+			m, st, err := s.Put(ctx, src, PutOptions{Name: "pre", ChunkSize: preChunk, Prestaged: p})
+			if err != nil {
+				t.Fatal(err)
+			}
+			p.Close()
+
+			// Same stats as a Put without a Prestage, into a fresh store.
+			plain := openTestStore(t)
+			_, want, err := plain.Put(ctx, src, PutOptions{Name: "plain", ChunkSize: preChunk})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.WrittenBytes != want.WrittenBytes || st.DedupBytes != want.DedupBytes || st.ZeroBytes != want.ZeroBytes ||
+				st.StoredBytes != want.StoredBytes || st.Chunks != want.Chunks {
+				t.Errorf("stats with prestage %+v, without %+v", st, want)
+			}
+			// Exactly the referenced chunks are published; no temp file is left.
+			if got, want := countFiles(t, filepath.Join(s.Dir(), "chunks")), distinctChunks(m); got != want {
+				t.Errorf("%d chunk files published, manifest references %d", got, want)
+			}
+			if n := countFiles(t, s.tmpDir()); n != 0 {
+				t.Errorf("%d temp files left", n)
+			}
+			out := t.TempDir()
+			if _, err := s.Materialize(ctx, "pre", out, GetOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			sameTree(t, src, out)
+			got, err := os.ReadFile(filepath.Join(out, "pages-1.img"))
+			if err != nil || string(got) != string(data) {
+				t.Fatalf("pages-1.img restored wrong (err %v)", err)
+			}
+		})
+	}
+}
+
+// A Prestage abandoned (the writer failed) leaves no temp files and releases the store lock.
+func TestPrestageClose(t *testing.T) {
+	ctx := context.Background()
+	s := openTestStore(t)
+	src := t.TempDir()
+	p, err := s.Prestage(ctx, src, PutOptions{ChunkSize: preChunk, Workers: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	growFile(t, filepath.Join(src, "pages-1.img"), 6, 9)
+	waitStaged(t, p, 6)
+	p.Close()
+	p.Close() // idempotent
+	if n := countFiles(t, s.tmpDir()); n != 0 {
+		t.Errorf("%d temp files left after Close", n)
+	}
+	if n := countFiles(t, filepath.Join(s.Dir(), "chunks")); n != 0 {
+		t.Errorf("%d chunk files published without a Put", n)
+	}
+	gctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if _, err := s.GC(gctx); err != nil {
+		t.Fatalf("gc after Close (lock not released?): %v", err)
+	}
+	if _, _, err := s.Put(ctx, src, PutOptions{Name: "late", Prestaged: p}); err == nil {
+		t.Fatal("Put with a closed Prestage succeeded")
+	}
+}
+
+// A Put of another directory refuses the Prestage and stores nothing.
+func TestPrestageOtherDir(t *testing.T) {
+	ctx := context.Background()
+	s := openTestStore(t)
+	a, b := t.TempDir(), t.TempDir()
+	p, err := s.Prestage(ctx, a, PutOptions{ChunkSize: preChunk})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	if _, _, err := s.Put(ctx, b, PutOptions{Name: "x", Prestaged: p}); !errors.Is(err, errPrestageDir) {
+		t.Fatalf("Put of another dir: %v, want %v", err, errPrestageDir)
+	}
+	if _, err := s.Get("x"); err == nil {
+		t.Fatal("image x exists after a refused Put")
+	}
+}
