@@ -60,6 +60,9 @@ type Options struct {
 	ShellJob       bool
 	KeepStaging    bool   // keep the CRIU image directory after a successful store
 	StagingRoot    string // where the staging directory goes; default: tmpfs when memory allows
+	// PrestageWorkers store the dump's chunks while CRIU writes them (store.Prestage): 0 means
+	// half the CPUs, a negative value stores only after the dump.
+	PrestageWorkers int
 	Progress       func(done, total int64)
 }
 
@@ -444,9 +447,15 @@ func buildSteps(env *Env, o Options, p *plan, images string, stored func(*store.
 	steps = append(steps, Step{Name: StepDump,
 		Do: func(ctx context.Context) error {
 			var err error
-			if pre, err = env.Store.Prestage(ctx, images, store.PutOptions{Workers: prestageWorkers()}); err != nil {
-				env.logger().Debug("no prestage; the store runs after the dump", "err", err)
-				pre = nil
+			if o.PrestageWorkers >= 0 {
+				w := o.PrestageWorkers
+				if w == 0 {
+					w = max(1, runtime.NumCPU()/2) // leave half the CPUs to CRIU
+				}
+				if pre, err = env.Store.Prestage(ctx, images, store.PutOptions{Workers: w}); err != nil {
+					env.logger().Debug("no prestage; the store runs after the dump", "err", err)
+					pre = nil
+				}
 			}
 			_, err = env.CRIU.Dump(ctx, dump)
 			if pre != nil {
@@ -492,8 +501,6 @@ func buildSteps(env *Env, o Options, p *plan, images string, stored func(*store.
 	return steps, dropPre
 }
 
-// prestageWorkers leaves half the CPUs to CRIU while the dump runs.
-func prestageWorkers() int { return max(1, runtime.NumCPU()/2) }
 
 // continueProcess resumes a process CRIU left stopped, and checks it left the stopped state.
 func continueProcess(pid int) error {

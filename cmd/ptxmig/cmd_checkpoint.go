@@ -43,6 +43,7 @@ func init() {
 			&cli.BoolFlag{Name: "tcp-established", Usage: "checkpoint established TCP connections (CRIU --tcp-established)"},
 			&cli.BoolFlag{Name: "shell-job", Usage: "the process is a job of an interactive shell (CRIU --shell-job)"},
 			&cli.BoolFlag{Name: "keep-staging", Usage: "keep CRIU's image directory after storing it"},
+			&cli.IntFlag{Name: "prestage-workers", Usage: "workers that store the dump while CRIU writes it (0: half the CPUs; -1: store only after the dump)"},
 		},
 		Action: checkpointAction,
 	})
@@ -70,6 +71,7 @@ func checkpointAction(c *cli.Context) error {
 		PID: pid, Name: c.String("name"), LeaveRunning: c.Bool("leave-running"),
 		LockTimeout: lockTimeout, TCPEstablished: c.Bool("tcp-established"),
 		ShellJob: c.Bool("shell-job"), KeepStaging: c.Bool("keep-staging"),
+		PrestageWorkers: c.Int("prestage-workers"),
 	})
 	if err != nil {
 		return opError(g.Err, err)
