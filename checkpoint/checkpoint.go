@@ -7,9 +7,9 @@ import (
 	"fmt"
 	"math"
 	"os"
-	"runtime"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"sort"
 	"strconv"
 	"strings"
@@ -63,7 +63,7 @@ type Options struct {
 	// PrestageWorkers store the dump's chunks while CRIU writes them (store.Prestage): 0 means
 	// half the CPUs, a negative value stores only after the dump.
 	PrestageWorkers int
-	Progress       func(done, total int64)
+	Progress        func(done, total int64)
 }
 
 // Sizes of a stored image, in bytes.
@@ -500,7 +500,6 @@ func buildSteps(env *Env, o Options, p *plan, images string, stored func(*store.
 	}
 	return steps, dropPre
 }
-
 
 // continueProcess resumes a process CRIU left stopped, and checks it left the stopped state.
 func continueProcess(pid int) error {

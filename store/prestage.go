@@ -25,8 +25,9 @@ import (
 // Prestage staged. A region the writer rewrote after it was read is therefore stored again, and a
 // staged chunk the final image does not reference is deleted, never published.
 //
-// Use: Prestage, let the writer finish, Stop, then Put with Prestaged set; Close always (after
-// Put it only releases the lock). A Prestage holds the store lock shared, like a Put.
+// Use: Prestage, let the writer finish, Stop, then Put with Prestaged set; Close always, after
+// the Put (then it only releases the lock). A Prestage holds the store lock shared from Prestage to
+// Close, and that hold covers the Put; Prestage does not wait for a running gc (ErrBusy).
 type Prestage struct {
 	s         *Store
 	dir       string // EvalSymlinks'd
@@ -44,8 +45,15 @@ type Prestage struct {
 	polls  int
 }
 
-// prestagePoll is how often the tree is rescanned for new whole chunks.
-const prestagePoll = 15 * time.Millisecond
+// prestagePoll is how often the tree is rescanned for new whole chunks; prestageLockWait how
+// long Prestage waits for the store lock (held exclusively only by gc).
+const (
+	prestagePoll     = 15 * time.Millisecond
+	prestageLockWait = 100 * time.Millisecond
+)
+
+// ErrBusy: the store is locked exclusively (gc); Prestage does not wait for it.
+var ErrBusy = errors.New("store busy (gc running)")
 
 // Prestage starts storing dir's chunks while another program writes it. o.ChunkSize, o.Workers
 // and o.MemoryLimit apply (give it fewer workers than the CPU count: the writer needs CPU too);
@@ -65,9 +73,13 @@ func (s *Store) Prestage(ctx context.Context, dir string, o PutOptions) (*Presta
 	if err != nil {
 		return nil, fmt.Errorf("prestage: %w", err)
 	}
-	lk, err := s.lockShared(ctx)
+	// Never wait for a gc: the caller's process may be frozen meanwhile. Without the lock the
+	// caller simply stores after the dump, waiting for the lock then.
+	lctx, cancel := context.WithTimeout(ctx, prestageLockWait)
+	lk, err := s.lockShared(lctx)
+	cancel()
 	if err != nil {
-		return nil, fmt.Errorf("prestage: %w", err)
+		return nil, fmt.Errorf("prestage: %w: %w", ErrBusy, err)
 	}
 	stage, err := s.newChunkStage()
 	if err != nil {
@@ -254,12 +266,12 @@ func (p *Prestage) Close() {
 	p.lk.unlock()
 }
 
-// errPrestageDir: PutOptions.Prestaged was started on another directory.
-var errPrestageDir = errors.New("prestaged directory differs from the one put")
+// errPrestageDir: PutOptions.Prestaged was started on another directory, store or chunk size.
+var errPrestageDir = errors.New("prestage does not match the put")
 
 // take hands the Prestage's staging state to the Put of root: the Put's putWork gets the stage
 // and the claimed/size maps, and pre lists the staged chunks (encoded sizes).
-func (p *Prestage) take(root string) (*putWork, map[ChunkID]int, error) {
+func (p *Prestage) take(s *Store, root string, chunkSize int) (*putWork, map[ChunkID]int, error) {
 	if err := p.Stop(); err != nil {
 		slog.Debug("prestage stopped early; the put stores what was not staged", "err", err)
 	}
@@ -270,6 +282,9 @@ func (p *Prestage) take(root string) (*putWork, map[ChunkID]int, error) {
 	}
 	if p.dir != root {
 		return nil, nil, fmt.Errorf("%w: %s, not %s", errPrestageDir, p.dir, root)
+	}
+	if p.s.dir != s.dir || p.chunkSize != chunkSize {
+		return nil, nil, fmt.Errorf("%w: store %s chunk size %d, not %s chunk size %d", errPrestageDir, p.s.dir, p.chunkSize, s.dir, chunkSize)
 	}
 	p.taken = true
 	pre := make(map[ChunkID]int, len(p.staged))

@@ -197,3 +197,91 @@ func TestPrestageOtherDir(t *testing.T) {
 		t.Fatal("image x exists after a refused Put")
 	}
 }
+
+// A gc that starts between the Prestage and its Put waits for both; it must not deadlock them
+// (the Put does not take the store lock a second time).
+func TestPrestageGCBetween(t *testing.T) {
+	ctx := context.Background()
+	s := openTestStore(t)
+	src := t.TempDir()
+	p, err := s.Prestage(ctx, src, PutOptions{ChunkSize: preChunk, Workers: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	growFile(t, filepath.Join(src, "pages-1.img"), 4, 3)
+	waitStaged(t, p, 4)
+	if err := p.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	gcDone := make(chan error, 1)
+	go func() {
+		_, err := s.GC(ctx)
+		gcDone <- err
+	}()
+	time.Sleep(50 * time.Millisecond) // gc now holds the gate and waits for the lock
+	pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if _, _, err := s.Put(pctx, src, PutOptions{Name: "during-gc", ChunkSize: preChunk, Prestaged: p}); err != nil {
+		t.Fatalf("Put with a Prestage while gc waits: %v", err)
+	}
+	select {
+	case err := <-gcDone:
+		t.Fatalf("gc finished while the Prestage still held the lock: %v", err)
+	default:
+	}
+	p.Close()
+	select {
+	case err := <-gcDone:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("gc still waiting after Close")
+	}
+	out := t.TempDir()
+	if _, err := s.Materialize(ctx, "during-gc", out, GetOptions{}); err != nil {
+		t.Fatalf("image after gc: %v", err)
+	}
+	sameTree(t, src, out)
+}
+
+// Prestage does not wait for a running gc: it reports ErrBusy at once.
+func TestPrestageBusy(t *testing.T) {
+	ctx := context.Background()
+	s := openTestStore(t)
+	lk, err := s.lockExclusive(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lk.unlock()
+	start := time.Now()
+	if _, err := s.Prestage(ctx, t.TempDir(), PutOptions{}); !errors.Is(err, ErrBusy) {
+		t.Fatalf("Prestage during gc: %v, want ErrBusy", err)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Errorf("Prestage waited %v for the lock", d)
+	}
+}
+
+// A Prestage belongs to one store and chunk size.
+func TestPrestageOtherStoreOrChunkSize(t *testing.T) {
+	ctx := context.Background()
+	s, other := openTestStore(t), openTestStore(t)
+	src := t.TempDir()
+	for _, tc := range []struct {
+		name  string
+		put   *Store
+		chunk int
+	}{{"other store", other, preChunk}, {"other chunk size", s, 2 * preChunk}} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, err := s.Prestage(ctx, src, PutOptions{ChunkSize: preChunk})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Close()
+			if _, _, err := tc.put.Put(ctx, src, PutOptions{Name: "x", ChunkSize: tc.chunk, Prestaged: p}); !errors.Is(err, errPrestageDir) {
+				t.Fatalf("Put: %v, want %v", err, errPrestageDir)
+			}
+		})
+	}
+}

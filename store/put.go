@@ -26,8 +26,9 @@ type PutOptions struct {
 	Workers     int      // parallel readers/hashers/compressors; default the CPU count
 	MemoryLimit int64    // bound on chunk buffers; default DefaultMemoryLimit
 	Progress    Progress // may be nil
-	// Prestaged: a stopped Prestage of the same directory whose staged chunks this Put reuses
-	// (after re-reading and re-hashing every chunk). The caller still Closes it.
+	// Prestaged: a Prestage of the same directory, store and chunk size whose staged chunks this
+	// Put reuses (after re-reading and re-hashing every chunk). Its store lock covers the Put;
+	// the caller Closes it after the Put returns.
 	Prestaged *Prestage
 }
 
@@ -202,21 +203,25 @@ func (s *Store) put(ctx context.Context, srcDir string, o PutOptions, start time
 	}
 	m.Files = files
 
-	lk, err := s.lockShared(ctx)
-	if err != nil {
-		return nil, nil, err
-	}
-	defer lk.unlock()
 	var c counters
 	pw := &putWork{s: s, m: m, c: &c, claimed: map[ChunkID]bool{}, sizes: map[ChunkID]int{}}
 	if o.Prestaged != nil {
-		pre, staged, err := o.Prestaged.take(root)
+		// The Prestage's shared lock covers this Put (it is released by Close, after the Put).
+		// Taking the lock again here could deadlock with a gc waiting between the two holds.
+		pre, staged, err := o.Prestaged.take(s, root, o.ChunkSize)
 		if err != nil {
 			return nil, nil, err
 		}
 		pw.stage, pw.claimed, pw.sizes, pw.pre = pre.stage, pre.claimed, pre.sizes, staged
-	} else if pw.stage, err = s.newChunkStage(); err != nil {
-		return nil, nil, err
+	} else {
+		lk, err := s.lockShared(ctx)
+		if err != nil {
+			return nil, nil, err
+		}
+		defer lk.unlock()
+		if pw.stage, err = s.newChunkStage(); err != nil {
+			return nil, nil, err
+		}
 	}
 	stage := pw.stage
 	defer stage.close() // removes the temp files of a failed Put
