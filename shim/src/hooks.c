@@ -486,7 +486,7 @@ EXPORT void **__cudaRegisterFatBinary(void *wrapper) {
     return NULL;
   }
   void **h = real(wrapper);
-  trk_module_add(MS_REGISTER_FATBIN, h, wrapper, 0, NULL);
+  if (h) trk_module_add(MS_REGISTER_FATBIN, h, wrapper, 0, NULL);  // NULL: nothing was registered
   return h;
 }
 // The registered image is borrowed in place (track.c): forget it before the runtime lets the

@@ -314,7 +314,15 @@ static void insert_locked(module *m) {
   }
   m->id = next_module_id++;
   mods[nmods] = m;
-  if (m->handle) pm_put(&modmap, (uint64_t)(uintptr_t)m->handle, nmods + 1);
+  int mapped = m->handle && pm_put(&modmap, (uint64_t)(uintptr_t)m->handle, nmods + 1) == 0;
+  if (m->borrowed && !m->borrow_of && !mapped) {
+    // A registration that cannot be found by its handle would never be dropped at
+    // __cudaUnregisterFatBinary, leaving a pointer into memory the app may unmap: do not borrow.
+    m->image = NULL;
+    m->size = 0;
+    m->borrowed = 0;
+    m->drop_reason = "registration not tracked by handle (no handle, or module table out of memory)";
+  }
   nmods++;
   if (m->borrowed) borrowed_bytes += m->size;
   else captured_bytes += m->size;

@@ -246,6 +246,17 @@ def main():
               f"app_unregister: library after its registration ended: {lib} (want sha256 {want})")
         mb = res[1]["module_bytes"]
         check(mb["borrowed"] == 0 and mb["copied"] == lib["bytes"], f"app_unregister: module_bytes {mb}")
+    # The runtime's registration fails (NULL handle, later unregistered as NULL): the shim cannot
+    # match the end of that registration, so it must not borrow its bytes; the load keeps a copy.
+    res = run_app(opts, "app_unregister", {"FATBIN": fb, "FAKE_CUDART_REGISTER_FAIL": "1"}, {}, {},
+                  ["cuLibraryLoadData"], {})
+    if res:
+        want = hashlib.sha256(open(fb, "rb").read()).hexdigest()
+        lib = res[1]["modules"][0]
+        check(lib["loaded"] and lib.get("image") == "copy" and lib.get("sha256") == want,
+              f"app_unregister with a failed registration: {lib} (want sha256 {want})")
+        mb = res[1]["module_bytes"]
+        check(mb["borrowed"] == 0 and mb["copied"] == lib["bytes"], f"app_unregister with a failed registration: module_bytes {mb}")
     if failures:
         print(f"drive.py: {len(failures)} failures ({opts.shim})", file=sys.stderr)
         sys.exit(1)
