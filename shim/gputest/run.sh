@@ -6,6 +6,8 @@
 #  3. `ptxmig modules --dump` output assembles with the host's ptxas
 #  4. the driver checkpoint API (lock/checkpoint/restore/unlock) works on a shimmed process
 #  5. benchmark: empty-kernel launch cost and train.py steps/s with and without the shim
+#  6. CUDA 12: counter (static and shared cudart 12.4) and ptxload built with CUDA 12.4 (by
+#     gpu-bundle.sh, $PTXMIG_WORKLOADS_CU12) pass checks 1-3 too; SKIP when the bundle has none
 # Results: $PTXMIG_OUT/shim-results.md (+ logs in $PTXMIG_OUT/shim/).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -19,7 +21,7 @@ sockdir=$work/sock
 W=$PTXMIG_WORKLOADS
 fail=0
 rows=()
-row() { rows+=("| $1 | $2 | $3 |"); echo "== $1: $2 $3"; [ "$2" = PASS ] || [ "$2" = INFO ] || fail=1; }
+row() { rows+=("| $1 | $2 | $3 |"); echo "== $1: $2 $3"; [ "$2" = PASS ] || [ "$2" = INFO ] || [ "$2" = SKIP ] || fail=1; }
 
 nvcc -O2 -arch=native -o "$work/emptyloop" "$here/emptyloop.cu" || { echo "nvcc emptyloop failed"; exit 1; }
 cc -O2 -o "$work/ckpt" "$here/ckpt.c" -ldl || exit 1
@@ -128,6 +130,30 @@ if shimmed python3 "$W/train.py" --steps 1500 --log-every 100; then
   if [ $rc -eq 0 ] && [ "$(grep -v ^pid "$work/train.ref")" = "$(grep -v ^pid "$work/shimmed.out")" ]; then row "train.py: identical output" PASS "$(grep -v ^pid "$work/train.ref" | tail -n1)"; else row "train.py: identical output" FAIL "rc=$rc"; fi
 else
   row "train.py: under ptxmig run" FAIL "no control socket appeared"; finish
+fi
+
+# ---- CUDA 12 apps (cudart 12.4 static and shared, driver API with cuda.h 12.4) ----
+C12=${PTXMIG_WORKLOADS_CU12:-}
+if [ -n "$C12" ] && [ -x "$C12/counter" ]; then
+  # cu12_app NAME KERNEL MIN CMD...: identical output, kernels listed, dumped PTX assembles.
+  cu12_app() {
+    local name=$1 kern=$2 mn=$3; shift 3
+    "$@" >"$work/$name.ref" 2>&1
+    if shimmed "$@"; then
+      poll check_kernels "$kern" "$mn" >"$out/$name-kernels.log" 2>&1 && row "$name: kernels listed" PASS "$(tail -n1 "$out/$name-kernels.log")" || row "$name: kernels listed" FAIL "$(tail -n2 "$out/$name-kernels.log")"
+      check_dump "$name" && row "$name: dumped PTX assembles" PASS "$(grep -h -m1 '^\.version' "$work/dump-$name"/*.ptx 2>/dev/null | head -n1)" || row "$name: dumped PTX assembles" FAIL "see shim/modules-$name.txt"
+      "$PTXMIG_BIN" --json modules --socket-dir "$sockdir" "$cpid" >"$out/modules-$name.json" 2>&1
+      finish; rc=$?
+      if [ $rc -eq 0 ] && diff -q <(grep -v '^pid ' "$work/$name.ref") <(grep -v '^pid ' "$work/shimmed.out") >/dev/null; then row "$name: identical output" PASS "$(tail -n1 "$work/$name.ref")"; else row "$name: identical output" FAIL "rc=$rc"; fi
+    else
+      row "$name: under ptxmig run" FAIL "no control socket appeared ($(tail -n2 "$work/shimmed.err"))"; finish
+    fi
+  }
+  cu12_app cu12-counter-static "" 20 "$C12/counter" --mib 64 --steps 400 --interval-ms 10
+  LD_LIBRARY_PATH=$C12${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} cu12_app cu12-counter-shared "" 20 "$C12/counter-shared" --mib 64 --steps 400 --interval-ms 10
+  cu12_app cu12-ptxload vecadd 100 "$C12/ptxload" "$C12/vecadd.ptx" --iters 600000
+else
+  row "CUDA 12 apps" SKIP "bundle has no workloads-cu12 (scripts/install-nvcc12.sh failed or PTXMIG_BUNDLE_CU12=0)"
 fi
 
 # ---- benchmark: with and without the shim in the same run, alternating, medians ----

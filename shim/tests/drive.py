@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Drives the shim's integration tests (see run.sh): starts each test app with the shim
 preloaded, waits for it to report "ready", then talks to its control socket like ptxmig does."""
-import argparse, hashlib, json, os, shutil, socket, stat, subprocess, sys, tempfile
+import argparse, hashlib, json, os, re, shutil, socket, stat, subprocess, sys, tempfile
 
 failures = []
 
@@ -121,7 +121,7 @@ def protocol_checks(name, c):
     s.close()
 
 
-def dump_checks(name, c, tmp, want_ptx_entry):
+def dump_checks(name, c, tmp, want_ptx_entry, need_ptxas):
     d = os.path.join(tmp, f"dump-{name}")
     r = c.req(cmd="dump-modules", dir=d)
     check(r["ok"], f"{name}: dump: {r}")
@@ -139,23 +139,28 @@ def dump_checks(name, c, tmp, want_ptx_entry):
     if ptxas:
         for f in set(ptx):
             text = open(os.path.join(d, f)).read()
-            arch = "sm_90" if ".target sm_90" in text else "sm_70"
+            m = re.search(r"^\s*\.target\s+(sm_\d+[a-z]?)", text, re.M)
+            arch = m.group(1) if m else "sm_70"
             p = subprocess.run([ptxas, "-arch", arch, "-o", os.devnull, os.path.join(d, f)], capture_output=True, text=True)
-            if "Unsupported .version" in p.stderr:
+            if "Unsupported .version" in p.stderr and not need_ptxas:
                 print(f"SKIP {name}: {os.path.basename(ptxas)} is older than the PTX ISA of {f} (checked on the GPU host)")
                 continue
             check(p.returncode == 0, f"{name}: ptxas rejects dumped {f}: {p.stderr[:500]}")
+    elif need_ptxas:
+        check(False, f"{name}: ptxas not installed (make deps installs it); dumped PTX not assembled")
     else:
         print(f"SKIP {name}: ptxas not installed; dumped PTX not assembled")
     if want_ptx_entry:
-        check(any(e.get("kind") == "ptx" and e.get("compression") in ("zstd", "lz4", "none")
-                  for m in idx["modules"] for e in m["entries"]), f"{name}: no fatbin PTX entry in {idx}")
+        # want_ptx_entry names the codec the fatbin's PTX entries were compressed with.
+        check(any(e.get("kind") == "ptx" and e.get("compression") == want_ptx_entry
+                  for m in idx["modules"] for e in m["entries"]), f"{name}: no {want_ptx_entry} PTX entry in {idx}")
     # Dumping again writes nothing new (content-addressed).
     r2 = c.req(cmd="dump-modules", dir=d)
     check(r2["ok"] and r2["result"]["files_written"] == 0, f"{name}: second dump wrote {r2}")
 
 
-def run_app(opts, name, env_extra, expect_kernels, expect_alloc, expect_sources, fake_expect, want_ptx_entry=False):
+def run_app(opts, name, env_extra, expect_kernels, expect_alloc, expect_sources, fake_expect, want_ptx_entry=None,
+            need_ptxas=False):
     tmp = tempfile.mkdtemp(prefix=f"ptxmig-shim-{name}-")
     sockdir = os.path.join(tmp, "sock")
     exe = os.path.join(opts.build, name)
@@ -175,7 +180,7 @@ def run_app(opts, name, env_extra, expect_kernels, expect_alloc, expect_sources,
     if res:
         c, status, kernels = res
         protocol_checks(name, c)
-        dump_checks(name, c, tmp, want_ptx_entry)
+        dump_checks(name, c, tmp, want_ptx_entry, need_ptxas)
         c.s.close()
     rc, rest, err = app.finish()
     check(rc == rc0 == 0, f"{name}: exit {rc} (without shim {rc0}); stderr: {err[-2000:]}")
@@ -214,42 +219,53 @@ def main():
     if res:
         i = res[1]["interception"]
         check(i["by_name"] >= 5, f"app_getproc with internal pointers: by-name matches {i}")
-    res = run_app(opts, "app_runtime", {},
-                  {"fx_scale": (3, [((2, 1, 1), (128, 1, 1), 3)]),
-                   "_Z6fx_addIfEvPT_PKS0_i": (3, [((2, 1, 1), (128, 1, 1), 3)])},
-                  {"device": 2 << 20}, ["__cudaRegisterFatBinary", "cuLibraryLoadData"], {}, want_ptx_entry=True)
-    if res:
+    # The same host code built by CUDA 13.0 (Zstd entries) and by CUDA 12.4 (LZ4 entries, PTX that
+    # the build machine's ptxas 12.4 must assemble).
+    for name, codec, need_ptxas in (("app_runtime", "zstd", False), ("app_runtime_cu12", "lz4", True)):
+        res = run_app(opts, name, {},
+                      {"fx_scale": (3, [((2, 1, 1), (128, 1, 1), 3)]),
+                       "_Z6fx_addIfEvPT_PKS0_i": (3, [((2, 1, 1), (128, 1, 1), 3)])},
+                      {"device": 2 << 20}, ["__cudaRegisterFatBinary", "cuLibraryLoadData"], {},
+                      want_ptx_entry=codec, need_ptxas=need_ptxas)
+        if not res:
+            continue
         mods = res[1]["modules"]
         check(all(m["format"] == "fatbin" and m["ptx"] == 1 and m["elf"] == 1 and m["archs"] == "sm_90,compute_90"
-                  for m in mods), f"app_runtime: modules {mods}")
-        check(res[1]["interception"]["cudaGetDriverEntryPoint"] >= 1, f"app_runtime: entry point hits {res[1]['interception']}")
-    # A registered fatbin is borrowed in place, and the lazy load of the same bytes shares it.
-    if res:
-        reg = [m for m in res[1]["modules"] if m["source"] == "__cudaRegisterFatBinary"]
-        lib = [m for m in res[1]["modules"] if m["source"] == "cuLibraryLoadData"]
-        check(reg and all(m["image"] == "borrowed" for m in reg), f"app_runtime: registrations not borrowed: {reg}")
+                  for m in mods), f"{name}: modules {mods}")
+        check(res[1]["interception"]["cudaGetDriverEntryPoint"] >= 1, f"{name}: entry point hits {res[1]['interception']}")
+        # A registered fatbin is borrowed in place, and the lazy load of the same bytes shares it.
+        reg = [m for m in mods if m["source"] == "__cudaRegisterFatBinary"]
+        lib = [m for m in mods if m["source"] == "cuLibraryLoadData"]
+        check(reg and all(m["image"] == "borrowed" for m in reg), f"{name}: registrations not borrowed: {reg}")
         check(lib and all(m["image"] == "borrowed" and m.get("same_image_as") in [r["id"] for r in reg] for m in lib),
-              f"app_runtime: lazy loads do not share the registration's bytes: {lib}")
+              f"{name}: lazy loads do not share the registration's bytes: {lib}")
         mb = res[1]["module_bytes"]
-        check(mb["copied"] == 0 and mb["borrowed"] == sum(m["bytes"] for m in reg + lib), f"app_runtime: module_bytes {mb}")
+        check(mb["copied"] == 0 and mb["borrowed"] == sum(m["bytes"] for m in reg + lib), f"{name}: module_bytes {mb}")
     # The registration ends and its bytes are unmapped while the library stays loaded: the library
     # keeps a private copy of the same bytes and status/dump never touch the unmapped pages.
-    fb = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testdata", "fatbin", "multi_plain.fatbin")
-    res = run_app(opts, "app_unregister", {"FATBIN": fb}, {}, {}, ["__cudaRegisterFatBinary", "cuLibraryLoadData"], {})
-    if res:
+    # CUDA 13 (plain entries) and CUDA 12.4 (LZ4 entries for two architectures, whose PTX the
+    # build machine's ptxas must assemble from the private copy).
+    testdata = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testdata")
+    for fb, need_ptxas in ((os.path.join(testdata, "fatbin", "multi_plain.fatbin"), False),
+                           (os.path.join(testdata, "fatbin-cu12", "multi_compressall.fatbin"), True)):
+        res = run_app(opts, "app_unregister", {"FATBIN": fb}, {}, {}, ["__cudaRegisterFatBinary", "cuLibraryLoadData"], {},
+                      need_ptxas=need_ptxas)
+        if not res:
+            continue
         want = hashlib.sha256(open(fb, "rb").read()).hexdigest()
         mods = {m["source"]: m for m in res[1]["modules"]}
         reg, lib = mods["__cudaRegisterFatBinary"], mods["cuLibraryLoadData"]
         check(not reg["loaded"] and reg.get("not_captured") == "unloaded" and "image" not in reg,
-              f"app_unregister: registration after unregister: {reg}")
+              f"app_unregister {fb}: registration after unregister: {reg}")
         check(lib["loaded"] and lib.get("image") == "copy" and lib.get("sha256") == want and "same_image_as" not in lib,
-              f"app_unregister: library after its registration ended: {lib} (want sha256 {want})")
+              f"app_unregister {fb}: library after its registration ended: {lib} (want sha256 {want})")
         mb = res[1]["module_bytes"]
-        check(mb["borrowed"] == 0 and mb["copied"] == lib["bytes"], f"app_unregister: module_bytes {mb}")
+        check(mb["borrowed"] == 0 and mb["copied"] == lib["bytes"], f"app_unregister {fb}: module_bytes {mb}")
     # The runtime's registration fails (NULL handle, later unregistered as NULL): the shim cannot
     # match the end of that registration, so it must not borrow its bytes; the load keeps a copy.
+    fb = os.path.join(testdata, "fatbin-cu12", "multi_compressall.fatbin")
     res = run_app(opts, "app_unregister", {"FATBIN": fb, "FAKE_CUDART_REGISTER_FAIL": "1"}, {}, {},
-                  ["cuLibraryLoadData"], {})
+                  ["cuLibraryLoadData"], {}, need_ptxas=True)
     if res:
         want = hashlib.sha256(open(fb, "rb").read()).hexdigest()
         lib = res[1]["modules"][0]

@@ -1,6 +1,7 @@
 // Unit tests of the shim's pure parts: fatbin walking and decoding (synthetic containers, LZ4 and
 // Zstd entries, 64/80/112-byte entry headers, truncation and mutation fuzzing), the nvcc-made
-// fixtures under testdata/fatbin (index.tsv from gen.sh), ELF sizing, SHA-256 and the request
+// fixtures under the directories named on the command line (testdata/fatbin: CUDA 13, Zstd;
+// testdata/fatbin-cu12: CUDA 12.4, LZ4; index.tsv from gen.sh), ELF sizing, SHA-256 and the request
 // parser. Built and run plain and under ASan+UBSan by `make test`.
 #include <dlfcn.h>
 #include <stdio.h>
@@ -270,6 +271,8 @@ static void test_fixtures(const char *dir) {
         found = 1;
         used[i] = 1;
         if (strcmp(comp, "yes") == 0) CHECK(e->compression != FB_COMP_NONE, "%s %s: expected compressed", file, name);
+        if (strcmp(comp, "lz4") == 0) CHECK(e->compression == FB_COMP_LZ4, "%s %s: expected LZ4", file, name);
+        if (strcmp(comp, "zstd") == 0) CHECK(e->compression == FB_COMP_ZSTD, "%s %s: expected Zstd", file, name);
         if (strcmp(comp, "no") == 0) CHECK(e->compression == FB_COMP_NONE, "%s %s: expected plain", file, name);
       }
       free(out);
@@ -279,7 +282,7 @@ static void test_fixtures(const char *dir) {
   FINISH_FILE();
   free(data);
   fclose(idx);
-  printf("fatbin fixtures: %d files, %d entries checked\n", files, lines);
+  printf("fatbin fixtures %s: %d files, %d entries checked\n", dir, files, lines);
 }
 
 static void test_sha256(void) {
@@ -336,7 +339,8 @@ int main(int argc, char **argv) {
   test_json();
   test_synthetic();
   test_system_codecs();
-  test_fixtures(argc > 1 ? argv[1] : "testdata/fatbin");
+  if (argc < 2) test_fixtures("testdata/fatbin");
+  for (int i = 1; i < argc; i++) test_fixtures(argv[i]);
   if (failures) {
     fprintf(stderr, "unit tests: %d failures\n", failures);
     return 1;

@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
 # gen.sh — regenerate the fatbin fixtures of the shim's parser tests. Needs nvcc, cuobjdump and
-# objcopy (CUDA 13.0 on the GPU host); run from anywhere, writes next to this script:
+# objcopy; run from anywhere. Writes into OUTDIR (default: next to this script):
+#
+#   gen.sh                      CUDA 13.0 on the GPU host (Zstd-compressed entries) -> fatbin/
+#   CUDA=$(dirname "$(dirname "$(scripts/install-nvcc12.sh | tail -n1)")") \
+#     shim/testdata/fatbin/gen.sh shim/testdata/fatbin-cu12
+#                               CUDA 12.4 on the build machine (LZ4-compressed entries)
+#
+# Files written:
 #
 #   <name>.fatbin      fatbin containers (nvcc -fatbin) in several flavours, see the table below
 #   k_host.o           a host object (nvcc -c): .nv_fatbin + the __fatBinC_Wrapper_t that the
@@ -11,14 +18,23 @@
 #   index.tsv          one line per expected entry: file, kind, arch, compression, sha256, name
 #   gen.log            tool versions and cuobjdump listings
 #
-# Compression column: "yes" (entry must be compressed), "no" (must be plain), "any".
+# Compression column: "no" (entry must be plain), "any", or, for entries that must be compressed,
+# the codec this nvcc uses: "lz4" (CUDA <= 12) or "zstd" (CUDA >= 13), "yes" when it is unknown.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-cd "$here"
+out=${1:-$here}
+mkdir -p "$out"
+cd "$out"
+out=$(pwd)
 CUDA=${CUDA:-/usr/local/cuda}
 NVCC=${NVCC:-$CUDA/bin/nvcc}
 CUOBJDUMP=${CUOBJDUMP:-$CUDA/bin/cuobjdump}
 for t in "$NVCC" "$CUOBJDUMP"; do [ -x "$t" ] || { echo "gen.sh: $t not found (set CUDA=...)" >&2; exit 1; }; done
+case $("$NVCC" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p') in
+  1[0-2]) codec=lz4 ;;
+  1[3-9]) codec=zstd ;;
+  *) codec=yes ;;
+esac
 command -v objcopy >/dev/null || { echo "gen.sh: objcopy not found" >&2; exit 1; }
 
 work=$(mktemp -d)
@@ -44,11 +60,12 @@ variants=(
 # describe FILE COMPRESSION: append the entries cuobjdump sees in FILE to index.tsv.new.
 describe() {
   local f=$1 comp=$2 d
+  [ "$comp" = yes ] && comp=$codec
   d=$work/x.$RANDOM; mkdir -p "$d"
   { echo "== $f"; "$CUOBJDUMP" -lelf -lptx "$f"; } >>gen.log 2>&1
   # "ELF file    1: k.1.sm_80.cubin" / "PTX file    1: k.1.sm_90.ptx"
-  (cd "$d" && "$CUOBJDUMP" -xptx all "$here/$f" >/dev/null && "$CUOBJDUMP" -xelf all "$here/$f" >/dev/null) || true
-  "$CUOBJDUMP" -lelf -lptx "$f" | while read -r kind _ _ name; do
+  (cd "$d" && "$CUOBJDUMP" -xptx all "$out/$f" && "$CUOBJDUMP" -xelf all "$out/$f") >/dev/null 2>&1 || true
+  "$CUOBJDUMP" -lelf -lptx "$f" 2>/dev/null | while read -r kind _ _ name; do
     local arch sha
     arch=$(echo "$name" | sed -n 's/.*\.sm_\([0-9]*[a-z]*\)\.\(cubin\|ptx\)$/\1/p')
     [ -n "$arch" ] || { echo "gen.sh: cannot parse arch of $name" >&2; exit 1; }
@@ -65,7 +82,7 @@ describe() {
 for v in "${variants[@]}"; do
   IFS='|' read -r name comp flags <<<"$v"
   # shellcheck disable=SC2086
-  if ! "$NVCC" -fatbin $flags -o "$name.fatbin" k.cu 2>>gen.log; then
+  if ! "$NVCC" -fatbin $flags -o "$name.fatbin" "$here/k.cu" 2>>gen.log; then
     echo "gen.sh: variant $name not supported by this nvcc (see gen.log), skipped" >&2
     rm -f "$name.fatbin"; continue
   fi
@@ -73,16 +90,16 @@ for v in "${variants[@]}"; do
 done
 
 # A host object as nvcc builds it for an application: its constructor registers the wrapper.
-"$NVCC" -c -cudart shared -gencode arch=compute_90,code=[sm_90,compute_90] -Xfatbin -compress-all -o k_host.o k.cu
+"$NVCC" -c -cudart shared -gencode arch=compute_90,code=[sm_90,compute_90] -Xfatbin -compress-all -o k_host.o "$here/k.cu"
 objcopy -O binary --only-section=.nv_fatbin k_host.o k_host.nv_fatbin
 describe k_host.nv_fatbin yes
 # Relocatable device code lands in __nv_relfatbin.
-"$NVCC" -c -rdc=true -gencode arch=compute_90,code=[sm_90,compute_90] -o "$work/k_rdc.o" k.cu
+"$NVCC" -c -rdc=true -gencode arch=compute_90,code=[sm_90,compute_90] -o "$work/k_rdc.o" "$here/k.cu"
 objcopy -O binary --only-section=__nv_relfatbin "$work/k_rdc.o" k_rdc.nv_fatbin
 [ -s k_rdc.nv_fatbin ] && describe k_rdc.nv_fatbin any || rm -f k_rdc.nv_fatbin
 
 # Cross-check: the embedded PTX equals what nvcc -ptx prints for the same architecture.
-"$NVCC" -ptx -arch=compute_90 -o "$work/k90.ptx" k.cu
+"$NVCC" -ptx -arch=compute_90 -o "$work/k90.ptx" "$here/k.cu"
 s=$(sha256sum "$work/k90.ptx" | cut -c1-64)
 grep -q "$s" index.tsv.new && echo "nvcc -ptx compute_90 matches an embedded PTX entry ($s)" >>gen.log \
   || echo "note: nvcc -ptx compute_90 ($s) differs from every embedded PTX entry" >>gen.log
