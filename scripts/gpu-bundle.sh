@@ -6,6 +6,11 @@
 #   criu/                       a relocatable CRIU (scripts/install-criu.sh --bundle)
 #   tests/*.test                `go test -c -tags gpu` binaries of every package with GPU tests
 #   workloads/                  workload sources + build.sh (compiled with nvcc on the GPU host)
+#   workloads-cu12/             the workloads compiled HERE with CUDA 12.4 (scripts/install-nvcc12.sh)
+#                               for sm_90, static and shared cudart (+ libcudart.so.12), so the
+#                               shim suite also sees CUDA 12 apps on a CUDA 13 host; skipped
+#                               with a warning when that toolkit cannot be installed
+#                               (PTXMIG_BUNDLE_CU12=0 skips it on purpose)
 #   gputest/<area>/             script-driven GPU suites (ptxstate, shim, ...) with their sources
 #   bench/                      benchmark scripts
 #   gpu-e2e.sh                  the runner
@@ -34,6 +39,18 @@ for p in $pkgs; do
 done
 
 cp testdata/workloads/* "$dist/workloads/"
+if [ "${PTXMIG_BUNDLE_CU12:-1}" != 0 ]; then
+  if nvcc12=$(scripts/install-nvcc12.sh 2>"$dist/workloads-cu12.log" | tail -n1) && [ -x "$nvcc12" ]; then
+    c12=$dist/workloads-cu12
+    NVCC=$nvcc12 ARCH=sm_90 testdata/workloads/build.sh "$c12" >>"$dist/workloads-cu12.log" 2>&1 &&
+      "$nvcc12" -O2 -arch=sm_90 -cudart shared -o "$c12/counter-shared" testdata/workloads/counter.cu \
+        >>"$dist/workloads-cu12.log" 2>&1 &&
+      cp -L "$(dirname "$nvcc12")/../lib64/libcudart.so.12" "$c12/" ||
+      { echo "gpu-bundle: warning: CUDA 12 workloads not built (see $dist/workloads-cu12.log)" >&2; rm -rf "$c12"; }
+  else
+    echo "gpu-bundle: warning: no CUDA 12.4 toolkit, CUDA 12 workloads skipped (see $dist/workloads-cu12.log)" >&2
+  fi
+fi
 while IFS= read -r d; do
   area=$(basename "$(dirname "$d")")
   mkdir -p "$dist/gputest/$area"
