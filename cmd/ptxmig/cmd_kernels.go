@@ -23,7 +23,8 @@ func init() {
 		Description: "Reads the shim's control socket of PID (started with `ptxmig run`). Times are GPU times of\n" +
 			"sampled launches (the first PTXMIG_SAMPLE_FIRST of each kernel, then 1 in PTXMIG_SAMPLE_EVERY),\n" +
 			"measured with CUDA events. Kernels launched through several handles (modules, contexts) are\n" +
-			"listed once per handle.\n\n   ptxmig kernels 4242\n   ptxmig --json kernels 4242",
+			"listed once per handle. When the app runs with PTXMIG_SELF_TIME=1, the last line gives the time\n" +
+			"the shim's own bookkeeping added per launch.\n\n   ptxmig kernels 4242\n   ptxmig --json kernels 4242",
 		Flags:  []cli.Flag{socketDirFlag()},
 		Action: kernelsAction,
 	})
@@ -91,6 +92,10 @@ func kernelsAction(c *cli.Context) error {
 		return err
 	}
 	fmt.Fprintf(env(c).Out, "%d kernels, %d launches\n", len(k.Kernels), k.TotalLaunches)
+	if st := k.SelfTime; st != nil && st.Enabled && st.Launches > 0 {
+		fmt.Fprintf(env(c).Out, "shim bookkeeping: %.0f ns per launch (%d launches, %.3f ms in all; "+
+			"includes 2 clock reads of %d ns each)\n", float64(st.Ns)/float64(st.Launches), st.Launches, float64(st.Ns)/1e6, st.ClockNs)
+	}
 	return nil
 }
 

@@ -28,7 +28,8 @@ func init() {
 			"The shim is found at --shim, else $PTXMIG_SHIM, else libptxmig.so next to ptxmig, in ../lib, or\n" +
 			"in /usr/local/lib. Shim settings (environment): PTXMIG_SAMPLE_FIRST (time the first N launches\n" +
 			"of each kernel, default 20), PTXMIG_SAMPLE_EVERY (then 1 in M, default 100; 0 stops),\n" +
-			"PTXMIG_CAPTURE_MAX_MB (module bytes kept, default 2048), PTXMIG_DEBUG=1 (log to stderr).\n\n" +
+			"PTXMIG_CAPTURE_MAX_MB (module bytes kept, default 2048), PTXMIG_SELF_TIME=1 (measure the\n" +
+			"shim's own time per launch; `ptxmig kernels` reports it), PTXMIG_DEBUG=1 (log to stderr).\n\n" +
 			"   ptxmig run -- python3 train.py --steps 200",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "shim", Usage: "path of libptxmig.so", EnvVars: []string{"PTXMIG_SHIM"}},

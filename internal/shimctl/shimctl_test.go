@@ -73,6 +73,14 @@ func TestClient(t *testing.T) {
 					t.Fatalf("kernels = %+v, %v", k, err)
 				}
 			}},
+		{name: "kernels with self time", cmd: "kernels",
+			reply: `{"ok":true,"proto":1,"cmd":"kernels","result":{"kernels":[],"graphs":[],"total_launches":9,"self_time":{"enabled":true,"launches":9,"ns":1800,"clock_ns":25}}}` + "\n",
+			check: func(t *testing.T, c *Client) {
+				k, err := c.Kernels(context.Background())
+				if err != nil || k.SelfTime == nil || !k.SelfTime.Enabled || k.SelfTime.Launches != 9 || k.SelfTime.Ns != 1800 || k.SelfTime.ClockNs != 25 {
+					t.Fatalf("kernels = %+v, %v", k, err)
+				}
+			}},
 		{name: "shim error", cmd: "status", reply: `{"ok":false,"proto":1,"error":"boom"}` + "\n", wantErr: ErrShim},
 		{name: "not json", cmd: "status", reply: "hello\n", wantErr: ErrProtocol},
 		{name: "no ok", cmd: "status", reply: `{"proto":1}` + "\n", wantErr: ErrProtocol},

@@ -64,6 +64,15 @@ type Kernels struct {
 	Graphs        []Graph        `json:"graphs"`
 	TotalLaunches uint64         `json:"total_launches"`
 	Sampling      map[string]int `json:"sampling"`
+	SelfTime      *SelfTime      `json:"self_time,omitempty"`
+}
+
+// SelfTime is the shim's own time on the launch path (PTXMIG_SELF_TIME=1 in the app's environment).
+type SelfTime struct {
+	Enabled  bool   `json:"enabled"`
+	Launches uint64 `json:"launches"`
+	Ns       uint64 `json:"ns"`
+	ClockNs  uint64 `json:"clock_ns"` // one clock read; each launch's Ns includes about two
 }
 
 // Kernel is the launch accounting of one function or kernel handle.

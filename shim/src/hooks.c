@@ -33,6 +33,8 @@ void config_load(void) {
   cfg.capture_max = (uint64_t)env_uint("PTXMIG_CAPTURE_MAX_MB", 2048) << 20;
   const char *lc = getenv("PTXMIG_LIBCUDA");
   snprintf(cfg.libcuda, sizeof cfg.libcuda, "%s", lc && *lc ? lc : "libcuda.so.1");
+  const char *st = getenv("PTXMIG_SELF_TIME");
+  cfg.self_time = st && st[0] == '1';
 }
 
 void shim_log(const char *fmt, ...) {
@@ -404,6 +406,7 @@ EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
   return r_;
 }
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+  trk_primary_release(dev);  // the release may destroy the context and its events
   CALL_REAL(cuDevicePrimaryCtxRelease_v2, dev);
   return r_;
 }

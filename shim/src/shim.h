@@ -20,6 +20,7 @@ typedef struct {
   unsigned sample_every;     // PTXMIG_SAMPLE_EVERY: then 1 in M (0: never)
   uint64_t capture_max;      // PTXMIG_CAPTURE_MAX_MB: bytes of module images kept at most
   char libcuda[256];         // PTXMIG_LIBCUDA: the real driver library
+  int self_time;             // PTXMIG_SELF_TIME=1: measure the shim's own time on each launch
 } shim_config;
 extern shim_config cfg;
 void config_load(void);
@@ -71,6 +72,7 @@ typedef struct launch_tok {
   struct krec *rec;
   struct sample *smp;
   unsigned dims[6];
+  uint64_t self_ns;  // with PTXMIG_SELF_TIME=1: the time launch_pre took
 } launch_tok;
 enum launch_kind { LK_NORMAL, LK_COOPERATIVE, LK_EX };
 void launch_pre(launch_tok *t, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
@@ -79,6 +81,7 @@ void launch_post(launch_tok *t, CUresult r);
 void trk_graph_launch(CUgraphExec g, CUresult r);
 void trk_capture(int delta);
 void samples_drop_ctx(CUcontext ctx);
+void trk_primary_release(CUdevice dev);  // before a primary context release: drop its samples and events
 void samples_harvest(int max, int from_ctl);
 
 // ---- control socket (ctl.c) ----

@@ -597,6 +597,47 @@ static void sample_free(sample *s) {
   s->start = s->end = NULL;
 }
 
+// Idle events kept for reuse, each with its context. Creating and destroying two events for every
+// sampled launch was most of the shim's time on PyTorch's launch path (train.py: 474 ns per launch
+// on average with sampling on, see docs/BENCHMARKS.md). Guarded by sample_mu; emptied for a
+// context before it is destroyed or its primary context released (samples_drop_ctx).
+#define POOL_MAX 64
+static struct {
+  CUcontext ctx;
+  CUevent ev;
+} pool[POOL_MAX];
+static int npool;
+
+// sample_recycle_locked gives a finished sample's events to the pool (destroys what does not fit);
+// sample_mu held.
+static void sample_recycle_locked(sample *s) {
+  CUevent e[2] = {s->start, s->end};
+  for (int i = 0; i < 2; i++) {
+    if (!e[i]) continue;
+    if (npool < POOL_MAX) {
+      pool[npool].ctx = s->ctx;
+      pool[npool++].ev = e[i];
+    } else {
+      ev.event_destroy(e[i]);
+    }
+  }
+  s->start = s->end = NULL;
+}
+
+// event_get takes an idle event of ctx from the pool, or creates one.
+static CUresult event_get(CUcontext ctx, CUevent *e) {
+  pthread_mutex_lock(&sample_mu);
+  for (int i = npool - 1; i >= 0; i--)
+    if (pool[i].ctx == ctx) {
+      *e = pool[i].ev;
+      pool[i] = pool[--npool];
+      pthread_mutex_unlock(&sample_mu);
+      return CUDA_SUCCESS;
+    }
+  pthread_mutex_unlock(&sample_mu);
+  return ev.event_create(e, 0);
+}
+
 static void ring_add(krec *r, float us) {
   r->ring[r->ringpos] = us;
   r->ringpos = (r->ringpos + 1) % RING;
@@ -624,9 +665,10 @@ void samples_harvest(int max, int from_ctl) {
       pending[w++] = *s;
     } else {
       float ms = 0;
-      if (q == CUDA_SUCCESS && ev.event_elapsed(&ms, s->start, s->end) == CUDA_SUCCESS && ms >= 0)
-        ring_add(s->rec, ms * 1000.0f);
-      sample_free(s);
+      CUresult el = q == CUDA_SUCCESS ? ev.event_elapsed(&ms, s->start, s->end) : q;
+      if (el == CUDA_SUCCESS && ms >= 0) ring_add(s->rec, ms * 1000.0f);
+      if (el == CUDA_SUCCESS) sample_recycle_locked(s);
+      else sample_free(s);  // events the driver reports errors for are not reused
     }
     if (pushed) {
       CUcontext c;
@@ -646,7 +688,23 @@ void samples_drop_ctx(CUcontext ctx) {
     else pending[w++] = pending[i];
   }
   npending = w;
+  w = 0;
+  for (int i = 0; i < npool; i++) {
+    if (pool[i].ctx == ctx) ev.event_destroy(pool[i].ev);
+    else pool[w++] = pool[i];
+  }
+  npool = w;
   pthread_mutex_unlock(&sample_mu);
+}
+
+void trk_primary_release(CUdevice dev) {
+  CUcontext drop[MAX_CTX];
+  int n = 0;
+  pthread_mutex_lock(&ctx_mu);
+  for (int i = 0; i < nctx; i++)
+    if (ctxs[i].primary && ctxs[i].dev == dev) drop[n++] = ctxs[i].ctx;
+  pthread_mutex_unlock(&ctx_mu);
+  for (int i = 0; i < n; i++) samples_drop_ctx(drop[i]);
 }
 
 // ---- fork ----
@@ -672,6 +730,7 @@ static void fork_child(void) {
   fork_parent();
   pthread_mutex_init(&sample_mu, NULL);
   npending = 0;
+  npool = 0;
 }
 __attribute__((constructor)) static void track_fork_init(void) {
   pthread_atfork(fork_prepare, fork_parent, fork_child);
@@ -679,8 +738,36 @@ __attribute__((constructor)) static void track_fork_init(void) {
 
 static __thread sample tls_sample;  // the sample in flight on this thread between pre and post
 
+// Self-timing (PTXMIG_SELF_TIME=1): the wall time the shim's own bookkeeping adds to each launch,
+// launch_pre plus launch_post (the driver's launch itself excluded), summed over all launches.
+// It measures the shim's cost inside the real application, where whole-run A/B timings are too
+// noisy; the two clock reads it adds per side are included, so it is an upper bound. Off by default.
+static atomic_ulong self_launches, self_ns_total;
+static inline uint64_t self_clock(void) { return cfg.self_time ? now_ns() : 0; }
+// What one clock read costs here (on some VMs the clock is a system call): each launch's self time
+// includes about two of them, which readers may subtract. Measured at each kernels report with
+// self-timing on (on the control thread, never the app's): the fastest of 16 runs of 64 reads.
+static uint64_t clock_cost_ns(void) {
+  uint64_t best = UINT64_MAX;
+  for (int r = 0; r < 16; r++) {
+    uint64_t t0 = now_ns(), t1 = t0;
+    for (int i = 0; i < 64; i++) t1 = now_ns();
+    if ((t1 - t0) / 64 < best) best = (t1 - t0) / 64;
+  }
+  return best;
+}
+
+static void launch_pre_track(launch_tok *t, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                             unsigned by, unsigned bz, CUstream s, int ptsz, int kind);
 void launch_pre(launch_tok *t, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                 unsigned bz, CUstream s, int ptsz, int kind) {
+  uint64_t t0 = self_clock();
+  launch_pre_track(t, f, gx, gy, gz, bx, by, bz, s, ptsz, kind);
+  t->self_ns = t0 ? self_clock() - t0 : 0;
+}
+
+static void launch_pre_track(launch_tok *t, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                             unsigned by, unsigned bz, CUstream s, int ptsz, int kind) {
   t->smp = NULL;
   t->rec = krec_get(f, 0);
   krec *r = t->rec;
@@ -703,8 +790,8 @@ void launch_pre(launch_tok *t, CUfunction f, unsigned gx, unsigned gy, unsigned 
   memset(sm, 0, sizeof *sm);
   if (ev.ctx_get(&sm->ctx) != CUDA_SUCCESS || !sm->ctx) return;
   sm->stream = (!s && ptsz) ? CU_STREAM_PER_THREAD : s;
-  if (ev.event_create(&sm->start, 0) != CUDA_SUCCESS) return;
-  if (ev.event_create(&sm->end, 0) != CUDA_SUCCESS || ev.event_record(sm->start, sm->stream) != CUDA_SUCCESS) {
+  if (event_get(sm->ctx, &sm->start) != CUDA_SUCCESS) return;
+  if (event_get(sm->ctx, &sm->end) != CUDA_SUCCESS || ev.event_record(sm->start, sm->stream) != CUDA_SUCCESS) {
     sample_free(sm);
     return;
   }
@@ -740,7 +827,17 @@ static void count_shape(krec *r, const unsigned d[6]) {
 
 }
 
+static void launch_post_track(launch_tok *t, CUresult r);
 void launch_post(launch_tok *t, CUresult r) {
+  uint64_t t0 = self_clock();
+  launch_post_track(t, r);
+  if (t0) {
+    atomic_fetch_add(&self_ns_total, t->self_ns + (self_clock() - t0));
+    atomic_fetch_add(&self_launches, 1);
+  }
+}
+
+static void launch_post_track(launch_tok *t, CUresult r) {
   krec *k = t->rec;
   sample *sm = t->smp;
   if (!k) return;
@@ -760,9 +857,10 @@ void launch_post(launch_tok *t, CUresult r) {
   if (npending < MAX_PENDING) {
     pending[npending++] = *sm;
     sm->start = sm->end = NULL;
+  } else {
+    sample_recycle_locked(sm);
   }
   pthread_mutex_unlock(&sample_mu);
-  if (sm->start) sample_free(sm);
 }
 
 void trk_graph_launch(CUgraphExec g, CUresult r) {
@@ -1041,8 +1139,11 @@ void report_kernels(jbuf *b) {
   pthread_mutex_lock(&sample_mu);
   int np = npending;
   pthread_mutex_unlock(&sample_mu);
-  jb_printf(b, "],\"total_launches\":%lu,\"sampling\":{\"first\":%u,\"every\":%u,\"pending\":%d,\"capture_open\":%d}}",
+  jb_printf(b, "],\"total_launches\":%lu,\"sampling\":{\"first\":%u,\"every\":%u,\"pending\":%d,\"capture_open\":%d}",
             atomic_load(&total_launches), cfg.sample_first, cfg.sample_every, np, atomic_load(&capture_open));
+  jb_printf(b, ",\"self_time\":{\"enabled\":%s,\"launches\":%lu,\"ns\":%lu,\"clock_ns\":%llu}}",
+            cfg.self_time ? "true" : "false", atomic_load(&self_launches), atomic_load(&self_ns_total),
+            (unsigned long long)(cfg.self_time ? clock_cost_ns() : 0));
   free(snap);
 }
 

@@ -186,7 +186,7 @@ def run_app(opts, name, env_extra, expect_kernels, expect_alloc, expect_sources,
     check(rc == rc0 == 0, f"{name}: exit {rc} (without shim {rc0}); stderr: {err[-2000:]}")
     check(not os.path.exists(os.path.join(sockdir, f"{app.p.pid}.sock")), f"{name}: socket left behind after exit")
     shutil.rmtree(tmp, ignore_errors=True)
-    return res
+    return res and res + (err,)
 
 
 def main():
@@ -195,8 +195,30 @@ def main():
     ap.add_argument("--build", required=True)
     ap.add_argument("--preload-first", default="")
     opts = ap.parse_args()
-    run_app(opts, "app_direct", {}, {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
-            {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3})
+    # Without and with PTXMIG_SELF_TIME=1: the shim's own time per launch is measured only when asked.
+    for self_time in ("", "1"):
+        res = run_app(opts, "app_direct", {"PTXMIG_SELF_TIME": self_time},
+                      {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
+                      {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3})
+        if res:
+            st = res[2]["self_time"]
+            calls = sum(k["launches"] + k["failed"] for k in res[2]["kernels"])  # failed launch calls count too
+            want = {"enabled": True, "launches": calls} if self_time else {"enabled": False, "launches": 0, "ns": 0}
+            if self_time:
+                check(0 < st["clock_ns"] < 100000, f"app_direct: clock read cost {st['clock_ns']} ns")
+            else:
+                want["clock_ns"] = 0
+            check(all(st[k] == v for k, v in want.items()) and (st["ns"] > 0) == bool(self_time),
+                  f"app_direct PTXMIG_SELF_TIME={self_time!r}: self_time {st}")
+    # Every launch sampled: the shim reuses idle events instead of creating two per sampled launch.
+    res = run_app(opts, "app_direct", {"PTXMIG_SAMPLE_FIRST": "100", "FAKE_CUDA_EVENT_STATS": "1"},
+                  {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
+                  {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3})
+    if res:
+        k = kernel(res[2], "k_test")
+        m = re.search(r"fake-events created=(\d+) destroyed=(\d+)", res[3])
+        check(k and k["timed"] >= 7, f"app_direct sampling every launch: timed {k and k['timed']}, want >= 7")
+        check(m and 2 <= int(m.group(1)) <= 4, f"app_direct sampling every launch: events not reused: {m and m.group(0)}")
     res = run_app(opts, "app_dlsym", {}, {"k_test": (7, [((2, 2, 1), (32, 2, 1), 7)])},
                   {"device": 3 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 7})
     if res:

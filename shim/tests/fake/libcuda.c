@@ -24,7 +24,7 @@ enum {
 #define CALLS(X) X(cuInit) X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz) \
   X(cuLaunchCooperativeKernel) X(cuGraphLaunch) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuModuleLoadData)            \
   X(cuLibraryLoadData) X(cuGetProcAddress) X(cuGetProcAddress_v2) X(cuGetExportTable) X(cuEventRecord)           \
-  X(cuMemAllocAsync_ptsz) X(cuCtxCreate_v4) X(cuCtxCreate_v2)
+  X(cuMemAllocAsync_ptsz) X(cuCtxCreate_v4) X(cuCtxCreate_v2) X(cuEventCreate) X(cuEventDestroy_v2)
 #define E(n) C_##n,
   CALLS(E)
 #undef E
@@ -36,6 +36,13 @@ static const char *call_names[] = {
 #undef N
 };
 static atomic_long calls[C_COUNT];
+// FAKE_CUDA_EVENT_STATS=1: report event creations and destructions on stderr at exit.
+__attribute__((destructor)) static void event_stats(void) {
+  const char *v = getenv("FAKE_CUDA_EVENT_STATS");
+  if (v && v[0] == '1')
+    fprintf(stderr, "fake-events created=%ld destroyed=%ld\n", atomic_load(&calls[C_cuEventCreate]),
+            atomic_load(&calls[C_cuEventDestroy_v2]));
+}
 EXPORT long fake_calls(const char *name) {
   for (int i = 0; i < C_COUNT; i++)
     if (strcmp(call_names[i], name) == 0) return atomic_load(&calls[i]);
@@ -150,11 +157,11 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr p, size_t n) { (void)p; (void)n; return O
 // ---- events: timestamps taken at record time ----
 typedef struct { int magic; double t; } event;
 static double now_s(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9; }
-EXPORT CUresult cuEventCreate(void **e, unsigned f) { (void)f; if (!current) return 201; event *x = calloc(1, sizeof *x); x->magic = 0xe7; *e = x; return OK; }
+EXPORT CUresult cuEventCreate(void **e, unsigned f) { (void)f; COUNT(cuEventCreate); if (!current) return 201; event *x = calloc(1, sizeof *x); x->magic = 0xe7; *e = x; return OK; }
 EXPORT CUresult cuEventRecord(void *e, void *s) { (void)s; COUNT(cuEventRecord); if (!e || ((event *)e)->magic != 0xe7) return E_INVALID_HANDLE; ((event *)e)->t = now_s(); return OK; }
 EXPORT CUresult cuEventQuery(void *e) { return e && ((event *)e)->magic == 0xe7 ? OK : E_INVALID_HANDLE; }
 EXPORT CUresult cuEventElapsedTime_v2(float *ms, void *a, void *b) { *ms = (float)((((event *)b)->t - ((event *)a)->t) * 1e3 + 0.25); return OK; }
-EXPORT CUresult cuEventDestroy_v2(void *e) { if (!e || ((event *)e)->magic != 0xe7) return E_INVALID_HANDLE; ((event *)e)->magic = 0; free(e); return OK; }
+EXPORT CUresult cuEventDestroy_v2(void *e) { COUNT(cuEventDestroy_v2); if (!e || ((event *)e)->magic != 0xe7) return E_INVALID_HANDLE; ((event *)e)->magic = 0; free(e); return OK; }
 
 // ---- launches ----
 #define LAUNCH_BODY(n) COUNT(n); if (!fn_ok(f)) return E_INVALID_HANDLE; if (!gx || !bx) return E_INVALID_VALUE; return OK
