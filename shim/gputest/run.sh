@@ -6,6 +6,7 @@
 #  3. `ptxmig modules --dump` output assembles with the host's ptxas
 #  4. the driver checkpoint API (lock/checkpoint/restore/unlock) works on a shimmed process
 #  5. benchmark: empty-kernel launch cost and train.py steps/s with and without the shim
+#     (bench-train.sh)
 #  6. CUDA 12: counter (static and shared cudart 12.4) and ptxload built with CUDA 12.4 (by
 #     gpu-bundle.sh, $PTXMIG_WORKLOADS_CU12) pass checks 1-3 too; SKIP when the bundle has none
 # Results: $PTXMIG_OUT/shim-results.md (+ logs in $PTXMIG_OUT/shim/).
@@ -21,7 +22,12 @@ sockdir=$work/sock
 W=$PTXMIG_WORKLOADS
 fail=0
 rows=()
-row() { rows+=("| $1 | $2 | $3 |"); echo "== $1: $2 $3"; [ "$2" = PASS ] || [ "$2" = INFO ] || [ "$2" = SKIP ] || fail=1; }
+# Statuses: PASS/FAIL for checks (FAIL fails the suite); INFO, SKIP; MET/NOT_MET/INCONCLUSIVE for
+# benchmark targets, which are reported, never asserted (they do not fail the suite).
+row() {
+  rows+=("| $1 | $2 | $3 |"); echo "== $1: $2 $3"
+  case $2 in PASS|INFO|SKIP|MET|NOT_MET|INCONCLUSIVE) ;; *) fail=1 ;; esac
+}
 
 nvcc -O2 -arch=native -o "$work/emptyloop" "$here/emptyloop.cu" || { echo "nvcc emptyloop failed"; exit 1; }
 cc -O2 -o "$work/ckpt" "$here/ckpt.c" -ldl || exit 1
@@ -168,69 +174,27 @@ done
 p0=$(med "${e0[@]}"); p1=$(med "${e1[@]}")
 if [ -n "$p0" ] && [ -n "$p1" ]; then
   d=$((p1 - p0))
-  st=PASS; [ $d -le 1000 ] || st=FAIL
+  st=MET; [ $d -le 1000 ] || st=NOT_MET
   row "bench: empty launch p50, ns (target +<=1000)" $st "plain ${e0[*]} (median $p0) / shim ${e1[*]} (median $p1) / added ${d} ns"
 else
   row "bench: empty launch" FAIL "$(cat "$out"/emptyloop.* | tail -n2)"
 fi
-# train.py: steps/s of the training loop (after 20 warm-up steps) and wall time incl. start-up.
-# The loop is CPU-bound (Python dispatch) and this host's CPU speed drifts by +-15% between runs,
-# so plain and shim runs are paired to see the same conditions: with two GPUs the pair runs
-# concurrently (one per GPU, each pinned to its own CPUs, sides swapped every pair); with one GPU
-# the pair runs back to back in alternating order. A discarded warm-up pair first. The verdict is
-# the median of the per-pair ratios.
-ngpu=$(nvidia-smi -L | wc -l)
-train1() { # train1 plain|shim I GPU CPUS: one run; its steps/s and wall seconds go to $out/train.KIND.I
-  local f=$out/train.$1.$2 a b pin=()
-  [ -n "$4" ] && command -v taskset >/dev/null && pin=(taskset -c "$4")
-  a=$(date +%s.%N)
-  if [ "$1" = plain ]; then
-    CUDA_VISIBLE_DEVICES=$3 "${pin[@]}" python3 "$W/train.py" --steps 2000 --log-every 2000 --report-time >/dev/null 2>"$f"
+# train.py steps/s with and without the shim, in concurrent pairs with an A/A control (method and
+# verdict: bench-train.sh).
+"$here/bench-train.sh" 8 4 >"$out/bench-train.log" 2>&1
+if v=$(sed -n 's/^verdict //p' "$out/train-bench.txt" 2>/dev/null) && [ -n "$v" ]; then
+  row "bench: train.py steps/s, shim vs plain (target: <=2 % slower)" "$v" "$(sed -n '2,3p;$p' "$out/train-bench.txt" | tr '\n' ';')"
+  row "bench: train.py wall time incl. start-up" INFO "$(grep '^wall ' "$out/train-bench.txt")"
+  if sh=$(sed -n 's/^share //p' "$out/train-selftime.txt" 2>/dev/null) && [ -n "$sh" ]; then
+    st=MET; python3 -c "import sys; sys.exit(0 if $sh <= 2.0 else 1)" || st=NOT_MET
+    row "bench: train.py shim time inside the loop, PTXMIG_SELF_TIME=1 (target: <=2 %)" $st "$(sed -n 2p "$out/train-selftime.txt")"
   else
-    CUDA_VISIBLE_DEVICES=$3 "${pin[@]}" "$PTXMIG_BIN" run --shim "$PTXMIG_SHIM" --socket-dir "$sockdir" -- python3 "$W/train.py" --steps 2000 --log-every 2000 --report-time >/dev/null 2>"$f"
+    row "bench: train.py shim self-time" FAIL "$(tail -n2 "$out/train-selftime.txt" "$out/train-selftime.raw" 2>/dev/null)"
   fi
-  b=$(date +%s.%N)
-  echo "wall_s $(python3 -c "print(f'{$b-$a:.2f}')")" >>"$f"
-}
-pair() { # pair I: one plain and one shim run
-  if [ "$ngpu" -ge 2 ] && [ "$(nproc)" -ge 16 ]; then
-    local g=$(($1 % 2))
-    train1 plain "$1" $g 2-7 &
-    train1 shim "$1" $((1 - g)) 10-15 &
-    wait
-    pairing="concurrent on GPUs 0 and 1, sides swapped every pair"
-  elif [ $(($1 % 2)) -eq 1 ]; then
-    train1 plain "$1" 0 ""; train1 shim "$1" 0 ""; pairing="back to back, alternating order"
-  else
-    train1 shim "$1" 0 ""; train1 plain "$1" 0 ""; pairing="back to back, alternating order"
-  fi
-}
-npairs=8
-for i in $(seq 0 $npairs); do pair "$i"; done
-python3 - "$out" "$npairs" >"$out/train-bench.txt" <<'PY'
-import statistics, sys
-d = sys.argv[1]
-def read(kind, i):
-    kv = dict(l.split() for l in open(f"{d}/train.{kind}.{i}") if l.startswith(("steps_per_s", "wall_s")))
-    return float(kv["steps_per_s"]), float(kv["wall_s"])
-n = int(sys.argv[2])
-p = [read("plain", i) for i in range(1, n + 1)]
-s = [read("shim", i) for i in range(1, n + 1)]
-ratios = [b[0] / a[0] for a, b in zip(p, s)]
-slow = (1 - statistics.median(ratios)) * 100
-print(f"slowdown {slow:.2f}")
-print(f"pairs {n}")
-print("plain " + " ".join(f"{x[0]:.1f}" for x in p) + f" (median {statistics.median(x[0] for x in p):.1f})")
-print("shim " + " ".join(f"{x[0]:.1f}" for x in s) + f" (median {statistics.median(x[0] for x in s):.1f})")
-print("ratios " + " ".join(f"{r:.3f}" for r in ratios))
-print(f"wall plain median {statistics.median(x[1] for x in p):.2f} s, shim median {statistics.median(x[1] for x in s):.2f} s")
-PY
-if slow=$(sed -n 's/^slowdown //p' "$out/train-bench.txt") && [ -n "$slow" ]; then
-  st=PASS; python3 -c "import sys; sys.exit(0 if $slow <= 2.0 else 1)" || st=FAIL
-  row "bench: train.py steps/s, median per-pair slowdown % (target <=2)" $st "$pairing; $(sed -n '1,5p' "$out/train-bench.txt" | tr '\n' ';')"
-  row "bench: train.py wall time incl. start-up" INFO "$(sed -n 6p "$out/train-bench.txt")"
+  row "bench: train.py shim time inside the loop, GPU-time sampling off (PTXMIG_SAMPLE_FIRST=0 PTXMIG_SAMPLE_EVERY=0)" INFO "$(sed -n 2p "$out/train-selftime-nosample.txt")"
+  row "bench: train.py A/A control (plain vs plain, same pairing)" INFO "$(sed -n '1,3p' "$out/train-aa.txt" | tr '\n' ';')"
 else
-  row "bench: train.py steps/s" FAIL "$(tail -n2 "$out/train.shim.1")"
+  row "bench: train.py steps/s" FAIL "$(tail -n3 "$out/bench-train.log")"
 fi
 
 {
