@@ -597,10 +597,10 @@ static void sample_free(sample *s) {
   s->start = s->end = NULL;
 }
 
-// Idle events kept for reuse, each with its context. Creating and destroying two events for every
-// sampled launch was most of the shim's time on PyTorch's launch path (train.py: 474 ns per launch
-// on average with sampling on, see docs/BENCHMARKS.md). Guarded by sample_mu; emptied for a
-// context before it is destroyed or its primary context released (samples_drop_ctx).
+// Idle events kept for reuse, each with its context, so a sampled launch does not create and
+// destroy two events on the app's thread (sampling is ~100-165 of the ~420 ns the shim adds per
+// launch in train.py, docs/BENCHMARKS.md). Guarded by sample_mu; emptied for a context before it
+// is destroyed or its primary context released (samples_drop_ctx).
 #define POOL_MAX 64
 static struct {
   CUcontext ctx;
