@@ -1,43 +1,21 @@
 package main
 
 import (
-	"bufio"
-	"net"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/ptxmig/ptxmig/internal/shimctl/shimctltest"
 )
 
-// serveKernels answers every request on dir/<our pid>.sock with reply, as the shim would for this
-// process (ptxmig checks the socket's peer pid, so the test process serves its own).
+// serveKernels answers kernels requests on dir/<our pid>.sock with reply, as the shim would for
+// this process (ptxmig checks the socket's peer pid, so the test process serves its own).
 func serveKernels(t *testing.T, reply string) string {
 	t.Helper()
 	dir := t.TempDir()
-	l, err := net.Listen("unix", filepath.Join(dir, strconv.Itoa(os.Getpid())+".sock"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				r := bufio.NewReader(c)
-				for {
-					if _, err := r.ReadString('\n'); err != nil {
-						return
-					}
-					c.Write([]byte(reply + "\n"))
-				}
-			}()
-		}
-	}()
+	shimctltest.Serve(t, filepath.Join(dir, strconv.Itoa(os.Getpid())+".sock"), map[string]string{"kernels": reply + "\n"})
 	return dir
 }
 

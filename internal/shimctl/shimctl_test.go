@@ -1,7 +1,6 @@
 package shimctl
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"net"
@@ -9,45 +8,15 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/ptxmig/ptxmig/internal/shimctl/shimctltest"
 )
 
 // fakeShim serves canned replies, one per request line, on a Unix socket in a temp dir.
 func fakeShim(t *testing.T, replies map[string]string) string {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "1234.sock")
-	l, err := net.Listen("unix", path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				sc := bufio.NewScanner(c)
-				for sc.Scan() {
-					line := sc.Text()
-					var reply string
-					for k, v := range replies {
-						if strings.Contains(line, `"cmd":"`+k+`"`) {
-							reply = v
-						}
-					}
-					if reply == "" {
-						return
-					}
-					c.Write([]byte(reply))
-					if !strings.HasSuffix(reply, "\n") {
-						return // a truncated reply: the shim went away mid-line
-					}
-				}
-			}()
-		}
-	}()
+	shimctltest.Serve(t, path, replies)
 	return path
 }
 
@@ -136,21 +105,7 @@ func TestDialPIDChecksPeer(t *testing.T) {
 	reply := `{"ok":true,"proto":1,"cmd":"status","result":{"pid":1}}` + "\n"
 	serve := func(pid int) {
 		t.Helper()
-		l, err := net.Listen("unix", SocketPath(dir, pid))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { l.Close() })
-		go func() {
-			for {
-				c, err := l.Accept()
-				if err != nil {
-					return
-				}
-				c.Write([]byte(reply))
-				c.Close()
-			}
-		}()
+		shimctltest.Serve(t, SocketPath(dir, pid), map[string]string{"status": reply})
 	}
 	// A socket named after pid 1 but served by this test process: an impostor.
 	serve(1)

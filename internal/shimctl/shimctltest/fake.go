@@ -1,0 +1,51 @@
+// Package shimctltest serves canned control-socket replies, standing in for the shim in tests of
+// shimctl and of the commands that use it.
+package shimctltest
+
+import (
+	"bufio"
+	"net"
+	"strings"
+	"testing"
+)
+
+// Serve listens on the Unix socket path until the test ends and answers each request line with
+// the reply whose key appears as the request's "cmd"; a request no key matches closes the
+// connection. A reply without a trailing newline is sent and the connection closed, like a shim
+// that went away mid-line.
+func Serve(t testing.TB, path string, replies map[string]string) {
+	t.Helper()
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				sc := bufio.NewScanner(c)
+				for sc.Scan() {
+					line := sc.Text()
+					var reply string
+					for k, v := range replies {
+						if strings.Contains(line, `"cmd":"`+k+`"`) {
+							reply = v
+						}
+					}
+					if reply == "" {
+						return
+					}
+					c.Write([]byte(reply))
+					if !strings.HasSuffix(reply, "\n") {
+						return
+					}
+				}
+			}()
+		}
+	}()
+}
