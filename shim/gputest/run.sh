@@ -87,29 +87,28 @@ poll() {
   "$@"
 }
 
-# ---- counter (runtime API, static cudart: seen through cuGetProcAddress) ----
-"$W/counter" --mib 64 --steps 400 --interval-ms 10 >"$work/counter.ref" 2>&1
-if shimmed "$W/counter" --mib 64 --steps 400 --interval-ms 10; then
-  poll check_kernels "" 20 >"$out/counter-kernels.log" 2>&1 && row "counter: kernels listed" PASS "$(tail -n1 "$out/counter-kernels.log")" || row "counter: kernels listed" FAIL "$(cat "$out/counter-kernels.log" "$out/kernels-.err" | tail -n3)"
-  check_dump counter && row "counter: dumped PTX assembles" PASS "" || row "counter: dumped PTX assembles" FAIL "see shim/modules-counter.txt"
-  finish; rc=$?
-  cp "$work/shimmed.out" "$out/counter.shim.out"
-  # The first line carries the pid, which differs between runs by design.
-  if [ $rc -eq 0 ] && diff -q <(grep -v '^pid ' "$work/counter.ref") <(grep -v '^pid ' "$work/shimmed.out") >/dev/null; then row "counter: identical output" PASS "$(tail -n1 "$work/counter.ref")"; else row "counter: identical output" FAIL "rc=$rc"; fi
-else
-  row "counter: under ptxmig run" FAIL "no control socket appeared ($(tail -n2 "$work/shimmed.err"))"; finish
-fi
+# app_checks NAME KERNEL MIN CMD...: CMD under the shim lists KERNEL (substring) with >= MIN launches
+# and a time, its dumped PTX assembles, and it prints what it prints without the shim (but for a
+# "pid N" line, which differs between runs by design).
+app_checks() {
+  local name=$1 kern=$2 mn=$3; shift 3
+  "$@" >"$work/$name.ref" 2>&1
+  if shimmed "$@"; then
+    poll check_kernels "$kern" "$mn" >"$out/$name-kernels.log" 2>&1 && row "$name: kernels listed" PASS "$(tail -n1 "$out/$name-kernels.log")" || row "$name: kernels listed" FAIL "$(cat "$out/$name-kernels.log" "$out/kernels-$kern.err" 2>/dev/null | tail -n3)"
+    check_dump "$name" && row "$name: dumped PTX assembles" PASS "$(grep -h -m1 '^\.version' "$work/dump-$name"/*.ptx 2>/dev/null | head -n1)" || row "$name: dumped PTX assembles" FAIL "see shim/modules-$name.txt"
+    "$PTXMIG_BIN" --json modules --socket-dir "$sockdir" "$cpid" >"$out/modules-$name.json" 2>&1
+    finish; rc=$?
+    cp "$work/shimmed.out" "$out/$name.shim.out"
+    if [ $rc -eq 0 ] && diff -q <(grep -v '^pid ' "$work/$name.ref") <(grep -v '^pid ' "$work/shimmed.out") >/dev/null; then row "$name: identical output" PASS "$(tail -n1 "$work/$name.ref")"; else row "$name: identical output" FAIL "rc=$rc"; fi
+  else
+    row "$name: under ptxmig run" FAIL "no control socket appeared ($(tail -n2 "$work/shimmed.err"))"; finish
+  fi
+}
 
+# ---- counter (runtime API, static cudart: seen through cuGetProcAddress) ----
+app_checks counter "" 20 "$W/counter" --mib 64 --steps 400 --interval-ms 10
 # ---- ptxload (driver API, cuModuleLoadData of a PTX file) ----
-"$W/ptxload" "$W/vecadd.ptx" --iters 600000 >"$work/ptxload.ref" 2>&1
-if shimmed "$W/ptxload" "$W/vecadd.ptx" --iters 600000; then
-  poll check_kernels vecadd 100 >"$out/ptxload-kernels.log" 2>&1 && row "ptxload: kernels listed" PASS "$(tail -n1 "$out/ptxload-kernels.log")" || row "ptxload: kernels listed" FAIL "$(tail -n2 "$out/ptxload-kernels.log")"
-  check_dump ptxload && row "ptxload: dumped PTX assembles" PASS "" || row "ptxload: dumped PTX assembles" FAIL "see shim/modules-ptxload.txt"
-  finish; rc=$?
-  if [ $rc -eq 0 ] && diff -q "$work/ptxload.ref" "$work/shimmed.out" >/dev/null; then row "ptxload: identical output" PASS "$(cat "$work/ptxload.ref")"; else row "ptxload: identical output" FAIL "rc=$rc"; fi
-else
-  row "ptxload: under ptxmig run" FAIL "no control socket appeared"; finish
-fi
+app_checks ptxload vecadd 100 "$W/ptxload" "$W/vecadd.ptx" --iters 600000
 
 # ---- driver checkpoint API on a shimmed process ----
 "$W/counter" --mib 64 --steps 300 --interval-ms 5 >"$work/ck.ref" 2>&1
@@ -141,23 +140,9 @@ fi
 # ---- CUDA 12 apps (cudart 12.4 static and shared, driver API with cuda.h 12.4) ----
 C12=${PTXMIG_WORKLOADS_CU12:-}
 if [ -n "$C12" ] && [ -x "$C12/counter" ]; then
-  # cu12_app NAME KERNEL MIN CMD...: identical output, kernels listed, dumped PTX assembles.
-  cu12_app() {
-    local name=$1 kern=$2 mn=$3; shift 3
-    "$@" >"$work/$name.ref" 2>&1
-    if shimmed "$@"; then
-      poll check_kernels "$kern" "$mn" >"$out/$name-kernels.log" 2>&1 && row "$name: kernels listed" PASS "$(tail -n1 "$out/$name-kernels.log")" || row "$name: kernels listed" FAIL "$(tail -n2 "$out/$name-kernels.log")"
-      check_dump "$name" && row "$name: dumped PTX assembles" PASS "$(grep -h -m1 '^\.version' "$work/dump-$name"/*.ptx 2>/dev/null | head -n1)" || row "$name: dumped PTX assembles" FAIL "see shim/modules-$name.txt"
-      "$PTXMIG_BIN" --json modules --socket-dir "$sockdir" "$cpid" >"$out/modules-$name.json" 2>&1
-      finish; rc=$?
-      if [ $rc -eq 0 ] && diff -q <(grep -v '^pid ' "$work/$name.ref") <(grep -v '^pid ' "$work/shimmed.out") >/dev/null; then row "$name: identical output" PASS "$(tail -n1 "$work/$name.ref")"; else row "$name: identical output" FAIL "rc=$rc"; fi
-    else
-      row "$name: under ptxmig run" FAIL "no control socket appeared ($(tail -n2 "$work/shimmed.err"))"; finish
-    fi
-  }
-  cu12_app cu12-counter-static "" 20 "$C12/counter" --mib 64 --steps 400 --interval-ms 10
-  LD_LIBRARY_PATH=$C12${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} cu12_app cu12-counter-shared "" 20 "$C12/counter-shared" --mib 64 --steps 400 --interval-ms 10
-  cu12_app cu12-ptxload vecadd 100 "$C12/ptxload" "$C12/vecadd.ptx" --iters 600000
+  app_checks cu12-counter-static "" 20 "$C12/counter" --mib 64 --steps 400 --interval-ms 10
+  LD_LIBRARY_PATH=$C12${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} app_checks cu12-counter-shared "" 20 "$C12/counter-shared" --mib 64 --steps 400 --interval-ms 10
+  app_checks cu12-ptxload vecadd 100 "$C12/ptxload" "$C12/vecadd.ptx" --iters 600000
 else
   row "CUDA 12 apps" SKIP "bundle has no workloads-cu12 (scripts/install-nvcc12.sh failed or PTXMIG_BUNDLE_CU12=0)"
 fi
