@@ -1,5 +1,6 @@
 # ptxmig build. `make` builds bin/ptxmig and bin/libptxmig.so; `make test` installs what the tests
-# need (CRIU >= 4.0, ptxas) and runs everything that needs no GPU; `make gpu-test` runs the GPU suite.
+# need (CRIU >= 4.0, ptxas) and runs everything that needs no GPU, ending with pass/skip/fail counts;
+# `make lint` runs the static checks (CI runs both); `make gpu-test` runs the GPU suite.
 GO        ?= go
 PREFIX    ?= /usr/local
 VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
@@ -9,8 +10,12 @@ export CGO_ENABLED := 1
 export CGO_CFLAGS := -O2 -Wno-deprecated-declarations
 GOBUILD   := $(GO) build -trimpath -ldflags "-X main.version=$(VERSION)"
 GO_SRCS   := $(shell find . -name '*.go' -not -path './dist/*' 2>/dev/null) go.mod go.sum
+# What lint reads: the tree without dist/, build outputs and hidden directories (.git...).
+LINT_PRUNE := \( -path ./dist -o -path ./bin -o -path ./shim/build -o -path './.*' \) -prune -o
+LINT_GO   := $(shell find . $(LINT_PRUNE) -name '*.go' -print 2>/dev/null)
+LINT_SH   := $(shell find . $(LINT_PRUNE) -name '*.sh' -print 2>/dev/null) .ci/run
 
-.PHONY: all build shim deps test test-go test-shim vet install demo gpu-bundle gpu-test clean
+.PHONY: all build shim deps lint lint-deps test test-go test-shim vet install demo gpu-bundle gpu-test clean
 
 all: build
 build: bin/ptxmig shim
@@ -35,14 +40,42 @@ deps:
 vet:
 	$(GO) vet ./...
 
-test-go:
-	$(GO) test -race -count=1 ./...
+# Pinned lint tools: staticcheck (honnef.co/go/tools, version in the script) and Debian's shellcheck.
+lint-deps:
+	@scripts/install-lint.sh >/dev/null
 
+# gofmt, go vet, staticcheck, go.mod/go.sum tidy, shellcheck on every *.sh. Every check runs; the
+# target fails when any of them found something.
+lint:
+	@sc=$$(scripts/install-lint.sh) || exit 1; rc=0; \
+	echo "lint: gofmt -l"; out=$$(gofmt -l $(LINT_GO)) || rc=1; \
+	if [ -n "$$out" ]; then echo "$$out" | sed 's/^/    not gofmt-ed: /'; rc=1; fi; \
+	echo "lint: go vet ./..."; $(GO) vet ./... || rc=1; \
+	echo "lint: staticcheck ./..."; "$$sc" ./... || rc=1; \
+	echo "lint: go mod tidy -diff"; $(GO) mod tidy -diff || { echo "    go.mod/go.sum are not tidy: run go mod tidy"; rc=1; }; \
+	echo "lint: shellcheck"; shellcheck -x $(LINT_SH) || rc=1; \
+	if [ $$rc -eq 0 ]; then echo "make lint: ok"; else echo "make lint: FAILED"; fi; exit $$rc
+
+# go test -json through scripts/gotestsum: package lines, failing tests' output, skipped tests with
+# their reasons, and "go: N passed, M skipped, K failed" (also in bin/test-go.summary).
+test-go:
+	@mkdir -p bin
+	@$(GO) build -o bin/gotestsum ./scripts/gotestsum
+	bin/gotestsum -summary bin/test-go.summary -- $(GO) test -race -count=1 -json ./...
+
+# Ends with "shim: N passed, M skipped, K failed" (also in shim/build/test-summary).
 test-shim:
 	$(MAKE) -C shim test
 
-test: deps build vet test-go test-shim
-	@echo "make test: all passed"
+# Both suites run even when the first fails; the last line sums them up.
+test: deps build
+	@rm -f bin/test-go.summary shim/build/test-summary; rc=0; \
+	$(MAKE) --no-print-directory test-go || rc=1; \
+	$(MAKE) --no-print-directory test-shim || rc=1; \
+	go=$$(cat bin/test-go.summary 2>/dev/null || echo "go: did not run to the end"); \
+	shim=$$(cat shim/build/test-summary 2>/dev/null || echo "shim: did not run to the end"); \
+	if [ $$rc -eq 0 ]; then echo; echo "make test: passed ($$go; $$shim)"; \
+	else echo; echo "make test: FAILED ($$go; $$shim)"; fi; exit $$rc
 
 install: build
 	install -D -m 0755 bin/ptxmig $(DESTDIR)$(PREFIX)/bin/ptxmig

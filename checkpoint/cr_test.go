@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -14,17 +15,20 @@ import (
 
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/criu"
+	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/internal/testproc"
+	"github.com/ptxmig/ptxmig/internal/testreq"
 	"github.com/ptxmig/ptxmig/restore"
 	"github.com/ptxmig/ptxmig/store"
 )
 
 // These tests drive real CRIU on real processes through the real store; they need root and a
-// CRIU >= 4.0 that passes `criu check` (scripts/install-criu.sh), and skip otherwise.
+// CRIU >= 4.0 that passes `criu check` (scripts/install-criu.sh), and skip otherwise (fail where
+// PTXMIG_REQUIRE lists root and criu, as in CI).
 
 type fixture struct {
-	env   *checkpoint.Env
+	env   *op.Env
 	st    *store.Store
 	bin   string
 	dir   string
@@ -34,31 +38,32 @@ type fixture struct {
 func setup(t *testing.T) *fixture {
 	t.Helper()
 	if os.Geteuid() != 0 {
-		t.Skip("checkpoint/restore tests need root (CRIU)")
+		testreq.Skip(t, "root", "checkpoint/restore tests need root (CRIU)")
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	d, text, err := criu.NewDumper(ctx)
 	if err != nil {
-		t.Skipf("no usable CRIU (run scripts/install-criu.sh): %v", err)
+		testreq.Skip(t, "criu", "no usable CRIU (run scripts/install-criu.sh): %v", err)
 	}
 	if err := criu.CheckKernel(ctx, d.Bin); err != nil {
-		t.Skipf("criu check fails on this kernel: %v", err)
+		testreq.Skip(t, "criu", "criu check fails on this kernel: %v", err)
 	}
 	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) // so restored processes can be reaped
 	dir := t.TempDir()
 	t.Setenv("PTXMIG_LOCK_DIR", filepath.Join(dir, "locks"))
+	t.Setenv("PTXMIG_LOG_DIR", filepath.Join(dir, "logs"))
 	bin, err := testproc.Build(dir)
 	if err != nil {
-		t.Skipf("cannot build the test program: %v", err)
+		testreq.Skip(t, "cc", "cannot build the test program: %v", err)
 	}
 	st, err := store.Open(filepath.Join(dir, "store"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	f := &fixture{st: st, bin: bin, dir: dir, stage: filepath.Join(dir, "staging")}
-	f.env = &checkpoint.Env{CRIU: d, CRIUVersion: text, Store: st, Euid: 0,
-		Host: checkpoint.ReadHostInfo(nil), Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	f.env = &op.Env{CRIU: d, CRIUVersion: text, Store: st, Euid: 0,
+		Host: op.ReadHostInfo(nil), Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		DriverErr: errors.New("no driver in CI")}
 	return f
 }
@@ -82,7 +87,7 @@ func (f *fixture) startMiB(t *testing.T, name string, mib int) (*testproc.Proc, 
 
 func (f *fixture) restore(t *testing.T, image string) *restore.Result {
 	t.Helper()
-	res, err := restore.Restore(context.Background(), f.env, restore.Options{Image: image, StagingRoot: f.stage})
+	res, err := restore.Run(context.Background(), f.env, restore.Options{Image: image, StagingRoot: f.stage})
 	if err != nil {
 		t.Fatalf("restore %s: %v", image, err)
 	}
@@ -112,7 +117,7 @@ func TestCheckpointKillRestore(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if res.Kind != checkpoint.KindCPU || res.Image != "cpu-1" || res.Sizes.Logical < 2<<20 || res.Timings.Of(checkpoint.StepDump) <= 0 {
+	if res.Kind != op.KindCPU || res.Image != "cpu-1" || res.Sizes.Logical < 2<<20 || res.Timings.Of(checkpoint.StepDump) <= 0 {
 		t.Fatalf("result %+v", res)
 	}
 	select {
@@ -160,8 +165,8 @@ func TestLeaveRunning(t *testing.T) {
 	advancesExactly(t, p.StateFile, m, now.Step, 10)
 
 	// The taken PID refuses a restore, and touches nothing.
-	_, err = restore.Restore(context.Background(), f.env, restore.Options{Image: "live", StagingRoot: f.stage, PIDWait: 200 * time.Millisecond})
-	if !errors.Is(err, checkpoint.ErrRefused) || !errors.Is(err, restore.ErrPIDInUse) {
+	_, err = restore.Run(context.Background(), f.env, restore.Options{Image: "live", StagingRoot: f.stage, PIDWait: 200 * time.Millisecond})
+	if !errors.Is(err, op.ErrRefused) || !errors.Is(err, restore.ErrPIDInUse) {
 		t.Fatalf("restore over a live pid: %v, want a refusal naming the pid", err)
 	}
 	if !testproc.Alive(p.PID) {
@@ -202,16 +207,22 @@ func TestRollbackOnStoreFailure(t *testing.T) {
 				return errors.New("injected store failure")
 			}
 			_, err := checkpoint.Run(ctx, f.env, checkpoint.Options{PID: p.PID, Name: "never", StagingRoot: f.stage})
-			var se *checkpoint.StepError
+			var se *op.StepError
 			if !errors.As(err, &se) || !se.RolledBack() || se.Step != checkpoint.StepStore {
 				t.Fatalf("err = %v, want a rolled-back store failure", err)
 			}
-			var fl *checkpoint.Failure
-			if !errors.As(err, &fl) {
-				t.Fatalf("err %T lacks the staging dir", err)
+			var fl *op.Failure
+			if !errors.As(err, &fl) || fl.LogDir == "" {
+				t.Fatalf("err %T (%v) names no log directory", err, err)
 			}
-			if _, err := os.Stat(filepath.Join(fl.StagingDir, "images", "dump.log")); err != nil {
+			if _, err := os.Stat(filepath.Join(fl.LogDir, "dump.log")); err != nil {
 				t.Errorf("CRIU's log not kept: %v", err)
+			}
+			if !strings.Contains(err.Error(), "running") {
+				t.Errorf("error %q does not say the process runs", err)
+			}
+			if ents, _ := os.ReadDir(f.stage); len(ents) != 0 {
+				t.Errorf("staging left after a failure: %v", ents)
 			}
 			if !testproc.Alive(p.PID) {
 				t.Fatal("process died")
@@ -291,22 +302,42 @@ func TestPreflightRefusals(t *testing.T) {
 	nonRoot.Euid = 1000
 	tests := []struct {
 		name string
-		env  *checkpoint.Env
+		env  *op.Env
 		o    checkpoint.Options
 	}{
 		{"missing pid", f.env, checkpoint.Options{PID: 1 << 22}},
 		{"non-root", &nonRoot, checkpoint.Options{PID: p.PID}},
 		{"init", f.env, checkpoint.Options{PID: 1}},
 		{"bad name", f.env, checkpoint.Options{PID: p.PID, Name: "../x"}},
+		{"empty name", f.env, checkpoint.Options{PID: p.PID, NameSet: true}},
+		{"taken name", f.env, checkpoint.Options{PID: p.PID, Name: "taken"}},
+		{"id-like name", f.env, checkpoint.Options{PID: p.PID, Name: "deadbeef"}},
+		{"ptxmig itself", f.env, checkpoint.Options{PID: os.Getpid()}},
+		{"an ancestor of ptxmig", f.env, checkpoint.Options{PID: os.Getppid()}},
 	}
+	// "taken" exists: a plain directory image is enough to hold the name.
+	src := t.TempDir()
+	if err := os.WriteFile(filepath.Join(src, "f"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := f.st.Put(context.Background(), src, store.PutOptions{Name: "taken"}); err != nil {
+		t.Fatal(err)
+	}
+	before, _ := f.st.List()
 	for _, tt := range tests {
 		_, err := checkpoint.Run(context.Background(), tt.env, tt.o)
-		if !errors.Is(err, checkpoint.ErrRefused) {
+		if !errors.Is(err, op.ErrRefused) {
 			t.Errorf("%s: %v, want a refusal", tt.name, err)
 		}
 	}
 	if !testproc.Alive(p.PID) {
 		t.Fatal("a refused checkpoint hurt the process")
+	}
+	if after, _ := f.st.List(); len(after) != len(before) {
+		t.Errorf("refusals wrote images: %d before, %d after", len(before), len(after))
+	}
+	if ents, _ := os.ReadDir(f.stage); len(ents) != 0 {
+		t.Errorf("refusals left staging: %v", ents)
 	}
 }
 
@@ -338,8 +369,8 @@ func TestRestoreCorruptImage(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	_, err := restore.Restore(context.Background(), f.env, restore.Options{Image: "bad", StagingRoot: f.stage})
-	if !errors.Is(err, checkpoint.ErrRefused) || !errors.Is(err, store.ErrCorrupt) {
+	_, err := restore.Run(context.Background(), f.env, restore.Options{Image: "bad", StagingRoot: f.stage})
+	if !errors.Is(err, op.ErrRefused) || !errors.Is(err, store.ErrCorrupt) {
 		t.Fatalf("restore of a corrupt image: %v, want a refusal wrapping store.ErrCorrupt", err)
 	}
 	if testproc.Alive(p.PID) {

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 // fakeLister is an NVML inventory of two H200s on which pid runs on GPU 0.
@@ -26,7 +28,7 @@ func startWithEnv(t *testing.T, env []string) int {
 	t.Helper()
 	sleep, err := exec.LookPath("sleep")
 	if err != nil {
-		t.Skip("no sleep(1) on this host")
+		testreq.Skip(t, "sleep", "no sleep(1) on this host")
 	}
 	cmd := exec.Command(sleep, "30")
 	cmd.Env = append([]string{"PTXMIG_TEST_MARK=1"}, env...)
@@ -64,7 +66,7 @@ func TestSourceGPUsRecordsVisible(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			pid := startWithEnv(t, tt.env)
-			used, visible, err := sourceGPUs(&Env{GPUs: fakeLister{pid: pid}}, pid)
+			used, visible, err := treeGPUs(&op.Env{GPUs: fakeLister{pid: pid}}, []int{pid})
 			if tt.wantErr != nil {
 				if !errors.Is(err, tt.wantErr) {
 					t.Fatalf("err = %v, want %v", err, tt.wantErr)

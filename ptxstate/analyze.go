@@ -152,8 +152,6 @@ func parseVar(text string) (string, moduleVar, bool) {
 	return name, v, true
 }
 
-func specialBase(r string) string { return r }
-
 // factsOf computes (and caches) the facts of function name.
 func (a *analyzer) factsOf(f *Function) *funcFacts {
 	if ff, ok := a.facts[f.Name]; ok {

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
-	"flag"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -12,9 +11,10 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-)
 
-var update = flag.Bool("update", false, "rewrite golden files under testdata/golden")
+	"github.com/ptxmig/ptxmig/internal/golden"
+	"github.com/ptxmig/ptxmig/internal/testreq"
+)
 
 // corpus returns every PTX file of the test corpus: nvcc output and hand-written edge cases.
 func corpus(t testing.TB) []string {
@@ -93,27 +93,6 @@ func firstFuncEnd(m *Module) int {
 	return n
 }
 
-func golden(t *testing.T, name string, got []byte) {
-	t.Helper()
-	path := filepath.Join("testdata", "golden", name)
-	if *update {
-		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(path, got, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		return
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run: go test ./ptxstate -run Golden -update)", err)
-	}
-	if !bytes.Equal(got, want) {
-		t.Errorf("%s differs from its golden file (rerun with -update if intended)", name)
-	}
-}
-
 func TestGolden(t *testing.T) {
 	for _, path := range corpus(t) {
 		name := strings.TrimSuffix(filepath.Base(path), ".ptx")
@@ -128,12 +107,12 @@ func TestGolden(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			golden(t, dir+"-"+name+".analyze.json", append(js, '\n'))
+			golden.Check(t, filepath.Join("testdata", "golden", dir+"-"+name+".analyze.json"), append(js, '\n'))
 			out, _, err := Instrument(m)
 			if err != nil {
 				t.Fatal(err)
 			}
-			golden(t, dir+"-"+name+".instrumented.ptx", out.Bytes())
+			golden.Check(t, filepath.Join("testdata", "golden", dir+"-"+name+".instrumented.ptx"), out.Bytes())
 		})
 	}
 }
@@ -302,7 +281,7 @@ func ptxasPath(t *testing.T) string {
 	}
 	p, err := exec.LookPath("ptxas")
 	if err != nil {
-		t.Skip("ptxas not found (scripts/install-ptxas.sh installs it)")
+		testreq.Skip(t, "ptxas", "ptxas not found (scripts/install-ptxas.sh installs it)")
 	}
 	return p
 }

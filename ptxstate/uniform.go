@@ -99,6 +99,3 @@ func (g *CFG) uniformity() *uniformity {
 
 // reachedUniformly reports whether block b is executed by all threads of the CTA or none.
 func (u *uniformity) reachedUniformly(b int) bool { return !u.divBlock[b] }
-
-// divergentBranch reports whether block b ends in a branch the CTA's threads may take differently.
-func (u *uniformity) divergentBranch(b int) bool { return u.divBranch[b] }

@@ -7,6 +7,8 @@ import (
 	"os"
 	"strconv"
 	"strings"
+
+	"github.com/ptxmig/ptxmig/internal/atomicfile"
 )
 
 // MetricsPrefix starts every metric name.
@@ -136,5 +138,5 @@ func WriteMetricsFile(file string, rep *Report) error {
 	if fi, err := os.Lstat(file); err == nil && !fi.Mode().IsRegular() {
 		return fmt.Errorf("metrics file %s: exists and is not a regular file", file)
 	}
-	return writeFileAtomic(file, b.Bytes(), 0o644)
+	return atomicfile.WriteFile(file, b.Bytes(), 0o644)
 }

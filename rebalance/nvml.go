@@ -15,24 +15,12 @@ import (
 // nvmlValueNotAvailable is NVML_VALUE_NOT_AVAILABLE, reported as UsedGpuMemory when unknown.
 const nvmlValueNotAvailable = ^uint64(0)
 
-// nvmlErr turns an NVML return code into an error; SUCCESS (a non-nil error value!) gives nil.
-func nvmlErr(op string, r nvml.Return) error {
-	switch r {
-	case nvml.SUCCESS:
-		return nil
-	case nvml.ERROR_LIBRARY_NOT_FOUND, nvml.ERROR_DRIVER_NOT_LOADED:
-		return fmt.Errorf("%s: %w", op, gpu.ErrNoDriver)
-	default:
-		return fmt.Errorf("%s: %s", op, nvml.ErrorString(r))
-	}
-}
-
 // OpenNVML initialises lib (nvml.New() when nil) and returns it with its Shutdown.
 func OpenNVML(lib nvml.Interface) (nvml.Interface, func(), error) {
 	if lib == nil {
 		lib = nvml.New()
 	}
-	if err := nvmlErr("nvml init", lib.Init()); err != nil {
+	if err := gpu.NVMLError("nvml init", lib.Init()); err != nil {
 		return nil, nil, err
 	}
 	return lib, func() { lib.Shutdown() }, nil
@@ -89,25 +77,25 @@ type devInfo struct {
 
 func (o *NVMLObserver) devices() ([]devInfo, error) {
 	n, r := o.Lib.DeviceGetCount()
-	if err := nvmlErr("device count", r); err != nil {
+	if err := gpu.NVMLError("device count", r); err != nil {
 		return nil, err
 	}
 	out := make([]devInfo, 0, n)
 	for i := 0; i < n; i++ {
 		d, r := o.Lib.DeviceGetHandleByIndex(i)
-		if err := nvmlErr(fmt.Sprintf("device %d", i), r); err != nil {
+		if err := gpu.NVMLError(fmt.Sprintf("device %d", i), r); err != nil {
 			return nil, err
 		}
 		g := GPU{Index: i}
 		if g.UUID, r = d.GetUUID(); r != nvml.SUCCESS {
-			return nil, nvmlErr(fmt.Sprintf("device %d uuid", i), r)
+			return nil, gpu.NVMLError(fmt.Sprintf("device %d uuid", i), r)
 		}
 		if g.Name, r = d.GetName(); r != nvml.SUCCESS {
-			return nil, nvmlErr(fmt.Sprintf("device %d name", i), r)
+			return nil, gpu.NVMLError(fmt.Sprintf("device %d name", i), r)
 		}
 		maj, mnr, r := d.GetCudaComputeCapability()
 		if r != nvml.SUCCESS {
-			return nil, nvmlErr(fmt.Sprintf("device %d compute capability", i), r)
+			return nil, gpu.NVMLError(fmt.Sprintf("device %d compute capability", i), r)
 		}
 		g.ComputeCap = fmt.Sprintf("%d.%d", maj, mnr)
 		if lim, r := d.GetEnforcedPowerLimit(); r == nvml.SUCCESS {
@@ -136,7 +124,7 @@ func (o *NVMLObserver) Observe(ctx context.Context, window time.Duration) (Obser
 	for {
 		for i, d := range devs {
 			u, r := d.dev.GetUtilizationRates()
-			if err := nvmlErr(fmt.Sprintf("GPU %d utilization", i), r); err != nil {
+			if err := gpu.NVMLError(fmt.Sprintf("GPU %d utilization", i), r); err != nil {
 				return Observation{}, err
 			}
 			utilSum[i] += float64(u.Gpu) / 100
@@ -163,14 +151,14 @@ func (o *NVMLObserver) Observe(ctx context.Context, window time.Duration) (Obser
 			g.PowerW = powerSum[i] / float64(powerN[i])
 		}
 		mem, r := devs[i].dev.GetMemoryInfo()
-		if err := nvmlErr(fmt.Sprintf("GPU %d memory", i), r); err != nil {
+		if err := gpu.NVMLError(fmt.Sprintf("GPU %d memory", i), r); err != nil {
 			return Observation{}, err
 		}
 		g.MemTotal, g.MemUsed = mem.Total, mem.Used
 		obs.GPUs = append(obs.GPUs, *g)
 
 		procs, r := devs[i].dev.GetComputeRunningProcesses()
-		if err := nvmlErr(fmt.Sprintf("GPU %d processes", i), r); err != nil {
+		if err := gpu.NVMLError(fmt.Sprintf("GPU %d processes", i), r); err != nil {
 			return Observation{}, err
 		}
 		util, utilKnown := processUtil(devs[i].dev, uint64(start.UnixMicro()))
@@ -257,7 +245,7 @@ func (o *NVMLObserver) Locate(ctx context.Context, pid int) (Location, error) {
 	}
 	for i, d := range devs {
 		procs, r := d.dev.GetComputeRunningProcesses()
-		if err := nvmlErr(fmt.Sprintf("GPU %d processes", i), r); err != nil {
+		if err := gpu.NVMLError(fmt.Sprintf("GPU %d processes", i), r); err != nil {
 			return loc, err
 		}
 		for _, p := range procs {

@@ -5,6 +5,8 @@ import (
 	"math"
 	"sort"
 	"time"
+
+	"github.com/ptxmig/ptxmig/internal/gpu"
 )
 
 // GPURef names a GPU in a move.
@@ -234,7 +236,7 @@ func bestMove(obs Observation, pol Policy, s *sim, shares []float64, src []int, 
 		need := p.MemBytes + margin
 		for b := range obs.GPUs {
 			t := obs.GPUs[b]
-			if b == a || t.Chip() != g.Chip() {
+			if b == a || !gpu.SameChip(g.Name, g.ComputeCap, t.Name, t.ComputeCap) {
 				continue
 			}
 			sameChip++
@@ -364,7 +366,7 @@ func newSim(obs Observation) *sim {
 		s.load[i] = clamp(g.Util, 0, 1)
 		s.power[i] = math.Max(g.PowerW, 0)
 		s.used[i] = g.MemUsed
-		groups[g.Chip()] = append(groups[g.Chip()], i)
+		groups[gpu.ChipKey(g.Name, g.ComputeCap)] = append(groups[gpu.ChipKey(g.Name, g.ComputeCap)], i)
 	}
 	for _, idx := range groups {
 		peak := 0.0

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/ptxmig/ptxmig/internal/bytesize"
 )
 
 // WriteText writes the human form of a report.
@@ -36,7 +38,7 @@ func WriteText(w io.Writer, rep *Report) error {
 				power = fmt.Sprintf("%.0f/%.0f W", g.PowerW, g.PowerLimitW)
 			}
 			fmt.Fprintf(tw, "%d\t%s\t%.0f%%\t%s/%s\t%s\t%d\n", g.Index, g.Chip(), g.Util*100,
-				fmtGiB(g.MemUsed), fmtGiB(g.MemTotal), power, procs[g.UUID])
+				bytesize.FormatU(g.MemUsed), bytesize.FormatU(g.MemTotal), power, procs[g.UUID])
 		}
 		tw.Flush()
 	}
@@ -88,5 +90,3 @@ func WriteText(w io.Writer, rep *Report) error {
 	_, err := io.WriteString(w, b.String())
 	return err
 }
-
-func fmtGiB(b uint64) string { return fmt.Sprintf("%.1f GiB", float64(b)/(1<<30)) }

@@ -2,13 +2,11 @@ package rebalance
 
 import (
 	"bytes"
-	"flag"
-	"os"
 	"path/filepath"
 	"testing"
-)
 
-var update = flag.Bool("update", false, "rewrite golden files under testdata/")
+	"github.com/ptxmig/ptxmig/internal/golden"
+)
 
 // TestWriteTextGolden pins the human output of a dry run and of a run with a failed move.
 func TestWriteTextGolden(t *testing.T) {
@@ -26,20 +24,6 @@ func TestWriteTextGolden(t *testing.T) {
 		if err := WriteText(&b, rep); err != nil {
 			t.Fatal(err)
 		}
-		path := filepath.Join("testdata", "report-"+name+".golden")
-		if *update {
-			os.MkdirAll("testdata", 0o755)
-			if err := os.WriteFile(path, b.Bytes(), 0o644); err != nil {
-				t.Fatal(err)
-			}
-			continue
-		}
-		want, err := os.ReadFile(path)
-		if err != nil {
-			t.Fatalf("%v (go test ./rebalance -run Golden -update)", err)
-		}
-		if b.String() != string(want) {
-			t.Errorf("%s differs:\n--- got\n%s--- want\n%s", name, b.String(), want)
-		}
+		golden.Check(t, filepath.Join("testdata", "report-"+name+".golden"), b.Bytes())
 	}
 }

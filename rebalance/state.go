@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ptxmig/ptxmig/internal/atomicfile"
 )
 
 // State file layout inside the state directory (<store>/rebalance).
@@ -196,38 +198,5 @@ func SaveState(dir string, st *State) error {
 	if err != nil {
 		return fmt.Errorf("encode state: %w", err)
 	}
-	return writeFileAtomic(filepath.Join(dir, StateFile), append(b, '\n'), 0o600)
-}
-
-// writeFileAtomic replaces file with data: readers see the old or the new content, never a part.
-func writeFileAtomic(file string, data []byte, mode os.FileMode) error {
-	dir := filepath.Dir(file)
-	tmp, err := os.CreateTemp(dir, "."+filepath.Base(file)+".tmp-*")
-	if err != nil {
-		return fmt.Errorf("write %s: %w", file, err)
-	}
-	defer os.Remove(tmp.Name()) // no-op after the rename
-	if _, err = tmp.Write(data); err == nil {
-		if err = tmp.Chmod(mode); err == nil {
-			err = tmp.Sync()
-		}
-	}
-	if cerr := tmp.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return fmt.Errorf("write %s: %w", file, err)
-	}
-	if err := os.Rename(tmp.Name(), file); err != nil {
-		return fmt.Errorf("write %s: %w", file, err)
-	}
-	d, err := os.Open(dir)
-	if err != nil {
-		return fmt.Errorf("write %s: fsync directory: %w", file, err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		return fmt.Errorf("write %s: fsync directory: %w", file, err)
-	}
-	return nil
+	return atomicfile.WriteFile(filepath.Join(dir, StateFile), append(b, '\n'), 0o600)
 }

@@ -1,3 +1,8 @@
+// Package restore brings an image back as a running process tree: Plan verifies the image's
+// record and the targets (GPUs, pids) without touching anything; Execute materializes the image,
+// restores the tree with CRIU, then the GPU state of its CUDA processes through the driver, as
+// one transaction of the operation core (internal/op). A failure kills the half-restored tree;
+// the image stays intact.
 package restore
 
 import (
@@ -8,20 +13,26 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
-	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
+	"github.com/ptxmig/ptxmig/internal/placement"
+	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/store"
 )
 
 // Step names of a restore.
 const (
+	StepMaterialize   = "materialize"
 	StepCRIURestore   = "criu-restore"
-	StepDriverRestore = "driver-restore"
-	StepUnlock        = "unlock"
+	StepDriverRestore = op.StepDriverRestore
+	StepUnlock        = op.StepUnlock
 )
+
+// ErrPIDInUse: a pid of the image's tree is taken (CRIU restores every process under its pid).
+var ErrPIDInUse = errors.New("a pid of the image is in use")
 
 // Options of one restore.
 type Options struct {
@@ -30,127 +41,184 @@ type Options struct {
 	GPUMap      map[string]string // old UUID/index → new UUID/index
 	KeepStaging bool
 	StagingRoot string        // default: tmpfs when memory allows, else /var/tmp/ptxmig
-	PIDWait     time.Duration // how long to wait for the original PID to be freed; default 10 s
+	PIDWait     time.Duration // how long to wait for a dying process to free a pid; default 10 s
 	Progress    func(done, total int64)
+}
+
+// Plan is a checked restore.
+type Plan struct {
+	Image    string           `json:"image"`
+	ImageID  string           `json:"image_id"`
+	PID      int              `json:"pid"`
+	Kind     string           `json:"kind"`
+	Tree     []op.TreeProc    `json:"tree"`
+	Pairs    []placement.Pair `json:"gpu_pairs,omitempty"` // every visible GPU; the driver gets them only when one moves
+	Remapped bool             `json:"remapped"`
+	ShellJob bool             `json:"shell_job"`
+	Bytes    int64            `json:"bytes"` // the image's logical size
+	Staging  string           `json:"staging_root"`
+	Steps    []op.PlanStep    `json:"steps"`
+
+	opts     Options
+	meta     store.Metadata
+	dpairs   []cudackpt.Pair
+	cudaPIDs []int
 }
 
 // Result of a restore.
 type Result struct {
-	Image       string             `json:"image"`
-	ImageID     string             `json:"image_id"`
-	PID         int                `json:"pid"`
-	Kind        string             `json:"kind"`
-	Pairs       []Pair             `json:"gpu_pairs,omitempty"` // every visible GPU; the driver gets them only when one moves
-	Remapped    bool               `json:"remapped"`            // the driver got the pairs (a GPU moved)
-	Materialize time.Duration      `json:"materialize_ns"`
-	Timings     checkpoint.Timings `json:"timings"`
-	Total       time.Duration      `json:"total_ns"`
-	Bytes       int64              `json:"bytes"`
-	StagingDir  string             `json:"staging_dir,omitempty"`
+	Image       string           `json:"image"`
+	ImageID     string           `json:"image_id"`
+	PID         int              `json:"pid"`
+	Kind        string           `json:"kind"`
+	Tree        []op.TreeProc    `json:"tree"`
+	Pairs       []placement.Pair `json:"gpu_pairs,omitempty"`
+	Remapped    bool             `json:"remapped"` // the driver got the pairs (a GPU moved)
+	Materialize time.Duration    `json:"materialize_ns"`
+	Timings     op.Timings       `json:"timings"`
+	Total       time.Duration    `json:"total_ns"`
+	Bytes       int64            `json:"bytes"`
+	StagingDir  string           `json:"staging_dir,omitempty"`
 }
 
-// Failure is a restore that failed after the image was materialized.
-type Failure struct {
-	*checkpoint.StepError
-	StagingDir string
-	CRIUTail   []string
+// Run plans and executes a restore.
+func Run(ctx context.Context, env *op.Env, o Options) (*Result, error) {
+	p, err := PlanRestore(ctx, env, o)
+	if err != nil {
+		return nil, err
+	}
+	return Execute(ctx, env, p)
 }
 
-func (f *Failure) Unwrap() error { return f.StepError }
-
-func refusef(format string, a ...any) error {
-	return &checkpoint.Refusal{Err: fmt.Errorf(format, a...)}
-}
-
-// Restore verifies and materializes an image and brings its process back: CRIU restore
-// (detached, under the original PID) → driver restore with GPU pairs → unlock. A failure after
-// CRIU restored the process kills the half-restored process; the image stays intact.
-func Restore(ctx context.Context, env *checkpoint.Env, o Options) (*Result, error) {
-	t0 := time.Now()
-	if env.Euid != 0 {
-		return nil, refusef("ptxmig restore must run as root (CRIU recreates the process)")
+// PlanRestore checks the image and the targets; every failure is a refusal and nothing is
+// touched. It waits (up to o.PIDWait) for dying processes that still hold the image's pids.
+func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
+	if err := env.RequireRoot("ptxmig restore"); err != nil {
+		return nil, err
 	}
 	if env.CRIU == nil {
-		return nil, refusef("CRIU is not usable: %v", env.CRIUErr)
+		return nil, op.Refusef("CRIU is not usable: %v", env.CRIUErr)
 	}
 	if env.Store == nil {
-		return nil, refusef("no image store")
+		return nil, op.Refusef("no image store")
 	}
 	m, err := env.Store.Get(o.Image)
 	if err != nil {
-		return nil, refusef("image %q: %w", o.Image, err)
+		return nil, op.Refusef("image %q: %w", o.Image, err)
 	}
 	meta := m.Meta
 	if meta.PID <= 1 {
-		return nil, refusef("image %s records no valid pid (%d): not a process image", m.Name, meta.PID)
+		return nil, op.Refusef("image %s records no valid pid (%d): not a process image", m.Name, meta.PID)
 	}
-	if meta.Kind != checkpoint.KindCUDA && meta.Kind != checkpoint.KindCPU {
-		return nil, refusef("image %s is of kind %q, not a process checkpoint", m.Name, meta.Kind)
+	if meta.Kind != op.KindCUDA && meta.Kind != op.KindCPU {
+		return nil, op.Refusef("image %s is of kind %q, not a process checkpoint", m.Name, meta.Kind)
 	}
-	res := &Result{Image: m.Name, ImageID: m.ID, PID: meta.PID, Kind: meta.Kind}
-	cuda := meta.Kind == checkpoint.KindCUDA
-	var dpairs []cudackpt.Pair
-	if cuda {
-		if env.Driver == nil {
-			return nil, refusef("image %s holds a CUDA process but the NVIDIA driver cannot be used: %v", m.Name, env.DriverErr)
-		}
-		if env.GPUs == nil && len(meta.GPUs) > 0 {
-			return nil, refusef("image %s needs GPUs but NVML is not available to check them", m.Name)
-		}
-		if env.GPUs != nil {
-			devs, err := env.GPUs.Devices()
-			if err != nil {
-				return nil, refusef("list GPUs: %w", err)
-			}
-			visible, assumed := recordedVisible(meta, devs)
-			pairs, err := PlanPairs(meta.GPUs, visible, devs, o.GPUs, o.GPUMap, false)
-			if err != nil {
-				return nil, refusef("image %s: %w", m.Name, err)
-			}
-			res.Pairs = pairs
-			if dpairs, err = DriverPairs(pairs); err != nil {
-				return nil, refusef("image %s: %w", m.Name, err)
-			}
-			res.Remapped = dpairs != nil
-			if assumed && dpairs != nil && env.Log != nil {
-				env.Log.Warn("image records no visible-GPU set (made by an older ptxmig): assuming the process saw every GPU "+
-					"of this host; if it ran with CUDA_VISIBLE_DEVICES the driver will refuse the pairs and the restore rolls back",
-					"image", m.Name, "pairs", pairText(pairs))
-			}
+	tree, err := op.ImageTree(meta)
+	if err != nil {
+		return nil, op.Refusef("image %s: %w", m.Name, err)
+	}
+	p := &Plan{Image: m.Name, ImageID: m.ID, PID: meta.PID, Kind: meta.Kind, Tree: tree, opts: o, meta: meta,
+		ShellJob: meta.Extra[op.ExtraShellJob] == "true", Bytes: m.LogicalBytes()}
+	if meta.Kind == op.KindCUDA {
+		p.cudaPIDs = op.TreePIDs(tree, true)
+		if err := p.planGPUs(env, m.Name); err != nil {
+			return nil, err
 		}
 	} else if len(o.GPUs) > 0 || len(o.GPUMap) > 0 {
-		return nil, refusef("image %s is a CPU process: --gpu/--gpu-map do not apply", m.Name)
+		return nil, op.Refusef("image %s is a CPU process: --gpu/--gpu-map do not apply", m.Name)
 	}
-	if err := waitPIDFree(ctx, meta.PID, o.PIDWait); err != nil {
-		return nil, err
-	}
-	lk, err := oplock.Acquire(meta.PID, "restore of "+m.Name, 0)
-	if err != nil {
-		return nil, err
-	}
-	defer lk.Release()
-
-	var logical uint64
-	for _, f := range m.Files {
-		logical += uint64(f.Size)
+	for _, t := range tree {
+		if err := waitPIDFree(ctx, t.PID, o.PIDWait); err != nil {
+			return nil, err
+		}
 	}
 	var gpuBytes uint64
 	for _, g := range meta.GPUs {
 		gpuBytes += g.MemoryBytes
 	}
 	// The image is materialized (logical bytes on the staging file system) and, on tmpfs, also
-	// read back into the restored process's memory.
-	root, err := checkpoint.ChooseStaging(o.StagingRoot, logical, logical+gpuBytes)
+	// read back into the restored processes' memory.
+	if p.Staging, err = op.ChooseStaging(o.StagingRoot, uint64(p.Bytes), uint64(p.Bytes)+gpuBytes); err != nil {
+		return nil, err
+	}
+	p.Steps = p.describe()
+	return p, nil
+}
+
+func (p *Plan) planGPUs(env *op.Env, name string) error {
+	meta, o := p.meta, p.opts
+	if env.Driver == nil {
+		return op.Refusef("image %s holds a CUDA process but the NVIDIA driver cannot be used: %v", name, env.DriverErr)
+	}
+	if env.GPUs == nil {
+		if len(meta.GPUs) > 0 || len(o.GPUs) > 0 || len(o.GPUMap) > 0 {
+			return op.Refusef("image %s needs GPUs but NVML is not available to check them", name)
+		}
+		return nil
+	}
+	devs, err := env.GPUs.Devices()
+	if err != nil {
+		return op.Refusef("list GPUs: %w", err)
+	}
+	visible, assumed := placement.RecordedVisible(meta, devs)
+	pairs, err := placement.PlanPairs(meta.GPUs, visible, devs, o.GPUs, o.GPUMap, false)
+	if err != nil {
+		return op.Refusef("image %s: %w", name, err)
+	}
+	p.Pairs = pairs
+	if p.dpairs, err = placement.DriverPairs(pairs); err != nil {
+		return op.Refusef("image %s: %w", name, err)
+	}
+	p.Remapped = p.dpairs != nil
+	if assumed && p.dpairs != nil {
+		env.Logger().Warn("image records no visible-GPU set (made by an older ptxmig): assuming the process saw every GPU "+
+			"of this host; if it ran with CUDA_VISIBLE_DEVICES the driver will refuse the pairs and the restore rolls back",
+			"image", name, "pairs", placement.PairText(pairs))
+	}
+	return nil
+}
+
+func (p *Plan) describe() []op.PlanStep {
+	var s []op.PlanStep
+	add := func(step, format string, a ...any) {
+		s = append(s, op.PlanStep{Step: step, Action: fmt.Sprintf(format, a...)})
+	}
+	pids := op.TreePIDs(p.Tree, false)
+	add(StepMaterialize, "verify and write the image (%s) into %s", bytesize.Format(p.Bytes), p.Staging)
+	sj := ""
+	if p.ShellJob {
+		sj = " as a shell job (into ptxmig's session)"
+	}
+	add(StepCRIURestore, "CRIU restore of the tree, pid %v%s, detached", pids, sj)
+	if len(p.cudaPIDs) > 0 {
+		where := "onto the GPUs it was checkpointed on"
+		if p.Remapped {
+			where = "with GPU pairs " + placement.PairText(p.Pairs)
+		}
+		add(StepDriverRestore, "driver restore of pid %v %s", p.cudaPIDs, where)
+		add(StepUnlock, "driver unlock of pid %v", p.cudaPIDs)
+	}
+	add("on failure", "kill the restored processes; the image stays as it is")
+	return s
+}
+
+// Execute runs a plan: materialize → CRIU restore (detached, under the original pids) → driver
+// restore with GPU pairs → unlock.
+func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
+	t0 := time.Now()
+	o, meta := p.opts, p.meta
+	lk, err := oplock.Acquire(meta.PID, "restore of "+p.Image, 0)
 	if err != nil {
 		return nil, err
 	}
-	staging, err := os.MkdirTemp(root, "rst-"+m.Name+"-")
+	defer lk.Release()
+
+	staging, err := os.MkdirTemp(p.Staging, "rst-"+p.Image+"-")
 	if err != nil {
-		return nil, refusef("staging in %s: %w", root, err)
+		return nil, op.Refusef("staging in %s: %w", p.Staging, err)
 	}
-	keep := o.KeepStaging
 	defer func() {
-		if !keep {
+		if !o.KeepStaging {
 			_ = os.RemoveAll(staging)
 		}
 	}()
@@ -158,72 +226,64 @@ func Restore(ctx context.Context, env *checkpoint.Env, o Options) (*Result, erro
 	if err := os.Mkdir(work, 0o700); err != nil {
 		return nil, fmt.Errorf("staging: %w", err)
 	}
+	res := &Result{Image: p.Image, ImageID: p.ImageID, PID: meta.PID, Kind: meta.Kind, Tree: p.Tree, Pairs: p.Pairs, Remapped: p.Remapped}
 	tm := time.Now()
-	st, err := env.Store.Materialize(ctx, m.ID, images, store.GetOptions{Progress: o.Progress})
+	st, err := env.Store.Materialize(ctx, p.ImageID, images, store.GetOptions{Progress: o.Progress})
 	res.Materialize = time.Since(tm)
 	if err != nil {
 		if errors.Is(err, store.ErrCorrupt) {
-			return nil, refusef("image %s is corrupt, nothing was restored: %w", m.Name, err)
+			return nil, op.Refusef("image %s is corrupt, nothing was restored: %w", p.Image, err)
 		}
-		return nil, fmt.Errorf("materialize image %s: %w", m.Name, err)
+		return nil, fmt.Errorf("materialize image %s: %w", p.Image, err)
 	}
 	if st != nil {
 		res.Bytes = st.LogicalBytes
 	}
 
-	var pid int
+	var restored bool
+	treePIDs := op.TreePIDs(p.Tree, false)
 	ropts := criu.RestoreOptions{ImagesDir: images, WorkDir: work,
-		ShellJob: meta.Extra[checkpoint.ExtraShellJob] == "true", TCPEstablished: meta.Extra[checkpoint.ExtraTCPEstablished] == "true"}
-	steps := []checkpoint.Step{{
+		ShellJob: p.ShellJob, TCPEstablished: meta.Extra[op.ExtraTCPEstablished] == "true"}
+	steps := []op.Step{{
 		Name: StepCRIURestore,
 		Do: func(ctx context.Context) error {
 			r, err := env.CRIU.Restore(ctx, ropts)
+			if r != nil && r.PID > 0 {
+				restored = true
+			}
 			if err != nil {
 				return err
 			}
-			pid = r.PID
-			if pid != meta.PID {
-				return fmt.Errorf("criu restored pid %d, expected %d", pid, meta.PID)
+			if r.PID != meta.PID {
+				return fmt.Errorf("criu restored pid %d, expected %d", r.PID, meta.PID)
 			}
 			return nil
 		},
 		Undo: func(context.Context) error {
-			if pid <= 0 {
+			if !restored {
 				return nil
 			}
-			return checkpoint.KillAndWait(pid, 10*time.Second)
+			return proc.Kill(restoredTree(meta.PID, treePIDs), 10*time.Second)
 		},
 	}}
-	if cuda {
+	if len(p.cudaPIDs) > 0 {
+		recheck := func() error {
+			if !p.Remapped || env.GPUs == nil {
+				return nil
+			}
+			devs, err := env.GPUs.Devices()
+			if err != nil {
+				return fmt.Errorf("re-read GPU memory before the driver restore: %w", err)
+			}
+			return placement.CheckRoom(p.Pairs, devs, false)
+		}
 		steps = append(steps,
-			checkpoint.Step{Name: StepDriverRestore, Do: func(context.Context) error {
-				st, err := env.Driver.State(pid)
-				if err != nil {
-					return err
-				}
-				if st != cudackpt.Checkpointed {
-					return fmt.Errorf("restored pid %d is %s, expected checkpointed", pid, st)
-				}
-				return env.Driver.Restore(pid, dpairs)
-			}},
-			checkpoint.Step{Name: StepUnlock, Do: func(context.Context) error { return env.Driver.Unlock(pid) }},
-		)
+			op.RestoreStep(env.Driver, op.Fixed(p.cudaPIDs), p.dpairs, recheck, true),
+			op.UnlockStep(env.Driver, op.Fixed(p.cudaPIDs)))
 	}
-	res.Timings, err = checkpoint.Execute(ctx, steps, env.Hook, 0, env.Log)
+	res.Timings, err = op.Execute(ctx, steps, env.Hook, 0, env.Log)
 	if err != nil {
-		keep = true // the logs explain the failure
-		f := &Failure{StagingDir: staging}
-		var ce *criu.Error
-		if errors.As(err, &ce) {
-			f.CRIUTail = ce.Tail
-		}
-		if !errors.As(err, &f.StepError) {
-			return nil, err
-		}
-		if !o.KeepStaging {
-			_ = os.RemoveAll(images) // keep work/ (CRIU's log), drop the image copy
-		}
-		return nil, f
+		return nil, op.NewFailure(err, "restore", meta.PID, []string{filepath.Join(work, "restore.log")}, treePIDs)
 	}
 	if o.KeepStaging {
 		res.StagingDir = staging
@@ -232,38 +292,41 @@ func Restore(ctx context.Context, env *checkpoint.Env, o Options) (*Result, erro
 	return res, nil
 }
 
-// recordedVisible is the image's visible-GPU set; for images without one (older ptxmig), every
-// GPU of this host when the image was made here (assumed is then true), else nil (a move is
-// then refused: the other host's GPUs cannot be named).
-func recordedVisible(meta store.Metadata, devs []gpu.Device) (visible []store.GPU, assumed bool) {
-	if len(meta.Visible) > 0 {
-		return meta.Visible, false
+// restoredTree is every process to kill when a restore rolls back: the recorded pids and whatever
+// the root's tree holds now.
+func restoredTree(root int, recorded []int) []int {
+	out := append([]int(nil), recorded...)
+	if stats, err := proc.Tree(root); err == nil {
+		for _, s := range stats {
+			found := false
+			for _, r := range out {
+				found = found || r == s.PID
+			}
+			if !found {
+				out = append(out, s.PID)
+			}
+		}
 	}
-	v, ok := AssumeVisible(meta.GPUs, devs)
-	if !ok {
-		return nil, false
-	}
-	return v, true
+	return out
 }
 
-// waitPIDFree waits for a dying process with the image's PID to go away, then refuses if the
-// PID is still taken.
+// waitPIDFree waits for a dying process with one of the image's pids to go away, then refuses if
+// the pid is still taken.
 func waitPIDFree(ctx context.Context, pid int, wait time.Duration) error {
 	if wait <= 0 {
 		wait = 10 * time.Second
 	}
-	if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); errors.Is(err, os.ErrNotExist) {
+	if !proc.Exists(pid) {
 		return nil
 	}
-	alive := checkpoint.ProcessAlive(pid)
-	comm := checkpoint.Comm(pid)
-	if alive {
+	comm := proc.Comm(pid)
+	if proc.Alive(pid) {
 		// A live process will not go away by waiting: refuse at once.
-		return &checkpoint.Refusal{Err: fmt.Errorf("%w: pid %d is taken by a running process (%s); CRIU restores a process "+
-			"under its original pid: stop that process, or restore in another pid namespace", ErrPIDInUse, pid, comm)}
+		return op.Refuse(fmt.Errorf("%w: pid %d is taken by a running process (%s); CRIU restores every process "+
+			"under its original pid: stop that process, or restore in another pid namespace", ErrPIDInUse, pid, comm))
 	}
-	if err := checkpoint.WaitGone(ctx, pid, wait); err != nil {
-		return &checkpoint.Refusal{Err: fmt.Errorf("%w: pid %d is a zombie (%s) not reaped by its parent within %s", ErrPIDInUse, pid, comm, wait)}
+	if err := proc.WaitGone(ctx, pid, wait); err != nil {
+		return op.Refuse(fmt.Errorf("%w: pid %d is a zombie (%s) not reaped by its parent within %s", ErrPIDInUse, pid, comm, wait))
 	}
 	return nil
 }

@@ -15,7 +15,7 @@ work=$(mktemp -d /tmp/ptxmig-demo.XXXXXX)
 image=demo-$(date +%Y%m%d-%H%M%S)-$$
 pid=""
 cleanup() {
-  [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null || true
+  if [ -n "$pid" ]; then kill -9 "$pid" 2>/dev/null || true; fi
   if [ -n "$image" ] && "$PTXMIG" images 2>/dev/null | grep -q "^$image "; then
     "$PTXMIG" image rm "$image" >/dev/null && "$PTXMIG" image gc >/dev/null \
       || echo "demo: could not remove image $image from the store" >&2

@@ -21,7 +21,7 @@ dist=${1:?usage: gpu-bundle.sh DIR [--tar FILE]}
 tarfile=""
 [ "${2:-}" = "--tar" ] && tarfile=${3:?--tar needs a file}
 export PATH=/usr/local/go/bin:$PATH CGO_CFLAGS=${CGO_CFLAGS:--Wno-deprecated-declarations}
-[ -x bin/ptxmig ] && [ -f bin/libptxmig.so ] || { echo "gpu-bundle: build first (make build)" >&2; exit 1; }
+if [ ! -x bin/ptxmig ] || [ ! -f bin/libptxmig.so ]; then echo "gpu-bundle: build first (make build)" >&2; exit 1; fi
 
 rm -rf "$dist"
 mkdir -p "$dist/tests" "$dist/workloads" "$dist/gputest" "$dist/bench"
@@ -42,11 +42,12 @@ cp testdata/workloads/* "$dist/workloads/"
 if [ "${PTXMIG_BUNDLE_CU12:-1}" != 0 ]; then
   if nvcc12=$(scripts/install-nvcc12.sh 2>"$dist/workloads-cu12.log" | tail -n1) && [ -x "$nvcc12" ]; then
     c12=$dist/workloads-cu12
-    NVCC=$nvcc12 ARCH=sm_90 testdata/workloads/build.sh "$c12" >>"$dist/workloads-cu12.log" 2>&1 &&
+    if ! { NVCC=$nvcc12 ARCH=sm_90 testdata/workloads/build.sh "$c12" >>"$dist/workloads-cu12.log" 2>&1 &&
       "$nvcc12" -O2 -arch=sm_90 -cudart shared -o "$c12/counter-shared" testdata/workloads/counter.cu \
         >>"$dist/workloads-cu12.log" 2>&1 &&
-      cp -L "$(dirname "$nvcc12")/../lib64/libcudart.so.12" "$c12/" ||
-      { echo "gpu-bundle: warning: CUDA 12 workloads not built (see $dist/workloads-cu12.log)" >&2; rm -rf "$c12"; }
+      cp -L "$(dirname "$nvcc12")/../lib64/libcudart.so.12" "$c12/"; }; then
+      echo "gpu-bundle: warning: CUDA 12 workloads not built (see $dist/workloads-cu12.log)" >&2; rm -rf "$c12"
+    fi
   else
     echo "gpu-bundle: warning: no CUDA 12.4 toolkit, CUDA 12 workloads skipped (see $dist/workloads-cu12.log)" >&2
   fi
@@ -63,7 +64,7 @@ if [ -d "$dist/gputest/ptxstate" ]; then
 fi
 for b in scripts/bench-*.sh; do [ -e "$b" ] && cp "$b" "$dist/bench/"; done
 cp scripts/gpu-e2e.sh "$dist/"
-echo "gpu-bundle: $(du -sh "$dist" | cut -f1) in $dist ($(ls "$dist/tests" | wc -l) test binaries)"
+echo "gpu-bundle: $(du -sh "$dist" | cut -f1) in $dist ($(find "$dist/tests" -mindepth 1 -maxdepth 1 | wc -l) test binaries)"
 if [ -n "$tarfile" ]; then
   mkdir -p "$(dirname "$tarfile")"
   tar -C "$(dirname "$dist")" -cJf "$tarfile" "$(basename "$dist")"

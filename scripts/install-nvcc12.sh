@@ -16,7 +16,6 @@
 set -euo pipefail
 
 CACHE=${PTXMIG_CACHE:-/var/cache/ptxmig}
-MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 here=$(cd "$(dirname "$0")" && pwd)
 die() { echo "install-nvcc12: error: $*" >&2; exit 1; }
 log() { echo "install-nvcc12: $*" >&2; }
@@ -53,12 +52,13 @@ rm -rf "$tk.tmp"
 mkdir -p "$tk.tmp/bin" "$tk.tmp/nvvm/libdevice" "$tk.tmp/lib64/stubs"
 x=$tk.tmp/x
 mkdir -p "$x"
-dpkg-deb --fsys-tarfile "$(ls "$debs"/nvidia-cuda-dev_*.deb | head -n1)" \
+dev_debs=("$debs"/nvidia-cuda-dev_*.deb) rt_debs=("$debs"/libcudart12_*.deb)
+dpkg-deb --fsys-tarfile "${dev_debs[0]}" \
   | tar -x -C "$x" --wildcards './usr/include/*' './usr/lib/x86_64-linux-gnu/libcudart_static.a' \
       './usr/lib/x86_64-linux-gnu/libcudadevrt.a' './usr/lib/x86_64-linux-gnu/libculibos.a' \
       './usr/lib/x86_64-linux-gnu/stubs/libcuda.so' \
   || die "unpacking nvidia-cuda-dev failed"
-dpkg -x "$(ls "$debs"/libcudart12_*.deb | head -n1)" "$x" || die "unpacking libcudart12 failed"
+dpkg -x "${rt_debs[0]}" "$x" || die "unpacking libcudart12 failed"
 mv "$x/usr/include" "$tk.tmp/include"
 cp -a "$x"/usr/lib/x86_64-linux-gnu/libcudart* "$x"/usr/lib/x86_64-linux-gnu/libcudadevrt.a \
   "$x"/usr/lib/x86_64-linux-gnu/libculibos.a "$tk.tmp/lib64/"

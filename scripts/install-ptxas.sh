@@ -53,9 +53,9 @@ SRC
   apt-get "${opts[@]}" -qq update >/dev/null 2>"$apt/update.log" \
     || { cat "$apt/update.log" >&2; die "apt-get update for the private trixie list failed"; }
   log "downloading $PKG"
-  (cd "$root/debs" && rm -f ${PKG}_*.deb && apt-get "${opts[@]}" -qq download "$PKG" >/dev/null) \
+  (cd "$root/debs" && rm -f "${PKG}"_*.deb && apt-get "${opts[@]}" -qq download "$PKG" >/dev/null) \
     || die "apt-get download $PKG failed"
-  deb=$(ls "$root/debs"/${PKG}_*.deb | head -n1)
+  debs=("$root/debs/${PKG}"_*.deb); deb=${debs[0]}
   rm -rf "$root/root.tmp"
   dpkg -x "$deb" "$root/root.tmp" || die "dpkg -x $deb failed"
   [ -x "$root/root.tmp/usr/bin/ptxas" ] || die "$deb contains no usr/bin/ptxas"

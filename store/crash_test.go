@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 const crashChildEnv = "PTXMIG_STORE_CRASH_CHILD"
@@ -207,8 +209,11 @@ func TestConcurrentPutsAndGC(t *testing.T) {
 // return the store to a clean, usable state.
 func TestENOSPC(t *testing.T) {
 	mnt := t.TempDir()
+	if os.Geteuid() != 0 {
+		testreq.Skip(t, "root", "mounting a tmpfs needs root")
+	}
 	if err := syscall.Mount("tmpfs", mnt, "tmpfs", 0, "size=2m,mode=0700"); err != nil {
-		t.Skipf("cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): %v", err)
+		testreq.Skip(t, "tmpfs", "cannot mount a tmpfs (needs CAP_SYS_ADMIN): %v", err)
 	}
 	t.Cleanup(func() { syscall.Unmount(mnt, syscall.MNT_DETACH) })
 	ctx := context.Background()

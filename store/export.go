@@ -415,14 +415,11 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 	if err := stage.commit(); err != nil {
 		return nil, nil, err
 	}
-	if err := s.writeFileAtomic(s.manifestPath(m.Name), raw, false); err != nil {
+	if err := s.writeNew(s.manifestPath(m.Name), raw); err != nil {
 		if errors.Is(err, fs.ErrExist) {
 			return nil, nil, fmt.Errorf("%s: %w", m.Name, ErrExists)
 		}
 		return nil, nil, fmt.Errorf("write manifest: %w", err)
-	}
-	if err := syncDir(s.imagesDir()); err != nil {
-		return nil, nil, err
 	}
 	return m, c.stats(time.Since(start)), nil
 }

@@ -2,7 +2,6 @@ package store
 
 import (
 	"bytes"
-	"errors"
 	"io/fs"
 	"math/rand/v2"
 	"os"
@@ -31,7 +30,6 @@ type treeSpec struct {
 	files    int
 	maxSize  int
 	sparse   bool
-	floats   bool
 	symlinks bool
 }
 
@@ -207,5 +205,3 @@ func chmodTree(dir string) {
 		return nil
 	})
 }
-
-func isErr(err, target error) bool { return errors.Is(err, target) }

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ptxmig/ptxmig/internal/golden"
 )
 
 var (
@@ -20,7 +22,6 @@ var (
 		}
 		return b
 	}()
-	update = os.Getenv("PTXMIG_UPDATE_GOLDEN") == "1"
 )
 
 // goldenManifest is a fixed manifest covering every entry type and metadata field.
@@ -50,18 +51,8 @@ func goldenManifest() *Manifest {
 func TestGoldenFormat(t *testing.T) {
 	check := func(name string, got []byte) {
 		t.Helper()
-		p := filepath.Join("testdata", name)
-		if update {
-			if err := os.WriteFile(p, got, 0o644); err != nil {
-				t.Fatal(err)
-			}
-		}
-		want, err := os.ReadFile(p)
-		if err != nil {
-			t.Fatalf("%v (regenerate with PTXMIG_UPDATE_GOLDEN=1 go test ./store -run Golden)", err)
-		}
-		if !bytes.Equal(got, want) {
-			t.Errorf("%s changed: this is an on-disk format change\n--- got\n%s\n--- want\n%s", name, got, want)
+		if !golden.Check(t, filepath.Join("testdata", name), got) {
+			t.Errorf("%s changed: this is an on-disk format change", name)
 		}
 	}
 	// BLAKE3-256 of known inputs (the empty input's is the published test vector).
@@ -90,7 +81,7 @@ func TestGoldenFormat(t *testing.T) {
 	// A zstd chunk file from this version must keep decoding to the same bytes, whatever later
 	// encoders produce.
 	zfile := e.encode(goldenChunk, nil)
-	if update {
+	if golden.Update() {
 		os.WriteFile(filepath.Join("testdata", "chunk-zstd.bin"), zfile, 0o644)
 	}
 	old, err := os.ReadFile(filepath.Join("testdata", "chunk-zstd.bin"))

@@ -281,14 +281,11 @@ func (s *Store) commitManifest(m *Manifest) error {
 	if err != nil {
 		return err
 	}
-	if err := s.writeFileAtomic(s.manifestPath(m.Name), b, false); err != nil {
+	if err := s.writeNew(s.manifestPath(m.Name), b); err != nil {
 		if errors.Is(err, fs.ErrExist) {
 			return ErrExists
 		}
 		return fmt.Errorf("write manifest: %w", err)
-	}
-	if err := syncDir(s.imagesDir()); err != nil {
-		return err
 	}
 	m.ID = id
 	return nil

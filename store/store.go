@@ -28,6 +28,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ptxmig/ptxmig/internal/atomicfile"
 )
 
 // Sentinel errors; every error the store returns for these conditions wraps one of them.
@@ -133,7 +135,7 @@ func (s *Store) init() error {
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		data, _ := json.Marshal(marker{Format: storeFormat, Version: storeVersion})
-		if err := s.writeFileAtomic(mpath, append(data, '\n'), false); err != nil && !errors.Is(err, fs.ErrExist) {
+		if err := s.writeNew(mpath, append(data, '\n')); err != nil && !errors.Is(err, fs.ErrExist) {
 			return err
 		}
 		return syncDir(s.dir)
@@ -178,37 +180,10 @@ func (s *Store) manifestPath(name string) string {
 	return filepath.Join(s.imagesDir(), name+".json")
 }
 
-// writeFileAtomic writes data to a temp file in tmp/, fsyncs it and moves it to path. With
-// replace false an existing path is never overwritten (fs.ErrExist).
-func (s *Store) writeFileAtomic(path string, data []byte, replace bool) error {
-	f, err := os.CreateTemp(s.tmpDir(), "w-*")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	defer os.Remove(tmp)
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	if replace {
-		return os.Rename(tmp, path)
-	}
-	// link(2) fails with EEXIST instead of replacing: an atomic create-if-absent.
-	if err := os.Link(tmp, path); err != nil {
-		if errors.Is(err, fs.ErrExist) {
-			return fs.ErrExist
-		}
-		return err
-	}
-	return nil
+// writeNew writes data to path atomically (internal/atomicfile: a temp file in tmp/, fsynced,
+// linked into place, the directory fsynced) and never replaces an existing path (fs.ErrExist).
+func (s *Store) writeNew(path string, data []byte) error {
+	return atomicfile.WriteFile(path, data, fileMode, atomicfile.NoReplace(), atomicfile.TempDir(s.tmpDir()))
 }
 
 func syncDir(dir string) error {

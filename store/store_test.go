@@ -8,8 +8,14 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 func writeRandom(t testing.TB, p string, n int, seed uint64) []byte {
@@ -107,30 +113,166 @@ func TestDedupAcrossImages(t *testing.T) {
 	assertNoGarbage(t, s)
 }
 
+// TestZeroChunksTouchNoDisk puts a 1 GiB hole and 3 chunks of written zeros, and materializes
+// them again. Zero chunks touch no disk: the Put reads no byte of the hole (SEEK_DATA finds it)
+// and writes no chunk file; the Materialize reads no chunk file and writes no byte for them, so
+// both files come back as holes. Bytes moved are this process's read/write syscall counts
+// (/proc/self/io rchar, wchar); the comparison streams and skips ranges that are holes in both.
 func TestZeroChunksTouchNoDisk(t *testing.T) {
+	const (
+		hole  = 1 << 30
+		zeros = 3 * DefaultChunkSize
+		slack = 1 << 20 // manifests, the store's own files: far below one chunk
+	)
 	s := openTestStore(t)
 	src := t.TempDir()
-	f, err := os.Create(filepath.Join(src, "sparse"))
+	if err := os.Truncate(writeEmpty(t, filepath.Join(src, "sparse")), hole); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(src, "zeros"), make([]byte, zeros), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+
+	before := readProcIO(t)
+	m, st, err := s.Put(ctx, src, PutOptions{Name: "z"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	f.Truncate(1 << 30) // a 1 GiB hole: must be skipped without reading 1 GiB
-	f.Close()
-	if err := os.WriteFile(filepath.Join(src, "zeros"), make([]byte, 3*DefaultChunkSize), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	m, st, err := s.Put(context.Background(), src, PutOptions{Name: "z"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if st.WrittenBytes != 0 || st.ZeroBytes != 1<<30+3*DefaultChunkSize || m.StoredBytes() != 0 {
+	put := readProcIO(t).sub(before)
+	if st.WrittenBytes != 0 || st.ZeroBytes != hole+zeros || m.StoredBytes() != 0 {
 		t.Errorf("stats %+v, stored %d: want everything zero", st, m.StoredBytes())
 	}
+	// The written zeros must be read to be recognized; the hole must not be.
+	if put.rchar > zeros+slack {
+		t.Errorf("put read %d bytes; want at most the %d bytes of written zeros (+%d): the hole was read", put.rchar, zeros, slack)
+	}
+	if put.wchar > slack {
+		t.Errorf("put wrote %d bytes for zero chunks only", put.wchar)
+	}
+	if n := countFiles(t, filepath.Join(s.dir, "chunks")); n != 0 {
+		t.Errorf("put left %d chunk files for zero chunks", n)
+	}
+
 	dst := filepath.Join(t.TempDir(), "out")
-	if _, err := s.Materialize(context.Background(), "z", dst, GetOptions{}); err != nil {
+	before = readProcIO(t)
+	if _, err := s.Materialize(ctx, "z", dst, GetOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	sameTree(t, src, dst)
+	get := readProcIO(t).sub(before)
+	if get.rchar > slack || get.wchar > slack {
+		t.Errorf("materialize read %d and wrote %d bytes for zero chunks only", get.rchar, get.wchar)
+	}
+	for _, name := range []string{"sparse", "zeros"} {
+		a, b := filepath.Join(src, name), filepath.Join(dst, name)
+		fa, fb := lstat(t, a), lstat(t, b)
+		if fa.Mode() != fb.Mode() || fa.Size() != fb.Size() {
+			t.Errorf("%s: %v %d bytes after round trip, want %v %d", name, fb.Mode(), fb.Size(), fa.Mode(), fa.Size())
+		}
+		if blocks := fb.Sys().(*syscall.Stat_t).Blocks; blocks > 8 { // 4 KiB slack for the filesystem
+			t.Errorf("%s: %d blocks allocated after round trip, want a hole", name, blocks)
+		}
+		sameContent(t, a, b)
+	}
+}
+
+// procIO is a process's I/O accounting: bytes passed to read and write system calls (files,
+// pipes and sockets alike, cached or not).
+type procIO struct{ rchar, wchar int64 }
+
+func (a procIO) sub(b procIO) procIO { return procIO{a.rchar - b.rchar, a.wchar - b.wchar} }
+
+func readProcIO(t testing.TB) procIO {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/io")
+	if err != nil {
+		testreq.Skip(t, "proc", "no I/O accounting in /proc/self/io: %v", err)
+	}
+	var io procIO
+	found := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		k, v, ok := strings.Cut(line, ":")
+		n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+		if !ok || err != nil {
+			continue
+		}
+		switch k {
+		case "rchar":
+			io.rchar, found = n, found+1
+		case "wchar":
+			io.wchar, found = n, found+1
+		}
+	}
+	if found != 2 {
+		t.Fatalf("/proc/self/io without rchar and wchar: %q", b)
+	}
+	return io
+}
+
+func writeEmpty(t testing.TB, p string) string {
+	t.Helper()
+	if err := os.WriteFile(p, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func lstat(t testing.TB, p string) os.FileInfo {
+	t.Helper()
+	fi, err := os.Lstat(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fi
+}
+
+// sameContent compares two files of equal size in 1 MiB blocks, holding two blocks at a time;
+// ranges that are holes in both files (SEEK_DATA) are skipped unread.
+func sameContent(t testing.TB, a, b string) {
+	t.Helper()
+	fa, err := os.Open(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fa.Close()
+	fb, err := os.Open(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fb.Close()
+	size := lstat(t, a).Size()
+	if sb := lstat(t, b).Size(); sb != size {
+		t.Errorf("%s: %d bytes, want %d", b, sb, size)
+		return
+	}
+	// nextData is the offset of the first data at or after off (size when only a hole follows).
+	nextData := func(f *os.File, off int64) int64 {
+		n, err := unix.Seek(int(f.Fd()), off, unix.SEEK_DATA)
+		if err != nil {
+			return size // ENXIO: a hole up to the end (or SEEK_DATA unsupported: compare anyway below)
+		}
+		return n
+	}
+	const block = 1 << 20
+	ba, bb := make([]byte, block), make([]byte, block)
+	for off := int64(0); off < size; {
+		if next := min(nextData(fa, off), nextData(fb, off)); next > off {
+			off = next // a hole in both files
+			continue
+		}
+		n := int(min(block, size-off))
+		if _, err := fa.ReadAt(ba[:n], off); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := fb.ReadAt(bb[:n], off); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(ba[:n], bb[:n]) {
+			t.Errorf("%s differs from %s in the %d bytes at offset %d", b, a, n, off)
+			return
+		}
+		off += int64(n)
+	}
 }
 
 func TestCorruptionDetected(t *testing.T) {

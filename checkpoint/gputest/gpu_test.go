@@ -26,6 +26,10 @@ import (
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/placement"
+	procfs "github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/migrate"
 	"github.com/ptxmig/ptxmig/restore"
 )
 
@@ -94,6 +98,8 @@ func startEnv(t *testing.T, env []string, name string, args ...string) *proc {
 	var cmd *exec.Cmd
 	if strings.HasSuffix(name, ".py") {
 		cmd = exec.Command("python3", append([]string{filepath.Join(workloads, name)}, args...)...)
+	} else if filepath.IsAbs(name) {
+		cmd = exec.Command(name, args...)
 	} else {
 		cmd = exec.Command(filepath.Join(workloads, name), args...)
 	}
@@ -115,7 +121,7 @@ func startEnv(t *testing.T, env []string, name string, args ...string) *proc {
 func waitExit(t *testing.T, pid int, timeout time.Duration) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
-	for checkpoint.ProcessAlive(pid) {
+	for procfs.Alive(pid) {
 		if time.Now().After(deadline) {
 			t.Fatalf("pid %d still running after %s", pid, timeout)
 		}
@@ -183,7 +189,7 @@ func ptxmig(t *testing.T, args ...string) (string, string, int) {
 
 // logPairs records the GPU pairs an operation used, in the test log and in
 // $PTXMIG_OUT/gputest/pairs.log (the driver-580 pairing rule is what these runs confirm).
-func logPairs(t *testing.T, what string, pairs []restore.Pair) {
+func logPairs(t *testing.T, what string, pairs []placement.Pair) {
 	t.Helper()
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s %s: %d GPU pairs\n", t.Name(), what, len(pairs))
@@ -297,6 +303,52 @@ func TestCheckpointRestoreOtherGPU(t *testing.T) {
 	sameResults(t, results(p.log), <-ref)
 }
 
+// TestTreeWithCUDAChild: a shell whose child is the CUDA counter (as with a wrapper script,
+// torchrun or a DataLoader parent) is checkpointed as a tree — the driver steps act on the child,
+// CRIU saves both, and both end — then restored: the counter finishes with the checksum of an
+// uninterrupted run and no process is left stopped.
+func TestTreeWithCUDAChild(t *testing.T) {
+	need(t, 1)
+	ref := make(chan []string, 1)
+	go func() {
+		ref <- reference(t, "counter", "--mib", "256", "--steps", "60", "--interval-ms", "0", "--device", "0")
+	}()
+	counter := filepath.Join(workloads, "counter")
+	// The trailing command keeps bash from exec'ing the counter: the counter is bash's child.
+	p := startEnv(t, nil, "/bin/bash", "-c", counter+" "+strings.Join(counterArgs(60, 0), " ")+"; echo shell-done")
+	waitLine(t, p.log, "step 10 ", 60*time.Second)
+	so, _, code := ptxmig(t, "--json", "checkpoint", "--name", "gpu-tree", strconv.Itoa(p.pid))
+	if code != 0 {
+		t.Fatalf("checkpoint exit %d", code)
+	}
+	var cr checkpoint.Result
+	if err := json.Unmarshal([]byte(so), &cr); err != nil || cr.Kind != "cuda" || len(cr.Tree) != 2 || cr.Tree[0].CUDA || !cr.Tree[1].CUDA {
+		t.Fatalf("checkpoint result %+v (%v), want a tree of the shell and its CUDA child", cr, err)
+	}
+	<-p.done
+	child := cr.Tree[1].PID
+	if procfs.Alive(child) {
+		t.Fatalf("the CUDA child %d still runs after the checkpoint", child)
+	}
+	so, _, code = ptxmig(t, "--json", "restore", "gpu-tree")
+	if code != 0 {
+		t.Fatalf("restore exit %d", code)
+	}
+	var rr restore.Result
+	if err := json.Unmarshal([]byte(so), &rr); err != nil || len(rr.Tree) != 2 {
+		t.Fatalf("restore result %+v (%v)", rr, err)
+	}
+	for _, tp := range rr.Tree {
+		if s, err := procfs.ReadStat(tp.PID); err == nil && s.Stopped() {
+			t.Errorf("pid %d (%s) is stopped after the restore", tp.PID, tp.Comm)
+		}
+	}
+	waitExit(t, child, 2*time.Minute)
+	waitExit(t, p.pid, 30*time.Second)
+	got := results(p.log)
+	sameResults(t, got, <-ref)
+}
+
 // (b) migrate 0 → 1 → 0 in place with exact continuity.
 func TestMigrateThereAndBack(t *testing.T) {
 	devs := need(t, 2)
@@ -311,7 +363,7 @@ func TestMigrateThereAndBack(t *testing.T) {
 		if code != 0 {
 			t.Fatalf("migrate to %d: exit %d", to, code)
 		}
-		var mr restore.MigrateResult
+		var mr migrate.Result
 		if err := json.Unmarshal([]byte(so), &mr); err != nil || mr.Downtime <= 0 || mr.Target[0].Index != to {
 			t.Fatalf("migrate result %+v (%v)", mr, err)
 		}
@@ -399,7 +451,7 @@ func TestRestoreRefusedWithoutMemory(t *testing.T) {
 	if code != 3 || !strings.Contains(se, "free") {
 		t.Fatalf("restore onto a full GPU: exit %d (%s), want 3 naming the free memory", code, se)
 	}
-	if checkpoint.ProcessAlive(p.pid) {
+	if procfs.Alive(p.pid) {
 		t.Fatal("a refused restore started the process")
 	}
 	_ = syscall.Kill(filler.pid, syscall.SIGKILL)
@@ -430,26 +482,26 @@ func TestMigrateTargetFailsMidRestore(t *testing.T) {
 	}
 	defer inv.Close()
 	var filler *proc
-	env := &checkpoint.Env{Driver: d, GPUs: inv, Euid: 0, Log: slog.New(slog.NewTextHandler(os.Stderr, nil)),
+	env := &op.Env{Driver: d, GPUs: inv, Euid: 0, Log: slog.New(slog.NewTextHandler(os.Stderr, nil)),
 		Hook: func(_ context.Context, step string) error {
-			if step == restore.MigrateRestore {
+			if step == migrate.StepRestore {
 				filler = fill(t, 1, 128) // the target now lacks room for the 1 GiB buffer
 			}
 			return nil
 		}}
-	mr, err := restore.MigrateWith(context.Background(), env, restore.MigrateOptions{PID: p.pid, GPUs: []int{1}, LockTimeout: 10 * time.Second})
+	mr, err := migrate.Run(context.Background(), env, migrate.Options{PID: p.pid, GPUs: []int{1}, LockTimeout: 10 * time.Second})
 	if mr != nil {
 		logPairs(t, "migrate into a full GPU", mr.Pairs)
 	}
 	if filler != nil {
 		_ = syscall.Kill(filler.pid, syscall.SIGKILL)
 	}
-	var se *checkpoint.StepError
+	var se *op.StepError
 	if err == nil {
 		t.Fatal("migrate into a full GPU succeeded; the test could not make the target fail")
 	}
 	t.Logf("migrate failed as intended: %v", err)
-	if !asStep(err, &se) || se.Step != restore.MigrateRestore || !se.RolledBack() {
+	if !asStep(err, &se) || se.Step != migrate.StepRestore || !se.RolledBack() {
 		t.Fatalf("err = %v, want a rolled-back failure of the restore step", err)
 	}
 	st, err := d.State(p.pid)
@@ -463,9 +515,9 @@ func TestMigrateTargetFailsMidRestore(t *testing.T) {
 	sameResults(t, results(p.log), <-ref)
 }
 
-func asStep(err error, se **checkpoint.StepError) bool {
+func asStep(err error, se **op.StepError) bool {
 	for e := err; e != nil; {
-		if s, ok := e.(*checkpoint.StepError); ok {
+		if s, ok := e.(*op.StepError); ok {
 			*se = s
 			return true
 		}
@@ -495,7 +547,7 @@ func TestLockTimeoutLeavesProcessRunning(t *testing.T) {
 	if d := time.Since(t0); d > 20*time.Second {
 		t.Errorf("the failed checkpoint took %s; the lock timeout was 2 s", d)
 	}
-	if !checkpoint.ProcessAlive(p.pid) {
+	if !procfs.Alive(p.pid) {
 		t.Fatal("the process died")
 	}
 	<-p.done
@@ -527,7 +579,7 @@ func TestVisibleSubsetMovesOutside(t *testing.T) {
 		if code != 0 {
 			t.Fatalf("migrate exit %d", code)
 		}
-		var mr restore.MigrateResult
+		var mr migrate.Result
 		if err := json.Unmarshal([]byte(so), &mr); err != nil || len(mr.Pairs) != 2 || mr.Pairs[0].To.Index != 1 {
 			t.Fatalf("migrate result %+v (%v), want the single pair GPU 0 -> GPU 1", mr, err)
 		}

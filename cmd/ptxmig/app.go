@@ -13,6 +13,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/op"
 )
 
 // version is set at build time with -ldflags "-X main.version=...".
@@ -118,9 +119,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		code = 130
 	}
 	if wantJSON(args) {
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "  ")
-		_ = enc.Encode(map[string]any{"error": err.Error(), "exit_code": code, "kind": exitcode.Name(code)})
+		doc := map[string]any{"error": err.Error(), "exit_code": code, "kind": exitcode.Name(code)}
+		var f *op.Failure
+		if errors.As(err, &f) {
+			doc["failed_step"], doc["rolled_back"], doc["undone"] = f.Step, f.RolledBack(), f.Undone
+			if f.State != "" {
+				doc["process_state"] = f.State
+			}
+			if f.LogDir != "" {
+				doc["log_dir"] = f.LogDir
+			}
+		}
+		_ = writeJSON(stdout, doc)
 	} else {
 		fmt.Fprintf(stderr, "ptxmig: error: %v\n", err)
 	}
@@ -139,10 +149,18 @@ func wantJSON(args []string) bool {
 }
 
 // printJSON writes v as indented JSON to stdout.
-func printJSON(c *cli.Context, v any) error {
-	enc := json.NewEncoder(env(c).Out)
-	enc.SetIndent("", "  ")
-	return enc.Encode(v)
+func printJSON(c *cli.Context, v any) error { return writeJSON(env(c).Out, v) }
+
+// writeJSON writes v to w as one JSON document, indented by two spaces and ended by a newline,
+// in a single Write (nothing is written when v fails to encode). All user-facing JSON, on
+// stdout or elsewhere, goes through it.
+func writeJSON(w io.Writer, v any) error {
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return fmt.Errorf("encode JSON: %w", err)
+	}
+	_, err = w.Write(append(b, '\n'))
+	return err
 }
 
 // argsExactly enforces the number of positional arguments; v2 stops flag parsing at the first

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -11,37 +12,44 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
-	"github.com/ptxmig/ptxmig/restore"
 )
 
 func init() {
 	register(&cli.Command{
 		Name:      "checkpoint",
-		Usage:     "save a running process (CUDA or CPU-only) into an image in the store",
+		Usage:     "save a running process tree (CUDA or CPU-only) into an image in the store",
 		ArgsUsage: "PID",
-		Description: "Preflight (root, the process is alive and running, CRIU >= 4.0, the store is writable with room\n" +
-			"for the estimated size, no other ptxmig operation on PID), then: driver lock (waits for running\n" +
-			"kernels up to --lock-timeout) → driver checkpoint (GPU memory to host memory, GPUs released) →\n" +
-			"CRIU dump → store. The manifest records host, kernel, driver, CUDA, the source GPUs (index, UUID,\n" +
-			"name, compute capability, memory used), every GPU of the host (a restore onto other GPUs must\n" +
-			"pair each of them, whatever CUDA_VISIBLE_DEVICES the process has; MIG is not\n" +
-			"supported), the pid and the command line. A process that does not use CUDA is checkpointed with\n" +
-			"CRIU alone.\n\n" +
-			"Without --leave-running the process is stopped by the dump and killed once the image is stored.\n" +
-			"Any failure — or SIGINT/SIGTERM to ptxmig — after the lock rolls back: the process is resumed,\n" +
-			"restored onto its GPUs and unlocked, and runs on as before (exit status 4). CRIU's full log stays\n" +
-			"in the staging directory, and its tail is printed.\n\n" +
+		Description: "Saves PID and every process below it. Preflight refuses (exit status 3) before anything is\n" +
+			"frozen or written: not root; the name is empty, taken, or could be read as an image id (4 to 64\n" +
+			"hex digits); PID is ptxmig or one of its ancestors; a process is locked by another tool; CRIU is\n" +
+			"missing; the store lacks room for the estimate (resident memory + GPU memory). A tree that\n" +
+			"belongs to a shell's session or has a controlling terminal is dumped as a shell job (said in the\n" +
+			"output) instead of failing in CRIU. --dry-run prints the plan and stops there.\n\n" +
+			"Then, for the CUDA processes of the tree: driver lock (waits for running kernels up to\n" +
+			"--lock-timeout) → driver checkpoint (GPU memory to host memory, GPUs released); then CRIU dump of\n" +
+			"the tree → store. The manifest records the tree, host, kernel, driver, CUDA, the source GPUs\n" +
+			"(index, UUID, name, compute capability, memory used), every GPU of the host (a restore onto other\n" +
+			"GPUs must pair each of them; MIG is not supported), the pid and the command line.\n\n" +
+			"Without --leave-running every process of the tree is stopped by the dump and ended once the image\n" +
+			"is stored. Any failure — or SIGINT/SIGTERM to ptxmig — after the first step rolls back: every\n" +
+			"stopped process is resumed, the GPUs restored and unlocked, and the tree runs on as before (exit\n" +
+			"status 4). The error names the real cause and the processes' state; CRIU's log is kept in\n" +
+			"/var/log/ptxmig ($PTXMIG_LOG_DIR; the newest 20 failures, 14 days; `ptxmig image gc` prunes).\n\n" +
 			"Examples:\n" +
 			"   ptxmig checkpoint 4242\n" +
+			"   ptxmig checkpoint --dry-run 4242\n" +
 			"   ptxmig checkpoint --name trainer-step-900 --leave-running --lock-timeout 30s 4242",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "name", Usage: "image name (default COMM-PID-DATE-TIME)"},
-			&cli.BoolFlag{Name: "leave-running", Usage: "keep the process running after the checkpoint"},
+			&cli.BoolFlag{Name: "leave-running", Usage: "keep the processes running after the checkpoint"},
+			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
 			&cli.DurationFlag{Name: "lock-timeout", Value: 10 * time.Second, Usage: "how long the driver lock may wait for running kernels (0: forever)"},
 			&cli.BoolFlag{Name: "tcp-established", Usage: "checkpoint established TCP connections (CRIU --tcp-established)"},
-			&cli.BoolFlag{Name: "shell-job", Usage: "the process is a job of an interactive shell (CRIU --shell-job)"},
+			&cli.BoolFlag{Name: "shell-job", Usage: "dump as a shell job (CRIU --shell-job); on by itself when the tree needs it"},
 			&cli.BoolFlag{Name: "keep-staging", Usage: "keep CRIU's image directory after storing it"},
 			&cli.IntFlag{Name: "prestage-workers", Usage: "workers that store the dump while CRIU writes it (0: half the CPUs; -1: store only after the dump)"},
 		},
@@ -62,13 +70,13 @@ func checkpointAction(c *cli.Context) error {
 		return err
 	}
 	g := env(c)
-	e, closeEnv, err := checkpoint.NewEnv(c.Context, g.Store, g.Log)
+	e, closeEnv, err := op.NewEnv(c.Context, g.Store, g.Log)
 	defer closeEnv()
 	if err != nil {
 		return opError(g.Err, err)
 	}
-	res, err := checkpoint.Run(c.Context, e, checkpoint.Options{
-		PID: pid, Name: c.String("name"), LeaveRunning: c.Bool("leave-running"),
+	plan, err := checkpoint.PlanCheckpoint(e, checkpoint.Options{
+		PID: pid, Name: c.String("name"), NameSet: c.IsSet("name"), LeaveRunning: c.Bool("leave-running"),
 		LockTimeout: lockTimeout, TCPEstablished: c.Bool("tcp-established"),
 		ShellJob: c.Bool("shell-job"), KeepStaging: c.Bool("keep-staging"),
 		PrestageWorkers: c.Int("prestage-workers"),
@@ -76,15 +84,31 @@ func checkpointAction(c *cli.Context) error {
 	if err != nil {
 		return opError(g.Err, err)
 	}
+	w := g.Out
+	if c.Bool("dry-run") {
+		return printPlan(c, plan, plan.Steps, func() {
+			fmt.Fprintf(w, "plan for pid %d (dry run, nothing done): image %s, %s, estimated %s\n", plan.PID, plan.Image, plan.Kind, ms(plan.Estimate.Duration))
+			printTree(w, plan.Tree)
+		})
+	}
+	if plan.ShellJobReason != "" && !g.JSON {
+		fmt.Fprintf(g.Err, "ptxmig: dumping as a shell job: %s\n", plan.ShellJobReason)
+	}
+	res, err := checkpoint.Execute(c.Context, e, plan)
+	if err != nil {
+		return opError(g.Err, err)
+	}
 	if g.JSON {
 		return printJSON(c, res)
 	}
-	w := g.Out
 	gpus := ""
 	for _, gp := range res.GPUs {
 		gpus += fmt.Sprintf(", GPU %d %s %s", gp.Index, gp.Name, gp.UUID)
 	}
 	fmt.Fprintf(w, "checkpointed pid %d (%s%s)\n", res.PID, res.Kind, gpus)
+	if len(res.Tree) > 1 {
+		printTree(w, res.Tree)
+	}
 	if len(res.Visible) > 0 {
 		vis := make([]string, len(res.Visible))
 		for i, v := range res.Visible {
@@ -95,7 +119,7 @@ func checkpointAction(c *cli.Context) error {
 	fmt.Fprintf(w, "image %s (id %s)\n", res.Image, shortID(res.ImageID))
 	labels := map[string]string{
 		checkpoint.StepLock: "lock", checkpoint.StepCheckpoint: "device->host", checkpoint.StepDump: "criu dump",
-		checkpoint.StepRestore: "driver restore", checkpoint.StepUnlock: "unlock", checkpoint.StepStore: "store", checkpoint.StepFinish: "stop process",
+		checkpoint.StepRestore: "driver restore", checkpoint.StepUnlock: "unlock", checkpoint.StepStore: "store", checkpoint.StepFinish: "stop processes",
 	}
 	for _, t := range res.Timings {
 		fmt.Fprintf(w, "  %-15s %s\n", labels[t.Step], ms(t.Duration))
@@ -103,17 +127,56 @@ func checkpointAction(c *cli.Context) error {
 	fmt.Fprintf(w, "  %-15s %s\n", "total", ms(res.Total))
 	s := res.Sizes
 	fmt.Fprintf(w, "size: %s logical, %s stored (%s zero, %s deduplicated, %s written)\n",
-		checkpoint.HumanBytes(s.Logical), checkpoint.HumanBytes(s.Stored), checkpoint.HumanBytes(s.Zero),
-		checkpoint.HumanBytes(s.Dedup), checkpoint.HumanBytes(s.Written))
+		bytesize.Format(s.Logical), bytesize.Format(s.Stored), bytesize.Format(s.Zero),
+		bytesize.Format(s.Dedup), bytesize.Format(s.Written))
 	if res.LeftRunning {
 		fmt.Fprintf(w, "pid %d keeps running\n", res.PID)
 	} else {
-		fmt.Fprintf(w, "pid %d was stopped; bring it back with: ptxmig restore %s\n", res.PID, res.Image)
+		fmt.Fprintf(w, "pid %d was stopped; bring it back with: %s\n", res.PID, restoreHint(c, res.Image))
 	}
 	if res.StagingDir != "" {
 		fmt.Fprintf(w, "staging kept in %s\n", res.StagingDir)
 	}
 	return nil
+}
+
+// restoreHint is the command that restores image, with the store named when it is not the
+// default one.
+func restoreHint(c *cli.Context, image string) string {
+	if st := env(c).Store; c.IsSet("store") || os.Getenv("PTXMIG_STORE") != "" {
+		return fmt.Sprintf("ptxmig --store %s restore %s", st, image)
+	}
+	return "ptxmig restore " + image
+}
+
+// printPlan prints a --dry-run plan: with --json one document {"dry_run": true, "plan": …};
+// else head() then the numbered steps.
+func printPlan(c *cli.Context, plan any, steps []op.PlanStep, head func()) error {
+	if env(c).JSON {
+		return printJSON(c, map[string]any{"dry_run": true, "plan": plan})
+	}
+	head()
+	for i, s := range steps {
+		fmt.Fprintf(env(c).Out, "  %d. %-14s %s\n", i+1, s.Step, s.Action)
+	}
+	return nil
+}
+
+// printTree lists a process tree, one process a line, indented by depth.
+func printTree(w io.Writer, tree []op.TreeProc) {
+	depth := map[int]int{}
+	for _, p := range tree {
+		d := 0
+		if pd, ok := depth[p.PPID]; ok {
+			d = pd + 1
+		}
+		depth[p.PID] = d
+		cuda := ""
+		if p.CUDA {
+			cuda = " [cuda]"
+		}
+		fmt.Fprintf(w, "  %s%d %s%s\n", strings.Repeat("  ", d), p.PID, p.Comm, cuda)
+	}
 }
 
 func parsePID(s string) (int, error) {
@@ -147,26 +210,20 @@ func ms(d time.Duration) string {
 	return fmt.Sprintf("%.1f s", d.Seconds())
 }
 
-// opError maps checkpoint/restore/migrate failures to exit statuses and prints CRIU's log tail.
+// opError maps checkpoint/restore/migrate failures to exit statuses and prints CRIU's log tail
+// and where the failure's logs were kept.
 func opError(stderr io.Writer, err error) error {
 	if err == nil {
 		return nil
 	}
-	var tail []string
-	var staging string
-	var cf *checkpoint.Failure
-	var rf *restore.Failure
-	switch {
-	case errors.As(err, &cf):
-		tail, staging = cf.CRIUTail, cf.StagingDir
-	case errors.As(err, &rf):
-		tail, staging = rf.CRIUTail, rf.StagingDir
-	}
-	if len(tail) > 0 {
-		fmt.Fprintf(stderr, "ptxmig: last lines of CRIU's log:\n  %s\n", strings.Join(tail, "\n  "))
-	}
-	if staging != "" {
-		fmt.Fprintf(stderr, "ptxmig: logs kept in %s\n", staging)
+	var f *op.Failure
+	if errors.As(err, &f) {
+		if len(f.CRIUTail) > 0 {
+			fmt.Fprintf(stderr, "ptxmig: last lines of CRIU's log:\n  %s\n", strings.Join(f.CRIUTail, "\n  "))
+		}
+		if f.LogDir != "" {
+			fmt.Fprintf(stderr, "ptxmig: logs kept in %s\n", f.LogDir)
+		}
 	}
 	return withOpExitCode(err)
 }
@@ -174,9 +231,9 @@ func opError(stderr io.Writer, err error) error {
 // withOpExitCode attaches the exit status of a checkpoint/restore/migrate failure: refused by
 // preflight 3, busy 5, failed and rolled back 4, anything else 1.
 func withOpExitCode(err error) error {
-	var se *checkpoint.StepError
+	var se *op.StepError
 	switch {
-	case errors.Is(err, checkpoint.ErrRefused):
+	case errors.Is(err, op.ErrRefused):
 		return exitcode.Wrap(exitcode.Refused, err)
 	case errors.Is(err, oplock.ErrBusy):
 		return exitcode.Wrap(exitcode.Busy, err)

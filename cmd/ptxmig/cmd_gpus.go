@@ -7,7 +7,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/exitcode"
 	"github.com/ptxmig/ptxmig/internal/gpu"
 )
@@ -63,11 +63,11 @@ func gpusAction(c *cli.Context) error {
 				if i > 0 {
 					procs += " "
 				}
-				procs += fmt.Sprintf("%d(%s)", p.PID, checkpoint.HumanBytes(int64(p.UsedMemory)))
+				procs += fmt.Sprintf("%d(%s)", p.PID, bytesize.FormatU(p.UsedMemory))
 			}
 		}
 		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s / %s\t%s\t%s\t%s\n", d.Index, d.Name, d.ComputeCap, d.UUID,
-			checkpoint.HumanBytes(int64(d.MemoryUsed)), checkpoint.HumanBytes(int64(d.MemoryTotal)),
+			bytesize.FormatU(d.MemoryUsed), bytesize.FormatU(d.MemoryTotal),
 			pct(d.Utilization), watts(d.PowerW), procs)
 	}
 	return tw.Flush()

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -14,7 +13,10 @@ import (
 	"golang.org/x/sys/unix"
 	"golang.org/x/term"
 
+	"github.com/ptxmig/ptxmig/internal/atomicfile"
+	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/progress"
 	"github.com/ptxmig/ptxmig/store"
 )
@@ -77,9 +79,15 @@ func init() {
 			},
 			{
 				Name:  "gc",
-				Usage: "delete chunks no image references and leftovers of interrupted writers",
+				Usage: "delete chunks no image references, leftovers of interrupted writers, and old failure logs",
 				Description: "Takes the store lock exclusively: waits for running puts and reads, which wait for it.\n" +
-					"Refuses to run while a manifest is unreadable (remove or repair that image first).",
+					"Refuses to run while a manifest is unreadable (remove or repair that image first).\n" +
+					"Also prunes the logs that failed operations keep in /var/log/ptxmig ($PTXMIG_LOG_DIR) to the\n" +
+					"newest 20 and none older than 14 days; --logs removes them all.\n\n" +
+					"Examples:\n" +
+					"   ptxmig image gc\n" +
+					"   ptxmig image gc --logs",
+				Flags:  []cli.Flag{&cli.BoolFlag{Name: "logs", Usage: "remove every kept failure log"}},
 				Action: imageGC,
 			},
 			{
@@ -181,9 +189,9 @@ func newStatsJSON(st *store.Stats) statsJSON {
 
 func printStats(w io.Writer, st *store.Stats) {
 	fmt.Fprintf(w, "  logical %s in %d chunks; zero %s (%d chunks); dedup %s (%d chunks)\n",
-		progress.Bytes(st.LogicalBytes), st.Chunks, progress.Bytes(st.ZeroBytes), st.ZeroChunks, progress.Bytes(st.DedupBytes), st.DedupChunks)
+		bytesize.Format(st.LogicalBytes), st.Chunks, bytesize.Format(st.ZeroBytes), st.ZeroChunks, bytesize.Format(st.DedupBytes), st.DedupChunks)
 	fmt.Fprintf(w, "  written %s; stored %s (ratio %.2f); %.2f s, %.0f MB/s\n",
-		progress.Bytes(st.WrittenBytes), progress.Bytes(st.StoredBytes), st.Ratio(), st.Duration.Seconds(), st.Throughput()/1e6)
+		bytesize.Format(st.WrittenBytes), bytesize.Format(st.StoredBytes), st.Ratio(), st.Duration.Seconds(), st.Throughput()/1e6)
 }
 
 func hostMetadata(kind string, labels []string) (store.Metadata, error) {
@@ -313,7 +321,7 @@ func writeInspect(w io.Writer, m *store.Manifest) {
 	kv("id", m.ID)
 	kv("parent", m.Parent)
 	kv("created", m.Created.Format(time.RFC3339))
-	kv("format", m.FormatVersion+", "+m.Hash+", chunks of "+progress.Bytes(int64(m.ChunkSize)))
+	kv("format", m.FormatVersion+", "+m.Hash+", chunks of "+bytesize.Format(int64(m.ChunkSize)))
 	kv("kind", m.Meta.Kind)
 	kv("host", m.Meta.Host)
 	kv("kernel", m.Meta.Kernel)
@@ -325,12 +333,27 @@ func writeInspect(w io.Writer, m *store.Manifest) {
 	}
 	kv("cmdline", strings.Join(m.Meta.Cmdline, " "))
 	for _, g := range m.Meta.GPUs {
-		kv("gpu", fmt.Sprintf("%d %s %s (sm %s, %s)", g.Index, g.Name, g.UUID, g.ComputeCap, progress.Bytes(int64(g.MemoryBytes))))
+		kv("gpu", fmt.Sprintf("%d %s %s (sm %s, %s)", g.Index, g.Name, g.UUID, g.ComputeCap, bytesize.FormatU(g.MemoryBytes)))
+	}
+	if _, ok := m.Meta.Extra[op.ExtraTree]; ok {
+		tree, err := op.ImageTree(m.Meta)
+		if err != nil {
+			kv("tree", "unreadable: "+err.Error())
+		}
+		for _, p := range tree {
+			cuda := ""
+			if p.CUDA {
+				cuda = " cuda"
+			}
+			kv("process", fmt.Sprintf("%d (parent %d) %q%s", p.PID, p.PPID, p.Comm, cuda))
+		}
 	}
 	for _, k := range sortedKeys(m.Meta.Extra) {
-		kv(k, m.Meta.Extra[k])
+		if k != op.ExtraTree {
+			kv(k, m.Meta.Extra[k])
+		}
 	}
-	kv("size", fmt.Sprintf("%s logical, %s stored, %d files", progress.Bytes(m.LogicalBytes()), progress.Bytes(m.StoredBytes()), len(m.Files)))
+	kv("size", fmt.Sprintf("%s logical, %s stored, %d files", bytesize.Format(m.LogicalBytes()), bytesize.Format(m.StoredBytes()), len(m.Files)))
 	fmt.Fprintf(w, "\n%-7s %4s %10s %6s %5s  %s\n", "TYPE", "MODE", "SIZE", "CHUNKS", "ZERO", "PATH")
 	for _, f := range m.Files {
 		zero := 0
@@ -343,7 +366,7 @@ func writeInspect(w io.Writer, m *store.Manifest) {
 		if f.Type == store.TypeSymlink {
 			p += " -> " + f.Target
 		}
-		fmt.Fprintf(w, "%-7s %04o %10s %6d %5d  %s\n", f.Type, f.Mode, progress.Bytes(f.Size), len(f.Chunks), zero, p)
+		fmt.Fprintf(w, "%-7s %04o %10s %6d %5d  %s\n", f.Type, f.Mode, bytesize.Format(f.Size), len(f.Chunks), zero, p)
 	}
 }
 
@@ -395,7 +418,7 @@ func imageVerify(c *cli.Context) error {
 		}
 		if !env(c).JSON {
 			if r.OK() {
-				fmt.Fprintf(env(c).Out, "ok   %s (%d chunks, %s, %.1f s)\n", r.Name, r.Chunks, progress.Bytes(r.Bytes), r.Duration.Seconds())
+				fmt.Fprintf(env(c).Out, "ok   %s (%d chunks, %s, %.1f s)\n", r.Name, r.Chunks, bytesize.Format(r.Bytes), r.Duration.Seconds())
 			} else {
 				fmt.Fprintf(env(c).Out, "BAD  %s: %d problem(s)\n", r.Name, len(r.Problems))
 				for _, p := range r.Problems {
@@ -461,11 +484,22 @@ func imageGC(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	if env(c).JSON {
-		return printJSON(c, st)
+	keep, age := op.LogKeep, op.LogMaxAge
+	if c.Bool("logs") {
+		keep = 0
 	}
-	fmt.Fprintf(env(c).Out, "gc: %d images, %d chunks kept, %d removed (%s), %d temp files removed, %.2f s\n",
-		st.Images, st.ChunksKept, st.ChunksRemoved, progress.Bytes(st.BytesRemoved), st.TempRemoved, st.Duration.Seconds())
+	logs, err := op.PruneLogs(op.LogDir(), keep, age, time.Now())
+	if err != nil {
+		return fmt.Errorf("gc: failure logs in %s: %w", op.LogDir(), err)
+	}
+	if env(c).JSON {
+		return printJSON(c, struct {
+			*store.GCStats
+			LogsRemoved []string `json:"logs_removed"`
+		}{st, logs})
+	}
+	fmt.Fprintf(env(c).Out, "gc: %d images, %d chunks kept, %d removed (%s), %d temp files removed, %d failure logs removed, %.2f s\n",
+		st.Images, st.ChunksKept, st.ChunksRemoved, bytesize.Format(st.BytesRemoved), st.TempRemoved, len(logs), st.Duration.Seconds())
 	return nil
 }
 
@@ -491,15 +525,14 @@ func imageExport(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	var tmp *os.File
+	var tmp *atomicfile.File
 	if out != "" {
 		// Write next to the target and rename on success: a failed export leaves no partial file.
-		tmp, err = os.CreateTemp(filepath.Dir(out), "."+filepath.Base(out)+".partial-*")
+		tmp, err = atomicfile.Create(out, 0o600)
 		if err != nil {
 			return fmt.Errorf("export: %w", err)
 		}
-		defer os.Remove(tmp.Name())
-		defer tmp.Close()
+		defer tmp.Abort()
 		w = tmp
 	}
 	st, err := s.ExportWith(c.Context, c.Args().First(), w, g)
@@ -508,28 +541,19 @@ func imageExport(c *cli.Context) error {
 		return storeErr(err)
 	}
 	if tmp != nil {
-		if err := tmp.Sync(); err != nil {
-			return fmt.Errorf("export %s: %w", out, err)
-		}
-		if err := tmp.Close(); err != nil {
-			return fmt.Errorf("export %s: %w", out, err)
-		}
-		if err := os.Rename(tmp.Name(), out); err != nil {
-			return fmt.Errorf("export %s: %w", out, err)
-		}
-		if err := syncParent(out); err != nil {
-			return fmt.Errorf("export %s: %w", out, err)
+		if err := tmp.Commit(); err != nil {
+			return fmt.Errorf("export: %w", err)
 		}
 	}
 	if env(c).JSON {
-		return printJSONTo(info, map[string]any{"image": c.Args().First(), "output": out, "stream_bytes": st.WrittenBytes, "stats": newStatsJSON(st)})
+		return writeJSON(info, map[string]any{"image": c.Args().First(), "output": out, "stream_bytes": st.WrittenBytes, "stats": newStatsJSON(st)})
 	}
 	dest := out
 	if dest == "" {
 		dest = "stdout"
 	}
 	fmt.Fprintf(info, "exported %s to %s: %s stream for %s logical, %.2f s\n", c.Args().First(), dest,
-		progress.Bytes(st.WrittenBytes), progress.Bytes(st.LogicalBytes), st.Duration.Seconds())
+		bytesize.Format(st.WrittenBytes), bytesize.Format(st.LogicalBytes), st.Duration.Seconds())
 	return nil
 }
 
@@ -567,21 +591,6 @@ func imageImport(c *cli.Context) error {
 		return printJSON(c, map[string]any{"name": m.Name, "id": m.ID, "stats": newStatsJSON(st)})
 	}
 	fmt.Fprintf(env(c).Out, "imported %s (id %s): %d chunks, %d already present, %s written\n",
-		m.Name, m.ID, st.Chunks, st.DedupChunks, progress.Bytes(st.WrittenBytes))
+		m.Name, m.ID, st.Chunks, st.DedupChunks, bytesize.Format(st.WrittenBytes))
 	return nil
-}
-
-// syncParent fsyncs the directory holding path, making a rename into it durable.
-func syncParent(path string) error {
-	d, err := os.Open(filepath.Dir(path))
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
-}
-
-func printJSONTo(w io.Writer, v any) error {
-	enc := jsonEncoder(w)
-	return enc.Encode(v)
 }

@@ -15,7 +15,7 @@ func TestGoldenImageHelp(t *testing.T) {
 		if code != 0 {
 			t.Fatalf("image %s --help: exit %d", sub, code)
 		}
-		golden(t, "help-image-"+sub+".golden", out)
+		checkGolden(t, "help-image-"+sub+".golden", out)
 	}
 }
 

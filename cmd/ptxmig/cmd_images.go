@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"text/tabwriter"
@@ -9,7 +8,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/ptxmig/ptxmig/internal/progress"
+	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/store"
 )
 
@@ -75,13 +74,7 @@ func writeImages(w io.Writer, rows []imageRow) {
 			host = "-"
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, r.ID[:12], r.Created.Local().Format("2006-01-02 15:04:05"),
-			host, gpu, progress.Bytes(r.LogicalBytes), progress.Bytes(r.StoredBytes))
+			host, gpu, bytesize.Format(r.LogicalBytes), bytesize.Format(r.StoredBytes))
 	}
 	tw.Flush()
-}
-
-func jsonEncoder(w io.Writer) *json.Encoder {
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc
 }

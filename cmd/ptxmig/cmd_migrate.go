@@ -7,7 +7,9 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/ptxmig/ptxmig/restore"
+	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/placement"
+	"github.com/ptxmig/ptxmig/migrate"
 )
 
 func init() {
@@ -53,22 +55,28 @@ func migrateAction(c *cli.Context) error {
 		return err
 	}
 	g := env(c)
-	res, err := restore.Migrate(c.Context, restore.MigrateOptions{PID: pid, GPUs: gpus, GPUMap: gmap,
-		DryRun: c.Bool("dry-run"), LockTimeout: lockTimeout})
+	e, closeEnv, err := op.NewEnv(c.Context, "", g.Log)
+	defer closeEnv()
+	if err != nil {
+		return opError(g.Err, err)
+	}
+	plan, err := migrate.PlanMigrate(e, migrate.Options{PID: pid, GPUs: gpus, GPUMap: gmap, LockTimeout: lockTimeout})
+	if err != nil {
+		return opError(g.Err, err)
+	}
+	w := g.Out
+	if c.Bool("dry-run") {
+		return printPlan(c, plan, plan.Steps, func() {
+			fmt.Fprintf(w, "plan for pid %d (dry run, nothing done):\n", plan.PID)
+			printPairs(w, plan.Pairs, true)
+		})
+	}
+	res, err := migrate.Execute(c.Context, e, plan)
 	if err != nil {
 		return opError(g.Err, err)
 	}
 	if g.JSON {
 		return printJSON(c, res)
-	}
-	w := g.Out
-	if res.DryRun {
-		fmt.Fprintf(w, "plan for pid %d (dry run, nothing done):\n", res.PID)
-		for i, s := range res.Plan {
-			fmt.Fprintf(w, "  %d. %s\n", i+1, s)
-		}
-		printPairs(w, res.Pairs, true)
-		return nil
 	}
 	for i := range res.Source {
 		fmt.Fprintf(w, "migrated pid %d: GPU %d %s -> GPU %d %s\n", res.PID, res.Source[i].Index, res.Source[i].UUID, res.Target[i].Index, res.Target[i].UUID)
@@ -83,7 +91,7 @@ func migrateAction(c *cli.Context) error {
 }
 
 // printPairs lists GPU pairs, one a line; remapped says whether the driver got them.
-func printPairs(w io.Writer, pairs []restore.Pair, remapped bool) {
+func printPairs(w io.Writer, pairs []placement.Pair, remapped bool) {
 	if len(pairs) == 0 {
 		return
 	}

@@ -8,9 +8,10 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/proc"
 )
 
 func init() {
@@ -20,7 +21,12 @@ func init() {
 		Description: "Finds every process that maps libcuda.so (so checkpointed processes, which hold no GPU, show\n" +
 			"too), with the GPUs and memory NVML reports for it, its checkpoint state from the driver\n" +
 			"(running, locked, checkpointed, failed; \"-\" when the driver does not track it) and whether it\n" +
-			"runs under the ptxmig shim (libptxmig.so mapped, i.e. started with `ptxmig run`).",
+			"runs under the ptxmig shim (libptxmig.so mapped, i.e. started with `ptxmig run`). PPID and\n" +
+			"SESSION place it in its process tree: `ptxmig checkpoint` saves the tree below the pid it is\n" +
+			"given, so checkpoint a job's session leader (or its wrapper's pid) to save the whole job.\n\n" +
+			"Examples:\n" +
+			"   ptxmig ps\n" +
+			"   ptxmig --json ps",
 		Action: psAction,
 	})
 }
@@ -28,6 +34,8 @@ func init() {
 // PSEntry is one row of `ptxmig ps`.
 type PSEntry struct {
 	PID     int      `json:"pid"`
+	PPID    int      `json:"ppid"`
+	Session int      `json:"sid"`
 	Comm    string   `json:"comm"`
 	Cmdline []string `json:"cmdline"`
 	GPUs    []psGPU  `json:"gpus"`
@@ -80,14 +88,14 @@ func psAction(c *cli.Context) error {
 		return printJSON(c, entries)
 	}
 	tw := tabwriter.NewWriter(env(c).Out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "PID\tSTATE\tSHIM\tGPU\tMEMORY\tCOMMAND")
+	fmt.Fprintln(tw, "PID\tPPID\tSESSION\tSTATE\tSHIM\tGPU\tMEMORY\tCOMMAND")
 	for _, e := range entries {
 		g, m := "-", "-"
 		if len(e.GPUs) > 0 {
 			var gs, ms []string
 			for _, x := range e.GPUs {
 				gs = append(gs, fmt.Sprint(x.Index))
-				ms = append(ms, checkpoint.HumanBytes(int64(x.UsedMemory)))
+				ms = append(ms, bytesize.FormatU(x.UsedMemory))
 			}
 			g, m = strings.Join(gs, ","), strings.Join(ms, ",")
 		}
@@ -102,7 +110,7 @@ func psAction(c *cli.Context) error {
 		if len(cmd) > 60 {
 			cmd = cmd[:57] + "..."
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\n", e.PID, e.State, shim, g, m, cmd)
+		fmt.Fprintf(tw, "%d\t%d\t%d\t%s\t%s\t%s\t%s\t%s\n", e.PID, e.PPID, e.Session, e.State, shim, g, m, cmd)
 	}
 	return tw.Flush()
 }
@@ -118,7 +126,7 @@ func buildPS(procs []gpu.ProcInfo, devs []gpu.Device, state func(int) (string, e
 		for _, p := range d.Processes {
 			e := byPID[p.PID]
 			if e == nil {
-				e = &PSEntry{PID: p.PID, Comm: checkpoint.Comm(p.PID), Cmdline: gpu.ReadCmdline("/proc", p.PID)}
+				e = &PSEntry{PID: p.PID, Comm: proc.Comm(p.PID), Cmdline: gpu.ReadCmdline("/proc", p.PID)}
 				byPID[p.PID] = e
 			}
 			e.GPUs = append(e.GPUs, psGPU{Index: d.Index, UUID: d.UUID, UsedMemory: p.UsedMemory})
@@ -126,6 +134,9 @@ func buildPS(procs []gpu.ProcInfo, devs []gpu.Device, state func(int) (string, e
 	}
 	out := make([]PSEntry, 0, len(byPID))
 	for _, e := range byPID {
+		if st, err := proc.ReadStat(e.PID); err == nil {
+			e.PPID, e.Session = st.PPID, st.SID
+		}
 		e.State = "-"
 		if s, err := state(e.PID); err == nil {
 			e.State = s

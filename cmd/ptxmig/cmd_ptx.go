@@ -1,16 +1,14 @@
 package main
 
 import (
-	"bytes"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
 	"strings"
 
 	"github.com/urfave/cli/v2"
 
+	"github.com/ptxmig/ptxmig/internal/atomicfile"
 	"github.com/ptxmig/ptxmig/internal/exitcode"
 	"github.com/ptxmig/ptxmig/ptxstate"
 )
@@ -108,7 +106,9 @@ func ptxInstrumentAction(c *cli.Context) error {
 		if err := out.Print(env(c).Out); err != nil {
 			return fmt.Errorf("write stdout: %w", err)
 		}
-	} else if err := writeFileAtomic(outName, out.Bytes()); err != nil {
+	} else if err := atomicfile.WriteFile(outName, out.Bytes(), 0o644); err != nil {
+		// Written next to OUT and renamed into place: a failed write never leaves a truncated
+		// file (and OUT may be the input file).
 		return err
 	}
 	if !c.Bool("report") {
@@ -124,39 +124,9 @@ func ptxInstrumentAction(c *cli.Context) error {
 		w = env(c).Err
 	}
 	if env(c).JSON || c.Bool("json") {
-		var b bytes.Buffer
-		if err := encodeJSON(&b, r); err != nil {
-			return err
-		}
-		_, err := w.Write(b.Bytes())
-		return err
+		return writeJSON(w, r)
 	}
 	return writeReport(w, r, false)
-}
-
-// writeFileAtomic writes data next to name and renames it into place, so a failed write never
-// leaves a truncated file (and OUT may be the input file).
-func writeFileAtomic(name string, data []byte) error {
-	tmp, err := os.CreateTemp(filepath.Dir(name), ".ptxmig-*.ptx")
-	if err != nil {
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	defer os.Remove(tmp.Name())
-	if _, err := tmp.Write(data); err != nil {
-		tmp.Close()
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	if err := tmp.Chmod(0o644); err != nil {
-		tmp.Close()
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	if err := tmp.Close(); err != nil {
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	if err := os.Rename(tmp.Name(), name); err != nil {
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	return nil
 }
 
 // writeReport prints the human form of a report; detail adds barrier sites and live registers.
@@ -209,10 +179,4 @@ func writeReport(w io.Writer, r *ptxstate.Report, detail bool) error {
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
-}
-
-func encodeJSON(w io.Writer, v any) error {
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(v)
 }

@@ -10,8 +10,9 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/migrate"
 	"github.com/ptxmig/ptxmig/rebalance"
-	"github.com/ptxmig/ptxmig/restore"
 )
 
 func init() {
@@ -107,12 +108,17 @@ var newRebalanceObserver = func() (rebalance.Observer, func(), error) {
 	return &rebalance.NVMLObserver{Lib: lib, Proc: rebalance.ProcFS{}, Clock: rebalance.RealClock{}}, closeFn, nil
 }
 
-// liveMigrator is the rebalancer's migration: restore.Migrate, in place, which rolls the process
-// back onto its source GPU when a step fails.
+// liveMigrator is the rebalancer's migration: the same in-place migrate as `ptxmig migrate`,
+// which rolls the process back onto its source GPU when a step fails.
 type liveMigrator struct{}
 
 func (liveMigrator) Migrate(ctx context.Context, m rebalance.Move, lockTimeout time.Duration) error {
-	_, err := restore.Migrate(ctx, restore.MigrateOptions{
+	e, closeEnv, err := op.NewEnv(ctx, "", nil)
+	defer closeEnv()
+	if err != nil {
+		return err
+	}
+	_, err = migrate.Run(ctx, e, migrate.Options{
 		PID:         m.PID,
 		GPUMap:      map[string]string{m.From.UUID: m.To.UUID},
 		LockTimeout: lockTimeout,

@@ -3,15 +3,15 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"strings"
-	"syscall"
 
 	"github.com/urfave/cli/v2"
-	"golang.org/x/term"
+	"golang.org/x/sys/unix"
 
 	"github.com/ptxmig/ptxmig/internal/exitcode"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
@@ -22,15 +22,22 @@ func init() {
 		Name:      "run",
 		Usage:     "start a command with the ptxmig shim (libptxmig.so) preloaded",
 		ArgsUsage: "-- CMD [ARGS...]",
-		Description: "The shim sees every CUDA module load and kernel launch of CMD and opens a control socket\n" +
+		Description: "Like env or nice, ptxmig run checks what it can (the shim, CMD, the socket directory), puts\n" +
+			"the shim first in LD_PRELOAD (an existing LD_PRELOAD is kept), sets PTXMIG_SOCKET_DIR and\n" +
+			"execs CMD. CMD replaces ptxmig: same PID, parent, session, terminal and open files, and no\n" +
+			"ptxmig process stays behind to wait for it or write to its files. The exit status is CMD's\n" +
+			"own; ptxmig exits 2 or 3 only when it refuses before the exec. A checkpoint or restore of CMD\n" +
+			"does not involve ptxmig run.\n" +
+			"The shim sees every CUDA module load and kernel launch of CMD and opens a control socket\n" +
 			"<socket-dir>/<pid>.sock on CMD's first CUDA call; `ptxmig kernels PID` and `ptxmig modules PID`\n" +
-			"read it. CMD's environment, output and exit status are unchanged; an existing LD_PRELOAD is kept.\n" +
+			"read it.\n" +
 			"The shim is found at --shim, else $PTXMIG_SHIM, else libptxmig.so next to ptxmig, in ../lib, or\n" +
 			"in /usr/local/lib. Shim settings (environment): PTXMIG_SAMPLE_FIRST (time the first N launches\n" +
 			"of each kernel, default 20), PTXMIG_SAMPLE_EVERY (then 1 in M, default 100; 0 stops),\n" +
 			"PTXMIG_CAPTURE_MAX_MB (module bytes kept, default 2048), PTXMIG_SELF_TIME=1 (measure the\n" +
 			"shim's own time per launch; `ptxmig kernels` reports it), PTXMIG_DEBUG=1 (log to stderr).\n\n" +
-			"   ptxmig run -- python3 train.py --steps 200",
+			"   ptxmig run -- python3 train.py --steps 200\n" +
+			"   ptxmig run --socket-dir /tmp/ptxmig -- ./app > app.log 2>&1 &   # $! is the app's PID",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "shim", Usage: "path of libptxmig.so", EnvVars: []string{"PTXMIG_SHIM"}},
 			socketDirFlag(),
@@ -96,6 +103,65 @@ func preloadEnv(env []string, shim, socketDir string) []string {
 	return append(out, "LD_PRELOAD="+preload, "PTXMIG_SOCKET_DIR="+socketDir)
 }
 
+// maxSocketDirLen: the shim binds <dir>/<pid>.sock, a socket path holds at most 107 bytes
+// (sun_path) and a PID at most 7 digits (pid_max <= 4194304).
+const maxSocketDirLen = 107 - len("/4194304.sock")
+
+// checkSocketDir refuses a socket directory the shim could not use: it creates the directory
+// itself (mode 0700, last component only) and binds <pid>.sock in it. After the exec nobody would
+// report the problem; the shim only logs it under PTXMIG_DEBUG=1.
+func checkSocketDir(dir string) error {
+	if !filepath.IsAbs(dir) {
+		return exitcode.Usagef("run: --socket-dir %q must be absolute", dir)
+	}
+	if len(dir) > maxSocketDirLen {
+		return exitcode.Usagef("run: --socket-dir %q is %d bytes, over %d: <pid>.sock under it would not fit a socket path", dir, len(dir), maxSocketDirLen)
+	}
+	const fix = "pass --socket-dir DIR or set PTXMIG_SOCKET_DIR"
+	st, err := os.Stat(dir)
+	switch {
+	case err == nil && !st.IsDir():
+		return exitcode.Refusedf("run: --socket-dir %s is not a directory; %s", dir, fix)
+	case err == nil:
+		if err := unix.Access(dir, unix.W_OK|unix.X_OK); err != nil {
+			return exitcode.Refusedf("run: --socket-dir %s: the shim cannot create its socket there: %v; %s", dir, err, fix)
+		}
+	case errors.Is(err, fs.ErrNotExist):
+		parent := filepath.Dir(filepath.Clean(dir))
+		if pst, err := os.Stat(parent); err != nil || !pst.IsDir() {
+			return exitcode.Refusedf("run: --socket-dir %s does not exist, nor does its parent directory %s (the shim creates the last component only); %s", dir, parent, fix)
+		}
+		if err := unix.Access(parent, unix.W_OK|unix.X_OK); err != nil {
+			return exitcode.Refusedf("run: --socket-dir %s does not exist and the shim cannot create it in %s: %v; %s", dir, parent, err, fix)
+		}
+	default:
+		return exitcode.Refusedf("run: --socket-dir %s: %v; %s", dir, err, fix)
+	}
+	return nil
+}
+
+// lookCommand finds CMD as execvp would (through $PATH unless the name holds a slash).
+func lookCommand(name string) (string, error) {
+	path, err := exec.LookPath(name)
+	if err == nil {
+		return path, nil
+	}
+	var ee *exec.Error
+	switch {
+	case errors.Is(err, exec.ErrNotFound):
+		return "", fmt.Errorf("command %q not found in $PATH", name)
+	case errors.As(err, &ee) && errors.Is(ee.Err, fs.ErrNotExist):
+		return "", fmt.Errorf("command %s not found", name)
+	case errors.As(err, &ee) && errors.Is(ee.Err, fs.ErrPermission):
+		return "", fmt.Errorf("command %s is not an executable file", name)
+	}
+	return "", fmt.Errorf("command %s: %w", name, err)
+}
+
+// runAction checks everything that can be checked, then execs CMD in place of ptxmig: CMD keeps
+// ptxmig's PID, parent, session, terminal and file descriptors, and no ptxmig process is left to
+// wait for it, forward signals or write to its files (a wrapper that outlives CMD breaks CRIU's
+// restore of CMD: it writes into the files CMD shares with it). CMD's exit status is its own.
 func runAction(c *cli.Context) error {
 	args := c.Args().Slice()
 	if len(args) > 0 && args[0] == "--" {
@@ -104,65 +170,36 @@ func runAction(c *cli.Context) error {
 	if len(args) == 0 {
 		return exitcode.Usagef("run: no command given: ptxmig run [--shim PATH] [--socket-dir DIR] -- CMD [ARGS...]")
 	}
+	sockDir := c.String("socket-dir")
+	if err := checkSocketDir(sockDir); err != nil {
+		return err
+	}
 	exe, _ := os.Executable()
 	shim, err := findShim(c.String("shim"), exe)
 	if err != nil {
 		return exitcode.Wrap(exitcode.Refused, fmt.Errorf("run: %w", err))
 	}
-	sockDir := c.String("socket-dir")
-	if !filepath.IsAbs(sockDir) {
-		return exitcode.Usagef("run: --socket-dir %q must be absolute", sockDir)
-	}
-	path, err := exec.LookPath(args[0])
+	path, err := lookCommand(args[0])
 	if err != nil {
-		return exitcode.Wrap(exitcode.Refused, fmt.Errorf("run: %w", err))
+		return exitcode.Wrap(exitcode.Refused, fmt.Errorf("run: %w; nothing was started", err))
 	}
-	cmd := exec.Command(path, args[1:]...)
-	cmd.Args[0] = args[0]
-	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, env(c).Out, env(c).Err
-	cmd.Env = preloadEnv(os.Environ(), shim, sockDir)
-	env(c).Log.Debug("run", "shim", shim, "socket_dir", sockDir, "cmd", args)
+	envv := preloadEnv(os.Environ(), shim, sockDir)
+	env(c).Log.Debug("run: exec", "path", path, "shim", shim, "socket_dir", sockDir, "cmd", args)
 
-	// Forward signals to the child. A terminal delivers SIGINT/SIGQUIT/SIGTSTP to the whole
-	// foreground group, so those are forwarded only when stdin is not a terminal.
-	sigs := []os.Signal{syscall.SIGTERM, syscall.SIGHUP, syscall.SIGUSR1, syscall.SIGUSR2, syscall.SIGINT, syscall.SIGQUIT}
-	ch := make(chan os.Signal, 8)
-	signal.Notify(ch, sigs...)
-	defer signal.Stop(ch)
-	tty := term.IsTerminal(int(os.Stdin.Fd()))
-	if err := cmd.Start(); err != nil {
-		return exitcode.Wrap(exitcode.Failed, fmt.Errorf("run %s: %w", args[0], err))
+	// Hand back the signals main asked for: a SIGINT or SIGHUP that was ignored when ptxmig
+	// started is ignored again (exec keeps ignored signals, and resets handled ones to default).
+	// Limit: other signals ignored at start (SIGQUIT, SIGTERM…) reach CMD with their default
+	// action, since the Go runtime handles them from startup and keeps no readable record of
+	// the inherited disposition. A signal that came in meanwhile cancelled the context: then
+	// CMD is not started.
+	signal.Reset()
+	if err := c.Context.Err(); err != nil {
+		return fmt.Errorf("run: %w before %s was started", err, args[0])
 	}
-	done := make(chan struct{})
-	go func() {
-		for {
-			select {
-			case s := <-ch:
-				if tty && (s == syscall.SIGINT || s == syscall.SIGQUIT) {
-					continue
-				}
-				_ = cmd.Process.Signal(s)
-			case <-done:
-				return
-			}
-		}
-	}()
-	err = cmd.Wait()
-	close(done)
-	return childStatus(args[0], err)
-}
-
-// childStatus turns the child's end into ptxmig's: the same exit status, or 128+N for signal N.
-func childStatus(name string, err error) error {
-	if err == nil {
-		return nil
+	err = unix.Exec(path, args, envv)
+	// Still here: the kernel refused the exec (format, permissions, resources); nothing started.
+	if errors.Is(err, unix.ENOENT) {
+		err = fmt.Errorf("%w (its #! interpreter or ELF loader is missing)", err)
 	}
-	var ee *exec.ExitError
-	if !errors.As(err, &ee) {
-		return fmt.Errorf("run %s: %w", name, err)
-	}
-	if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
-		return exitcode.Wrap(128+int(ws.Signal()), fmt.Errorf("%s killed by signal %v", name, ws.Signal()))
-	}
-	return exitcode.Wrap(ee.ExitCode(), fmt.Errorf("%s exited with status %d", name, ee.ExitCode()))
+	return exitcode.Wrap(exitcode.Failed, fmt.Errorf("run: exec %s: %w", path, err))
 }

@@ -1,12 +1,22 @@
 package main
 
 import (
+	"bufio"
+	"bytes"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"reflect"
+	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
+
+	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 func TestPreloadEnv(t *testing.T) {
@@ -52,37 +62,287 @@ func TestFindShim(t *testing.T) {
 	}
 }
 
-// TestRun runs real children: the environment carries the shim, the exit status and a death by
-// signal come back as ptxmig's exit status.
-func TestRun(t *testing.T) {
-	shim := filepath.Join(t.TempDir(), "libptxmig.so")
-	os.WriteFile(shim, nil, 0o644) // the loader ignores an empty preload with a warning
-	sock := t.TempDir()
-	tests := []struct {
-		script string
-		code   int
-		out    string
-	}{
-		{`echo "$LD_PRELOAD|$PTXMIG_SOCKET_DIR"`, 0, shim + "|" + sock},
-		{`exit 7`, 7, ""},
-		{`kill -TERM $$`, 128 + 15, ""},
+// TestCheckSocketDir: the socket directory must let the shim bind <pid>.sock after the exec.
+func TestCheckSocketDir(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "file")
+	if err := os.WriteFile(file, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	longest := dir + "/" + strings.Repeat("x", maxSocketDirLen-len(dir)-1)
+	type socketDirCase struct {
+		name, dir string
+		code      int // 0: accepted
+	}
+	tests := []socketDirCase{
+		{"existing", dir, 0},
+		{"trailing slash", dir + "/", 0},
+		{"created by the shim", filepath.Join(dir, "sock"), 0},
+		{"longest", longest, 0},
+		{"relative", "sock", exitcode.Usage},
+		{"too long", longest + "x", exitcode.Usage},
+		{"parent missing", filepath.Join(dir, "a", "b"), exitcode.Refused},
+		{"a file", file, exitcode.Refused},
+		{"under a file", filepath.Join(file, "sock"), exitcode.Refused},
+	}
+	if os.Geteuid() != 0 { // root may write anywhere
+		ro := filepath.Join(dir, "ro")
+		if err := os.Mkdir(ro, 0o500); err != nil {
+			t.Fatal(err)
+		}
+		tests = append(tests, socketDirCase{"not writable", ro, exitcode.Refused},
+			socketDirCase{"parent not writable", filepath.Join(ro, "sock"), exitcode.Refused})
 	}
 	for _, tt := range tests {
-		out, _, code := runCLI(t, "run", "--shim", shim, "--socket-dir", sock, "--", "/bin/sh", "-c", tt.script)
-		if code != tt.code || strings.TrimSpace(out) != tt.out {
-			t.Errorf("run sh -c %q: exit %d stdout %q, want %d %q", tt.script, code, out, tt.code, tt.out)
+		code := 0
+		if err := checkSocketDir(tt.dir); err != nil {
+			code = exitcode.Of(err)
+		}
+		if code != tt.code {
+			t.Errorf("%s: checkSocketDir(%q): exit %d, want %d", tt.name, tt.dir, code, tt.code)
 		}
 	}
-	if _, _, code := runCLI(t, "run", "--shim", shim); code != 2 {
-		t.Errorf("run without a command: exit %d, want 2", code)
-	}
-	if _, _, code := runCLI(t, "run", "--shim", shim, "--", "/no/such/program"); code != 3 {
-		t.Errorf("run of a missing program: exit %d, want 3", code)
-	}
-	if _, _, code := runCLI(t, "kernels", "--socket-dir", sock, "999999"); code != 3 {
+}
+
+// TestShimReadersExitCodes: kernels and modules refuse a process without a socket, and bad PIDs.
+func TestShimReadersExitCodes(t *testing.T) {
+	if _, _, code := runCLI(t, "kernels", "--socket-dir", t.TempDir(), "999999"); code != exitcode.Refused {
 		t.Errorf("kernels of a process without a socket: exit %d, want 3", code)
 	}
-	if _, _, code := runCLI(t, "modules", "abc"); code != 2 {
+	if _, _, code := runCLI(t, "modules", "abc"); code != exitcode.Usage {
 		t.Errorf("modules abc: exit %d, want 2", code)
 	}
+}
+
+// runFixture: a ptxmig binary and stand-in shim libraries. ptxmig run execs, so it is tested
+// through the real binary, never in-process.
+type runFixture struct {
+	bin, shim, other, sock string
+}
+
+func newRunFixture(t *testing.T) runFixture {
+	t.Helper()
+	cc, err := exec.LookPath("cc")
+	if err != nil {
+		testreq.Skip(t, "cc", "no C compiler (cc) to build a stand-in shim library for LD_PRELOAD")
+	}
+	dir := t.TempDir()
+	f := runFixture{bin: filepath.Join(dir, "bin", "ptxmig"), shim: filepath.Join(dir, "lib", "libstand-in.so"),
+		other: filepath.Join(dir, "lib", "libother.so"), sock: filepath.Join(dir, "sock")}
+	if out, err := exec.Command("go", "build", "-o", f.bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	if err := os.Mkdir(filepath.Dir(f.shim), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	src := filepath.Join(dir, "stand-in.c")
+	if err := os.WriteFile(src, []byte("int ptxmig_stand_in;\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, lib := range []string{f.shim, f.other} {
+		if out, err := exec.Command(cc, "-shared", "-fPIC", "-o", lib, src).CombinedOutput(); err != nil {
+			t.Fatalf("cc: %v\n%s", err, out)
+		}
+	}
+	return f
+}
+
+// cmd returns ptxmig with an environment free of the variables run reads or sets, plus extra.
+func (f runFixture) cmd(args []string, extra ...string) *exec.Cmd {
+	c := exec.Command(f.bin, args...)
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "LD_PRELOAD=") && !strings.HasPrefix(kv, "PTXMIG_") {
+			c.Env = append(c.Env, kv)
+		}
+	}
+	c.Env = append(c.Env, extra...)
+	return c
+}
+
+// runArgs: ptxmig run with the stand-in shim and the fixture's socket directory.
+func (f runFixture) runArgs(cmd ...string) []string {
+	return append([]string{"run", "--shim", f.shim, "--socket-dir", f.sock, "--"}, cmd...)
+}
+
+// waitFor polls cond for up to 10 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
+
+// TestRun checks the exec model with real processes: the app is ptxmig's process, with the shim
+// preloaded, its exit status and death are its own, and ptxmig writes nothing once it has started.
+func TestRun(t *testing.T) {
+	f := newRunFixture(t)
+
+	t.Run("the app replaces ptxmig", func(t *testing.T) {
+		c := f.cmd(f.runArgs("sh", "-c", "echo $$; exec sleep 30"), "LD_PRELOAD="+f.other)
+		stdout, err := c.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = c.Process.Kill(); _ = c.Wait() }()
+		pid := c.Process.Pid
+		line, err := bufio.NewReader(stdout).ReadString('\n')
+		if err != nil {
+			t.Fatalf("reading the app's pid: %v", err)
+		}
+		if got := strings.TrimSpace(line); got != strconv.Itoa(pid) {
+			t.Fatalf("the app's pid is %s, ptxmig's was %d: not the same process", got, pid)
+		}
+		proc := "/proc/" + strconv.Itoa(pid)
+		waitFor(t, "the app to exec sleep", func() bool {
+			exe, _ := os.Readlink(proc + "/exe")
+			return filepath.Base(exe) == "sleep"
+		})
+		stat, err := os.ReadFile(proc + "/stat")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:])); fields[1] != strconv.Itoa(os.Getpid()) {
+			t.Errorf("the app's parent is %s, want ptxmig's parent %d", fields[1], os.Getpid())
+		}
+		environ, err := os.ReadFile(proc + "/environ")
+		if err != nil {
+			t.Fatal(err)
+		}
+		vars := strings.Split(string(environ), "\x00")
+		for _, want := range []string{"LD_PRELOAD=" + f.shim + " " + f.other, "PTXMIG_SOCKET_DIR=" + f.sock} {
+			if !slices.Contains(vars, want) {
+				t.Errorf("the app's environment lacks %s: %q", want, vars)
+			}
+		}
+		if maps, err := os.ReadFile(proc + "/maps"); err != nil || !strings.Contains(string(maps), f.shim) {
+			t.Errorf("the shim %s is not mapped in the app (%v)", f.shim, err)
+		}
+		// No process of ptxmig's binary is left anywhere.
+		procs, _ := filepath.Glob("/proc/[0-9]*/exe")
+		for _, p := range procs {
+			if exe, _ := os.Readlink(p); exe == f.bin {
+				t.Errorf("%s still runs ptxmig", filepath.Dir(p))
+			}
+		}
+	})
+
+	t.Run("exit status is the app's", func(t *testing.T) {
+		tests := []struct {
+			script         string
+			code           int
+			sig            syscall.Signal // the app died of it
+			stdout, stderr string
+		}{
+			{`echo "$LD_PRELOAD|$PTXMIG_SOCKET_DIR"`, 0, 0, f.shim + "|" + f.sock + "\n", ""},
+			{`exit 3`, 3, 0, "", ""},
+			{`exit 2`, 2, 0, "", ""},
+			{`echo oops >&2; exit 1`, 1, 0, "", "oops\n"},
+			{`kill -TERM $$`, -1, syscall.SIGTERM, "", ""},
+		}
+		for _, tt := range tests {
+			c := f.cmd(f.runArgs("sh", "-c", tt.script))
+			var out, errb bytes.Buffer
+			c.Stdout, c.Stderr = &out, &errb
+			err := c.Run()
+			var ee *exec.ExitError
+			if err != nil && !errors.As(err, &ee) {
+				t.Fatalf("sh -c %q: %v", tt.script, err)
+			}
+			code, sig := c.ProcessState.ExitCode(), syscall.Signal(0)
+			if ws := c.ProcessState.Sys().(syscall.WaitStatus); ws.Signaled() {
+				sig = ws.Signal()
+			}
+			if code != tt.code || sig != tt.sig || out.String() != tt.stdout || errb.String() != tt.stderr {
+				t.Errorf("run sh -c %q: exit %d signal %v stdout %q stderr %q; want %d %v %q %q",
+					tt.script, code, sig, out.String(), errb.String(), tt.code, tt.sig, tt.stdout, tt.stderr)
+			}
+		}
+	})
+
+	t.Run("killed app: ptxmig writes nothing to its files", func(t *testing.T) {
+		logPath := filepath.Join(t.TempDir(), "app.log")
+		log, err := os.Create(logPath)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer log.Close()
+		c := f.cmd(f.runArgs("sh", "-c", `echo "started $$"; exec sleep 30`))
+		c.Stdout, c.Stderr = log, log
+		if err := c.Start(); err != nil {
+			t.Fatal(err)
+		}
+		var first string
+		waitFor(t, "the app's first line", func() bool {
+			b, _ := os.ReadFile(logPath)
+			first = string(b)
+			return strings.HasSuffix(first, "\n")
+		})
+		appPid, err := strconv.Atoi(strings.TrimSpace(strings.TrimPrefix(first, "started ")))
+		if err != nil {
+			t.Fatalf("the app wrote %q", first)
+		}
+		if err := syscall.Kill(appPid, syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		err = c.Wait()
+		if ws := c.ProcessState.Sys().(syscall.WaitStatus); !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+			t.Errorf("wait: %v, want death by SIGKILL", err)
+		}
+		if b, _ := os.ReadFile(logPath); string(b) != first {
+			t.Errorf("the app's output file holds %q, want only the app's %q", b, first)
+		}
+	})
+
+	t.Run("refusals start nothing", func(t *testing.T) {
+		dir := t.TempDir()
+		marker := filepath.Join(dir, "started")
+		app := []string{"sh", "-c", "touch " + marker}
+		plain := filepath.Join(dir, "plain")
+		if err := os.WriteFile(plain, []byte("echo hi\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		badInterp := filepath.Join(dir, "bad-interp")
+		if err := os.WriteFile(badInterp, []byte("#!/no/such/interpreter\n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		type refusal struct {
+			name string
+			args []string
+			code int
+			msg  string
+		}
+		tests := []refusal{
+			{"no command", []string{"run", "--shim", f.shim}, 2, "no command given"},
+			{"no command after --", []string{"run", "--shim", f.shim, "--"}, 2, "no command given"},
+			{"command not in PATH", f.runArgs("ptxmig-no-such-command"), 3, `command "ptxmig-no-such-command" not found in $PATH`},
+			{"missing program", f.runArgs("/no/such/program"), 3, "command /no/such/program not found"},
+			{"not executable", f.runArgs(plain), 3, "is not an executable file"},
+			{"missing --shim", []string{"run", "--shim", "/no/such/libptxmig.so", "--", app[0], app[1], app[2]}, 3, "--shim /no/such/libptxmig.so"},
+			{"relative socket dir", []string{"run", "--shim", f.shim, "--socket-dir", "sock", "--", app[0], app[1], app[2]}, 2, "must be absolute"},
+			{"socket dir without parent", []string{"run", "--shim", f.shim, "--socket-dir", "/no/such/dir", "--", app[0], app[1], app[2]}, 3, "does not exist"},
+			{"socket dir is a file", []string{"run", "--shim", f.shim, "--socket-dir", plain, "--", app[0], app[1], app[2]}, 3, "not a directory"},
+			{"exec fails", f.runArgs(badInterp), 1, "interpreter"},
+		}
+		if _, err := os.Stat("/usr/local/lib/libptxmig.so"); err != nil {
+			// The binary's own directory and ../lib hold no libptxmig.so.
+			tests = append(tests, refusal{"no shim anywhere", []string{"run", "--", app[0], app[1], app[2]}, 3, "libptxmig.so not found"})
+		}
+		for _, tt := range tests {
+			c := f.cmd(tt.args)
+			var out, errb bytes.Buffer
+			c.Stdout, c.Stderr = &out, &errb
+			_ = c.Run()
+			if code := c.ProcessState.ExitCode(); code != tt.code || !strings.Contains(errb.String(), tt.msg) || out.Len() != 0 {
+				t.Errorf("%s: exit %d stdout %q stderr %q; want %d and %q", tt.name, code, out.String(), errb.String(), tt.code, tt.msg)
+			}
+			if _, err := os.Stat(marker); err == nil {
+				t.Fatalf("%s: the app was started", tt.name)
+			}
+		}
+	})
 }

@@ -4,16 +4,13 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"flag"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/ptxmig/ptxmig/internal/golden"
 	"github.com/ptxmig/ptxmig/internal/gpu"
 )
-
-var update = flag.Bool("update", false, "rewrite golden files under testdata/")
 
 // runCLI runs the CLI in-process and returns stdout, stderr and the exit status.
 func runCLI(t *testing.T, args ...string) (string, string, int) {
@@ -23,23 +20,10 @@ func runCLI(t *testing.T, args ...string) (string, string, int) {
 	return out.String(), errb.String(), code
 }
 
-// golden compares got with testdata/NAME, or rewrites it with -update.
-func golden(t *testing.T, name, got string) {
+// checkGolden compares got with the golden file testdata/NAME (internal/golden; -update rewrites).
+func checkGolden(t *testing.T, name, got string) {
 	t.Helper()
-	path := filepath.Join("testdata", name)
-	if *update {
-		if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		return
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run: go test ./cmd/ptxmig -run Golden -update)", err)
-	}
-	if got != string(want) {
-		t.Errorf("%s differs from golden file (rerun with -update if intended):\n--- got\n%s\n--- want\n%s", name, got, want)
-	}
+	golden.Check(t, filepath.Join("testdata", name), []byte(got))
 }
 
 // TestGoldenHelp pins the help text of the app and every command.
@@ -48,13 +32,13 @@ func TestGoldenHelp(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("--help exit %d", code)
 	}
-	golden(t, "help.golden", out)
+	checkGolden(t, "help.golden", out)
 	for _, c := range commands {
 		out, _, code := runCLI(t, c.Name, "--help")
 		if code != 0 {
 			t.Fatalf("%s --help exit %d", c.Name, code)
 		}
-		golden(t, "help-"+c.Name+".golden", out)
+		checkGolden(t, "help-"+c.Name+".golden", out)
 	}
 }
 
@@ -87,7 +71,7 @@ func TestGoldenVersion(t *testing.T) {
 				t.Fatalf("%s %s: exit %d", tt.name, mode, code)
 			}
 			out = strings.ReplaceAll(out, goVersion(), "GOVERSION")
-			golden(t, "version-"+tt.name+"-"+mode+".golden", out)
+			checkGolden(t, "version-"+tt.name+"-"+mode+".golden", out)
 		}
 	}
 }

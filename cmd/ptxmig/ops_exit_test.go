@@ -8,6 +8,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 // TestCheckpointExitCodes checks usage errors and preflight refusals through the CLI.
@@ -41,7 +43,7 @@ func TestCheckpointExitCodes(t *testing.T) {
 // TestCheckpointNonRoot runs the real binary as an unprivileged user: preflight refuses (3).
 func TestCheckpointNonRoot(t *testing.T) {
 	if os.Geteuid() != 0 {
-		t.Skip("needs root to switch to an unprivileged user")
+		testreq.Skip(t, "root", "switching to an unprivileged user needs root")
 	}
 	// t.TempDir's parent is private to root; the unprivileged user must reach the binary.
 	dir, err := os.MkdirTemp("", "ptxmig-nonroot-")
@@ -53,8 +55,11 @@ func TestCheckpointNonRoot(t *testing.T) {
 		t.Fatal(err)
 	}
 	bin := filepath.Join(dir, "ptxmig")
+	if _, err := exec.LookPath("go"); err != nil {
+		testreq.Skip(t, "go", "building ptxmig needs the go command: %v", err)
+	}
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Skipf("cannot build ptxmig: %v: %s", err, out)
+		t.Fatalf("cannot build ptxmig: %v: %s", err, out)
 	}
 	sleeper := exec.Command("sleep", "30")
 	if err := sleeper.Start(); err != nil {
@@ -69,8 +74,11 @@ func TestCheckpointNonRoot(t *testing.T) {
 	if !ok || ee.ExitCode() != 3 {
 		t.Fatalf("non-root checkpoint: %v, output %s; want exit 3", err, out)
 	}
-	if !strings.Contains(string(out), "root") {
+	if !strings.Contains(string(out), "must run as root") {
 		t.Errorf("message does not say root is needed: %s", out)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "store")); !os.IsNotExist(err) {
+		t.Errorf("a refused run created the store (%v)", err)
 	}
 }
 

@@ -27,16 +27,74 @@ var ErrFailed = errors.New("criu failed")
 type Error struct {
 	Op      string   // "dump pid 42", "restore"
 	Msg     string   // CRIU's RPC message or the transport failure
+	Cause   string   // the first real error line of the log ("" when none was found)
 	LogPath string   // full log
 	Tail    []string // last lines of the log
 }
 
 func (e *Error) Error() string {
 	s := fmt.Sprintf("criu %s: %s", e.Op, e.Msg)
+	if e.Cause != "" {
+		s = fmt.Sprintf("criu %s: %s (%s)", e.Op, e.Cause, e.Msg)
+	}
 	if e.LogPath != "" {
 		s += " (log: " + e.LogPath + ")"
 	}
 	return s
+}
+
+func newError(op, msg, logPath string) *Error {
+	return &Error{Op: op, Msg: msg, Cause: LogCause(logPath), LogPath: logPath, Tail: LogTail(logPath, 20)}
+}
+
+// harmless are error lines CRIU logs that do not make an operation fail (it goes on after them);
+// a failure headline must name the real cause instead.
+var harmless = []string{
+	"Can't setup RLIMIT_NOFILE",                  // rlimit: raising its own fd limit failed; CRIU continues
+	"Can't get suspend state",                    // optional kernel feature probes
+	"Unable to get $HOME directory",              // CRIU looks for a config file
+	"Failed to fetch exit_code",                  // a zombie already gone
+	"kerndat: Can't load",                        // cached kernel data, recomputed
+	"Couldn't read /proc/sys/kernel/ns_last_pid", // fallback exists
+}
+
+// LogCause returns the first line of a CRIU log that reports an error ("Error (file:line):" or
+// "Error:"), without its timestamp and source position, skipping errors CRIU logs and then
+// survives. "" when the log is unreadable or has none.
+func LogCause(path string) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64*1024), 1024*1024)
+	for sc.Scan() {
+		if c, ok := errorLine(sc.Text()); ok {
+			return c
+		}
+	}
+	return ""
+}
+
+// errorLine extracts the message of a CRIU error line: "(00.012345) Error (criu/x.c:12): msg".
+func errorLine(line string) (string, bool) {
+	i := strings.Index(line, "Error (")
+	if i < 0 {
+		return "", false
+	}
+	rest := line[i+len("Error ("):]
+	j := strings.Index(rest, "): ")
+	if j < 0 {
+		return "", false
+	}
+	msg := strings.TrimSpace(rest[j+3:])
+	for _, h := range harmless {
+		if strings.Contains(msg, h) {
+			return "", false
+		}
+	}
+	return msg, msg != ""
 }
 
 // Is makes every *Error match ErrFailed.
@@ -274,7 +332,7 @@ func (d *Dumper) Dump(ctx context.Context, o DumpOptions) (*DumpResult, error) {
 	_, err = swrk(d.Bin, &rpc.CriuReq{Type: rpc.CriuReqType_DUMP.Enum(), Opts: opts}, nil)
 	res := &DumpResult{Duration: time.Since(t0), LogPath: logPath}
 	if err != nil {
-		return res, &Error{Op: fmt.Sprintf("dump pid %d", o.PID), Msg: err.Error(), LogPath: logPath, Tail: LogTail(logPath, 20)}
+		return res, newError(fmt.Sprintf("dump pid %d", o.PID), err.Error(), logPath)
 	}
 	return res, nil
 }
@@ -319,14 +377,14 @@ func (d *Dumper) Restore(ctx context.Context, o RestoreOptions) (*RestoreResult,
 	})
 	res := &RestoreResult{Duration: time.Since(t0), LogPath: logPath}
 	if err != nil {
-		return res, &Error{Op: "restore", Msg: err.Error(), LogPath: logPath, Tail: LogTail(logPath, 20)}
+		return res, newError("restore", err.Error(), logPath)
 	}
 	res.PID = int(resp.GetRestore().GetPid())
 	if res.PID <= 0 {
 		res.PID = int(notifiedPID)
 	}
 	if res.PID <= 0 {
-		return res, &Error{Op: "restore", Msg: "criu reported success but no pid", LogPath: logPath, Tail: LogTail(logPath, 20)}
+		return res, newError("restore", "criu reported success but no pid", logPath)
 	}
 	return res, nil
 }

@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ptxmig/ptxmig/internal/testproc"
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 func TestBuildDumpOpts(t *testing.T) {
@@ -91,16 +92,16 @@ func TestLogTail(t *testing.T) {
 func usableCRIU(t *testing.T) *Dumper {
 	t.Helper()
 	if os.Geteuid() != 0 {
-		t.Skip("CRIU dump/restore needs root")
+		testreq.Skip(t, "root", "CRIU dump/restore needs root")
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	d, _, err := NewDumper(ctx)
 	if err != nil {
-		t.Skipf("no usable CRIU (run scripts/install-criu.sh): %v", err)
+		testreq.Skip(t, "criu", "no usable CRIU (run scripts/install-criu.sh): %v", err)
 	}
 	if err := CheckKernel(ctx, d.Bin); err != nil {
-		t.Skipf("criu check fails on this kernel: %v", err)
+		testreq.Skip(t, "criu", "criu check fails on this kernel: %v", err)
 	}
 	return d
 }
@@ -112,8 +113,11 @@ func TestDumpRestoreRealProcess(t *testing.T) {
 	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) // reap the restored process too
 	dir := t.TempDir()
 	bin, err := testproc.Build(dir)
+	if errors.Is(err, testproc.ErrNoCompiler) {
+		testreq.Skip(t, "cc", "cannot build the test program: %v", err)
+	}
 	if err != nil {
-		t.Skipf("cannot build the test program: %v", err)
+		t.Fatalf("cannot build the test program: %v", err)
 	}
 	state := filepath.Join(dir, "state")
 	p, err := testproc.Start(bin, state, testproc.Options{MiB: 2, IntervalMs: 5})
@@ -188,5 +192,32 @@ func TestDumpFailureCarriesLog(t *testing.T) {
 	}
 	if len(ce.Tail) == 0 || ce.LogPath != filepath.Join(images, "dump.log") {
 		t.Fatalf("error lacks the log: %+v", ce)
+	}
+}
+
+func TestLogCause(t *testing.T) {
+	tests := []struct {
+		name, log, want string
+	}{
+		{"harmless first", "(00.000100) Error (criu/rlimit.c:30): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\n" +
+			"(00.010000) Error (criu/tty.c:2020): tty: Found dangling tty with sid 0 pgid (0) (ctl) (pts/3)\n" +
+			"(00.020000) Error (criu/cr-dump.c:2093): Dumping FAILED.\n",
+			"tty: Found dangling tty with sid 0 pgid (0) (ctl) (pts/3)"},
+		{"none", "(00.000100) Dumping finished successfully\n", ""},
+		{"no position", "(00.000100) Error: nothing here\n", ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := filepath.Join(t.TempDir(), "dump.log")
+			if err := os.WriteFile(p, []byte(tt.log), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			if got := LogCause(p); got != tt.want {
+				t.Errorf("LogCause = %q, want %q", got, tt.want)
+			}
+		})
+	}
+	if LogCause(filepath.Join(t.TempDir(), "missing")) != "" {
+		t.Error("missing log has a cause")
 	}
 }

@@ -11,8 +11,10 @@ import (
 // ErrNoDriver means NVML (and so the NVIDIA driver) is not present on this host.
 var ErrNoDriver = errors.New("no NVIDIA driver (libnvidia-ml.so.1 not found or driver not loaded)")
 
-// nvmlErr turns an NVML return code into an error, mapping "no driver" codes to ErrNoDriver.
-func nvmlErr(op string, r nvml.Return) error {
+// NVMLError turns an NVML return code into an error: nil for SUCCESS (nvml.Return is itself a
+// non-nil error value, so never return r directly), one wrapping ErrNoDriver for the "no
+// driver" codes, else "op: NVML's message". Every NVML caller maps codes through it.
+func NVMLError(op string, r nvml.Return) error {
 	switch r {
 	case nvml.SUCCESS:
 		return nil
@@ -33,15 +35,15 @@ type DriverInfo struct {
 func ReadDriverInfo() (DriverInfo, error) {
 	lib := nvml.New()
 	if r := lib.Init(); r != nvml.SUCCESS {
-		return DriverInfo{}, nvmlErr("nvml init", r)
+		return DriverInfo{}, NVMLError("nvml init", r)
 	}
 	defer lib.Shutdown()
 	drv, r := lib.SystemGetDriverVersion()
-	if err := nvmlErr("driver version", r); err != nil {
+	if err := NVMLError("driver version", r); err != nil {
 		return DriverInfo{}, err
 	}
 	cv, r := lib.SystemGetCudaDriverVersion_v2()
-	if err := nvmlErr("cuda version", r); err != nil {
+	if err := NVMLError("cuda version", r); err != nil {
 		return DriverInfo{}, err
 	}
 	return DriverInfo{Driver: drv, CUDA: FormatCUDAVersion(cv)}, nil

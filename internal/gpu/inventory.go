@@ -55,7 +55,7 @@ func Open() (*Inventory, error) { return OpenWith(nvml.New()) }
 // OpenWith uses lib (a mock in tests).
 func OpenWith(lib nvml.Interface) (*Inventory, error) {
 	if r := lib.Init(); r != nvml.SUCCESS {
-		return nil, nvmlErr("nvml init", r)
+		return nil, NVMLError("nvml init", r)
 	}
 	return &Inventory{lib: lib}, nil
 }
@@ -67,17 +67,17 @@ func (i *Inventory) Close() error {
 	}
 	r := i.lib.Shutdown()
 	i.lib = nil
-	return nvmlErr("nvml shutdown", r)
+	return NVMLError("nvml shutdown", r)
 }
 
 // Driver returns the driver and CUDA versions.
 func (i *Inventory) Driver() (DriverInfo, error) {
 	drv, r := i.lib.SystemGetDriverVersion()
-	if err := nvmlErr("driver version", r); err != nil {
+	if err := NVMLError("driver version", r); err != nil {
 		return DriverInfo{}, err
 	}
 	cv, r := i.lib.SystemGetCudaDriverVersion_v2()
-	if err := nvmlErr("cuda version", r); err != nil {
+	if err := NVMLError("cuda version", r); err != nil {
 		return DriverInfo{}, err
 	}
 	return DriverInfo{Driver: drv, CUDA: FormatCUDAVersion(cv)}, nil
@@ -86,13 +86,13 @@ func (i *Inventory) Driver() (DriverInfo, error) {
 // Devices reads every GPU: identity, memory, utilization, power and compute processes.
 func (i *Inventory) Devices() ([]Device, error) {
 	n, r := i.lib.DeviceGetCount()
-	if err := nvmlErr("device count", r); err != nil {
+	if err := NVMLError("device count", r); err != nil {
 		return nil, err
 	}
 	out := make([]Device, 0, n)
 	for idx := 0; idx < n; idx++ {
 		h, r := i.lib.DeviceGetHandleByIndex(idx)
-		if err := nvmlErr(fmt.Sprintf("GPU %d handle", idx), r); err != nil {
+		if err := NVMLError(fmt.Sprintf("GPU %d handle", idx), r); err != nil {
 			return nil, err
 		}
 		d, err := readDevice(idx, h)
@@ -108,19 +108,19 @@ func readDevice(idx int, h nvml.Device) (Device, error) {
 	d := Device{Index: idx, Utilization: -1, PowerW: -1, Minor: -1}
 	var r nvml.Return
 	if d.UUID, r = h.GetUUID(); r != nvml.SUCCESS {
-		return d, nvmlErr(fmt.Sprintf("GPU %d uuid", idx), r)
+		return d, NVMLError(fmt.Sprintf("GPU %d uuid", idx), r)
 	}
 	if d.Name, r = h.GetName(); r != nvml.SUCCESS {
-		return d, nvmlErr(fmt.Sprintf("GPU %d name", idx), r)
+		return d, NVMLError(fmt.Sprintf("GPU %d name", idx), r)
 	}
 	maj, mnr, r := h.GetCudaComputeCapability()
 	if r != nvml.SUCCESS {
-		return d, nvmlErr(fmt.Sprintf("GPU %d compute capability", idx), r)
+		return d, NVMLError(fmt.Sprintf("GPU %d compute capability", idx), r)
 	}
 	d.ComputeCap = fmt.Sprintf("%d.%d", maj, mnr)
 	mem, r := h.GetMemoryInfo()
 	if r != nvml.SUCCESS {
-		return d, nvmlErr(fmt.Sprintf("GPU %d memory", idx), r)
+		return d, NVMLError(fmt.Sprintf("GPU %d memory", idx), r)
 	}
 	d.MemoryUsed, d.MemoryTotal = mem.Used, mem.Total
 	if m, r := h.GetMinorNumber(); r == nvml.SUCCESS {
@@ -137,7 +137,7 @@ func readDevice(idx int, h nvml.Device) (Device, error) {
 	}
 	procs, r := h.GetComputeRunningProcesses()
 	if r != nvml.SUCCESS && r != nvml.ERROR_NOT_SUPPORTED {
-		return d, nvmlErr(fmt.Sprintf("GPU %d processes", idx), r)
+		return d, NVMLError(fmt.Sprintf("GPU %d processes", idx), r)
 	}
 	for _, p := range procs {
 		if p.Pid == 0 {

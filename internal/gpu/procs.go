@@ -9,6 +9,9 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimctl"
 )
 
 // ProcInfo describes a process that has the CUDA driver loaded.
@@ -16,7 +19,7 @@ type ProcInfo struct {
 	PID     int      `json:"pid"`
 	Comm    string   `json:"comm"`
 	Cmdline []string `json:"cmdline"`
-	Shim    bool     `json:"shim"`          // libptxmig.so is mapped: started under `ptxmig run`
+	Shim    bool     `json:"shim"`          // the shim is mapped (shimctl.IsShimLib): started under `ptxmig run`
 	Minors  []int    `json:"device_minors"` // /dev/nvidiaN it has open
 }
 
@@ -77,7 +80,7 @@ func inspect(procRoot string, pid int) (ProcInfo, bool) {
 }
 
 // MapsCUDA reports whether /proc/PID/maps shows libcuda.so (the process uses the CUDA driver)
-// and libptxmig.so (it runs under the ptxmig shim).
+// and the shim library (shimctl.IsShimLib: it runs under the ptxmig shim).
 func MapsCUDA(pid int) (cuda, shim bool, err error) {
 	return scanMaps(fmt.Sprintf("/proc/%d/maps", pid))
 }
@@ -100,7 +103,7 @@ func scanMaps(path string) (cuda, shim bool, err error) {
 		if bytes.HasPrefix(base, []byte("libcuda.so")) {
 			cuda = true
 		}
-		if bytes.HasPrefix(base, []byte("libptxmig.so")) {
+		if shimctl.IsShimLib(string(base)) {
 			shim = true
 		}
 	}
@@ -108,10 +111,4 @@ func scanMaps(path string) (cuda, shim bool, err error) {
 }
 
 // ReadCmdline returns the command line of pid (nil when unreadable).
-func ReadCmdline(procRoot string, pid int) []string {
-	b, err := os.ReadFile(filepath.Join(procRoot, strconv.Itoa(pid), "cmdline"))
-	if err != nil || len(b) == 0 {
-		return nil
-	}
-	return strings.Split(strings.TrimRight(string(b), "\x00"), "\x00")
-}
+func ReadCmdline(procRoot string, pid int) []string { return proc.Cmdline(procRoot, pid) }

@@ -7,6 +7,8 @@ import (
 	"reflect"
 	"testing"
 	"time"
+
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 const (
@@ -116,7 +118,7 @@ func TestParseEnviron(t *testing.T) {
 func TestVisibleToRealProcess(t *testing.T) {
 	sleep, err := exec.LookPath("sleep")
 	if err != nil {
-		t.Skip("no sleep(1) on this host")
+		testreq.Skip(t, "sleep", "no sleep(1) on this host")
 	}
 	cmd := exec.Command(sleep, "30")
 	cmd.Env = []string{"PATH=/bin", EnvVisibleDevices + "=GPU-8888,1"}

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 func TestAcquireBusyRelease(t *testing.T) {
@@ -44,7 +46,7 @@ func TestLockDiesWithHolder(t *testing.T) {
 	dir := t.TempDir()
 	t.Setenv("PTXMIG_LOCK_DIR", dir)
 	if _, err := exec.LookPath("flock"); err != nil {
-		t.Skip("flock(1) not installed")
+		testreq.Skip(t, "flock", "flock(1) not installed")
 	}
 	// -o: the lock is held by flock(1) itself, not by the sleep it runs.
 	cmd := exec.Command("flock", "-o", dir+"/pid-77.lock", "sleep", "30")
@@ -80,7 +82,7 @@ func TestLockDiesWithHolder(t *testing.T) {
 // pre-creates /dev/shm/ptxmig to read or redirect process images).
 func TestPrivateDir(t *testing.T) {
 	if os.Geteuid() != 0 {
-		t.Skip("needs root to create a directory owned by another user")
+		testreq.Skip(t, "root", "creating a directory owned by another user needs root")
 	}
 	tests := []struct {
 		name    string

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"golang.org/x/term"
+
+	"github.com/ptxmig/ptxmig/internal/bytesize"
 )
 
 // Bar is a progress line on a terminal; a nil *Bar or one on a non-terminal does nothing.
@@ -74,19 +76,5 @@ func Line(label string, done, total int64, elapsed time.Duration, width int) str
 	if s := elapsed.Seconds(); s > 0 {
 		rate = float64(done) / s
 	}
-	return fmt.Sprintf("%s %s %3.0f%% %s/%s %s/s", label, bar, frac*100, Bytes(done), Bytes(total), Bytes(int64(rate)))
-}
-
-// Bytes formats n with a binary unit (B, KiB, MiB, GiB, TiB).
-func Bytes(n int64) string {
-	const unit = 1024
-	if n < unit {
-		return fmt.Sprintf("%d B", n)
-	}
-	div, exp := int64(unit), 0
-	for m := n / unit; m >= unit && exp < 3; m /= unit {
-		div *= unit
-		exp++
-	}
-	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGT"[exp])
+	return fmt.Sprintf("%s %s %3.0f%% %s/%s %s/s", label, bar, frac*100, bytesize.Format(done), bytesize.Format(total), bytesize.Format(int64(rate)))
 }

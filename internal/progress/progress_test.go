@@ -35,11 +35,3 @@ func TestSilentOffTerminal(t *testing.T) {
 		t.Errorf("wrote %q", buf.String())
 	}
 }
-
-func TestBytes(t *testing.T) {
-	for n, want := range map[int64]string{0: "0 B", 1023: "1023 B", 1024: "1.0 KiB", 3 << 40: "3.0 TiB", 5 << 50: "5120.0 TiB"} {
-		if got := Bytes(n); got != want {
-			t.Errorf("Bytes(%d) = %q, want %q", n, got, want)
-		}
-	}
-}

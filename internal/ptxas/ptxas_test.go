@@ -6,6 +6,8 @@ import (
 	"errors"
 	"os"
 	"testing"
+
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 // findOrSkip returns ptxas, skipping with a reason when it is absent (make test installs it).
@@ -13,7 +15,7 @@ func findOrSkip(t *testing.T) string {
 	t.Helper()
 	bin, err := Find()
 	if err != nil {
-		t.Skipf("skipping: %v", err)
+		testreq.Skip(t, "ptxas", "%v", err)
 	}
 	return bin
 }

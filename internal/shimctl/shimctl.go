@@ -60,7 +60,7 @@ func SocketPath(dir string, pid int) string {
 }
 
 // Detect reports whether pid runs under the shim: its control socket exists in the default
-// directory (or $PTXMIG_SOCKET_DIR) and the process maps libptxmig.so.
+// directory (or $PTXMIG_SOCKET_DIR) and the process maps the shim (IsShimLib).
 func Detect(pid int) (sock string, ok bool) { return DetectIn("", pid) }
 
 // DetectIn is Detect with an explicit socket directory ("" for the default).
@@ -73,32 +73,51 @@ func DetectIn(dir string, pid int) (sock string, ok bool) {
 	if err != nil || st.Mode().Type() != os.ModeSocket {
 		return "", false
 	}
-	f, err := os.Open(fmt.Sprintf("/proc/%d/maps", pid))
-	if err != nil {
-		return "", false
-	}
-	defer f.Close()
-	if !mapsHaveShim(f) {
+	if ok, err := MapsHaveShim(pid); err != nil || !ok {
 		return "", false
 	}
 	return sock, true
 }
 
-// mapsHaveShim reports whether a /proc/PID/maps listing maps a file named libptxmig*.so*.
-func mapsHaveShim(r io.Reader) bool {
+// ShimLibPattern is the one rule for "runs under the shim", used by every command: the process
+// maps a file whose base name matches this pattern (path.Match syntax): libptxmig.so,
+// libptxmig.so.1, libptxmig-san.so, from any directory, also once deleted.
+const ShimLibPattern = "libptxmig*.so*"
+
+// IsShimLib reports whether path, a mapped file's path as /proc/PID/maps shows it (a
+// " (deleted)" suffix is ignored), is the shim library: its base name matches ShimLibPattern.
+func IsShimLib(path string) bool {
+	base := filepath.Base(strings.TrimSuffix(path, " (deleted)"))
+	ok, _ := filepath.Match(ShimLibPattern, base)
+	return ok
+}
+
+// MapsHaveShim reports whether /proc/PID/maps of pid maps the shim library (IsShimLib).
+func MapsHaveShim(pid int) (bool, error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/maps", pid))
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	ok, err := MapsListingHasShim(f)
+	if err != nil {
+		return false, fmt.Errorf("/proc/%d/maps: %w", pid, err)
+	}
+	return ok, nil
+}
+
+// MapsListingHasShim reports whether a /proc/PID/maps listing maps the shim library (IsShimLib).
+func MapsListingHasShim(r io.Reader) (bool, error) {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
+		// address perms offset dev inode pathname; the path is the 6th field and may hold spaces.
 		fields := strings.Fields(sc.Text())
-		if len(fields) < 6 {
-			continue
-		}
-		base := filepath.Base(strings.Join(fields[5:], " "))
-		if strings.HasPrefix(base, "libptxmig") && strings.Contains(base, ".so") {
-			return true
+		if len(fields) >= 6 && IsShimLib(strings.Join(fields[5:], " ")) {
+			return true, nil
 		}
 	}
-	return false
+	return false, sc.Err()
 }
 
 // Client is one connection to a shim. It is not safe for concurrent use.

@@ -128,21 +128,59 @@ func TestDialMissing(t *testing.T) {
 	}
 }
 
-func TestMapsHaveShim(t *testing.T) {
+// TestIsShimLib pins the one shim rule: a base name matching libptxmig*.so*.
+func TestIsShimLib(t *testing.T) {
+	tests := []struct {
+		path string
+		want bool
+	}{
+		{"/usr/local/lib/libptxmig.so", true},
+		{"/usr/lib/libptxmig.so.1", true},
+		{"/usr/lib/x86_64-linux-gnu/libptxmig.so.1.2.3", true},
+		{"/opt/ptxmig/libptxmig-san.so", true},
+		{"/opt/my dir/libptxmig.so", true},
+		{"/tmp/libptxmig.so (deleted)", true},
+		{"libptxmig.so", true},
+		{"/tmp/libptxmig.so.bak", true}, // matches the pattern: any libptxmig*.so* counts
+		{"/usr/lib/libptxmig.a", false},
+		{"/home/libptxmig-notes.txt", false},
+		{"/x/notlibptxmig.so", false},
+		{"/usr/lib/libptxmig.so/libc.so.6", false}, // only the base name counts
+		{"/usr/lib/libcuda.so.1", false},
+		{"[stack]", false},
+		{"", false},
+	}
+	for _, tt := range tests {
+		if got := IsShimLib(tt.path); got != tt.want {
+			t.Errorf("IsShimLib(%q) = %v, want %v", tt.path, got, tt.want)
+		}
+	}
+}
+
+func TestMapsListingHasShim(t *testing.T) {
 	tests := []struct {
 		maps string
 		want bool
 	}{
 		{"7f00-7f01 r-xp 00000000 08:01 123 /usr/local/lib/libptxmig.so\n", true},
-		{"7f00-7f01 r-xp 00000000 08:01 123 /opt/my dir/libptxmig.so\n", true},
+		{"7f00-7f01 r-xp 00000000 08:01 123     /opt/my dir/libptxmig-san.so\n", true},
+		{"7f00-7f01 r--p 00000000 08:01 9 /usr/lib/libc.so.6\n7f00-7f01 r-xp 00000000 08:01 123 /usr/lib/libptxmig.so.1 (deleted)\n", true},
 		{"7f00-7f01 r-xp 00000000 08:01 123 /usr/lib/libcuda.so.1\n7f00-7f01 rw-p 00000000 00:00 0\n", false},
 		{"7f00-7f01 r-xp 00000000 08:01 123 /home/libptxmig-notes.txt\n", false},
+		{"libptxmig.so\n", false}, // not a maps line
 		{"", false},
 	}
 	for _, tt := range tests {
-		if got := mapsHaveShim(strings.NewReader(tt.maps)); got != tt.want {
-			t.Errorf("mapsHaveShim(%q) = %v, want %v", tt.maps, got, tt.want)
+		if got, err := MapsListingHasShim(strings.NewReader(tt.maps)); got != tt.want || err != nil {
+			t.Errorf("MapsListingHasShim(%q) = %v, %v, want %v", tt.maps, got, err, tt.want)
 		}
+	}
+	// This test process does not map the shim; a process that does not exist is an error.
+	if ok, err := MapsHaveShim(os.Getpid()); ok || err != nil {
+		t.Errorf("MapsHaveShim(self) = %v, %v", ok, err)
+	}
+	if _, err := MapsHaveShim(-1); err == nil {
+		t.Error("MapsHaveShim(-1) succeeded")
 	}
 }
 

@@ -15,6 +15,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/ptxmig/ptxmig/internal/proc"
 )
 
 // Source is the C source of the test program.
@@ -242,14 +244,7 @@ func (m *Model) Check(s State) error {
 }
 
 // Alive reports whether pid exists and is not a zombie.
-func Alive(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	i := strings.LastIndexByte(string(b), ')')
-	return i < 0 || i+2 >= len(b) || b[i+2] != 'Z'
-}
+func Alive(pid int) bool { return proc.Alive(pid) }
 
 // KillPID kills a process that is not our child (e.g. a restored one) and waits until its
 // /proc entry is gone or it is a zombie.

@@ -1,9 +1,12 @@
 package testproc
 
 import (
+	"errors"
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 func TestParseState(t *testing.T) {
@@ -31,8 +34,11 @@ func TestParseState(t *testing.T) {
 func TestProgramMatchesModel(t *testing.T) {
 	dir := t.TempDir()
 	bin, err := Build(dir)
+	if errors.Is(err, ErrNoCompiler) {
+		testreq.Skip(t, "cc", "cannot build the test program: %v", err)
+	}
 	if err != nil {
-		t.Skipf("cannot build the test program: %v", err)
+		t.Fatalf("cannot build the test program: %v", err)
 	}
 	state := filepath.Join(dir, "state")
 	p, err := Start(bin, state, Options{MiB: 1, IntervalMs: 1, Steps: 200})

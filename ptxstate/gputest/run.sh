@@ -24,7 +24,7 @@ corpus=${PTXSTATE_CORPUS:-}
 if [ -z "$corpus" ]; then
   for d in "$here/corpus" "$here/../testdata/corpus"; do [ -f "$d/vecadd.ptx" ] && corpus=$d && break; done
 fi
-[ -n "$corpus" ] && [ -f "$corpus/vecadd.ptx" ] || { echo "run.sh: nvcc PTX corpus not found (set PTXSTATE_CORPUS)" >&2; exit 2; }
+if [ -z "$corpus" ] || [ ! -f "$corpus/vecadd.ptx" ]; then echo "run.sh: nvcc PTX corpus not found (set PTXSTATE_CORPUS)" >&2; exit 2; fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -39,7 +39,7 @@ for f in "$corpus"/*.ptx; do
     fi
   done
 done
-echo "instrumented and assembled $(ls "$work"/*.ptx | wc -l) modules"
+echo "instrumented and assembled $(find "$work" -maxdepth 1 -name '*.ptx' | wc -l) modules"
 
 command -v nvcc >/dev/null || { echo "run.sh: nvcc not found (CUDA 13 in /usr/local/cuda/bin)" >&2; exit 2; }
 nvcc -O2 -std=c++17 -o "$work/twin_harness" "$here/twin_harness.cu" -lcuda

@@ -22,7 +22,6 @@
 # (train-selftime.txt): its share of the loop's wall time, free of the noise between processes,
 # though blind to indirect costs (caches) and to hooked calls other than launches.
 set -uo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
 : "${PTXMIG_BIN:?}" "${PTXMIG_SHIM:?}" "${PTXMIG_WORKLOADS:?}" "${PTXMIG_OUT:?}"
 npairs=${1:-8}
 naa=${2:-4}
@@ -90,7 +89,7 @@ PY
 # noise). Writes $out/train-selftime$TAG.txt.
 selftime() {
   local tag=$1; shift
-  rm -rf "$sockdir"/*
+  rm -rf "${sockdir:?}"/*
   env PTXMIG_SELF_TIME=1 "$@" "$PTXMIG_BIN" run --shim "$PTXMIG_SHIM" --socket-dir "$sockdir" -- \
     python3 "$W/train.py" --steps 5000 --log-every 1000000 --report-time >/dev/null 2>"$out/train.selftime$tag" &
   local spid=$!

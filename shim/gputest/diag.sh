@@ -35,7 +35,7 @@ case_() {
   local pid=$!
   sleep "$wait"
   local sock
-  sock=$(ls "$S"/sock/*.sock 2>/dev/null | head -n1)
+  sock=$(find "$S/sock" -maxdepth 1 -name '*.sock' 2>/dev/null | head -n1)
   if [ -n "$sock" ]; then
     query "$sock" status >"$out/$name.status" 2>&1
     query "$sock" kernels >"$out/$name.kernels" 2>&1

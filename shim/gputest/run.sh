@@ -40,13 +40,14 @@ shimmed() {
   spid=$!
   cpid=""
   for _ in $(seq 1 600); do
-    s=$(ls "$sockdir" 2>/dev/null | head -n1)
+    s=$(find "$sockdir" -mindepth 1 -maxdepth 1 -printf '%f\n' 2>/dev/null | head -n1)
     if [ -n "$s" ]; then cpid=${s%.sock}; return 0; fi
     kill -0 $spid 2>/dev/null || break
     sleep 0.05
   done
   return 1
 }
+# shellcheck disable=SC2317  # called through poll
 # check_kernels NAME MINLAUNCHES: ptxmig kernels of $cpid lists NAME (substring) with >= MIN launches and a time.
 check_kernels() {
   "$PTXMIG_BIN" --json kernels --socket-dir "$sockdir" "$cpid" >"$out/kernels-$1.json" 2>"$out/kernels-$1.err" || return 1
@@ -94,8 +95,16 @@ app_checks() {
   local name=$1 kern=$2 mn=$3; shift 3
   "$@" >"$work/$name.ref" 2>&1
   if shimmed "$@"; then
-    poll check_kernels "$kern" "$mn" >"$out/$name-kernels.log" 2>&1 && row "$name: kernels listed" PASS "$(tail -n1 "$out/$name-kernels.log")" || row "$name: kernels listed" FAIL "$(cat "$out/$name-kernels.log" "$out/kernels-$kern.err" 2>/dev/null | tail -n3)"
-    check_dump "$name" && row "$name: dumped PTX assembles" PASS "$(grep -h -m1 '^\.version' "$work/dump-$name"/*.ptx 2>/dev/null | head -n1)" || row "$name: dumped PTX assembles" FAIL "see shim/modules-$name.txt"
+    if poll check_kernels "$kern" "$mn" >"$out/$name-kernels.log" 2>&1; then
+      row "$name: kernels listed" PASS "$(tail -n1 "$out/$name-kernels.log")"
+    else
+      row "$name: kernels listed" FAIL "$(cat "$out/$name-kernels.log" "$out/kernels-$kern.err" 2>/dev/null | tail -n3)"
+    fi
+    if check_dump "$name"; then
+      row "$name: dumped PTX assembles" PASS "$(grep -h -m1 '^\.version' "$work/dump-$name"/*.ptx 2>/dev/null | head -n1)"
+    else
+      row "$name: dumped PTX assembles" FAIL "see shim/modules-$name.txt"
+    fi
     "$PTXMIG_BIN" --json modules --socket-dir "$sockdir" "$cpid" >"$out/modules-$name.json" 2>&1
     finish; rc=$?
     cp "$work/shimmed.out" "$out/$name.shim.out"
@@ -128,7 +137,11 @@ fi
 # ---- train.py (PyTorch, shared cudart): identical output, kernels, steps/s ----
 python3 "$W/train.py" --steps 1500 --log-every 100 >"$work/train.ref" 2>&1
 if shimmed python3 "$W/train.py" --steps 1500 --log-every 100; then
-  poll check_kernels "" 1000 >"$out/train-kernels.log" 2>&1 && row "train.py: kernels listed" PASS "$(tail -n1 "$out/train-kernels.log")" || row "train.py: kernels listed" FAIL "$(tail -n2 "$out/train-kernels.log")"
+  if poll check_kernels "" 1000 >"$out/train-kernels.log" 2>&1; then
+    row "train.py: kernels listed" PASS "$(tail -n1 "$out/train-kernels.log")"
+  else
+    row "train.py: kernels listed" FAIL "$(tail -n2 "$out/train-kernels.log")"
+  fi
   "$PTXMIG_BIN" --json modules --socket-dir "$sockdir" "$cpid" >"$out/modules-train.json" 2>&1
   grep VmHWM "/proc/$cpid/status" >"$out/train-rss.txt" 2>&1
   finish; rc=$?

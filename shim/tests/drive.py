@@ -1,15 +1,62 @@
 #!/usr/bin/env python3
 """Drives the shim's integration tests (see run.sh): starts each test app with the shim
-preloaded, waits for it to report "ready", then talks to its control socket like ptxmig does."""
+preloaded, waits for it to report "ready", then talks to its control socket like ptxmig does.
+Each case ends as PASS, SKIP or FAIL, appended to $SHIM_RESULTS (tests/results.sh) when set; a
+skipped check counts as a skip of its own. PTXMIG_REQUIRE: a skip for a listed requirement fails."""
 import argparse, hashlib, json, os, re, shutil, socket, stat, subprocess, sys, tempfile
 
 failures = []
+tally = {"PASS": 0, "SKIP": 0, "FAIL": 0}
+label = "drive"  # set in main: drive, or drive-san for the sanitized shim
 
 
 def check(cond, msg):
     if not cond:
         failures.append(msg)
         print("FAIL", msg, file=sys.stderr)
+
+
+def result(status, name, detail=""):
+    tally[status] += 1
+    if status != "PASS":
+        print(f"{status} {label}/{name}" + (f": {detail}" if detail else ""))
+    path = os.environ.get("SHIM_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{status}\t{label}/{name}\t{detail}\n")
+
+
+def required(need):
+    reqs = [r.strip() for r in os.environ.get("PTXMIG_REQUIRE", "").split(",")]
+    return need in reqs or "all" in reqs
+
+
+def skip(need, name, reason):
+    """A skipped check: SKIP, or a failure when PTXMIG_REQUIRE lists need (None: no requirement)."""
+    if need and required(need):
+        check(False, f"{name}: required {need} unavailable: {reason} (PTXMIG_REQUIRE)")
+    else:
+        result("SKIP", name, reason)
+
+
+class case:
+    """One test case: PASS unless a check inside it failed or it raised (which ends only it)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        self.start = len(failures)
+        return self
+
+    def __exit__(self, typ, exc, tb):
+        if typ is not None:
+            check(False, f"{self.name}: {typ.__name__}: {exc}")
+        if len(failures) > self.start:
+            result("FAIL", self.name, "; ".join(failures[self.start:])[:300])
+        else:
+            result("PASS", self.name)
+        return True
 
 
 class App:
@@ -137,19 +184,24 @@ def dump_checks(name, c, tmp, want_ptx_entry, need_ptxas):
         check(stat.S_IMODE(os.stat(os.path.join(d, f)).st_mode) == 0o600, f"{name}: {f} mode")
     ptxas = shutil.which("ptxas")
     if ptxas:
+        too_new = set()  # ISA versions of dumped modules this ptxas predates
         for f in set(ptx):
             text = open(os.path.join(d, f)).read()
             m = re.search(r"^\s*\.target\s+(sm_\d+[a-z]?)", text, re.M)
             arch = m.group(1) if m else "sm_70"
             p = subprocess.run([ptxas, "-arch", arch, "-o", os.devnull, os.path.join(d, f)], capture_output=True, text=True)
             if "Unsupported .version" in p.stderr and not need_ptxas:
-                print(f"SKIP {name}: {os.path.basename(ptxas)} is older than the PTX ISA of {f} (checked on the GPU host)")
+                v = re.search(r"^\s*\.version\s+(\S+)", text, re.M)
+                too_new.add(v.group(1) if v else "?")
                 continue
             check(p.returncode == 0, f"{name}: ptxas rejects dumped {f}: {p.stderr[:500]}")
+        if too_new:
+            skip(None, f"{name}/ptxas", f"{ptxas} predates PTX ISA {', '.join(sorted(too_new))} of the dumped PTX "
+                 "(checked on the GPU host)")
     elif need_ptxas:
         check(False, f"{name}: ptxas not installed (make deps installs it); dumped PTX not assembled")
     else:
-        print(f"SKIP {name}: ptxas not installed; dumped PTX not assembled")
+        skip("ptxas", f"{name}/ptxas", "ptxas not installed; dumped PTX not assembled")
     if want_ptx_entry:
         # want_ptx_entry names the codec the fatbin's PTX entries were compressed with.
         check(any(e.get("kind") == "ptx" and e.get("compression") == want_ptx_entry
@@ -190,79 +242,87 @@ def run_app(opts, name, env_extra, expect_kernels, expect_alloc, expect_sources,
 
 
 def main():
+    global label
     ap = argparse.ArgumentParser()
     ap.add_argument("--shim", required=True)
     ap.add_argument("--build", required=True)
     ap.add_argument("--preload-first", default="")
     opts = ap.parse_args()
+    label = "drive-san" if opts.preload_first else "drive"
     # Without and with PTXMIG_SELF_TIME=1: the shim's own time per launch is measured only when asked.
     for self_time in ("", "1"):
-        res = run_app(opts, "app_direct", {"PTXMIG_SELF_TIME": self_time},
+        with case(f"app_direct[PTXMIG_SELF_TIME={self_time}]"):
+            res = run_app(opts, "app_direct", {"PTXMIG_SELF_TIME": self_time},
+                          {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
+                          {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3})
+            if res:
+                st = res[2]["self_time"]
+                calls = sum(k["launches"] + k["failed"] for k in res[2]["kernels"])  # failed launch calls count too
+                want = {"enabled": True, "launches": calls} if self_time else {"enabled": False, "launches": 0, "ns": 0}
+                if self_time:
+                    check(0 < st["clock_ns"] < 100000, f"app_direct: clock read cost {st['clock_ns']} ns")
+                else:
+                    want["clock_ns"] = 0
+                check(all(st[k] == v for k, v in want.items()) and (st["ns"] > 0) == bool(self_time),
+                      f"app_direct PTXMIG_SELF_TIME={self_time!r}: self_time {st}")
+    # Every launch sampled: the shim reuses idle events instead of creating two per sampled launch.
+    with case("app_direct[PTXMIG_SAMPLE_FIRST=100]"):
+        res = run_app(opts, "app_direct", {"PTXMIG_SAMPLE_FIRST": "100", "FAKE_CUDA_EVENT_STATS": "1"},
                       {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
                       {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3})
         if res:
-            st = res[2]["self_time"]
-            calls = sum(k["launches"] + k["failed"] for k in res[2]["kernels"])  # failed launch calls count too
-            want = {"enabled": True, "launches": calls} if self_time else {"enabled": False, "launches": 0, "ns": 0}
-            if self_time:
-                check(0 < st["clock_ns"] < 100000, f"app_direct: clock read cost {st['clock_ns']} ns")
-            else:
-                want["clock_ns"] = 0
-            check(all(st[k] == v for k, v in want.items()) and (st["ns"] > 0) == bool(self_time),
-                  f"app_direct PTXMIG_SELF_TIME={self_time!r}: self_time {st}")
-    # Every launch sampled: the shim reuses idle events instead of creating two per sampled launch.
-    res = run_app(opts, "app_direct", {"PTXMIG_SAMPLE_FIRST": "100", "FAKE_CUDA_EVENT_STATS": "1"},
-                  {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
-                  {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3})
-    if res:
-        k = kernel(res[2], "k_test")
-        m = re.search(r"fake-events created=(\d+) destroyed=(\d+)", res[3])
-        check(k and k["timed"] >= 7, f"app_direct sampling every launch: timed {k and k['timed']}, want >= 7")
-        check(m and 2 <= int(m.group(1)) <= 4, f"app_direct sampling every launch: events not reused: {m and m.group(0)}")
-    res = run_app(opts, "app_dlsym", {}, {"k_test": (7, [((2, 2, 1), (32, 2, 1), 7)])},
-                  {"device": 3 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 7})
-    if res:
-        check(res[1]["interception"]["dlsym"] >= 8, f"app_dlsym: dlsym hits {res[1]['interception']}")
-    res = run_app(opts, "app_getproc", {},
-                  {"k_test": (10, [((1, 1, 1), (64, 1, 1), 4), ((3, 1, 1), (96, 1, 1), 6)])},
-                  {"device": 5 << 20, "async": 7 << 20}, ["cuModuleLoadData", "cuLibraryLoadData"],
-                  {"cuLaunchKernel": 0, "cuLaunchKernel_ptsz": 4, "cuLaunchKernelEx": 6, "cuGetExportTable": 1,
-                   "cuMemAllocAsync_ptsz": 1})
-    if res:
-        i = res[1]["interception"]
-        check(i["cuGetProcAddress"] >= 1 and i["cuGetProcAddress_v2"] >= 10, f"app_getproc: resolver hits {i}")
+            k = kernel(res[2], "k_test")
+            m = re.search(r"fake-events created=(\d+) destroyed=(\d+)", res[3])
+            check(k and k["timed"] >= 7, f"app_direct sampling every launch: timed {k and k['timed']}, want >= 7")
+            check(m and 2 <= int(m.group(1)) <= 4, f"app_direct sampling every launch: events not reused: {m and m.group(0)}")
+    with case("app_dlsym"):
+        res = run_app(opts, "app_dlsym", {}, {"k_test": (7, [((2, 2, 1), (32, 2, 1), 7)])},
+                      {"device": 3 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 7})
+        if res:
+            check(res[1]["interception"]["dlsym"] >= 8, f"app_dlsym: dlsym hits {res[1]['interception']}")
+    with case("app_getproc"):
+        res = run_app(opts, "app_getproc", {},
+                      {"k_test": (10, [((1, 1, 1), (64, 1, 1), 4), ((3, 1, 1), (96, 1, 1), 6)])},
+                      {"device": 5 << 20, "async": 7 << 20}, ["cuModuleLoadData", "cuLibraryLoadData"],
+                      {"cuLaunchKernel": 0, "cuLaunchKernel_ptsz": 4, "cuLaunchKernelEx": 6, "cuGetExportTable": 1,
+                       "cuMemAllocAsync_ptsz": 1})
+        if res:
+            i = res[1]["interception"]
+            check(i["cuGetProcAddress"] >= 1 and i["cuGetProcAddress_v2"] >= 10, f"app_getproc: resolver hits {i}")
     # The real driver's resolver returns internal entry points, not its exported symbols' addresses:
     # the shim must recognise them by (symbol, version, flags) and still see every launch.
-    res = run_app(opts, "app_getproc", {"FAKE_CUDA_INTERNAL_PTRS": "1"},
-                  {"k_test": (10, [((1, 1, 1), (64, 1, 1), 4), ((3, 1, 1), (96, 1, 1), 6)])},
-                  {"device": 5 << 20, "async": 7 << 20}, ["cuModuleLoadData", "cuLibraryLoadData"],
-                  {"cuLaunchKernel": 0, "cuLaunchKernel_ptsz": 4, "cuLaunchKernelEx": 6, "cuGetExportTable": 1,
-                   "cuMemAllocAsync_ptsz": 1})
-    if res:
-        i = res[1]["interception"]
-        check(i["by_name"] >= 5, f"app_getproc with internal pointers: by-name matches {i}")
+    with case("app_getproc[FAKE_CUDA_INTERNAL_PTRS=1]"):
+        res = run_app(opts, "app_getproc", {"FAKE_CUDA_INTERNAL_PTRS": "1"},
+                      {"k_test": (10, [((1, 1, 1), (64, 1, 1), 4), ((3, 1, 1), (96, 1, 1), 6)])},
+                      {"device": 5 << 20, "async": 7 << 20}, ["cuModuleLoadData", "cuLibraryLoadData"],
+                      {"cuLaunchKernel": 0, "cuLaunchKernel_ptsz": 4, "cuLaunchKernelEx": 6, "cuGetExportTable": 1,
+                       "cuMemAllocAsync_ptsz": 1})
+        if res:
+            i = res[1]["interception"]
+            check(i["by_name"] >= 5, f"app_getproc with internal pointers: by-name matches {i}")
     # The same host code built by CUDA 13.0 (Zstd entries) and by CUDA 12.4 (LZ4 entries, PTX that
     # the build machine's ptxas 12.4 must assemble).
     for name, codec, need_ptxas in (("app_runtime", "zstd", False), ("app_runtime_cu12", "lz4", True)):
-        res = run_app(opts, name, {},
-                      {"fx_scale": (3, [((2, 1, 1), (128, 1, 1), 3)]),
-                       "_Z6fx_addIfEvPT_PKS0_i": (3, [((2, 1, 1), (128, 1, 1), 3)])},
-                      {"device": 2 << 20}, ["__cudaRegisterFatBinary", "cuLibraryLoadData"], {},
-                      want_ptx_entry=codec, need_ptxas=need_ptxas)
-        if not res:
-            continue
-        mods = res[1]["modules"]
-        check(all(m["format"] == "fatbin" and m["ptx"] == 1 and m["elf"] == 1 and m["archs"] == "sm_90,compute_90"
-                  for m in mods), f"{name}: modules {mods}")
-        check(res[1]["interception"]["cudaGetDriverEntryPoint"] >= 1, f"{name}: entry point hits {res[1]['interception']}")
-        # A registered fatbin is borrowed in place, and the lazy load of the same bytes shares it.
-        reg = [m for m in mods if m["source"] == "__cudaRegisterFatBinary"]
-        lib = [m for m in mods if m["source"] == "cuLibraryLoadData"]
-        check(reg and all(m["image"] == "borrowed" for m in reg), f"{name}: registrations not borrowed: {reg}")
-        check(lib and all(m["image"] == "borrowed" and m.get("same_image_as") in [r["id"] for r in reg] for m in lib),
-              f"{name}: lazy loads do not share the registration's bytes: {lib}")
-        mb = res[1]["module_bytes"]
-        check(mb["copied"] == 0 and mb["borrowed"] == sum(m["bytes"] for m in reg + lib), f"{name}: module_bytes {mb}")
+        with case(name):
+            res = run_app(opts, name, {},
+                          {"fx_scale": (3, [((2, 1, 1), (128, 1, 1), 3)]),
+                           "_Z6fx_addIfEvPT_PKS0_i": (3, [((2, 1, 1), (128, 1, 1), 3)])},
+                          {"device": 2 << 20}, ["__cudaRegisterFatBinary", "cuLibraryLoadData"], {},
+                          want_ptx_entry=codec, need_ptxas=need_ptxas)
+            if not res:
+                continue
+            mods = res[1]["modules"]
+            check(all(m["format"] == "fatbin" and m["ptx"] == 1 and m["elf"] == 1 and m["archs"] == "sm_90,compute_90"
+                      for m in mods), f"{name}: modules {mods}")
+            check(res[1]["interception"]["cudaGetDriverEntryPoint"] >= 1, f"{name}: entry point hits {res[1]['interception']}")
+            # A registered fatbin is borrowed in place, and the lazy load of the same bytes shares it.
+            reg = [m for m in mods if m["source"] == "__cudaRegisterFatBinary"]
+            lib = [m for m in mods if m["source"] == "cuLibraryLoadData"]
+            check(reg and all(m["image"] == "borrowed" for m in reg), f"{name}: registrations not borrowed: {reg}")
+            check(lib and all(m["image"] == "borrowed" and m.get("same_image_as") in [r["id"] for r in reg] for m in lib),
+                  f"{name}: lazy loads do not share the registration's bytes: {lib}")
+            mb = res[1]["module_bytes"]
+            check(mb["copied"] == 0 and mb["borrowed"] == sum(m["bytes"] for m in reg + lib), f"{name}: module_bytes {mb}")
     # The registration ends and its bytes are unmapped while the library stays loaded: the library
     # keeps a private copy of the same bytes and status/dump never touch the unmapped pages.
     # CUDA 13 (plain entries) and CUDA 12.4 (LZ4 entries for two architectures, whose PTX the
@@ -270,35 +330,38 @@ def main():
     testdata = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testdata")
     for fb, need_ptxas in ((os.path.join(testdata, "fatbin", "multi_plain.fatbin"), False),
                            (os.path.join(testdata, "fatbin-cu12", "multi_compressall.fatbin"), True)):
-        res = run_app(opts, "app_unregister", {"FATBIN": fb}, {}, {}, ["__cudaRegisterFatBinary", "cuLibraryLoadData"], {},
-                      need_ptxas=need_ptxas)
-        if not res:
-            continue
-        want = hashlib.sha256(open(fb, "rb").read()).hexdigest()
-        mods = {m["source"]: m for m in res[1]["modules"]}
-        reg, lib = mods["__cudaRegisterFatBinary"], mods["cuLibraryLoadData"]
-        check(not reg["loaded"] and reg.get("not_captured") == "unloaded" and "image" not in reg,
-              f"app_unregister {fb}: registration after unregister: {reg}")
-        check(lib["loaded"] and lib.get("image") == "copy" and lib.get("sha256") == want and "same_image_as" not in lib,
-              f"app_unregister {fb}: library after its registration ended: {lib} (want sha256 {want})")
-        mb = res[1]["module_bytes"]
-        check(mb["borrowed"] == 0 and mb["copied"] == lib["bytes"], f"app_unregister {fb}: module_bytes {mb}")
+        with case(f"app_unregister[{os.path.basename(os.path.dirname(fb))}/{os.path.basename(fb)}]"):
+            res = run_app(opts, "app_unregister", {"FATBIN": fb}, {}, {}, ["__cudaRegisterFatBinary", "cuLibraryLoadData"], {},
+                          need_ptxas=need_ptxas)
+            if not res:
+                continue
+            want = hashlib.sha256(open(fb, "rb").read()).hexdigest()
+            mods = {m["source"]: m for m in res[1]["modules"]}
+            reg, lib = mods["__cudaRegisterFatBinary"], mods["cuLibraryLoadData"]
+            check(not reg["loaded"] and reg.get("not_captured") == "unloaded" and "image" not in reg,
+                  f"app_unregister {fb}: registration after unregister: {reg}")
+            check(lib["loaded"] and lib.get("image") == "copy" and lib.get("sha256") == want and "same_image_as" not in lib,
+                  f"app_unregister {fb}: library after its registration ended: {lib} (want sha256 {want})")
+            mb = res[1]["module_bytes"]
+            check(mb["borrowed"] == 0 and mb["copied"] == lib["bytes"], f"app_unregister {fb}: module_bytes {mb}")
     # The runtime's registration fails (NULL handle, later unregistered as NULL): the shim cannot
     # match the end of that registration, so it must not borrow its bytes; the load keeps a copy.
-    fb = os.path.join(testdata, "fatbin-cu12", "multi_compressall.fatbin")
-    res = run_app(opts, "app_unregister", {"FATBIN": fb, "FAKE_CUDART_REGISTER_FAIL": "1"}, {}, {},
-                  ["cuLibraryLoadData"], {}, need_ptxas=True)
-    if res:
-        want = hashlib.sha256(open(fb, "rb").read()).hexdigest()
-        lib = res[1]["modules"][0]
-        check(lib["loaded"] and lib.get("image") == "copy" and lib.get("sha256") == want,
-              f"app_unregister with a failed registration: {lib} (want sha256 {want})")
-        mb = res[1]["module_bytes"]
-        check(mb["borrowed"] == 0 and mb["copied"] == lib["bytes"], f"app_unregister with a failed registration: module_bytes {mb}")
+    with case("app_unregister[FAKE_CUDART_REGISTER_FAIL=1]"):
+        fb = os.path.join(testdata, "fatbin-cu12", "multi_compressall.fatbin")
+        res = run_app(opts, "app_unregister", {"FATBIN": fb, "FAKE_CUDART_REGISTER_FAIL": "1"}, {}, {},
+                      ["cuLibraryLoadData"], {}, need_ptxas=True)
+        if res:
+            want = hashlib.sha256(open(fb, "rb").read()).hexdigest()
+            lib = res[1]["modules"][0]
+            check(lib["loaded"] and lib.get("image") == "copy" and lib.get("sha256") == want,
+                  f"app_unregister with a failed registration: {lib} (want sha256 {want})")
+            mb = res[1]["module_bytes"]
+            check(mb["borrowed"] == 0 and mb["copied"] == lib["bytes"], f"app_unregister with a failed registration: module_bytes {mb}")
+    summary = f"{tally['PASS']} passed, {tally['SKIP']} skipped, {tally['FAIL']} failed ({os.path.basename(opts.shim)})"
     if failures:
-        print(f"drive.py: {len(failures)} failures ({opts.shim})", file=sys.stderr)
+        print(f"drive.py: {summary}", file=sys.stderr)
         sys.exit(1)
-    print(f"drive.py: ok ({os.path.basename(opts.shim)})")
+    print(f"drive.py: {summary}")
 
 
 if __name__ == "__main__":

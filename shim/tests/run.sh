@@ -4,33 +4,43 @@
 # runtime registering a real nvcc-built fatbin; tests/drive.py checks what the control socket
 # reports, the protocol (garbage included), dumps, and that the apps behave as without the shim.
 #   tests/run.sh SHIM BUILD_DIR
+# Results go to $SHIM_RESULTS (tests/results.sh); run on its own, it ends with its own counts.
+# Exit status non-zero when a test failed.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 shim=$(realpath "$1")
 build=$(realpath "$2")
-command -v python3 >/dev/null || { echo "shim tests: python3 is required (tests/drive.py)" >&2; exit 1; }
-
-# An unrelated program is unaffected by the preload, and the library identifies itself.
-out=$(LD_PRELOAD="$shim" /bin/echo shim-loaded)
-[ "$out" = shim-loaded ] || { echo "shim test: echo under LD_PRELOAD printed '$out'" >&2; exit 1; }
-nm -D --defined-only "$shim" | grep -q ptxmig_shim_info || { echo "shim test: ptxmig_shim_info not exported" >&2; exit 1; }
-# A non-CUDA program that uses dlsym heavily (python) runs normally and gets no socket.
+# shellcheck source=shim/tests/results.sh
+. "$here/results.sh"
+results_init
+standalone=${results_own:-0}
+fails_before=$(grep -c '^FAIL' "$SHIM_RESULTS" || true)
+command -v python3 >/dev/null || { result FAIL integration "python3 is required (tests/drive.py)"; exit 1; }
 sd=$(mktemp -d)
 trap 'rm -rf "$sd"' EXIT
-PTXMIG_SOCKET_DIR=$sd LD_PRELOAD="$shim" python3 -c 'import ctypes, json; print(json.dumps([1]))' >/dev/null
-[ -z "$(ls -A "$sd")" ] || { echo "shim test: a non-CUDA process created a socket" >&2; exit 1; }
 
+# An unrelated program is unaffected by the preload, and the library identifies itself.
+preload_echo() { [ "$(LD_PRELOAD="$shim" /bin/echo shim-loaded)" = shim-loaded ]; }
+exports_info() { nm -D --defined-only "$shim" | grep -q ptxmig_shim_info; }
+# A non-CUDA program that uses dlsym heavily (python) runs normally and gets no socket.
+non_cuda() {
+  PTXMIG_SOCKET_DIR=$sd LD_PRELOAD="$shim" python3 -c 'import ctypes, json; print(json.dumps([1]))' >/dev/null &&
+    [ -z "$(ls -A "$sd")" ]
+}
+check integration/preload-echo preload_echo
+check integration/exports-shim-info exports_info
+check integration/non-cuda-no-socket non_cuda
 # fork while another thread is inside the shim's bookkeeping: every child must finish (no lock
 # inherited held); app_fork kills a stuck child with SIGALRM and fails.
-LD_LIBRARY_PATH="$build/fake" PTXMIG_SOCKET_DIR=$sd LD_PRELOAD="$shim" "$build/app_fork" 300 >/dev/null \
-  || { echo "shim test: fork while tracking deadlocked or failed (app_fork)" >&2; exit 1; }
+check integration/fork-while-tracking env LD_LIBRARY_PATH="$build/fake" PTXMIG_SOCKET_DIR="$sd" LD_PRELOAD="$shim" "$build/app_fork" 300
 
-python3 "$here/drive.py" --shim "$shim" --build "$build"
+harness drive.py python3 "$here/drive.py" --shim "$shim" --build "$build" || true
 asan=$(${CC:-cc} -print-file-name=libasan.so)
 if [ -f "$asan" ]; then
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-    python3 "$here/drive.py" --shim "$build/libptxmig-san.so" --preload-first "$(realpath "$asan")" --build "$build"
+    harness drive.py-san python3 "$here/drive.py" --shim "$build/libptxmig-san.so" --preload-first "$(realpath "$asan")" --build "$build" || true
 else
-  echo "shim tests: SKIP sanitized shim run: libasan.so not found for ${CC:-cc}"
+  skip asan drive-san "sanitized shim run: libasan.so not found for ${CC:-cc}"
 fi
-echo "shim tests: ok"
+if [ "$standalone" = 1 ]; then results_summary ""; exit; fi
+[ "$(grep -c '^FAIL' "$SHIM_RESULTS" || true)" = "$fails_before" ]

@@ -2,7 +2,9 @@
 // Zstd entries, 64/80/112-byte entry headers, truncation and mutation fuzzing), the nvcc-made
 // fixtures under the directories named on the command line (testdata/fatbin: CUDA 13, Zstd;
 // testdata/fatbin-cu12: CUDA 12.4, LZ4; index.tsv from gen.sh), ELF sizing, SHA-256 and the request
-// parser. Built and run plain and under ASan+UBSan by `make test`.
+// parser. Built and run plain and under ASan+UBSan by `make test`. Each test ends as PASS, SKIP or
+// FAIL, appended to $SHIM_RESULTS (tests/results.sh) when set; PTXMIG_REQUIRE turns a skip for a
+// listed requirement into a failure.
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +24,64 @@ static int failures;
       fprintf(stderr, "\n");                              \
     }                                                     \
   } while (0)
+
+// ---- results ----
+static const char *prog = "unit_test";
+static char cur_name[320];
+static int cur_failures, cur_skipped, n_passed, n_skipped, n_failed;
+
+static void result(const char *status, const char *detail) {
+  if (strcmp(status, "PASS") != 0) printf("%s %s/%s%s%s\n", status, prog, cur_name, *detail ? ": " : "", detail);
+  const char *path = getenv("SHIM_RESULTS");
+  FILE *f = path && *path ? fopen(path, "a") : NULL;
+  if (f) {
+    fprintf(f, "%s\t%s/%s\t%s\n", status, prog, cur_name, detail);
+    fclose(f);
+  }
+}
+
+static void begin(const char *name) {
+  snprintf(cur_name, sizeof cur_name, "%s", name);
+  cur_failures = failures;
+  cur_skipped = 0;
+}
+
+static void end(void) {
+  char detail[64];
+  if (failures > cur_failures) {
+    snprintf(detail, sizeof detail, "%d checks failed", failures - cur_failures);
+    result("FAIL", detail);
+    n_failed++;
+  } else if (cur_skipped) {
+    n_skipped++;
+  } else {
+    result("PASS", "");
+    n_passed++;
+  }
+}
+
+// required reports whether PTXMIG_REQUIRE (comma-separated) lists need or "all".
+static int required(const char *need) {
+  const char *s = getenv("PTXMIG_REQUIRE");
+  while (s && *s) {
+    while (*s == ',' || *s == ' ') s++;
+    size_t n = strcspn(s, ", ");
+    if ((n == strlen(need) && strncmp(s, need, n) == 0) || (n == 3 && strncmp(s, "all", 3) == 0)) return 1;
+    s += n;
+  }
+  return 0;
+}
+
+// skip ends the current test as skipped, or failed when need (NULL: none) is required.
+static void skip(const char *need, const char *reason) {
+  if (need && required(need)) {
+    failures++;
+    fprintf(stderr, "FAIL %s/%s: required %s unavailable: %s (PTXMIG_REQUIRE)\n", prog, cur_name, need, reason);
+    return;
+  }
+  cur_skipped = 1;
+  result("SKIP", reason);
+}
 
 // The shim's logger and config are referenced by the parser objects linked in.
 shim_config cfg;
@@ -150,6 +210,7 @@ static void test_system_codecs(void) {
   static char text[20000];
   for (size_t i = 0; i < sizeof text - 1; i++) text[i] = "ld.global.f32 %f1, [%rd1];\n"[i % 27];
   text[sizeof text - 1] = 0;
+  begin("lz4 round trip");
   void *lz = dlopen("liblz4.so.1", RTLD_NOW);
   if (lz) {
     int (*comp)(const char *, char *, int, int) = (int (*)(const char *, char *, int, int))dlsym(lz, "LZ4_compress_default");
@@ -166,8 +227,10 @@ static void test_system_codecs(void) {
     if (t.n == 1 && len) free(out);
     free(dst); free(b.p);
   } else {
-    printf("SKIP lz4 round trip: liblz4.so.1 not installed (the hand-made block still ran)\n");
+    skip("lz4", "liblz4.so.1 not installed (the hand-made block still ran)");
   }
+  end();
+  begin("zstd round trip");
   void *zs = dlopen("libzstd.so.1", RTLD_NOW);
   if (zs) {
     size_t (*comp)(void *, size_t, const void *, size_t, int) = (size_t(*)(void *, size_t, const void *, size_t, int))dlsym(zs, "ZSTD_compress");
@@ -189,8 +252,9 @@ static void test_system_codecs(void) {
     if (t.n == 1) CHECK(fb_decode(&t.e[0], &out, &len) == FB_EDECODE, "corrupt zstd payload");
     free(dst); free(b.p);
   } else {
-    printf("SKIP zstd round trip: libzstd.so.1 not installed\n");
+    skip("zstd", "libzstd.so.1 not installed");
   }
+  end();
 }
 
 static uint8_t *slurp(const char *path, size_t *len) {
@@ -213,7 +277,9 @@ static void test_fixtures(const char *dir) {
   snprintf(path, sizeof path, "%s/index.tsv", dir);
   FILE *idx = fopen(path, "r");
   if (!idx) {
-    printf("SKIP fatbin fixtures: %s missing (run shim/testdata/fatbin/gen.sh on a host with nvcc)\n", path);
+    char reason[1200];
+    snprintf(reason, sizeof reason, "%s missing (run shim/testdata/fatbin/gen.sh on a host with nvcc)", path);
+    skip(NULL, reason);
     return;
   }
   char line[1024], cur[256] = "";
@@ -334,17 +400,23 @@ static void test_json(void) {
   free(b.p);
 }
 
+static void run_fixtures(const char *dir) {
+  char name[300];
+  snprintf(name, sizeof name, "fixtures %s", dir);
+  begin(name);
+  test_fixtures(dir);
+  end();
+}
+
 int main(int argc, char **argv) {
-  test_sha256();
-  test_json();
-  test_synthetic();
+  const char *slash = strrchr(argv[0], '/');
+  prog = slash ? slash + 1 : argv[0];
+  begin("sha256"); test_sha256(); end();
+  begin("json"); test_json(); end();
+  begin("synthetic"); test_synthetic(); end();
   test_system_codecs();
-  if (argc < 2) test_fixtures("testdata/fatbin");
-  for (int i = 1; i < argc; i++) test_fixtures(argv[i]);
-  if (failures) {
-    fprintf(stderr, "unit tests: %d failures\n", failures);
-    return 1;
-  }
-  printf("unit tests: ok\n");
-  return 0;
+  if (argc < 2) run_fixtures("testdata/fatbin");
+  for (int i = 1; i < argc; i++) run_fixtures(argv[i]);
+  printf("%s: %d passed, %d skipped, %d failed (%d failed checks)\n", prog, n_passed, n_skipped, n_failed, failures);
+  return failures ? 1 : 0;
 }

@@ -90,13 +90,13 @@ for v in "${variants[@]}"; do
 done
 
 # A host object as nvcc builds it for an application: its constructor registers the wrapper.
-"$NVCC" -c -cudart shared -gencode arch=compute_90,code=[sm_90,compute_90] -Xfatbin -compress-all -o k_host.o "$here/k.cu"
+"$NVCC" -c -cudart shared -gencode "arch=compute_90,code=[sm_90,compute_90]" -Xfatbin -compress-all -o k_host.o "$here/k.cu"
 objcopy -O binary --only-section=.nv_fatbin k_host.o k_host.nv_fatbin
 describe k_host.nv_fatbin yes
 # Relocatable device code lands in __nv_relfatbin.
-"$NVCC" -c -rdc=true -gencode arch=compute_90,code=[sm_90,compute_90] -o "$work/k_rdc.o" "$here/k.cu"
+"$NVCC" -c -rdc=true -gencode "arch=compute_90,code=[sm_90,compute_90]" -o "$work/k_rdc.o" "$here/k.cu"
 objcopy -O binary --only-section=__nv_relfatbin "$work/k_rdc.o" k_rdc.nv_fatbin
-[ -s k_rdc.nv_fatbin ] && describe k_rdc.nv_fatbin any || rm -f k_rdc.nv_fatbin
+if [ -s k_rdc.nv_fatbin ]; then describe k_rdc.nv_fatbin any; else rm -f k_rdc.nv_fatbin; fi
 
 # Cross-check: the embedded PTX equals what nvcc -ptx prints for the same architecture.
 "$NVCC" -ptx -arch=compute_90 -o "$work/k90.ptx" "$here/k.cu"
@@ -107,4 +107,4 @@ grep -q "$s" index.tsv.new && echo "nvcc -ptx compute_90 matches an embedded PTX
 { printf '# file\tkind\tarch\tcompressed\tsha256\tname\n'; cat index.tsv.new; } >index.tsv
 rm -f index.tsv.new
 nm -u k_host.o >>gen.log 2>&1 || true
-echo "gen.sh: $(grep -vc '^#' index.tsv) entries in $(ls *.fatbin *.nv_fatbin | wc -l) files, $(du -sh . | cut -f1) total"
+echo "gen.sh: $(grep -vc '^#' index.tsv) entries in $(find . -maxdepth 1 \( -name '*.fatbin' -o -name '*.nv_fatbin' \) | wc -l) files, $(du -sh . | cut -f1) total"

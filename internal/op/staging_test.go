@@ -1,4 +1,4 @@
-package checkpoint
+package op
 
 import (
 	"errors"
@@ -7,41 +7,15 @@ import (
 	"testing"
 
 	"github.com/ptxmig/ptxmig/internal/oplock"
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
-
-func TestProcKB(t *testing.T) {
-	dir := t.TempDir()
-	path := filepath.Join(dir, "status")
-	content := "Name:\tcat\nVmRSS:\t    2048 kB\nMemAvailable:   bad kB\nHuge:\t18446744073709551615 kB\n"
-	if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	tests := []struct {
-		path, key string
-		want      uint64
-	}{
-		{path, "VmRSS:", 2 << 20},
-		{path, "MemAvailable:", 0}, // does not parse
-		{path, "Huge:", 0},         // would overflow in bytes
-		{path, "VmSwap:", 0},       // missing
-		{filepath.Join(dir, "none"), "VmRSS:", 0},
-	}
-	for _, tt := range tests {
-		if got := procKB(tt.path, tt.key); got != tt.want {
-			t.Errorf("procKB(%s, %q) = %d, want %d", filepath.Base(tt.path), tt.key, got, tt.want)
-		}
-	}
-	if rssBytes(os.Getpid()) == 0 {
-		t.Error("rssBytes(self) = 0")
-	}
-}
 
 // TestChooseStagingRefusesUnsafeRoot checks that a staging root another user could control is
 // refused before CRIU writes process memory into it: a symlink (to anywhere) and a directory
 // owned by another user.
 func TestChooseStagingRefusesUnsafeRoot(t *testing.T) {
 	if os.Geteuid() != 0 {
-		t.Skip("needs root to create a directory owned by another user")
+		testreq.Skip(t, "root", "needs root to create a directory owned by another user")
 	}
 	dir := t.TempDir()
 	link := filepath.Join(dir, "link")

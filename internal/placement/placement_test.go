@@ -1,4 +1,4 @@
-package restore
+package placement
 
 import (
 	"errors"
@@ -271,11 +271,11 @@ func TestAssumeVisible(t *testing.T) {
 		t.Errorf("other host: %+v accepted; its GPUs cannot be named", v)
 	}
 	meta := store.Metadata{GPUs: []store.GPU{src(0, u0, 1)}, Visible: []store.GPU{src(0, u0, 1)}}
-	if v, assumed := recordedVisible(meta, two); assumed || len(v) != 1 {
+	if v, assumed := RecordedVisible(meta, two); assumed || len(v) != 1 {
 		t.Errorf("recorded set: %+v, assumed %v", v, assumed)
 	}
 	meta.Visible = nil
-	if v, assumed := recordedVisible(meta, two); !assumed || len(v) != 2 {
+	if v, assumed := RecordedVisible(meta, two); !assumed || len(v) != 2 {
 		t.Errorf("older image: %+v, assumed %v", v, assumed)
 	}
 }
@@ -288,5 +288,24 @@ func TestPairString(t *testing.T) {
 	p.Used = false
 	if !strings.HasSuffix(p.String(), "[visible]") {
 		t.Errorf("String() = %q, want [visible]", p.String())
+	}
+}
+
+func TestCheckRoom(t *testing.T) {
+	devs := []gpu.Device{dev(0, u0, "NVIDIA H200", 0), dev(1, u1, "NVIDIA H200", 0)}
+	pairs, err := PlanPairs([]store.GPU{src(0, u0, 1)}, StoreGPUs(devs, nil), devs, []int{1}, nil, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := CheckRoom(pairs, devs, true); err != nil {
+		t.Fatalf("room available: %v", err)
+	}
+	full := []gpu.Device{devs[0], devs[1]}
+	full[1].MemoryUsed = full[1].MemoryTotal
+	if err := CheckRoom(pairs, full, true); !errors.Is(err, ErrNoRoom) {
+		t.Fatalf("full target: err = %v, want ErrNoRoom", err)
+	}
+	if err := CheckRoom(pairs, devs[:1], true); !errors.Is(err, ErrBadTarget) {
+		t.Fatalf("vanished target: err = %v, want ErrBadTarget", err)
 	}
 }

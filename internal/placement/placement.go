@@ -1,7 +1,7 @@
-// Package restore brings images back as running processes (Restore) and moves live CUDA
-// processes between GPUs in place (Migrate), with preflight checks that refuse before anything is
-// touched and rollback when a later step fails.
-package restore
+// Package placement decides where each GPU of a process goes when it is restored or migrated:
+// the pairs the driver needs (one per GPU the process sees, a bijection onto same-chip GPUs) and
+// the checks on the targets (present, same chip, free memory). Pure functions of their inputs.
+package placement
 
 import (
 	"errors"
@@ -10,18 +10,17 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/store"
 )
 
-// Preflight sentinels (each also wraps checkpoint.ErrRefused when returned by Restore/Migrate).
+// Preflight sentinels (each also wraps op.ErrRefused when returned by restore or migrate).
 var (
 	ErrChipMismatch = errors.New("target GPU is a different chip type")
 	ErrNoRoom       = errors.New("not enough free GPU memory")
 	ErrBadTarget    = errors.New("bad GPU target")
-	ErrPIDInUse     = errors.New("the original PID is in use")
 	// ErrTooFewGPUs: the process saw more GPUs than the target host has of the same chip, and the
 	// driver needs a distinct target for every GPU the process saw.
 	ErrTooFewGPUs = errors.New("too few GPUs to pair every GPU of the source host")
@@ -80,7 +79,7 @@ func PlanPairs(used, visible []store.GPU, devs []gpu.Device, targets []int, gpuM
 	if err != nil || len(pairs) == 0 {
 		return pairs, err
 	}
-	moves := anyMove(pairs)
+	moves := AnyMove(pairs)
 	rest, err := completeVisible(pairs, visible, devs)
 	switch {
 	case err == nil:
@@ -180,15 +179,6 @@ func planUsed(src []store.GPU, devs []gpu.Device, targets []int, gpuMap map[stri
 		pairs = append(pairs, Pair{From: s, To: to, Used: true})
 	}
 	return pairs, nil
-}
-
-func anyMove(pairs []Pair) bool {
-	for _, p := range pairs {
-		if !p.Identity() {
-			return true
-		}
-	}
-	return false
 }
 
 // completeVisible pairs the visible GPUs the process does not use, so that together with the
@@ -339,10 +329,7 @@ func mapped(m map[string]string, s store.GPU) string {
 }
 
 func sameChip(s store.GPU, d gpu.Device) bool {
-	if s.Name != "" && !strings.EqualFold(s.Name, d.Name) {
-		return false
-	}
-	return s.ComputeCap == "" || s.ComputeCap == d.ComputeCap
+	return gpu.SameChip(s.Name, s.ComputeCap, d.Name, d.ComputeCap)
 }
 
 func srcList(src []store.GPU) string {
@@ -387,7 +374,7 @@ func DriverPairs(pairs []Pair) ([]cudackpt.Pair, error) {
 			return nil, fmt.Errorf("%w: target GPU %d: %w", ErrBadTarget, p.To.Index, err)
 		}
 		if olds[o] || news[n] {
-			return nil, fmt.Errorf("%w: the pairs are not a one-to-one mapping (%s)", ErrBadTarget, pairText(pairs))
+			return nil, fmt.Errorf("%w: the pairs are not a one-to-one mapping (%s)", ErrBadTarget, PairText(pairs))
 		}
 		olds[o], news[n] = true, true
 		out = append(out, cudackpt.Pair{Old: o, New: n})
@@ -431,4 +418,37 @@ func ParseGPUMap(s string) (map[string]string, error) {
 }
 
 // human formats n like the rest of ptxmig's output.
-func human(n uint64) string { return checkpoint.HumanBytes(int64(n)) }
+func human(n uint64) string { return bytesize.FormatU(n) }
+
+// PairText lists pairs on one line.
+func PairText(pairs []Pair) string {
+	parts := make([]string, len(pairs))
+	for i, p := range pairs {
+		parts[i] = p.String()
+	}
+	return strings.Join(parts, "; ")
+}
+
+// AnyMove reports whether some pair changes GPU.
+func AnyMove(pairs []Pair) bool {
+	for _, p := range pairs {
+		if !p.Identity() {
+			return true
+		}
+	}
+	return false
+}
+
+// RecordedVisible is the image's visible-GPU set; for images without one (older ptxmig), every
+// GPU of this host when the image was made here (assumed is then true), else nil (a move is
+// then refused: the other host's GPUs cannot be named).
+func RecordedVisible(meta store.Metadata, devs []gpu.Device) (visible []store.GPU, assumed bool) {
+	if len(meta.Visible) > 0 {
+		return meta.Visible, false
+	}
+	v, ok := AssumeVisible(meta.GPUs, devs)
+	if !ok {
+		return nil, false
+	}
+	return v, true
+}

@@ -1,16 +1,13 @@
-// Package checkpoint saves a running process — its GPU state through the NVIDIA driver's
-// checkpoint API, the process itself through CRIU — into the image store, as one transaction
-// that rolls back on any failure (see Execute).
-package checkpoint
+// Package op is the operation core that checkpoint, restore and migrate share: the environment
+// (driver, NVML, CRIU, store), the step/undo transaction (Execute), preflight refusals, staging
+// directories, the driver steps with their undos, the failure logs and the image conventions
+// (kinds, extra keys, the process tree) that checkpoint writes and restore reads.
+package op
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"log/slog"
 	"os"
-	"strings"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -20,16 +17,6 @@ import (
 	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/store"
 )
-
-// ErrRefused marks preflight refusals: nothing was touched.
-var ErrRefused = errors.New("refused")
-
-// Refusal is a preflight failure; it wraps ErrRefused and the cause.
-type Refusal struct{ Err error }
-
-func (r *Refusal) Error() string            { return r.Err.Error() }
-func (r *Refusal) Unwrap() []error          { return []error{ErrRefused, r.Err} }
-func refusef(format string, a ...any) error { return &Refusal{Err: fmt.Errorf(format, a...)} }
 
 // Driver is the part of the NVIDIA driver API the flows use (cudackpt.Driver implements it).
 type Driver interface {
@@ -69,10 +56,22 @@ type Env struct {
 	Hook        Hook // runs before each step; tests inject failures with it
 	Log         *slog.Logger
 	Euid        int
+	// UsesCUDA reports whether a process has the CUDA driver loaded; nil means
+	// gpu.MapsCUDA. Tests with a fake driver make CPU processes count as CUDA ones.
+	UsesCUDA func(pid int) (bool, error)
 }
 
-// logger is e.Log, or slog's default when unset.
-func (e *Env) logger() *slog.Logger {
+// IsCUDA applies e.UsesCUDA (or gpu.MapsCUDA) to pid.
+func (e *Env) IsCUDA(pid int) (bool, error) {
+	if e.UsesCUDA != nil {
+		return e.UsesCUDA(pid)
+	}
+	cuda, _, err := gpu.MapsCUDA(pid)
+	return cuda, err
+}
+
+// Logger is e.Log, or slog's default when unset.
+func (e *Env) Logger() *slog.Logger {
 	if e.Log == nil {
 		return slog.Default()
 	}
@@ -98,13 +97,18 @@ func ReadHostInfo(drv *gpu.DriverInfo) HostInfo {
 	return h
 }
 
-// NewEnv opens the real components: the driver (cuInit), NVML, CRIU and the store at storeDir.
-// Missing GPU components are recorded, not fatal: a CPU process needs only CRIU. Close releases.
+// NewEnv opens the real components: the driver (cuInit), NVML, CRIU and the store at storeDir
+// ("" opens no store: migrate needs none). It refuses a non-root caller first, before anything
+// (the store included) is opened or created. Missing GPU components are recorded, not fatal: a
+// CPU process needs only CRIU. The returned func releases what was opened.
 func NewEnv(ctx context.Context, storeDir string, log *slog.Logger) (*Env, func(), error) {
 	if log == nil {
 		log = slog.Default()
 	}
 	env := &Env{Log: log, Euid: os.Geteuid()}
+	if err := env.RequireRoot("ptxmig"); err != nil {
+		return nil, func() {}, err
+	}
 	closers := []func(){}
 	closeAll := func() {
 		for i := len(closers) - 1; i >= 0; i-- {
@@ -114,7 +118,7 @@ func NewEnv(ctx context.Context, storeDir string, log *slog.Logger) (*Env, func(
 	if storeDir != "" {
 		st, err := store.Open(storeDir)
 		if err != nil {
-			return nil, closeAll, refusef("store %s: %w", storeDir, err)
+			return nil, closeAll, Refusef("store %s: %w", storeDir, err)
 		}
 		env.Store = st
 	}
@@ -143,65 +147,11 @@ func NewEnv(ctx context.Context, storeDir string, log *slog.Logger) (*Env, func(
 	return env, closeAll, nil
 }
 
-// ProcessAlive reports whether pid exists and is not a zombie.
-func ProcessAlive(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	return i < 0 || i+2 >= len(s) || s[i+2] != 'Z'
-}
-
-// WaitGone waits until pid no longer exists (not even as a zombie), up to timeout.
-func WaitGone(ctx context.Context, pid int, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for {
-		if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); errors.Is(err, os.ErrNotExist) {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("pid %d still exists after %s", pid, timeout)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(20 * time.Millisecond):
-		}
-	}
-}
-
-// KillAndWait sends SIGKILL and waits until pid is dead (a zombie counts as dead).
-func KillAndWait(pid int, timeout time.Duration) error {
-	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
-		return fmt.Errorf("kill pid %d: %w", pid, err)
-	}
-	deadline := time.Now().Add(timeout)
-	for ProcessAlive(pid) {
-		if time.Now().After(deadline) {
-			return fmt.Errorf("pid %d still alive %s after SIGKILL", pid, timeout)
-		}
-		time.Sleep(10 * time.Millisecond)
+// RequireRoot refuses when the caller is not root: every operation reads, freezes or recreates
+// another process, and the store holds process memory.
+func (e *Env) RequireRoot(what string) error {
+	if e.Euid != 0 {
+		return Refusef("%s must run as root: it reads, freezes and recreates other processes, and its store holds their memory (euid %d)", what, e.Euid)
 	}
 	return nil
-}
-
-// Comm returns /proc/PID/comm.
-func Comm(pid int) string {
-	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
-	return strings.TrimSpace(string(b))
-}
-
-// processState reads the state letter of /proc/PID/stat ('R', 'S', 'T', 'Z', ...).
-func processState(pid int) byte {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0
-	}
-	i := strings.LastIndexByte(string(b), ')')
-	if i < 0 || i+2 >= len(b) {
-		return 0
-	}
-	return b[i+2]
 }

@@ -1,0 +1,401 @@
+// Package checkpoint saves a running process tree — the GPU state of its CUDA processes through
+// the NVIDIA driver's checkpoint API, the processes themselves through CRIU — into the image
+// store. Plan checks everything that can be checked without touching the processes and returns
+// what would be done; Execute runs it as one transaction of the operation core (internal/op)
+// that rolls back on any failure.
+package checkpoint
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"regexp"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ptxmig/ptxmig/internal/bytesize"
+	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/store"
+)
+
+// Step names of a checkpoint, in order (the driver steps run only for CUDA processes).
+const (
+	StepLock       = op.StepLock
+	StepCheckpoint = op.StepCheckpoint
+	StepDump       = "dump"
+	StepRestore    = op.StepDriverRestore
+	StepUnlock     = op.StepUnlock
+	StepStore      = "store"
+	StepFinish     = "finish"
+)
+
+// Options of one checkpoint.
+type Options struct {
+	PID            int
+	Name           string        // image name; "" picks COMM-PID-YYYYMMDD-HHMMSS
+	NameSet        bool          // Name was given explicitly (so "" is an error, not "pick one")
+	LeaveRunning   bool          // the processes continue after the checkpoint
+	LockTimeout    time.Duration // driver lock timeout (0: wait forever)
+	TCPEstablished bool
+	ShellJob       bool   // force CRIU's shell-job mode (it is turned on by itself when needed)
+	KeepStaging    bool   // keep the CRIU image directory after a successful store
+	StagingRoot    string // where the staging directory goes; default: tmpfs when memory allows
+	// PrestageWorkers store the dump's chunks while CRIU writes them (store.Prestage): 0 means
+	// half the CPUs, a negative value stores only after the dump.
+	PrestageWorkers int
+	Progress        func(done, total int64)
+}
+
+// Estimate is what a checkpoint is expected to move and how long it may take. The time assumes
+// the driver's measured device-to-host rate and CRIU's dump rate (docs/BENCHMARKS.md); it is a
+// guide for operators, not a promise.
+type Estimate struct {
+	HostBytes uint64        `json:"host_bytes"` // resident memory of the tree
+	GPUBytes  uint64        `json:"gpu_bytes"`  // device memory of its CUDA processes
+	Duration  time.Duration `json:"duration_ns"`
+}
+
+// Assumed rates of the estimate: driver 580 copies device memory out at ~1.7 GB/s; CRIU dumps
+// ~1.1 GB/s into tmpfs (bench-cr.sh, H100 and H200, 2026-11).
+const (
+	rateDeviceToHost = 1.7e9
+	rateDump         = 1.1e9
+)
+
+// Plan is a checked checkpoint: everything Execute will do, decided before anything is touched.
+type Plan struct {
+	PID            int           `json:"pid"`
+	Image          string        `json:"image"`
+	Kind           string        `json:"kind"`
+	Tree           []op.TreeProc `json:"tree"`
+	CUDAPIDs       []int         `json:"cuda_pids,omitempty"`
+	GPUs           []store.GPU   `json:"gpus,omitempty"`
+	Visible        []store.GPU   `json:"visible_gpus,omitempty"`
+	ShellJob       bool          `json:"shell_job"`
+	ShellJobReason string        `json:"shell_job_reason,omitempty"` // why it was turned on by itself
+	LeaveRunning   bool          `json:"left_running"`
+	StagingRoot    string        `json:"staging_root"`
+	Estimate       Estimate      `json:"estimate"`
+	Steps          []op.PlanStep `json:"steps"`
+
+	opts Options
+	meta store.Metadata
+}
+
+// PlanCheckpoint checks o against the world without touching any process or writing anything,
+// and returns the plan. Every failure is a refusal (op.ErrRefused).
+func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
+	if err := env.RequireRoot("ptxmig checkpoint"); err != nil {
+		return nil, err
+	}
+	self := os.Getpid()
+	if o.PID <= 1 || o.PID == self {
+		return nil, op.Refusef("pid %d cannot be checkpointed", o.PID)
+	}
+	if slices.Contains(proc.Ancestors(self), o.PID) {
+		return nil, op.Refusef("pid %d is an ancestor of ptxmig itself (%s): checkpointing it would freeze ptxmig; "+
+			"run ptxmig from outside that process tree", o.PID, proc.Comm(o.PID))
+	}
+	if !proc.Alive(o.PID) {
+		return nil, op.Refusef("no running process with pid %d", o.PID)
+	}
+	if env.CRIU == nil {
+		return nil, op.Refusef("CRIU is not usable: %v", env.CRIUErr)
+	}
+	if env.Store == nil {
+		return nil, op.Refusef("no image store")
+	}
+	stats, err := proc.Tree(o.PID)
+	if err != nil {
+		return nil, op.Refusef("read the process tree of pid %d: %w", o.PID, err)
+	}
+	if i := slices.IndexFunc(stats, func(s proc.Stat) bool { return s.PID == self }); i >= 0 {
+		return nil, op.Refusef("ptxmig itself runs inside the tree of pid %d", o.PID)
+	}
+	p := &Plan{PID: o.PID, LeaveRunning: o.LeaveRunning, opts: o}
+	if p.Image, err = imageName(env.Store, o, stats[0].Comm, time.Now()); err != nil {
+		return nil, err
+	}
+	cuda := map[int]bool{}
+	for _, s := range stats {
+		is, err := usesCUDA(env, s.PID)
+		if err != nil {
+			return nil, err
+		}
+		if is {
+			cuda[s.PID] = true
+			p.CUDAPIDs = append(p.CUDAPIDs, s.PID)
+		}
+	}
+	p.Tree = op.TreeOf(stats, cuda)
+	p.ShellJob = o.ShellJob
+	if reason := ShellJobReason(stats); reason != "" && !o.ShellJob {
+		p.ShellJob, p.ShellJobReason = true, reason
+	}
+	comm := stats[0].Comm
+	p.Kind = op.KindCPU
+	p.meta = store.Metadata{
+		Kind: op.KindCPU, Host: env.Host.Host, Kernel: env.Host.Kernel, CRIU: env.CRIUVersion,
+		PID: o.PID, Cmdline: proc.Cmdline("", o.PID),
+		Extra: map[string]string{op.ExtraComm: comm, op.ExtraTree: op.EncodeTree(p.Tree)},
+	}
+	if p.ShellJob {
+		p.meta.Extra[op.ExtraShellJob] = "true"
+	}
+	if o.TCPEstablished {
+		p.meta.Extra[op.ExtraTCPEstablished] = "true"
+	}
+	if o.LeaveRunning {
+		p.meta.Extra[op.ExtraLeftRunning] = "true"
+	}
+	if len(p.CUDAPIDs) > 0 {
+		p.Kind, p.meta.Kind = op.KindCUDA, op.KindCUDA
+		p.meta.Driver, p.meta.CUDA = env.Host.Driver, env.Host.CUDA
+		if p.GPUs, p.Visible, err = treeGPUs(env, p.CUDAPIDs); err != nil {
+			return nil, op.Refusef("pid %d: find its GPUs: %w", o.PID, err)
+		}
+		p.meta.GPUs, p.meta.Visible = p.GPUs, p.Visible
+		for _, g := range p.GPUs {
+			p.Estimate.GPUBytes += g.MemoryBytes
+		}
+	}
+	for _, s := range stats {
+		p.Estimate.HostBytes += proc.RSS(s.PID)
+	}
+	total := p.Estimate.HostBytes + p.Estimate.GPUBytes
+	p.Estimate.Duration = time.Duration((float64(p.Estimate.GPUBytes)/rateDeviceToHost + float64(total)/rateDump) * float64(time.Second))
+	if err := checkWritable(env.Store.Dir(), total); err != nil {
+		return nil, err
+	}
+	if p.StagingRoot, err = op.ChooseStaging(o.StagingRoot, total, p.Estimate.GPUBytes); err != nil {
+		return nil, err
+	}
+	p.Steps = p.describe()
+	return p, nil
+}
+
+// usesCUDA decides whether pid's GPU state must go through the driver: libcuda is loaded and the
+// driver knows a CUDA context in the running state.
+func usesCUDA(env *op.Env, pid int) (bool, error) {
+	cuda, err := env.IsCUDA(pid)
+	if err != nil {
+		return false, op.Refusef("read /proc/%d/maps: %w", pid, err)
+	}
+	if !cuda {
+		return false, nil
+	}
+	if env.Driver == nil {
+		return false, op.Refusef("pid %d uses CUDA but the NVIDIA driver cannot be used: %v", pid, env.DriverErr)
+	}
+	st, err := env.Driver.State(pid)
+	switch {
+	case errors.Is(err, cudackpt.ErrNotCUDA):
+		env.Logger().Info("libcuda is loaded but the driver knows no CUDA state; checkpointing with CRIU alone", "pid", pid)
+		return false, nil
+	case err != nil:
+		return false, op.Refusef("pid %d: checkpoint state: %w", pid, err)
+	case st != cudackpt.Running:
+		return false, op.Refusef("pid %d is %s, not running: another tool (or a failed checkpoint) holds it; "+
+			"ptxmig only starts from a running process", pid, st)
+	}
+	return true, nil
+}
+
+// ShellJobReason says why CRIU must treat the tree as a shell job ("" when it need not): a
+// process belongs to a session or process group whose leader is outside the tree (a job started
+// from a shell, or by `ptxmig run` from one), or has a controlling terminal. CRIU refuses to dump
+// such a tree unless told, and then restores it into the restorer's session.
+func ShellJobReason(tree []proc.Stat) string {
+	in := map[int]bool{}
+	for _, s := range tree {
+		in[s.PID] = true
+	}
+	for _, s := range tree {
+		switch {
+		case s.TTY != 0:
+			return fmt.Sprintf("pid %d has a controlling terminal", s.PID)
+		case !in[s.SID]:
+			return fmt.Sprintf("pid %d belongs to session %d, whose leader is outside the tree (not a session leader: started from a shell)", s.PID, s.SID)
+		case !in[s.PGID]:
+			return fmt.Sprintf("pid %d belongs to process group %d, whose leader is outside the tree", s.PID, s.PGID)
+		}
+	}
+	return ""
+}
+
+// idLike matches names that store.Get would also read as an image id prefix.
+var idLike = regexp.MustCompile(`^[0-9a-f]{4,64}$`)
+
+// imageName picks and checks the image name: an explicit name must be valid, not look like an
+// image id (4 to 64 lower-case hex digits: `restore NAME` must never be ambiguous with an id
+// prefix), and be free; a default name gets a suffix when taken.
+func imageName(st op.ImageStore, o Options, comm string, now time.Time) (string, error) {
+	if o.NameSet || o.Name != "" {
+		name := o.Name
+		if name == "" {
+			return "", op.Refusef("--name is empty: give a name, or leave --name out for COMM-PID-DATE-TIME")
+		}
+		if err := store.ValidateName(name); err != nil {
+			return "", op.Refusef("--name %q: %w", name, err)
+		}
+		if idLike.MatchString(name) {
+			return "", op.Refusef("--name %q: a name of 4 to 64 hex digits could be read as an image id; add a letter outside a-f", name)
+		}
+		if m, err := st.Get(name); err == nil && m.Name == name {
+			return "", op.Refusef("--name %q: an image of that name exists (id %.12s, made %s); pick another name or remove it with `ptxmig image rm %s`",
+				name, m.ID, m.Created.Format(time.RFC3339), name)
+		}
+		return name, nil
+	}
+	base := DefaultName(comm, o.PID, now)
+	name := base
+	for n := 2; ; n++ {
+		if m, err := st.Get(name); err != nil || m.Name != name {
+			return name, nil
+		}
+		if n > 99 {
+			return "", op.Refusef("default image names %s…-%d are all taken", base, n-1)
+		}
+		name = fmt.Sprintf("%s-%d", base, n)
+	}
+}
+
+var nameBad = regexp.MustCompile(`[^A-Za-z0-9._+@-]+`)
+
+// DefaultName is COMM-PID-YYYYMMDD-HHMMSS with characters the store refuses replaced.
+func DefaultName(comm string, pid int, t time.Time) string {
+	c := strings.Trim(nameBad.ReplaceAllString(comm, "_"), "._+@-")
+	if c == "" {
+		c = "proc"
+	}
+	return fmt.Sprintf("%s-%d-%s", c, pid, t.UTC().Format("20060102-150405"))
+}
+
+// treeGPUs lists the GPUs the CUDA processes use (NVML's compute processes; else their open
+// /dev/nvidiaN), with the memory each uses (MemoryBytes: what a restore needs free), and the GPUs
+// their CUDA driver enumerates (visible), which a restore onto other GPUs must all pair. MIG
+// (CUDA_VISIBLE_DEVICES naming MIG instances) is refused.
+func treeGPUs(env *op.Env, pids []int) (used, visible []store.GPU, err error) {
+	if env.GPUs == nil {
+		return nil, nil, nil
+	}
+	devs, err := env.GPUs.Devices()
+	if err != nil {
+		return nil, nil, err
+	}
+	byUUID := map[string]*store.GPU{}
+	add := func(d gpu.Device, mem uint64) {
+		k := strings.ToLower(d.UUID)
+		if g, ok := byUUID[k]; ok {
+			g.MemoryBytes += mem
+			return
+		}
+		byUUID[k] = &store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem}
+	}
+	for _, pid := range pids {
+		// The driver's restore needs a pair for every GPU of the host (see gpu.DriverSet), so the
+		// environment matters only for MIG, which cannot be paired.
+		if _, err := gpu.VisibleTo(pid, devs); errors.Is(err, gpu.ErrMIG) {
+			return nil, nil, fmt.Errorf("pid %d: %w", pid, err)
+		}
+		uses := gpu.UsedBy(devs, pid)
+		for _, u := range uses {
+			add(u.Device, u.Memory)
+		}
+		if len(uses) == 0 {
+			if pi, ok := gpu.Inspect(pid); ok {
+				for _, m := range pi.Minors {
+					for _, d := range devs {
+						if d.Minor == m {
+							add(d, 0)
+						}
+					}
+				}
+			}
+		}
+	}
+	for _, g := range byUUID {
+		used = append(used, *g)
+	}
+	sort.Slice(used, func(i, j int) bool { return used[i].Index < used[j].Index })
+	mem := map[string]uint64{}
+	for _, u := range used {
+		mem[strings.ToLower(u.UUID)] = u.MemoryBytes
+	}
+	for _, d := range gpu.DriverSet(devs) {
+		visible = append(visible, store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem[strings.ToLower(d.UUID)]})
+	}
+	return used, visible, nil
+}
+
+func checkWritable(dir string, estimate uint64) error {
+	if err := unix.Access(dir, unix.W_OK); err != nil {
+		return op.Refusef("store %s is not writable: %w", dir, err)
+	}
+	free, err := op.FreeBytes(dir)
+	if err != nil {
+		return op.Refusef("store %s: %w", dir, err)
+	}
+	if free < estimate {
+		return op.Refusef("store %s has %s free, the image may need up to %s (process memory + GPU memory)",
+			dir, bytesize.FormatU(free), bytesize.FormatU(estimate))
+	}
+	return nil
+}
+
+// describe lists the plan's steps for --dry-run.
+func (p *Plan) describe() []op.PlanStep {
+	tree := pidList(op.TreePIDs(p.Tree, false))
+	var s []op.PlanStep
+	add := func(step, format string, a ...any) {
+		s = append(s, op.PlanStep{Step: step, Action: fmt.Sprintf(format, a...)})
+	}
+	if len(p.CUDAPIDs) > 0 {
+		add(StepLock, "driver lock of pid %s (waits up to %s for running kernels)", pidList(p.CUDAPIDs), timeoutText(p.opts.LockTimeout))
+		add(StepCheckpoint, "driver checkpoint: copy %s of GPU memory to host memory, release the GPUs", bytesize.FormatU(p.Estimate.GPUBytes))
+	}
+	mode := "leave the tree stopped"
+	if p.LeaveRunning {
+		mode = "then resume the tree"
+	}
+	sj := ""
+	if p.ShellJob {
+		sj = ", as a shell job"
+		if p.ShellJobReason != "" {
+			sj += " (" + p.ShellJobReason + ")"
+		}
+	}
+	add(StepDump, "CRIU dump of pid %s (%s resident)%s into %s; %s", tree, bytesize.FormatU(p.Estimate.HostBytes), sj, p.StagingRoot, mode)
+	if p.LeaveRunning && len(p.CUDAPIDs) > 0 {
+		add(StepRestore, "driver restore of pid %s onto the same GPUs", pidList(p.CUDAPIDs))
+		add(StepUnlock, "driver unlock of pid %s", pidList(p.CUDAPIDs))
+	}
+	add(StepStore, "store the image as %q (chunked, deduplicated, compressed)", p.Image)
+	if !p.LeaveRunning {
+		add(StepFinish, "end every process of the tree (pid %s)", tree)
+	}
+	add("on failure", "roll back: resume every stopped process, restore and unlock the GPUs; the tree runs on")
+	return s
+}
+
+func pidList(pids []int) string {
+	parts := make([]string, len(pids))
+	for i, p := range pids {
+		parts[i] = fmt.Sprint(p)
+	}
+	return strings.Join(parts, ", ")
+}
+
+func timeoutText(d time.Duration) string {
+	if d <= 0 {
+		return "no limit"
+	}
+	return d.String()
+}

@@ -1,0 +1,230 @@
+package checkpoint_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"reflect"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/cudackpt/cudackpttest"
+	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/testproc"
+	"github.com/ptxmig/ptxmig/restore"
+)
+
+// shellCounter starts the issue's repro: a bash loop that counts into a file and forks a sleep
+// child every 50 ms. setsid makes the shell a session leader; without it the tree belongs to
+// the test's session (a shell job).
+func shellCounter(t *testing.T, dir string, setsid bool) (pid int, counter string) {
+	t.Helper()
+	counter = filepath.Join(dir, "count")
+	script := `i=0; while :; do i=$((i+1)); echo $i > ` + counter + `; sleep 0.05; done`
+	cmd := exec.Command("bash", "-c", script)
+	null, err := os.OpenFile(os.DevNull, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer null.Close()
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = null, null, null
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: setsid}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = cmd.Wait() }()
+	pid = cmd.Process.Pid
+	t.Cleanup(func() { killTree(pid) })
+	waitCount(t, counter, 3)
+	return pid, counter
+}
+
+func killTree(root int) {
+	if tree, err := proc.Tree(root); err == nil {
+		_ = proc.Kill(proc.PIDs(tree), 5*time.Second)
+	}
+}
+
+func readCount(path string) int {
+	b, _ := os.ReadFile(path)
+	n, _ := strconv.Atoi(strings.TrimSpace(string(b)))
+	return n
+}
+
+// waitCount waits until the counter reaches at least n and returns it.
+func waitCount(t *testing.T, path string, n int) int {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		if c := readCount(path); c >= n {
+			return c
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("counter %s stuck at %d, want >= %d", path, readCount(path), n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// noneStopped fails when a pid of tree is left stopped (the bug: children left in state T).
+func noneStopped(t *testing.T, tree []op.TreeProc) {
+	t.Helper()
+	for _, p := range tree {
+		if s, err := proc.ReadStat(p.PID); err == nil && s.Stopped() {
+			t.Errorf("pid %d (%s) left stopped", p.PID, p.Comm)
+		}
+	}
+}
+
+// TestShellTreeCheckpointRestore: a shell with children checkpoints (the whole tree is saved and
+// ended: no stopped strays), restores under the same pids, and keeps counting from where it was.
+func TestShellTreeCheckpointRestore(t *testing.T) {
+	for _, setsid := range []bool{true, false} {
+		t.Run(map[bool]string{true: "session leader", false: "shell job"}[setsid], func(t *testing.T) {
+			f := setup(t)
+			pid, counter := shellCounter(t, f.dir, setsid)
+			res, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: pid, Name: "tree", StagingRoot: f.stage})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.ShellJob == setsid || (res.ShellJobReason == "") == !setsid {
+				t.Errorf("shell job %v (%q), want %v", res.ShellJob, res.ShellJobReason, !setsid)
+			}
+			if res.Tree[0].PID != pid {
+				t.Fatalf("tree %+v does not start at %d", res.Tree, pid)
+			}
+			for _, p := range res.Tree {
+				if proc.Alive(p.PID) {
+					t.Errorf("pid %d (%s) still alive after the checkpoint", p.PID, p.Comm)
+				}
+			}
+			atDump := readCount(counter)
+			time.Sleep(200 * time.Millisecond)
+			if c := readCount(counter); c != atDump {
+				t.Fatalf("counter moved from %d to %d after the checkpoint ended the tree", atDump, c)
+			}
+			m, err := f.st.Get("tree")
+			if err != nil {
+				t.Fatal(err)
+			}
+			tree, err := op.ImageTree(m.Meta)
+			if err != nil || len(tree) != len(res.Tree) {
+				t.Fatalf("manifest tree %+v (%v), want %d processes", tree, err, len(res.Tree))
+			}
+			r := f.restore(t, "tree")
+			t.Cleanup(func() { killTree(r.PID) })
+			if r.PID != pid {
+				t.Fatalf("restored as %d, want %d", r.PID, pid)
+			}
+			if c := waitCount(t, counter, atDump+5); c < atDump {
+				t.Fatalf("counter restarted: %d < %d", c, atDump)
+			}
+			noneStopped(t, r.Tree)
+		})
+	}
+}
+
+// TestShellTreeRollback: a store failure after the dump resumes every process of the tree, not
+// just the root, and the counter keeps counting.
+func TestShellTreeRollback(t *testing.T) {
+	f := setup(t)
+	pid, counter := shellCounter(t, f.dir, true)
+	f.env.Hook = func(_ context.Context, step string) error {
+		if step == checkpoint.StepStore {
+			return errors.New("injected store failure")
+		}
+		return nil
+	}
+	_, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: pid, Name: "never", StagingRoot: f.stage})
+	var fl *op.Failure
+	if !errors.As(err, &fl) || !fl.RolledBack() {
+		t.Fatalf("err = %v, want a rolled-back failure", err)
+	}
+	tree, _ := proc.Tree(pid)
+	noneStopped(t, op.TreeOf(tree, nil))
+	c := readCount(counter)
+	waitCount(t, counter, c+5)
+}
+
+// TestFakeDriverSteps runs checkpoint and restore of a real process through real CRIU with the
+// fake driver standing in for its CUDA state: every failure point ends with the process running
+// and the driver's state back at running, and the driver calls are the ones the design says.
+func TestFakeDriverSteps(t *testing.T) {
+	injected := errors.New("injected")
+	tests := []struct {
+		name         string
+		leaveRunning bool
+		driverFail   string // fake driver call that fails once
+		hookFail     string // step failed by the hook
+		wantCalls    []string
+		wantErr      bool
+	}{
+		{name: "checkpoint and end", wantCalls: []string{"lock", "checkpoint"}},
+		{name: "leave running", leaveRunning: true, wantCalls: []string{"lock", "checkpoint", "restore", "unlock"}},
+		{name: "lock fails", driverFail: "lock", wantErr: true, wantCalls: []string{"lock"}},
+		{name: "checkpoint fails", driverFail: "checkpoint", wantErr: true, wantCalls: []string{"lock", "checkpoint", "unlock"}},
+		{name: "dump fails", hookFail: checkpoint.StepDump, wantErr: true, wantCalls: []string{"lock", "checkpoint", "restore", "unlock"}},
+		{name: "store fails", hookFail: checkpoint.StepStore, wantErr: true, wantCalls: []string{"lock", "checkpoint", "restore", "unlock"}},
+		{name: "leave running, store fails", leaveRunning: true, hookFail: checkpoint.StepStore, wantErr: true,
+			wantCalls: []string{"lock", "checkpoint", "restore", "unlock"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := setup(t)
+			p, m := f.start(t, "state")
+			drv := cudackpttest.New("GPU-00000000-0000-0000-0000-000000000000", nil, p.PID)
+			f.env.Driver, f.env.DriverErr = drv, nil
+			f.env.UsesCUDA = func(pid int) (bool, error) { return pid == p.PID, nil }
+			if tt.driverFail != "" {
+				drv.FailNext[tt.driverFail] = injected
+			}
+			f.env.Hook = func(_ context.Context, step string) error {
+				if step == tt.hookFail {
+					return injected
+				}
+				return nil
+			}
+			res, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, Name: "fake", LeaveRunning: tt.leaveRunning, StagingRoot: f.stage})
+			if (err != nil) != tt.wantErr {
+				t.Fatalf("err = %v, wantErr %v", err, tt.wantErr)
+			}
+			if !reflect.DeepEqual(drv.Calls, tt.wantCalls) {
+				t.Errorf("driver calls %q, want %q", drv.Calls, tt.wantCalls)
+			}
+			if tt.wantErr || tt.leaveRunning {
+				if st := drv.Get(p.PID).State; st != cudackpt.Running {
+					t.Errorf("driver state %v after the checkpoint, want running", st)
+				}
+				now, _ := testproc.ReadState(p.StateFile)
+				advancesExactly(t, p.StateFile, m, now.Step, 5)
+				return
+			}
+			if res.Kind != op.KindCUDA || len(res.Tree) != 1 || !res.Tree[0].CUDA {
+				t.Errorf("result kind %s tree %+v", res.Kind, res.Tree)
+			}
+			<-p.Exited()
+			atDump, _ := testproc.ReadState(p.StateFile)
+			// A failed driver restore kills the restored process and leaves the image intact.
+			drv.FailNext["restore"] = injected
+			_, err = restore.Run(context.Background(), f.env, restore.Options{Image: "fake", StagingRoot: f.stage})
+			var fl *op.Failure
+			if !errors.As(err, &fl) || !fl.RolledBack() || testproc.Alive(p.PID) {
+				t.Fatalf("failed driver restore: err %v, alive %v; want rolled back, nothing running", err, testproc.Alive(p.PID))
+			}
+			drv.Procs[p.PID].State = cudackpt.Checkpointed // the process restored again is checkpointed again
+			r := f.restore(t, "fake")
+			if st := drv.Get(r.PID).State; st != cudackpt.Running {
+				t.Errorf("driver state %v after restore, want running", st)
+			}
+			advancesExactly(t, p.StateFile, m, atDump.Step, 5)
+		})
+	}
+}

@@ -1,0 +1,120 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ptxmig/ptxmig/internal/criu"
+	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/testreq"
+)
+
+// TestTreeReprosCLI replays the operation-core issue's repros through the CLI with real CRIU: a
+// shell-started counter tree checkpoints with no stopped strays and restores counting on; every
+// refusal exits 3 before anything is frozen or written.
+func TestTreeReprosCLI(t *testing.T) {
+	if os.Geteuid() != 0 {
+		testreq.Skip(t, "root", "checkpoint needs root (CRIU)")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, _, err := criu.Check(ctx); err != nil {
+		testreq.Skip(t, "criu", "no usable CRIU: %v", err)
+	}
+	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) // restored trees become ours to reap
+	dir := t.TempDir()
+	t.Setenv("PTXMIG_LOCK_DIR", filepath.Join(dir, "locks"))
+	t.Setenv("PTXMIG_LOG_DIR", filepath.Join(dir, "logs"))
+	store := filepath.Join(dir, "store")
+	count := filepath.Join(dir, "c")
+	start := func() int {
+		cmd := exec.Command("bash", "-c", "i=0; while :; do i=$((i+1)); echo $i > "+count+"; sleep 0.05; done")
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		go func() { _ = cmd.Wait() }()
+		pid := cmd.Process.Pid
+		t.Cleanup(func() {
+			if tr, err := proc.Tree(pid); err == nil {
+				_ = proc.Kill(proc.PIDs(tr), 5*time.Second)
+			}
+		})
+		waitFor(t, "the counter", func() bool { return readInt(count) >= 3 })
+		return pid
+	}
+	cli := func(args ...string) (string, string, int) {
+		return runCLI(t, append([]string{"--store", store}, args...)...)
+	}
+	pid := start()
+	treeBefore, _ := proc.Tree(pid)
+
+	// Refusals before anything: the process is never stopped, no image is written.
+	so, se, code := cli("checkpoint", "--dry-run", strconv.Itoa(pid))
+	if code != 0 || !strings.Contains(so, "dry run") || !strings.Contains(so, "end every process of the tree") {
+		t.Fatalf("dry run: exit %d\n%s%s", code, so, se)
+	}
+	for _, args := range [][]string{
+		{"checkpoint", "--name", "", strconv.Itoa(pid)},
+		{"checkpoint", "--name", "abcdef12", strconv.Itoa(pid)},
+		{"checkpoint", strconv.Itoa(os.Getppid())},
+	} {
+		if _, se, code := cli(args...); code != 3 {
+			t.Errorf("ptxmig %q: exit %d (%s), want 3", args, code, se)
+		}
+	}
+	so, _, code = cli("--json", "checkpoint", "--name", "c1", strconv.Itoa(pid))
+	if code != 0 {
+		t.Fatalf("checkpoint: exit %d: %s", code, so)
+	}
+	var res struct {
+		Tree []struct{ PID int } `json:"tree"`
+	}
+	if err := json.Unmarshal([]byte(so), &res); err != nil || len(res.Tree) < 2 {
+		t.Fatalf("checkpoint result %s (%v), want the shell and its children", so, err)
+	}
+	for _, p := range append(res.Tree, struct{ PID int }{treeBefore[0].PID}) {
+		if proc.Alive(p.PID) {
+			t.Errorf("pid %d survived the checkpoint (state %c)", p.PID, proc.State(p.PID))
+		}
+	}
+	atDump := readInt(count)
+
+	// The name is taken now: refused before the second tree is frozen.
+	pid2 := start()
+	if _, se, code := cli("checkpoint", "--name", "c1", strconv.Itoa(pid2)); code != 3 || !strings.Contains(se, "exists") {
+		t.Errorf("taken name: exit %d (%s), want 3", code, se)
+	}
+	if s, err := proc.ReadStat(pid2); err != nil || s.Stopped() {
+		t.Errorf("the refused checkpoint touched pid %d: %+v %v", pid2, s, err)
+	}
+	if tr, err := proc.Tree(pid2); err == nil {
+		_ = proc.Kill(proc.PIDs(tr), 5*time.Second)
+	}
+
+	if so, se, code := cli("restore", "c1"); code != 0 {
+		t.Fatalf("restore: exit %d\n%s%s", code, so, se)
+	}
+	waitFor(t, "the restored counter", func() bool { return readInt(count) >= atDump+5 })
+	for _, p := range res.Tree {
+		if s, err := proc.ReadStat(p.PID); err == nil && s.Stopped() {
+			t.Errorf("restored pid %d is stopped", p.PID)
+		}
+	}
+}
+
+func readInt(path string) int {
+	b, _ := os.ReadFile(path)
+	n, _ := strconv.Atoi(strings.TrimSpace(string(b)))
+	return n
+}

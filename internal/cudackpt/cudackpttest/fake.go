@@ -1,0 +1,174 @@
+// Package cudackpttest is a fake NVIDIA driver checkpoint API for tests of checkpoint, restore
+// and migrate without a GPU: it models the driver's per-process state machine (running → locked
+// → checkpointed → locked → running), which GPU each process is on, driver 580's rule that
+// restore pairs must pair every visible GPU one to one, and injected failures.
+package cudackpttest
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/ptxmig/ptxmig/internal/cudackpt"
+)
+
+// ErrInvalidValue is what driver 580 answers to pairs that are not a bijection over the
+// visible GPUs.
+var ErrInvalidValue = errors.New("CUDA_ERROR_INVALID_VALUE (1): invalid argument")
+
+// Proc is one process as the fake driver sees it.
+type Proc struct {
+	State cudackpt.State
+	GPU   string // UUID of the GPU it runs on
+}
+
+// Driver is the fake. Calls are recorded by name ("lock", "checkpoint", "restore",
+// "restore-to-UUID" for a restore with pairs, "unlock"), and with their pid in PIDCalls
+// ("lock 42"). FailNext maps a call name, or "name pid", to an error returned once.
+type Driver struct {
+	mu       sync.Mutex
+	Procs    map[int]*Proc
+	Visible  []string // UUIDs; nil: pairs are not checked
+	Calls    []string
+	PIDCalls []string
+	FailNext map[string]error
+}
+
+// New returns a fake with each pid running on gpu.
+func New(gpu string, visible []string, pids ...int) *Driver {
+	d := &Driver{Procs: map[int]*Proc{}, Visible: visible, FailNext: map[string]error{}}
+	for _, p := range pids {
+		d.Procs[p] = &Proc{State: cudackpt.Running, GPU: gpu}
+	}
+	return d
+}
+
+// Get returns a copy of pid's state (the zero Proc when unknown).
+func (d *Driver) Get(pid int) Proc {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if p, ok := d.Procs[pid]; ok {
+		return *p
+	}
+	return Proc{}
+}
+
+func (d *Driver) call(name string, pid int) (*Proc, error) {
+	d.Calls = append(d.Calls, name)
+	d.PIDCalls = append(d.PIDCalls, fmt.Sprintf("%s %d", name, pid))
+	p, ok := d.Procs[pid]
+	if !ok {
+		return nil, cudackpt.ErrNotCUDA
+	}
+	for _, k := range []string{fmt.Sprintf("%s %d", name, pid), name} {
+		if err, ok := d.FailNext[k]; ok {
+			delete(d.FailNext, k)
+			return p, err
+		}
+	}
+	return p, nil
+}
+
+func (d *Driver) checkPairs(pairs []cudackpt.Pair) error {
+	if len(pairs) == 0 || d.Visible == nil {
+		return nil
+	}
+	olds, news := map[string]bool{}, map[string]bool{}
+	for _, p := range pairs {
+		olds[p.Old.String()], news[p.New.String()] = true, true
+	}
+	if len(olds) != len(pairs) || len(news) != len(pairs) || len(pairs) != len(d.Visible) {
+		return ErrInvalidValue
+	}
+	for _, v := range d.Visible {
+		if !olds[v] {
+			return ErrInvalidValue
+		}
+	}
+	return nil
+}
+
+// State implements op.Driver.
+func (d *Driver) State(pid int) (cudackpt.State, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	p, ok := d.Procs[pid]
+	if !ok {
+		return 0, cudackpt.ErrNotCUDA
+	}
+	return p.State, nil
+}
+
+// Lock implements op.Driver.
+func (d *Driver) Lock(pid int, _ time.Duration) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	p, err := d.call("lock", pid)
+	if p == nil || err != nil {
+		return err
+	}
+	if p.State != cudackpt.Running {
+		return fmt.Errorf("lock in state %v", p.State)
+	}
+	p.State = cudackpt.Locked
+	return nil
+}
+
+// Checkpoint implements op.Driver.
+func (d *Driver) Checkpoint(pid int) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	p, err := d.call("checkpoint", pid)
+	if p == nil || err != nil {
+		return err
+	}
+	if p.State != cudackpt.Locked {
+		return fmt.Errorf("checkpoint in state %v", p.State)
+	}
+	p.State = cudackpt.Checkpointed
+	return nil
+}
+
+// Restore implements op.Driver.
+func (d *Driver) Restore(pid int, pairs []cudackpt.Pair) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	name := "restore"
+	if len(pairs) > 0 {
+		name = "restore-to-" + pairs[0].New.String()
+	}
+	p, err := d.call(name, pid)
+	if p == nil || err != nil {
+		return err
+	}
+	if p.State != cudackpt.Checkpointed {
+		return fmt.Errorf("restore in state %v", p.State)
+	}
+	if err := d.checkPairs(pairs); err != nil {
+		return err
+	}
+	for _, pr := range pairs {
+		if pr.Old.String() == p.GPU {
+			p.GPU = pr.New.String()
+			break
+		}
+	}
+	p.State = cudackpt.Locked
+	return nil
+}
+
+// Unlock implements op.Driver.
+func (d *Driver) Unlock(pid int) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	p, err := d.call("unlock", pid)
+	if p == nil || err != nil {
+		return err
+	}
+	if p.State != cudackpt.Locked {
+		return fmt.Errorf("unlock in state %v", p.State)
+	}
+	p.State = cudackpt.Running
+	return nil
+}

@@ -1,0 +1,127 @@
+package op
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ptxmig/ptxmig/internal/cudackpt"
+)
+
+// Step names of the driver steps, shared by checkpoint, restore and migrate.
+const (
+	StepLock          = "lock"
+	StepCheckpoint    = "checkpoint"
+	StepDriverRestore = "driver-restore"
+	StepUnlock        = "unlock"
+)
+
+// The driver steps act on every CUDA process of an operation (a tree may hold several), in
+// order. Each Undo looks at the driver's actual state of each process and does only what is still
+// needed, so a step that failed halfway (two of three processes locked) rolls back cleanly.
+
+// LockStep locks each pid (waiting up to timeout for running kernels); undo unlocks those still
+// locked.
+func LockStep(d Driver, pids []int, timeout time.Duration) Step {
+	return Step{Name: StepLock,
+		Do: func(context.Context) error {
+			for _, pid := range pids {
+				if err := d.Lock(pid, timeout); err != nil {
+					return fmt.Errorf("lock pid %d: %w", pid, err)
+				}
+			}
+			return nil
+		},
+		Undo: func(context.Context) error {
+			return eachPID(pids, func(pid int) error {
+				if st, err := d.State(pid); err == nil && st != cudackpt.Locked {
+					return nil // running again (or gone)
+				}
+				return d.Unlock(pid)
+			})
+		}}
+}
+
+// CheckpointStep moves each pid's device memory to host memory; undo restores those still
+// checkpointed onto their own GPUs (no pairs: the identity, which every driver accepts).
+func CheckpointStep(d Driver, pids []int) Step {
+	return Step{Name: StepCheckpoint,
+		Do: func(context.Context) error {
+			for _, pid := range pids {
+				if err := d.Checkpoint(pid); err != nil {
+					return fmt.Errorf("checkpoint pid %d: %w", pid, err)
+				}
+			}
+			return nil
+		},
+		Undo: func(context.Context) error {
+			return eachPID(pids, func(pid int) error {
+				st, err := d.State(pid)
+				if err == nil && st != cudackpt.Checkpointed {
+					return nil // restored already (the lock's undo unlocks)
+				}
+				if rerr := d.Restore(pid, nil); rerr != nil {
+					return fmt.Errorf("restore pid %d onto its own GPUs (state %v, %v): %w", pid, st, err, rerr)
+				}
+				return nil
+			})
+		}}
+}
+
+// RestoreStep restores each pid's device memory (with pairs, nil for the identity). check, when
+// set, runs first: it re-reads the world and fails the step before the driver is asked (on driver
+// 580 a restore that runs out of memory leaves the process checkpointed for good). expectCheckpointed
+// makes the step verify each pid is checkpointed first (after a CRIU restore). No undo: the
+// checkpoint step's undo (or, after a CRIU restore, killing the process) covers it.
+func RestoreStep(d Driver, pids func() []int, pairs []cudackpt.Pair, check func() error, expectCheckpointed bool) Step {
+	return Step{Name: StepDriverRestore, Do: func(context.Context) error {
+		if check != nil {
+			if err := check(); err != nil {
+				return err
+			}
+		}
+		for _, pid := range pids() {
+			if expectCheckpointed {
+				st, err := d.State(pid)
+				if err != nil {
+					return fmt.Errorf("pid %d: %w", pid, err)
+				}
+				if st != cudackpt.Checkpointed {
+					return fmt.Errorf("restored pid %d is %s, expected checkpointed", pid, st)
+				}
+			}
+			if err := d.Restore(pid, pairs); err != nil {
+				return fmt.Errorf("driver restore pid %d: %w", pid, err)
+			}
+		}
+		return nil
+	}}
+}
+
+// UnlockStep unlocks each pid.
+func UnlockStep(d Driver, pids func() []int) Step {
+	return Step{Name: StepUnlock, Do: func(context.Context) error {
+		for _, pid := range pids() {
+			if err := d.Unlock(pid); err != nil {
+				return fmt.Errorf("unlock pid %d: %w", pid, err)
+			}
+		}
+		return nil
+	}}
+}
+
+// Fixed returns a pid list known in advance, for RestoreStep and UnlockStep.
+func Fixed(pids []int) func() []int { return func() []int { return pids } }
+
+// eachPID runs f for every pid (in reverse: the last one touched first) and joins the errors, so
+// one process that cannot be rolled back does not stop the others.
+func eachPID(pids []int, f func(pid int) error) error {
+	var errs []error
+	for i := len(pids) - 1; i >= 0; i-- {
+		if err := f(pids[i]); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,55 @@
+package op
+
+import (
+	"golang.org/x/sys/unix"
+
+	"github.com/ptxmig/ptxmig/internal/bytesize"
+	"github.com/ptxmig/ptxmig/internal/oplock"
+	"github.com/ptxmig/ptxmig/internal/proc"
+)
+
+// StagingTmpfs and StagingDisk are the default staging roots.
+const (
+	StagingTmpfs = "/dev/shm/ptxmig"
+	StagingDisk  = "/var/tmp/ptxmig"
+)
+
+// FreeBytes is the space an unprivileged writer could still use in dir's file system.
+func FreeBytes(dir string) (uint64, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return 0, err
+	}
+	return st.Bavail * uint64(st.Bsize), nil
+}
+
+// ChooseStaging picks where CRIU's images go: an explicit root, else tmpfs when they fit in
+// memory with extraMem to spare (a checkpointed process's host memory grows by its GPU memory; a
+// restore holds the image twice), else disk. The root must have need bytes free, and must be a
+// directory private to ptxmig (see oplock.PrivateDir): the defaults lie in world-writable
+// /dev/shm and /var/tmp. Failures are refusals.
+func ChooseStaging(explicit string, need, extraMem uint64) (string, error) {
+	if explicit != "" {
+		return ensureStagingRoot(explicit, need)
+	}
+	if avail := proc.MemAvailable(); avail > 0 && avail > need+extraMem+1<<30 {
+		if root, err := ensureStagingRoot(StagingTmpfs, need); err == nil {
+			return root, nil
+		}
+	}
+	return ensureStagingRoot(StagingDisk, need)
+}
+
+func ensureStagingRoot(root string, need uint64) (string, error) {
+	if err := oplock.PrivateDir(root); err != nil {
+		return "", Refusef("staging %s: %w", root, err)
+	}
+	free, err := FreeBytes(root)
+	if err != nil {
+		return "", Refusef("staging %s: %w", root, err)
+	}
+	if free < need {
+		return "", Refusef("staging %s has %s free, CRIU's images may need %s", root, bytesize.Format(int64(free)), bytesize.Format(int64(need)))
+	}
+	return root, nil
+}

@@ -1,0 +1,409 @@
+// Package proc is ptxmig's one reader of /proc: process status, command lines, memory figures,
+// process trees and ancestry, and the signals ptxmig sends to whole trees (continue, kill). Parsers
+// take bytes so that tests (and the rebalancer's fake /proc roots) can feed them directly.
+package proc
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Root is the mount point of procfs.
+const Root = "/proc"
+
+// MaxSmall bounds what is read of one small /proc file (stat, cmdline, environ, status).
+const MaxSmall = 1 << 20
+
+// ErrNoProcess: the process does not exist (or is a zombie, where that matters).
+var ErrNoProcess = errors.New("no such process")
+
+// Stat is what ptxmig uses of /proc/PID/stat.
+type Stat struct {
+	PID        int    `json:"pid"`
+	Comm       string `json:"comm"`
+	State      byte   `json:"-"`
+	PPID       int    `json:"ppid"`
+	PGID       int    `json:"pgid"`
+	SID        int    `json:"sid"`
+	TTY        int    `json:"tty_nr"` // controlling terminal's device number; 0: none
+	StartTicks uint64 `json:"-"`      // start time after boot, in clock ticks
+}
+
+// Zombie reports whether the process has exited and waits to be reaped (or is dead).
+func (s Stat) Zombie() bool { return s.State == 'Z' || s.State == 'X' }
+
+// Stopped reports whether the process is stopped by a signal or traced.
+func (s Stat) Stopped() bool { return s.State == 'T' || s.State == 't' }
+
+// ParseStat parses /proc/PID/stat. The command name may hold spaces and parentheses, so fields
+// are counted from the last ')'.
+func ParseStat(b []byte) (Stat, error) {
+	var s Stat
+	open, end := bytes.IndexByte(b, '('), bytes.LastIndexByte(b, ')')
+	if open < 1 || end < open {
+		return s, errors.New("malformed stat: no (comm)")
+	}
+	pid, err := strconv.Atoi(string(bytes.TrimSpace(b[:open])))
+	if err != nil || pid <= 0 {
+		return s, fmt.Errorf("malformed stat: pid %q", bytes.TrimSpace(b[:open]))
+	}
+	s.PID, s.Comm = pid, string(b[open+1:end])
+	f := bytes.Fields(b[end+1:])
+	// f[0] is field 3 (state), f[1] ppid, f[2] pgrp, f[3] session, f[4] tty_nr, f[19] starttime.
+	if len(f) < 20 {
+		return s, fmt.Errorf("malformed stat: %d fields after comm", len(f))
+	}
+	if len(f[0]) != 1 {
+		return s, fmt.Errorf("malformed stat: state %q", f[0])
+	}
+	s.State = f[0][0]
+	ints := []*int{&s.PPID, &s.PGID, &s.SID, &s.TTY}
+	for i, p := range ints {
+		v, err := strconv.ParseInt(string(f[1+i]), 10, 32)
+		if err != nil {
+			return s, fmt.Errorf("malformed stat: field %d: %w", 4+i, err)
+		}
+		*p = int(v)
+	}
+	if s.StartTicks, err = strconv.ParseUint(string(f[19]), 10, 64); err != nil {
+		return s, fmt.Errorf("malformed stat: starttime: %w", err)
+	}
+	return s, nil
+}
+
+// ReadFile reads at most limit bytes of /proc/PID/name under root ("" means Root).
+func ReadFile(root string, pid int, name string, limit int64) ([]byte, error) {
+	if root == "" {
+		root = Root
+	}
+	f, err := os.Open(filepath.Join(root, strconv.Itoa(pid), name))
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return io.ReadAll(io.LimitReader(f, limit))
+}
+
+// ReadStat reads and parses /proc/PID/stat; a missing process gives an error wrapping ErrNoProcess.
+func ReadStat(pid int) (Stat, error) {
+	b, err := ReadFile(Root, pid, "stat", MaxSmall)
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ESRCH) {
+		return Stat{}, fmt.Errorf("pid %d: %w", pid, ErrNoProcess)
+	}
+	if err != nil {
+		return Stat{}, fmt.Errorf("pid %d: %w", pid, err)
+	}
+	s, err := ParseStat(b)
+	if err != nil {
+		return s, fmt.Errorf("pid %d: %w", pid, err)
+	}
+	return s, nil
+}
+
+// Exists reports whether /proc/PID exists (a zombie exists).
+func Exists(pid int) bool {
+	_, err := os.Stat(filepath.Join(Root, strconv.Itoa(pid)))
+	return err == nil
+}
+
+// Alive reports whether pid exists and is not a zombie.
+func Alive(pid int) bool {
+	s, err := ReadStat(pid)
+	return err == nil && !s.Zombie()
+}
+
+// State is the state letter of pid ('R', 'S', 'T', 'Z', ...), 0 when it is gone.
+func State(pid int) byte {
+	s, err := ReadStat(pid)
+	if err != nil {
+		return 0
+	}
+	return s.State
+}
+
+// Comm is /proc/PID/comm ("" when unreadable).
+func Comm(pid int) string {
+	b, _ := ReadFile(Root, pid, "comm", MaxSmall)
+	return strings.TrimSpace(string(b))
+}
+
+// Cmdline is the command line of pid under root ("" means Root); nil when unreadable or empty.
+func Cmdline(root string, pid int) []string {
+	b, err := ReadFile(root, pid, "cmdline", MaxSmall)
+	if err != nil {
+		return nil
+	}
+	return ParseCmdline(b)
+}
+
+// ParseCmdline splits /proc/PID/cmdline (NUL-separated, usually NUL-terminated).
+func ParseCmdline(b []byte) []string {
+	b = bytes.TrimSuffix(b, []byte{0})
+	if len(b) == 0 {
+		return nil
+	}
+	parts := bytes.Split(b, []byte{0})
+	out := make([]string, len(parts))
+	for i, p := range parts {
+		out[i] = string(p)
+	}
+	return out
+}
+
+// ParseBootTime reads the "btime" line of /proc/stat.
+func ParseBootTime(b []byte) (time.Time, error) {
+	for line := range bytes.SplitSeq(b, []byte{'\n'}) {
+		if v, ok := bytes.CutPrefix(line, []byte("btime ")); ok {
+			s, err := strconv.ParseInt(string(bytes.TrimSpace(v)), 10, 64)
+			if err != nil || s <= 0 {
+				return time.Time{}, fmt.Errorf("malformed btime %q", v)
+			}
+			return time.Unix(s, 0), nil
+		}
+	}
+	return time.Time{}, errors.New("no btime in /proc/stat")
+}
+
+// KB reads a "Key:   123 kB" line of a /proc file (status, meminfo) in bytes; 0 when the file or
+// the key is missing or the value does not parse.
+func KB(path, key string) uint64 {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), key); ok {
+			kb, err := strconv.ParseUint(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+			if err != nil || kb > math.MaxUint64>>10 {
+				return 0
+			}
+			return kb << 10
+		}
+	}
+	return 0
+}
+
+// RSS is pid's resident set size in bytes (0 when unknown).
+func RSS(pid int) uint64 { return KB(filepath.Join(Root, strconv.Itoa(pid), "status"), "VmRSS:") }
+
+// MemAvailable is /proc/meminfo's MemAvailable in bytes (0 when unknown).
+func MemAvailable() uint64 { return KB(filepath.Join(Root, "meminfo"), "MemAvailable:") }
+
+// Children lists the children of every thread of pid, sorted (needs CONFIG_PROC_CHILDREN, which
+// every distribution kernel has).
+func Children(pid int) []int {
+	tasks, err := os.ReadDir(filepath.Join(Root, strconv.Itoa(pid), "task"))
+	if err != nil {
+		return nil
+	}
+	seen := map[int]bool{}
+	var out []int
+	for _, t := range tasks {
+		b, err := os.ReadFile(filepath.Join(Root, strconv.Itoa(pid), "task", t.Name(), "children"))
+		if err != nil {
+			continue
+		}
+		for _, f := range strings.Fields(string(b)) {
+			if c, err := strconv.Atoi(f); err == nil && c > 0 && !seen[c] {
+				seen[c] = true
+				out = append(out, c)
+			}
+		}
+	}
+	sort.Ints(out)
+	return out
+}
+
+// maxTree bounds a tree walk (a fork bomb must not make ptxmig loop).
+const maxTree = 1 << 16
+
+// Tree returns pid and all its descendants, root first, then breadth-first. Processes that
+// vanish during the walk are left out; the root missing is ErrNoProcess.
+func Tree(pid int) ([]Stat, error) {
+	root, err := ReadStat(pid)
+	if err != nil {
+		return nil, err
+	}
+	out := []Stat{root}
+	seen := map[int]bool{pid: true}
+	for i := 0; i < len(out); i++ {
+		for _, c := range Children(out[i].PID) {
+			if seen[c] {
+				continue
+			}
+			seen[c] = true
+			s, err := ReadStat(c)
+			if err != nil {
+				continue
+			}
+			if len(out) >= maxTree {
+				return out, fmt.Errorf("pid %d has more than %d descendants", pid, maxTree)
+			}
+			out = append(out, s)
+		}
+	}
+	return out, nil
+}
+
+// PIDs returns the pids of stats, in order.
+func PIDs(stats []Stat) []int {
+	out := make([]int, len(stats))
+	for i, s := range stats {
+		out[i] = s.PID
+	}
+	return out
+}
+
+// Ancestors returns the parent chain of pid, nearest first, up to and including pid 1.
+func Ancestors(pid int) []int {
+	var out []int
+	seen := map[int]bool{pid: true}
+	for cur := pid; ; {
+		s, err := ReadStat(cur)
+		if err != nil || s.PPID <= 0 || seen[s.PPID] {
+			return out
+		}
+		out = append(out, s.PPID)
+		seen[s.PPID] = true
+		cur = s.PPID
+	}
+}
+
+// WaitGone waits until pid no longer exists (not even as a zombie), up to timeout.
+func WaitGone(ctx context.Context, pid int, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for Exists(pid) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("pid %d still exists after %s", pid, timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	return nil
+}
+
+// Kill sends SIGKILL to every pid and waits until each is dead (a zombie counts as dead), up to
+// timeout in all. Pids already gone are fine. Zombies that are the caller's children (it is their
+// parent or their subreaper, as in tests) are reaped, so that their pids are free again.
+func Kill(pids []int, timeout time.Duration) error {
+	defer reap(pids)
+	var errs []error
+	for _, pid := range pids {
+		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
+			errs = append(errs, fmt.Errorf("kill pid %d: %w", pid, err))
+		}
+	}
+	deadline := time.Now().Add(timeout)
+	for _, pid := range pids {
+		for Alive(pid) {
+			if time.Now().After(deadline) {
+				errs = append(errs, fmt.Errorf("pid %d still alive %s after SIGKILL", pid, timeout))
+				break
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// reap waits for those of pids that are zombie children of this process, for up to a second
+// (an orphan reaches its subreaper only once its parent is dead).
+func reap(pids []int) {
+	self := os.Getpid()
+	deadline := time.Now().Add(time.Second)
+	for {
+		pending := false
+		for _, pid := range pids {
+			s, err := ReadStat(pid)
+			if err != nil {
+				continue
+			}
+			if s.Zombie() && s.PPID == self {
+				var ws syscall.WaitStatus
+				_, _ = syscall.Wait4(pid, &ws, syscall.WNOHANG, nil)
+				continue
+			}
+			if s.Zombie() {
+				pending = true // its parent may die and hand it to us
+			}
+		}
+		if !pending || time.Now().After(deadline) {
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// Continue sends SIGCONT to every pid and checks, up to timeout in all, that each has left the
+// stopped state. Pids already gone are fine.
+func Continue(pids []int, timeout time.Duration) error {
+	var errs []error
+	for _, pid := range pids {
+		if err := syscall.Kill(pid, syscall.SIGCONT); err != nil && !errors.Is(err, syscall.ESRCH) {
+			errs = append(errs, fmt.Errorf("SIGCONT pid %d: %w", pid, err))
+		}
+	}
+	deadline := time.Now().Add(timeout)
+	for _, pid := range pids {
+		for {
+			s, err := ReadStat(pid)
+			if err != nil || !s.Stopped() {
+				break
+			}
+			if time.Now().After(deadline) {
+				errs = append(errs, fmt.Errorf("pid %d still stopped %s after SIGCONT", pid, timeout))
+				break
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Describe summarises the states of pids for an operator: "running", "stopped (pids 3, 4)",
+// "gone", or a mix.
+func Describe(pids []int) string {
+	var running, stopped, gone []string
+	for _, pid := range pids {
+		s, err := ReadStat(pid)
+		switch {
+		case err != nil || s.Zombie():
+			gone = append(gone, strconv.Itoa(pid))
+		case s.Stopped():
+			stopped = append(stopped, strconv.Itoa(pid))
+		default:
+			running = append(running, strconv.Itoa(pid))
+		}
+	}
+	var parts []string
+	add := func(what string, l []string) {
+		switch {
+		case len(l) == 0:
+		case len(l) == len(pids) && len(pids) == 1:
+			parts = append(parts, fmt.Sprintf("pid %s is %s", l[0], what))
+		default:
+			parts = append(parts, fmt.Sprintf("%s: pid %s", what, strings.Join(l, ", ")))
+		}
+	}
+	add("running", running)
+	add("stopped", stopped)
+	add("gone", gone)
+	return strings.Join(parts, "; ")
+}
