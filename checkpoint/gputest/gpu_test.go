@@ -330,6 +330,12 @@ func TestTreeWithCUDAChild(t *testing.T) {
 	if procfs.Alive(child) {
 		t.Fatalf("the CUDA child %d still runs after the checkpoint", child)
 	}
+	// The test is the subreaper of the orphaned child (TestMain): reap it so its pid is free.
+	waitExit(t, child, 10*time.Second)
+	for deadline := time.Now().Add(10 * time.Second); procfs.Exists(child) && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		var ws syscall.WaitStatus
+		_, _ = syscall.Wait4(child, &ws, syscall.WNOHANG, nil)
+	}
 	so, _, code = ptxmig(t, "--json", "restore", "gpu-tree")
 	if code != 0 {
 		t.Fatalf("restore exit %d", code)

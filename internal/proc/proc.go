@@ -18,6 +18,9 @@ import (
 	"strings"
 	"syscall"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 // Root is the mount point of procfs.
@@ -323,11 +326,18 @@ func Kill(pids []int, timeout time.Duration) error {
 	return errors.Join(errs...)
 }
 
-// reap waits for those of pids that are zombie children of this process, for up to a second
-// (an orphan reaches its subreaper only once its parent is dead).
+// reap waits for those of pids that are zombie children of this process. When this process is a
+// child subreaper (PR_SET_CHILD_SUBREAPER, as tests are) it waits up to a second for orphans,
+// which reach it only once their parent is dead; otherwise init reaps them and it does not wait.
 func reap(pids []int) {
 	self := os.Getpid()
-	deadline := time.Now().Add(time.Second)
+	var subreaper int32
+	_ = unix.Prctl(unix.PR_GET_CHILD_SUBREAPER, uintptr(unsafe.Pointer(&subreaper)), 0, 0, 0)
+	wait := time.Duration(0)
+	if subreaper != 0 {
+		wait = time.Second
+	}
+	deadline := time.Now().Add(wait)
 	for {
 		pending := false
 		for _, pid := range pids {
