@@ -38,10 +38,13 @@ type Result struct {
 	ShellJob       bool          `json:"shell_job"`
 	ShellJobReason string        `json:"shell_job_reason,omitempty"`
 	LeftRunning    bool          `json:"left_running"`
-	Timings        op.Timings    `json:"timings"`
-	Total          time.Duration `json:"total_ns"`
-	Sizes          Sizes         `json:"sizes"`
-	StagingDir     string        `json:"staging_dir,omitempty"` // kept (--keep-staging)
+	// Preemption is what the shim of each CUDA process reported (quiesce before the lock, resume
+	// after a --leave-running checkpoint).
+	Preemption []*op.PreemptReport `json:"preemption,omitempty"`
+	Timings    op.Timings          `json:"timings"`
+	Total      time.Duration       `json:"total_ns"`
+	Sizes      Sizes               `json:"sizes"`
+	StagingDir string              `json:"staging_dir,omitempty"` // kept (--keep-staging)
 }
 
 // Run plans and executes a checkpoint of o.PID's process tree.
@@ -53,10 +56,11 @@ func Run(ctx context.Context, env *op.Env, o Options) (*Result, error) {
 	return Execute(ctx, env, p)
 }
 
-// Execute runs a plan: lock → checkpoint (CUDA processes) → dump (the tree) → store → finish
-// (end the tree; or, with LeaveRunning, driver restore + unlock before the store). Any failure
-// rolls back: every process the dump stopped is resumed, the GPUs restored and unlocked. A
-// failure's CRIU log is kept (op.KeepLogs) and named in the error (*op.Failure).
+// Execute runs a plan: quiesce → lock → checkpoint → detach (CUDA processes; quiesce and detach
+// only for those under the shim) → dump (the tree) → store → finish (end the tree; or, with
+// LeaveRunning, driver restore + unlock + resume before the store). Any failure rolls back: every
+// process the dump stopped is resumed, the GPUs restored and unlocked, preempted kernels
+// relaunched. A failure's CRIU log is kept (op.KeepLogs) and named in the error (*op.Failure).
 func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	t0 := time.Now()
 	o := p.opts
@@ -87,10 +91,12 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	var manifest *store.Manifest
 	var stats *store.Stats
 	tr := &treeTracker{root: p.PID, known: op.TreePIDs(p.Tree, false)}
-	steps, cleanup := buildSteps(env, p, images, tr, func(m *store.Manifest, s *store.Stats) { manifest, stats = m, s })
+	pre := op.NewPreemption(env, o.PreemptBudget)
+	defer pre.Close()
+	steps, cleanup := buildSteps(env, p, images, tr, pre, func(m *store.Manifest, s *store.Stats) { manifest, stats = m, s })
 	defer cleanup()
 	timings, err := op.Execute(ctx, steps, env.Hook, 0, env.Log)
-	res.Timings = timings
+	res.Timings, res.Preemption = timings, pre.Reports
 	if err != nil {
 		return nil, op.NewFailure(err, "checkpoint", p.PID, []string{filepath.Join(images, "dump.log")}, tr.pids())
 	}
@@ -162,7 +168,7 @@ func releaseAll(locks []*oplock.Lock) {
 // dumped and left stopped, stored, then ended: a store failure rolls back to a running tree. With
 // LeaveRunning, CRIU resumes the tree after the dump and the driver restores and unlocks before
 // the (slow) store, so it runs while the image is written.
-func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, stored func(*store.Manifest, *store.Stats)) ([]op.Step, func()) {
+func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Preemption, stored func(*store.Manifest, *store.Stats)) ([]op.Step, func()) {
 	o := p.opts
 	// The store starts on the dump's files while CRIU still writes them (store.Prestage), so the
 	// store step after the dump only re-reads, re-hashes and commits what is already encoded.
@@ -176,7 +182,8 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, stored fun
 	d := env.Driver
 	var steps []op.Step
 	if len(p.CUDAPIDs) > 0 {
-		steps = append(steps, op.LockStep(d, p.CUDAPIDs, o.LockTimeout), op.CheckpointStep(d, p.CUDAPIDs))
+		steps = append(steps, qs.QuiesceStep(p.CUDAPIDs), qs.ExplainLock(op.LockStep(d, p.CUDAPIDs, o.LockTimeout)),
+			op.CheckpointStep(d, p.CUDAPIDs), qs.DetachStep())
 	}
 	dump := criu.DumpOptions{PID: p.PID, ImagesDir: images, LeaveRunning: o.LeaveRunning, LeaveStopped: !o.LeaveRunning,
 		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished}
@@ -213,7 +220,8 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, stored fun
 			return proc.Continue(tr.pids(), 5*time.Second)
 		}})
 	if o.LeaveRunning && len(p.CUDAPIDs) > 0 {
-		steps = append(steps, op.RestoreStep(d, op.Fixed(p.CUDAPIDs), nil, nil, false), op.UnlockStep(d, op.Fixed(p.CUDAPIDs)))
+		steps = append(steps, op.RestoreStep(d, op.Fixed(p.CUDAPIDs), nil, nil, false), op.UnlockStep(d, op.Fixed(p.CUDAPIDs)),
+			qs.ResumeStep(op.Fixed(p.CUDAPIDs), false))
 	}
 	steps = append(steps, op.Step{Name: StepStore, Do: func(ctx context.Context) error {
 		meta := p.meta

@@ -43,6 +43,7 @@ type Options struct {
 	NameSet        bool          // Name was given explicitly (so "" is an error, not "pick one")
 	LeaveRunning   bool          // the processes continue after the checkpoint
 	LockTimeout    time.Duration // driver lock timeout (0: wait forever)
+	PreemptBudget  time.Duration // how long a quiesce waits for preemptible kernels (0: op.DefaultPreemptBudget)
 	TCPEstablished bool
 	ShellJob       bool   // force CRIU's shell-job mode (it is turned on by itself when needed)
 	KeepStaging    bool   // keep the CRIU image directory after a successful store
@@ -358,6 +359,7 @@ func (p *Plan) describe() []op.PlanStep {
 		s = append(s, op.PlanStep{Step: step, Action: fmt.Sprintf(format, a...)})
 	}
 	if len(p.CUDAPIDs) > 0 {
+		add(op.StepQuiesce, "processes under the ptxmig shim: stop preemptible kernels between blocks (budget %s), hold new launches", budgetText(p.opts.PreemptBudget))
 		add(StepLock, "driver lock of pid %s (waits up to %s for running kernels)", pidList(p.CUDAPIDs), timeoutText(p.opts.LockTimeout))
 		add(StepCheckpoint, "driver checkpoint: copy %s of GPU memory to host memory, release the GPUs", bytesize.FormatU(p.Estimate.GPUBytes))
 	}
@@ -376,6 +378,7 @@ func (p *Plan) describe() []op.PlanStep {
 	if p.LeaveRunning && len(p.CUDAPIDs) > 0 {
 		add(StepRestore, "driver restore of pid %s onto the same GPUs", pidList(p.CUDAPIDs))
 		add(StepUnlock, "driver unlock of pid %s", pidList(p.CUDAPIDs))
+		add(op.StepResume, "processes under the shim: relaunch preempted kernels, release held launches")
 	}
 	add(StepStore, "store the image as %q (chunked, deduplicated, compressed)", p.Image)
 	if !p.LeaveRunning {
@@ -391,6 +394,13 @@ func pidList(pids []int) string {
 		parts[i] = fmt.Sprint(p)
 	}
 	return strings.Join(parts, ", ")
+}
+
+func budgetText(d time.Duration) string {
+	if d <= 0 {
+		d = op.DefaultPreemptBudget
+	}
+	return d.String()
 }
 
 func timeoutText(d time.Duration) string {

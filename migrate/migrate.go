@@ -36,7 +36,10 @@ type Options struct {
 	GPUs        []int             // target index per GPU the process uses (or one, for one GPU)
 	GPUMap      map[string]string // old UUID (or index) → new UUID (or index)
 	LockTimeout time.Duration     // driver lock timeout; 0 waits for running kernels forever
-	OpLockWait  time.Duration     // wait for another ptxmig operation on the PID; 0 fails at once
+	// PreemptBudget: how long the quiesce of a process under the shim waits for preemptible
+	// kernels to stop (0: op.DefaultPreemptBudget).
+	PreemptBudget time.Duration
+	OpLockWait    time.Duration // wait for another ptxmig operation on the PID; 0 fails at once
 }
 
 // GPURef names a GPU.
@@ -63,16 +66,17 @@ type Plan struct {
 // Result reports a migration. Downtime runs from the start of the lock to the end of the
 // unlock: the time the process could not use CUDA.
 type Result struct {
-	PID        int              `json:"pid"`
-	Source     []GPURef         `json:"source"`
-	Target     []GPURef         `json:"target"`
-	Pairs      []placement.Pair `json:"gpu_pairs"`
-	Timings    op.Timings       `json:"timings"`
-	Lock       time.Duration    `json:"lock_ns"`
-	Checkpoint time.Duration    `json:"checkpoint_ns"`
-	Restore    time.Duration    `json:"restore_ns"`
-	Unlock     time.Duration    `json:"unlock_ns"`
-	Downtime   time.Duration    `json:"downtime_ns"`
+	PID        int                 `json:"pid"`
+	Source     []GPURef            `json:"source"`
+	Target     []GPURef            `json:"target"`
+	Pairs      []placement.Pair    `json:"gpu_pairs"`
+	Preemption []*op.PreemptReport `json:"preemption,omitempty"`
+	Timings    op.Timings          `json:"timings"`
+	Lock       time.Duration       `json:"lock_ns"`
+	Checkpoint time.Duration       `json:"checkpoint_ns"`
+	Restore    time.Duration       `json:"restore_ns"`
+	Unlock     time.Duration       `json:"unlock_ns"`
+	Downtime   time.Duration       `json:"downtime_ns"`
 }
 
 // Run plans and executes a migration.
@@ -149,10 +153,12 @@ func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 		return nil, op.Refusef("migrate pid %d: %w", pid, err)
 	}
 	p.Steps = []op.PlanStep{
+		{Step: op.StepQuiesce, Action: "if it runs under the ptxmig shim: stop preemptible kernels between blocks, hold new launches"},
 		{Step: StepLock, Action: fmt.Sprintf("lock pid %d (timeout %s)", pid, lockTimeoutText(o.LockTimeout))},
 		{Step: StepCheckpoint, Action: fmt.Sprintf("checkpoint: copy its GPU memory (%s) to host memory", bytesize.FormatU(p.GPUBytes))},
 		{Step: StepRestore, Action: fmt.Sprintf("restore with %d GPU pairs, one per GPU of the host: %s", len(pairs), placement.PairText(pairs))},
 		{Step: StepUnlock, Action: fmt.Sprintf("unlock pid %d", pid)},
+		{Step: op.StepResume, Action: "under the shim: relaunch preempted kernels on the target, release held launches"},
 		{Step: "on failure", Action: fmt.Sprintf("restore without pairs (back onto GPU %s) and unlock", indexes(p.Source))},
 	}
 	return p, nil
@@ -176,7 +182,8 @@ func cudaDescendants(env *op.Env, pid int) string {
 	return fmt.Sprintf(" (its CUDA descendants: pid %s; migrate those)", strings.Join(found, ", "))
 }
 
-// Execute runs the plan: lock → checkpoint → restore with pairs → unlock. If the restore onto
+// Execute runs the plan: quiesce (under the shim) → lock → checkpoint → restore with pairs →
+// unlock → resume. If the restore onto
 // the targets fails, the checkpoint's undo restores onto the source GPUs and the lock's undo
 // unlocks. That restore passes no pairs: the driver then puts every GPU back where it was
 // checkpointed (the identity), which needs no bijection and works on every driver.
@@ -199,11 +206,15 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		}
 		return placement.CheckRoom(p.Pairs, devs, true)
 	}
+	pre := op.NewPreemption(env, o.PreemptBudget)
+	defer pre.Close()
 	steps := Steps(env.Driver, p.PID, p.dpairs, o.LockTimeout, recheck)
+	steps[0] = pre.ExplainLock(steps[0])
+	steps = append(append([]op.Step{pre.QuiesceStep([]int{p.PID})}, steps...), pre.ResumeStep(op.Fixed([]int{p.PID}), false))
 	res := &Result{PID: p.PID, Source: p.Source, Target: p.Target, Pairs: p.Pairs}
 	t0 := time.Now()
 	timings, err := op.Execute(ctx, steps, env.Hook, 0, env.Log)
-	res.Timings = timings
+	res.Timings, res.Preemption = timings, pre.Reports
 	res.Lock, res.Checkpoint = timings.Of(StepLock), timings.Of(StepCheckpoint)
 	res.Restore, res.Unlock = timings.Of(StepRestore), timings.Of(StepUnlock)
 	if err != nil {

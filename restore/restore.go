@@ -67,18 +67,19 @@ type Plan struct {
 
 // Result of a restore.
 type Result struct {
-	Image       string           `json:"image"`
-	ImageID     string           `json:"image_id"`
-	PID         int              `json:"pid"`
-	Kind        string           `json:"kind"`
-	Tree        []op.TreeProc    `json:"tree"`
-	Pairs       []placement.Pair `json:"gpu_pairs,omitempty"`
-	Remapped    bool             `json:"remapped"` // the driver got the pairs (a GPU moved)
-	Materialize time.Duration    `json:"materialize_ns"`
-	Timings     op.Timings       `json:"timings"`
-	Total       time.Duration    `json:"total_ns"`
-	Bytes       int64            `json:"bytes"`
-	StagingDir  string           `json:"staging_dir,omitempty"`
+	Image       string              `json:"image"`
+	ImageID     string              `json:"image_id"`
+	PID         int                 `json:"pid"`
+	Kind        string              `json:"kind"`
+	Tree        []op.TreeProc       `json:"tree"`
+	Pairs       []placement.Pair    `json:"gpu_pairs,omitempty"`
+	Remapped    bool                `json:"remapped"`             // the driver got the pairs (a GPU moved)
+	Preemption  []*op.PreemptReport `json:"preemption,omitempty"` // resume of preempted kernels, per CUDA process under the shim
+	Materialize time.Duration       `json:"materialize_ns"`
+	Timings     op.Timings          `json:"timings"`
+	Total       time.Duration       `json:"total_ns"`
+	Bytes       int64               `json:"bytes"`
+	StagingDir  string              `json:"staging_dir,omitempty"`
 }
 
 // Run plans and executes a restore.
@@ -197,6 +198,7 @@ func (p *Plan) describe() []op.PlanStep {
 		}
 		add(StepDriverRestore, "driver restore of pid %v %s", p.cudaPIDs, where)
 		add(StepUnlock, "driver unlock of pid %v", p.cudaPIDs)
+		add(op.StepResume, "processes under the ptxmig shim: relaunch kernels preempted at the checkpoint, release held launches")
 	}
 	add("on failure", "kill the restored processes; the image stays as it is")
 	return s
@@ -277,9 +279,12 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 			}
 			return placement.CheckRoom(p.Pairs, devs, false)
 		}
+		pre := op.NewPreemption(env, 0)
+		defer func() { res.Preemption = pre.Reports }()
 		steps = append(steps,
 			op.RestoreStep(env.Driver, op.Fixed(p.cudaPIDs), p.dpairs, recheck, true),
-			op.UnlockStep(env.Driver, op.Fixed(p.cudaPIDs)))
+			op.UnlockStep(env.Driver, op.Fixed(p.cudaPIDs)),
+			pre.ResumeStep(op.Fixed(p.cudaPIDs), true))
 	}
 	res.Timings, err = op.Execute(ctx, steps, env.Hook, 0, env.Log)
 	if err != nil {

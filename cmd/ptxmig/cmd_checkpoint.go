@@ -16,6 +16,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/exitcode"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
+	"github.com/ptxmig/ptxmig/internal/shimctl"
 )
 
 func init() {
@@ -29,8 +30,11 @@ func init() {
 			"missing; the store lacks room for the estimate (resident memory + GPU memory). A tree that\n" +
 			"belongs to a shell's session or has a controlling terminal is dumped as a shell job (said in the\n" +
 			"output) instead of failing in CRIU. --dry-run prints the plan and stops there.\n\n" +
-			"Then, for the CUDA processes of the tree: driver lock (waits for running kernels up to\n" +
-			"--lock-timeout) → driver checkpoint (GPU memory to host memory, GPUs released); then CRIU dump of\n" +
+			"Then, for the CUDA processes of the tree: those under the ptxmig shim (`ptxmig run`) are quiesced:\n" +
+			"their preemptible kernels stop between blocks within --preempt-budget and new launches are held,\n" +
+			"so the lock does not wait for long kernels; the output names any kernel left running. Then the\n" +
+			"driver lock (waits for running kernels up to --lock-timeout) → driver checkpoint (GPU memory to\n" +
+			"host memory, GPUs released); then CRIU dump of\n" +
 			"the tree → store. The manifest records the tree, host, kernel, driver, CUDA, the source GPUs\n" +
 			"(index, UUID, name, compute capability, memory used), every GPU of the host (a restore onto other\n" +
 			"GPUs must pair each of them; MIG is not supported), the pid and the command line.\n\n" +
@@ -48,6 +52,7 @@ func init() {
 			&cli.BoolFlag{Name: "leave-running", Usage: "keep the processes running after the checkpoint"},
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
 			&cli.DurationFlag{Name: "lock-timeout", Value: 10 * time.Second, Usage: "how long the driver lock may wait for running kernels (0: forever)"},
+			preemptBudgetFlag(),
 			&cli.BoolFlag{Name: "tcp-established", Usage: "checkpoint established TCP connections (CRIU --tcp-established)"},
 			&cli.BoolFlag{Name: "shell-job", Usage: "dump as a shell job (CRIU --shell-job); on by itself when the tree needs it"},
 			&cli.BoolFlag{Name: "keep-staging", Usage: "keep CRIU's image directory after storing it"},
@@ -69,6 +74,10 @@ func checkpointAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
+	budget, err := preemptBudget(c)
+	if err != nil {
+		return err
+	}
 	g := env(c)
 	e, closeEnv, err := op.NewEnv(c.Context, g.Store, g.Log)
 	defer closeEnv()
@@ -77,7 +86,7 @@ func checkpointAction(c *cli.Context) error {
 	}
 	plan, err := checkpoint.PlanCheckpoint(e, checkpoint.Options{
 		PID: pid, Name: c.String("name"), NameSet: c.IsSet("name"), LeaveRunning: c.Bool("leave-running"),
-		LockTimeout: lockTimeout, TCPEstablished: c.Bool("tcp-established"),
+		LockTimeout: lockTimeout, PreemptBudget: budget, TCPEstablished: c.Bool("tcp-established"),
 		ShellJob: c.Bool("shell-job"), KeepStaging: c.Bool("keep-staging"),
 		PrestageWorkers: c.Int("prestage-workers"),
 	})
@@ -117,8 +126,9 @@ func checkpointAction(c *cli.Context) error {
 		fmt.Fprintf(w, "GPUs visible to it: %s\n", strings.Join(vis, ", "))
 	}
 	fmt.Fprintf(w, "image %s (id %s)\n", res.Image, shortID(res.ImageID))
+	printPreemption(w, res.Preemption)
 	labels := map[string]string{
-		checkpoint.StepLock: "lock", checkpoint.StepCheckpoint: "device->host", checkpoint.StepDump: "criu dump",
+		op.StepQuiesce: "quiesce", op.StepDetach: "detach", op.StepResume: "resume", checkpoint.StepLock: "lock", checkpoint.StepCheckpoint: "device->host", checkpoint.StepDump: "criu dump",
 		checkpoint.StepRestore: "driver restore", checkpoint.StepUnlock: "unlock", checkpoint.StepStore: "store", checkpoint.StepFinish: "stop processes",
 	}
 	for _, t := range res.Timings {
@@ -185,6 +195,54 @@ func parsePID(s string) (int, error) {
 		return 0, exitcode.Usagef("PID %q: want a positive integer", s)
 	}
 	return pid, nil
+}
+
+// preemptBudgetFlag is --preempt-budget, shared by checkpoint and migrate.
+func preemptBudgetFlag() cli.Flag {
+	return &cli.DurationFlag{Name: "preempt-budget", Value: op.DefaultPreemptBudget,
+		Usage: "processes under the shim: how long to wait for preemptible kernels to stop before the driver lock"}
+}
+
+// preemptBudget reads --preempt-budget (1 ms to 60 s).
+func preemptBudget(c *cli.Context) (time.Duration, error) {
+	d := c.Duration("preempt-budget")
+	if d < time.Millisecond || d > time.Minute {
+		return 0, exitcode.Usagef("--preempt-budget %s: want 1ms to 1m", d)
+	}
+	return d, nil
+}
+
+// printPreemption reports, per process under the shim, what the quiesce stopped and what it
+// left to the driver lock, and the resume. Processes without the shim print nothing.
+func printPreemption(w io.Writer, reports []*op.PreemptReport) {
+	for _, r := range reports {
+		if !r.Shim {
+			continue
+		}
+		if r.Note != "" {
+			fmt.Fprintf(w, "pid %d: %s\n", r.PID, r.Note)
+		}
+		if q := r.Quiesce; q != nil {
+			fmt.Fprintf(w, "pid %d: quiesced in %s (%d preempted, %d drained, %d left to the lock)\n", r.PID,
+				usText(q.ElapsedUS), len(q.Preempted), len(q.Drained), len(q.NotStopped)+len(q.Originals))
+			for _, k := range q.Preempted {
+				fmt.Fprintf(w, "  preempted %s: %d of %d blocks done\n", k.Kernel, k.BlocksDone, k.BlocksTotal)
+			}
+			for _, k := range append(append([]shimctl.LaunchNote(nil), q.NotStopped...), q.Originals...) {
+				fmt.Fprintf(w, "  not preempted %s: %s\n", k.Kernel, k.Reason)
+			}
+		}
+		if res := r.Resume; res != nil {
+			fmt.Fprintf(w, "pid %d: resumed (%d relaunched) in %s\n", r.PID, res.Relaunched, usText(res.ElapsedUS))
+		}
+	}
+}
+
+func usText(us int64) string {
+	if us < 10000 {
+		return fmt.Sprintf("%.2f ms", float64(us)/1000)
+	}
+	return ms(time.Duration(us) * time.Microsecond)
 }
 
 // lockTimeoutFlag reads --lock-timeout, shared by checkpoint and migrate; 0 means no limit.

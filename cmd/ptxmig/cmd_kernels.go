@@ -73,7 +73,7 @@ func kernelsAction(c *cli.Context) error {
 		return printJSON(c, k)
 	}
 	w := tabwriter.NewWriter(env(c).Out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(w, "LAUNCHES\tTIMED\tP50_US\tP99_US\tSHAPE (GRID/BLOCK)\tMODULE\tNAME")
+	fmt.Fprintln(w, "LAUNCHES\tTIMED\tP50_US\tP99_US\tSHAPE (GRID/BLOCK)\tMODULE\tTWIN\tNAME")
 	for _, x := range k.Kernels {
 		name := "?"
 		if x.Name != nil {
@@ -83,15 +83,28 @@ func kernelsAction(c *cli.Context) error {
 		if x.Time != nil {
 			p50, p99 = fmt.Sprintf("%.1f", x.Time.P50), fmt.Sprintf("%.1f", x.Time.P99)
 		}
-		fmt.Fprintf(w, "%d\t%d\t%s\t%s\t%s\t%d\t%s\n", x.Launches, x.Timed, p50, p99, shapeSummary(x), x.Module, name)
+		twin := "no"
+		if x.Twin {
+			twin = fmt.Sprintf("yes (%d)", x.TwinLaunches)
+		}
+		fmt.Fprintf(w, "%d\t%d\t%s\t%s\t%s\t%d\t%s\t%s\n", x.Launches, x.Timed, p50, p99, shapeSummary(x), x.Module, twin, name)
 	}
 	for _, g := range k.Graphs {
-		fmt.Fprintf(w, "%d\t-\t-\t-\t-\t-\tgraph exec %s\n", g.Launches, g.Exec)
+		fmt.Fprintf(w, "%d\t-\t-\t-\t-\t-\t-\tgraph exec %s\n", g.Launches, g.Exec)
 	}
 	if err := w.Flush(); err != nil {
 		return err
 	}
 	fmt.Fprintf(env(c).Out, "%d kernels, %d launches\n", len(k.Kernels), k.TotalLaunches)
+	for _, x := range k.Kernels {
+		if !x.Twin && x.TwinReason != "" {
+			name := "?"
+			if x.Name != nil {
+				name = *x.Name
+			}
+			fmt.Fprintf(env(c).Out, "no twin: %s: %s\n", name, x.TwinReason)
+		}
+	}
 	if st := k.SelfTime; st != nil && st.Enabled && st.Launches > 0 {
 		fmt.Fprintf(env(c).Out, "shim bookkeeping: %.0f ns per launch (%d launches, %.3f ms in all; "+
 			"includes 2 clock reads of %d ns each)\n", float64(st.Ns)/float64(st.Launches), st.Launches, float64(st.Ns)/1e6, st.ClockNs)

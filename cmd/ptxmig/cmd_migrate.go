@@ -17,14 +17,17 @@ func init() {
 		Name:      "migrate",
 		Usage:     "move a live CUDA process to other GPUs of this host, in place (no image)",
 		ArgsUsage: "PID",
-		Description: "Driver lock → checkpoint (GPU memory to host memory) → restore with GPU pairs onto the targets →\n" +
-			"unlock. The process keeps its pid, memory addresses and handles; CUDA device ordinals inside it\n" +
-			"stay the same while the physical GPU changes. Preflight checks the targets (same chip type, enough\n" +
+		Description: "Quiesce (a process under the ptxmig shim: preemptible kernels stop between blocks within\n" +
+			"--preempt-budget) → driver lock → checkpoint (GPU memory to host memory) → restore with GPU pairs\n" +
+			"onto the targets → unlock → resume (preempted kernels relaunched on the target). The process\n" +
+			"keeps its pid, memory addresses and handles; CUDA device ordinals inside it stay the same while\n" +
+			"the physical GPU changes. Preflight checks the targets (same chip type, enough\n" +
 			"free memory). The driver needs a pair for every GPU of the host, whatever CUDA_VISIBLE_DEVICES\n" +
 			"the process has (driver 580): the GPUs it uses go where --gpu/--gpu-map say, the others keep\n" +
 			"their GPU or take the ones left free (moving 0 to 1 on two GPUs pairs 0->1 and 1->0); --dry-run\n" +
 			"lists the pairs. If anything fails after the lock, or ptxmig gets SIGINT/SIGTERM, the process is\n" +
-			"restored onto its source GPUs and unlocked (exit status 4). Prints the downtime and its parts.\n\n" +
+			"restored onto its source GPUs, unlocked and resumed (exit status 4). Prints the downtime (gate\n" +
+			"closed to gate open) and its parts.\n\n" +
 			"Examples:\n" +
 			"   ptxmig migrate --gpu 1 4242\n" +
 			"   ptxmig migrate --dry-run --gpu 1 4242",
@@ -33,6 +36,7 @@ func init() {
 			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping OLD=NEW[,...] (GPU UUIDs or indexes)"},
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
 			&cli.DurationFlag{Name: "lock-timeout", Value: 10 * time.Second, Usage: "how long the driver lock may wait for running kernels (0: forever)"},
+			preemptBudgetFlag(),
 		},
 		Action: migrateAction,
 	})
@@ -54,13 +58,17 @@ func migrateAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
+	budget, err := preemptBudget(c)
+	if err != nil {
+		return err
+	}
 	g := env(c)
 	e, closeEnv, err := op.NewEnv(c.Context, "", g.Log)
 	defer closeEnv()
 	if err != nil {
 		return opError(g.Err, err)
 	}
-	plan, err := migrate.PlanMigrate(e, migrate.Options{PID: pid, GPUs: gpus, GPUMap: gmap, LockTimeout: lockTimeout})
+	plan, err := migrate.PlanMigrate(e, migrate.Options{PID: pid, GPUs: gpus, GPUMap: gmap, LockTimeout: lockTimeout, PreemptBudget: budget})
 	if err != nil {
 		return opError(g.Err, err)
 	}
@@ -82,6 +90,7 @@ func migrateAction(c *cli.Context) error {
 		fmt.Fprintf(w, "migrated pid %d: GPU %d %s -> GPU %d %s\n", res.PID, res.Source[i].Index, res.Source[i].UUID, res.Target[i].Index, res.Target[i].UUID)
 	}
 	printPairs(w, res.Pairs, true)
+	printPreemption(w, res.Preemption)
 	fmt.Fprintf(w, "  %-15s %s\n", "lock", ms(res.Lock))
 	fmt.Fprintf(w, "  %-15s %s\n", "device->host", ms(res.Checkpoint))
 	fmt.Fprintf(w, "  %-15s %s\n", "host->device", ms(res.Restore))

@@ -81,8 +81,9 @@ func restoreAction(c *cli.Context) error {
 		printTree(w, res.Tree)
 	}
 	printPairs(w, res.Pairs, res.Remapped)
+	printPreemption(w, res.Preemption)
 	fmt.Fprintf(w, "  %-15s %s (%s)\n", "materialize", ms(res.Materialize), bytesize.Format(res.Bytes))
-	labels := map[string]string{restore.StepCRIURestore: "criu restore", restore.StepDriverRestore: "host->device", restore.StepUnlock: "unlock"}
+	labels := map[string]string{restore.StepCRIURestore: "criu restore", restore.StepDriverRestore: "host->device", restore.StepUnlock: "unlock", op.StepResume: "resume"}
 	for _, t := range res.Timings {
 		fmt.Fprintf(w, "  %-15s %s\n", labels[t.Step], ms(t.Duration))
 	}

@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"sort"
 	"strings"
 
 	"github.com/urfave/cli/v2"
@@ -40,6 +41,8 @@ func init() {
 			"   ptxmig run --socket-dir /tmp/ptxmig -- ./app > app.log 2>&1 &   # $! is the app's PID",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "shim", Usage: "path of libptxmig.so", EnvVars: []string{"PTXMIG_SHIM"}},
+			&cli.StringFlag{Name: "preempt", Value: "auto", EnvVars: []string{"PTXMIG_PREEMPT"},
+				Usage: "preemptible kernels: auto (twins for long or untimed kernels), always, or off (launch originals only)"},
 			socketDirFlag(),
 		},
 		Action: runAction,
@@ -85,22 +88,32 @@ func findShim(explicit, exe string) (string, error) {
 }
 
 // preloadEnv returns env with the shim first in LD_PRELOAD (keeping what was there) and the
-// socket directory set for the shim.
-func preloadEnv(env []string, shim, socketDir string) []string {
-	out := make([]string, 0, len(env)+2)
+// shim's settings (name → value; each replaces an inherited definition).
+func preloadEnv(env []string, shim string, settings map[string]string) []string {
+	out := make([]string, 0, len(env)+1+len(settings))
 	preload := shim
 	for _, kv := range env {
-		switch {
-		case strings.HasPrefix(kv, "LD_PRELOAD="):
-			if old := strings.TrimPrefix(kv, "LD_PRELOAD="); old != "" {
-				preload = shim + " " + old
+		name, val, _ := strings.Cut(kv, "=")
+		switch _, set := settings[name]; {
+		case name == "LD_PRELOAD":
+			if val != "" {
+				preload = shim + " " + val
 			}
-		case strings.HasPrefix(kv, "PTXMIG_SOCKET_DIR="):
+		case set:
 		default:
 			out = append(out, kv)
 		}
 	}
-	return append(out, "LD_PRELOAD="+preload, "PTXMIG_SOCKET_DIR="+socketDir)
+	out = append(out, "LD_PRELOAD="+preload)
+	names := make([]string, 0, len(settings))
+	for k := range settings {
+		names = append(names, k)
+	}
+	sort.Strings(names)
+	for _, k := range names {
+		out = append(out, k+"="+settings[k])
+	}
+	return out
 }
 
 // maxSocketDirLen: the shim binds <dir>/<pid>.sock, a socket path holds at most 107 bytes
@@ -183,7 +196,17 @@ func runAction(c *cli.Context) error {
 	if err != nil {
 		return exitcode.Wrap(exitcode.Refused, fmt.Errorf("run: %w; nothing was started", err))
 	}
-	envv := preloadEnv(os.Environ(), shim, sockDir)
+	mode := c.String("preempt")
+	switch mode {
+	case "auto", "always", "off":
+	default:
+		return exitcode.Usagef("run: --preempt %q: want auto, always or off", mode)
+	}
+	settings := map[string]string{"PTXMIG_SOCKET_DIR": sockDir, "PTXMIG_PREEMPT": mode}
+	if exe != "" {
+		settings["PTXMIG_HELPER"] = exe // the shim instruments PTX with `ptxmig ptx instrument`, outside the app
+	}
+	envv := preloadEnv(os.Environ(), shim, settings)
 	env(c).Log.Debug("run: exec", "path", path, "shim", shim, "socket_dir", sockDir, "cmd", args)
 
 	// Hand back the signals main asked for: a SIGINT or SIGHUP that was ignored when ptxmig

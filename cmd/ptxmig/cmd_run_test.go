@@ -31,9 +31,14 @@ func TestPreloadEnv(t *testing.T) {
 		{"socket dir replaced", []string{"PTXMIG_SOCKET_DIR=/old"}, []string{"LD_PRELOAD=/s.so", "PTXMIG_SOCKET_DIR=/run/x"}},
 	}
 	for _, tt := range tests {
-		if got := preloadEnv(tt.in, "/s.so", "/run/x"); !reflect.DeepEqual(got, tt.want) {
+		if got := preloadEnv(tt.in, "/s.so", map[string]string{"PTXMIG_SOCKET_DIR": "/run/x"}); !reflect.DeepEqual(got, tt.want) {
 			t.Errorf("%s: preloadEnv = %q, want %q", tt.name, got, tt.want)
 		}
+	}
+	got := preloadEnv([]string{"PTXMIG_PREEMPT=off", "PTXMIG_HELPERX=1"}, "/s.so", map[string]string{"PTXMIG_PREEMPT": "auto", "PTXMIG_HELPER": "/bin/ptxmig"})
+	want := []string{"PTXMIG_HELPERX=1", "LD_PRELOAD=/s.so", "PTXMIG_HELPER=/bin/ptxmig", "PTXMIG_PREEMPT=auto"}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("settings: preloadEnv = %q, want %q", got, want)
 	}
 }
 

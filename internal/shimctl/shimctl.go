@@ -24,8 +24,12 @@ import (
 // DefaultSocketDir is where the shim creates <pid>.sock unless PTXMIG_SOCKET_DIR says otherwise.
 const DefaultSocketDir = "/run/ptxmig"
 
-// ProtoVersion is the protocol version this client speaks.
-const ProtoVersion = 1
+// ProtoVersion is the newest protocol version this client speaks; MinProtoVersion the oldest it
+// accepts. Version 2 adds preemption (quiesce, detach, resume); a version-1 shim has none.
+const (
+	ProtoVersion    = 2
+	MinProtoVersion = 1
+)
 
 // maxReply bounds one reply line; the largest replies (module lists) stay far below it.
 const maxReply = 64 << 20
@@ -122,10 +126,14 @@ func MapsListingHasShim(r io.Reader) (bool, error) {
 
 // Client is one connection to a shim. It is not safe for concurrent use.
 type Client struct {
-	conn net.Conn
-	r    *bufio.Reader
-	path string
+	conn  net.Conn
+	r     *bufio.Reader
+	path  string
+	proto int // the shim's protocol version, from its last reply
 }
+
+// Proto is the protocol version the shim answered with (0 before any reply).
+func (c *Client) Proto() int { return c.proto }
 
 // Dial connects to the control socket at path.
 func Dial(ctx context.Context, path string) (*Client, error) {
@@ -198,8 +206,8 @@ type envelope struct {
 }
 
 // Raw sends one request and returns the validated "result" member of the reply.
-func (c *Client) Raw(ctx context.Context, cmd string, args map[string]string) (json.RawMessage, error) {
-	req := map[string]string{"cmd": cmd}
+func (c *Client) Raw(ctx context.Context, cmd string, args map[string]any) (json.RawMessage, error) {
+	req := map[string]any{"cmd": cmd}
 	for k, v := range args {
 		req[k] = v
 	}
@@ -226,7 +234,11 @@ func (c *Client) Raw(ctx context.Context, cmd string, args map[string]string) (j
 		}
 		return nil, fmt.Errorf("%s: read from %s: %w", cmd, c.path, err)
 	}
-	return parseReply(cmd, reply)
+	res, proto, err := parseReply(cmd, reply)
+	if proto > 0 {
+		c.proto = proto
+	}
+	return res, err
 }
 
 func readLine(r *bufio.Reader, max int) ([]byte, error) {
@@ -249,29 +261,30 @@ func readLine(r *bufio.Reader, max int) ([]byte, error) {
 	}
 }
 
-// parseReply validates one reply line of the protocol.
-func parseReply(cmd string, line []byte) (json.RawMessage, error) {
+// parseReply validates one reply line of the protocol and returns its result and the shim's
+// protocol version.
+func parseReply(cmd string, line []byte) (json.RawMessage, int, error) {
 	var env envelope
 	dec := json.NewDecoder(bytes.NewReader(line))
 	if err := dec.Decode(&env); err != nil {
-		return nil, fmt.Errorf("%s: %w: reply is not JSON: %v", cmd, ErrProtocol, err)
+		return nil, 0, fmt.Errorf("%s: %w: reply is not JSON: %v", cmd, ErrProtocol, err)
 	}
 	if env.OK == nil {
-		return nil, fmt.Errorf("%s: %w: reply has no \"ok\"", cmd, ErrProtocol)
+		return nil, 0, fmt.Errorf("%s: %w: reply has no \"ok\"", cmd, ErrProtocol)
 	}
-	if env.Proto != ProtoVersion {
-		return nil, fmt.Errorf("%s: %w: shim speaks protocol %d, this ptxmig %d", cmd, ErrProtocol, env.Proto, ProtoVersion)
+	if env.Proto < MinProtoVersion || env.Proto > ProtoVersion {
+		return nil, 0, fmt.Errorf("%s: %w: shim speaks protocol %d, this ptxmig %d to %d", cmd, ErrProtocol, env.Proto, MinProtoVersion, ProtoVersion)
 	}
 	if !*env.OK {
 		if env.Error == "" {
-			return nil, fmt.Errorf("%s: %w: error reply without a message", cmd, ErrProtocol)
+			return nil, env.Proto, fmt.Errorf("%s: %w: error reply without a message", cmd, ErrProtocol)
 		}
-		return nil, fmt.Errorf("%s: %w: %s", cmd, ErrShim, env.Error)
+		return nil, env.Proto, fmt.Errorf("%s: %w: %s", cmd, ErrShim, env.Error)
 	}
 	if env.Cmd != cmd || len(env.Result) == 0 || env.Result[0] != '{' {
-		return nil, fmt.Errorf("%s: %w: reply for %q without an object result", cmd, ErrProtocol, env.Cmd)
+		return nil, env.Proto, fmt.Errorf("%s: %w: reply for %q without an object result", cmd, ErrProtocol, env.Cmd)
 	}
-	return env.Result, nil
+	return env.Result, env.Proto, nil
 }
 
 // Status asks for the process overview.
@@ -314,7 +327,7 @@ func (c *Client) DumpModules(ctx context.Context, dir string) (*Dump, error) {
 	if !filepath.IsAbs(dir) {
 		return nil, fmt.Errorf("dump-modules: dir %q must be absolute", dir)
 	}
-	raw, err := c.Raw(ctx, "dump-modules", map[string]string{"dir": dir})
+	raw, err := c.Raw(ctx, "dump-modules", map[string]any{"dir": dir})
 	if err != nil {
 		return nil, err
 	}

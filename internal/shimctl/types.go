@@ -16,6 +16,16 @@ type Status struct {
 	Interception    map[string]uint64 `json:"interception"`
 	Launches        map[string]uint64 `json:"launches"`
 	Sampling        map[string]uint64 `json:"sampling"`
+	Preempt         *PreemptStatus    `json:"preempt,omitempty"` // protocol 2
+}
+
+// PreemptStatus is the shim's preemption state (protocol 2).
+type PreemptStatus struct {
+	Mode                string            `json:"mode"`
+	State               string            `json:"state"`
+	TwinsInFlight       int               `json:"twins_in_flight"`
+	InstrumentedModules int               `json:"instrumented_modules"`
+	Cache               map[string]uint64 `json:"cache,omitempty"`
 }
 
 // Device is one CUDA device as the driver reports it inside the process.
@@ -87,6 +97,11 @@ type Kernel struct {
 	OtherShapes uint64  `json:"other_shapes"`
 	Timed       uint64  `json:"timed"`
 	Time        *Timing `json:"time_us,omitempty"`
+	// Protocol 2: whether the kernel's module carries a preemptible twin, why not, and how many
+	// launches ran as the twin.
+	Twin         bool   `json:"twin"`
+	TwinReason   string `json:"twin_reason,omitempty"`
+	TwinLaunches uint64 `json:"twin_launches"`
 }
 
 // Shape is a grid/block configuration and how often it was launched.

@@ -1,0 +1,226 @@
+package op
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/shimctl"
+)
+
+// Step names of the preemption steps (processes running under the shim only).
+const (
+	StepQuiesce = "quiesce"
+	StepDetach  = "detach"
+	StepResume  = "resume"
+)
+
+// DefaultPreemptBudget is how long a quiesce may wait for preemptible kernels to stop.
+const DefaultPreemptBudget = 10 * time.Millisecond
+
+// PreemptReport is what the shim of one process said around an operation.
+type PreemptReport struct {
+	PID        int              `json:"pid"`
+	Shim       bool             `json:"shim"` // a control socket answered
+	Proto      int              `json:"proto,omitempty"`
+	Note       string           `json:"note,omitempty"` // why nothing was quiesced, or what went wrong
+	Quiesce    *shimctl.Quiesce `json:"quiesce,omitempty"`
+	QuiesceDur time.Duration    `json:"quiesce_ns"` // round trip of the quiesce request
+	Resume     *shimctl.Resume  `json:"resume,omitempty"`
+}
+
+// Preemption quiesces the CUDA processes of an operation that run under the shim before the
+// driver lock, so that preemptible kernels stop at block boundaries instead of holding the lock,
+// and resumes them afterwards (or on rollback). Processes without the shim are left as they are:
+// the driver lock then waits for their kernels, as before. A shim that cannot be reached, or
+// fails, never fails the operation: the report says so and the lock decides.
+type Preemption struct {
+	Budget  time.Duration // per quiesce; 0 means DefaultPreemptBudget
+	Reports []*PreemptReport
+	leases  map[int]*shimctl.Client // open quiesce leases by pid
+	log     func(msg string, args ...any)
+}
+
+// NewPreemption prepares the preemption of an operation.
+func NewPreemption(env *Env, budget time.Duration) *Preemption {
+	if budget <= 0 {
+		budget = DefaultPreemptBudget
+	}
+	return &Preemption{Budget: budget, leases: map[int]*shimctl.Client{}, log: env.Logger().Info}
+}
+
+func (p *Preemption) report(pid int) *PreemptReport {
+	for _, r := range p.Reports {
+		if r.PID == pid {
+			return r
+		}
+	}
+	r := &PreemptReport{PID: pid}
+	p.Reports = append(p.Reports, r)
+	return r
+}
+
+// dial reaches pid's shim in the socket directory of pid's own environment.
+func dial(ctx context.Context, pid int) (*shimctl.Client, error) {
+	dir := ""
+	if e, err := gpu.ProcessEnviron("/proc", pid); err == nil {
+		dir = e["PTXMIG_SOCKET_DIR"]
+	}
+	return shimctl.DialPID(ctx, shimctl.SocketDir(dir), pid)
+}
+
+// QuiesceStep quiesces every pid that runs under a preemption-capable shim; its undo resumes them.
+func (p *Preemption) QuiesceStep(pids []int) Step {
+	return Step{Name: StepQuiesce,
+		Do: func(ctx context.Context) error {
+			for _, pid := range pids {
+				p.quiesce(ctx, pid)
+			}
+			return nil
+		},
+		Undo: func(ctx context.Context) error { return p.resumeAll(ctx, pids, true) }}
+}
+
+func (p *Preemption) quiesce(ctx context.Context, pid int) {
+	r := p.report(pid)
+	dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	c, err := dial(dctx, pid)
+	cancel()
+	if err != nil {
+		if errors.Is(err, shimctl.ErrNoShim) {
+			r.Note = "not running under the ptxmig shim: the driver lock waits for its kernels"
+		} else {
+			r.Note = fmt.Sprintf("shim unreachable (%v): the driver lock waits for its kernels", err)
+		}
+		return
+	}
+	r.Shim = true
+	qctx, cancel := context.WithTimeout(ctx, p.Budget+5*time.Second)
+	defer cancel()
+	t0 := time.Now()
+	q, err := c.Quiesce(qctx, p.Budget)
+	r.QuiesceDur, r.Proto = time.Since(t0), c.Proto()
+	if err != nil {
+		c.Close() // ends the lease if there was one: the shim resumes by itself
+		if errors.Is(err, shimctl.ErrNoPreemption) {
+			r.Note = "the shim has no preemption (protocol 1): the driver lock waits for its kernels"
+		} else {
+			r.Note = fmt.Sprintf("quiesce failed (%v): the driver lock waits for its kernels", err)
+			p.log("quiesce failed; falling back to the driver lock", "pid", pid, "err", err)
+		}
+		return
+	}
+	r.Quiesce = q
+	p.leases[pid] = c
+}
+
+// DetachStep keeps every quiesced process quiesced after ptxmig's connections close: it must run
+// after the driver checkpoint and before CRIU dumps the processes (no connection may be open
+// then). No undo: the quiesce step's undo resumes.
+func (p *Preemption) DetachStep() Step {
+	return Step{Name: StepDetach, Do: func(ctx context.Context) error {
+		var errs []error
+		for pid, c := range p.leases {
+			dctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			if err := c.Detach(dctx); err != nil {
+				errs = append(errs, fmt.Errorf("detach pid %d: %w", pid, err))
+			}
+			cancel()
+			c.Close()
+			delete(p.leases, pid)
+		}
+		return errors.Join(errs...)
+	}}
+}
+
+// ResumeStep resumes the processes this operation quiesced (after --leave-running, after a
+// migrate); with restored set, every pid whose shim can be reached (a restored process was
+// quiesced by the checkpoint that made its image). A process without the shim is skipped.
+func (p *Preemption) ResumeStep(pids func() []int, restored bool) Step {
+	return Step{Name: StepResume, Do: func(ctx context.Context) error { return p.resumeAll(ctx, pids(), !restored) }}
+}
+
+// resumeAll resumes through the open lease, or a new connection after a detach or a restore;
+// onlyQuiesced skips the pids this operation did not quiesce.
+func (p *Preemption) resumeAll(ctx context.Context, pids []int, onlyQuiesced bool) error {
+	var errs []error
+	for _, pid := range pids {
+		r := p.report(pid)
+		if onlyQuiesced && r.Quiesce == nil {
+			continue
+		}
+		c, ok := p.leases[pid]
+		if !ok {
+			dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			var err error
+			c, err = dial(dctx, pid)
+			cancel()
+			if err != nil {
+				if !errors.Is(err, shimctl.ErrNoShim) {
+					errs = append(errs, fmt.Errorf("resume pid %d: %w", pid, err))
+				}
+				continue
+			}
+		}
+		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		res, err := c.Resume(rctx)
+		cancel()
+		c.Close()
+		delete(p.leases, pid)
+		switch {
+		case errors.Is(err, shimctl.ErrNoPreemption):
+		case err != nil:
+			errs = append(errs, fmt.Errorf("resume pid %d: %w", pid, err))
+		default:
+			r.Shim, r.Resume = true, res
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Close ends any lease still open (the shim then resumes by itself).
+func (p *Preemption) Close() {
+	for pid, c := range p.leases {
+		c.Close()
+		delete(p.leases, pid)
+	}
+}
+
+// LockHint names what may hold the driver lock after a quiesce: kernels without a twin and twins
+// that did not stop within the budget ("" when nothing was left running).
+func (p *Preemption) LockHint() string {
+	var parts []string
+	for _, r := range p.Reports {
+		if r.Quiesce == nil {
+			continue
+		}
+		for _, n := range r.Quiesce.NotStopped {
+			parts = append(parts, fmt.Sprintf("pid %d %s (%s)", r.PID, n.Kernel, n.Reason))
+		}
+		for _, n := range r.Quiesce.Originals {
+			parts = append(parts, fmt.Sprintf("pid %d %s (%s)", r.PID, n.Kernel, n.Reason))
+		}
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return "kernels not preempted: " + strings.Join(parts, "; ")
+}
+
+// ExplainLock decorates a lock step's failure with LockHint.
+func (p *Preemption) ExplainLock(s Step) Step {
+	do := s.Do
+	s.Do = func(ctx context.Context) error {
+		err := do(ctx)
+		if err != nil {
+			if h := p.LockHint(); h != "" {
+				return fmt.Errorf("%w; %s", err, h)
+			}
+		}
+		return err
+	}
+	return s
+}

@@ -1,0 +1,107 @@
+package op
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/ptxmig/ptxmig/internal/shimctl"
+	"github.com/ptxmig/ptxmig/internal/shimctl/shimctltest"
+)
+
+func reply(cmd, result string, proto int) string {
+	return fmt.Sprintf(`{"ok":true,"proto":%d,"cmd":%q,"result":%s}`+"\n", proto, cmd, result)
+}
+
+// TestPreemptionSteps drives quiesce → detach → resume against a served control socket standing
+// in for the shim of this process, and the fallbacks: no shim, a protocol-1 shim, a garbled reply.
+func TestPreemptionSteps(t *testing.T) {
+	pid := os.Getpid()
+	status := func(proto int) string {
+		return reply("status", fmt.Sprintf(`{"pid":%d,"proto":%d}`, pid, proto), proto)
+	}
+	quiesce := reply("quiesce", `{"state":"quiesced","elapsed_us":812,"gate":"closed",`+
+		`"preempted":[{"launch":7,"kernel":"longgrid","stream":"0x0","blocks_done":1200,"blocks_total":65536}],`+
+		`"originals":[{"kernel":"cublasGemm","reason":"no PTX (SASS only)"}]}`, 2)
+	tests := []struct {
+		name        string
+		replies     map[string]string // nil: no socket at all
+		wantShim    bool
+		wantQuiesce bool
+		wantResume  bool
+		wantNote    string
+		wantHint    string
+	}{
+		{name: "no shim", wantNote: "not running under the ptxmig shim"},
+		{name: "protocol 1", replies: map[string]string{"status": status(1)}, wantShim: true, wantNote: "protocol 1"},
+		{name: "garbled quiesce", replies: map[string]string{"status": status(2), "quiesce": "{nope\n"}, wantShim: true, wantNote: "quiesce failed"},
+		{name: "quiesce, detach, resume", wantShim: true, wantQuiesce: true, wantResume: true, wantHint: "cublasGemm (no PTX (SASS only))",
+			replies: map[string]string{"status": status(2), "quiesce": quiesce, "detach": reply("detach", `{"state":"quiesced","detached":true}`, 2),
+				"resume": reply("resume", `{"state":"running","was":"quiesced","relaunched":1,"elapsed_us":90}`, 2)}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			t.Setenv("PTXMIG_SOCKET_DIR", dir)
+			if tt.replies != nil {
+				shimctltest.Serve(t, filepath.Join(dir, fmt.Sprintf("%d.sock", pid)), tt.replies)
+			}
+			env := &Env{Log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+			p := NewPreemption(env, 0)
+			defer p.Close()
+			steps := []Step{p.QuiesceStep([]int{pid}), p.DetachStep(), p.ResumeStep(Fixed([]int{pid}), false)}
+			if _, err := Execute(context.Background(), steps, nil, 0, env.Log); err != nil {
+				t.Fatalf("steps: %v", err)
+			}
+			if len(p.Reports) != 1 {
+				t.Fatalf("reports %+v", p.Reports)
+			}
+			r := p.Reports[0]
+			if r.Shim != tt.wantShim || (r.Quiesce != nil) != tt.wantQuiesce || (r.Resume != nil) != tt.wantResume ||
+				!strings.Contains(r.Note, tt.wantNote) {
+				t.Errorf("report %+v", r)
+			}
+			if tt.wantQuiesce && (r.Quiesce.Preempted[0].BlocksDone != 1200 || r.Resume.Relaunched != 1) {
+				t.Errorf("quiesce %+v resume %+v", r.Quiesce, r.Resume)
+			}
+			if h := p.LockHint(); !strings.Contains(h, tt.wantHint) || (tt.wantHint == "") != (h == "") {
+				t.Errorf("lock hint %q, want %q", h, tt.wantHint)
+			}
+		})
+	}
+}
+
+// TestPreemptionRollback: a failure after the quiesce resumes through the open lease.
+func TestPreemptionRollback(t *testing.T) {
+	pid := os.Getpid()
+	dir := t.TempDir()
+	t.Setenv("PTXMIG_SOCKET_DIR", dir)
+	shimctltest.Serve(t, filepath.Join(dir, fmt.Sprintf("%d.sock", pid)), map[string]string{
+		"status":  reply("status", fmt.Sprintf(`{"pid":%d,"proto":2}`, pid), 2),
+		"quiesce": reply("quiesce", `{"state":"quiesced","elapsed_us":5,"gate":"closed"}`, 2),
+		"resume":  reply("resume", `{"state":"running","was":"quiesced","relaunched":0,"elapsed_us":3}`, 2),
+	})
+	env := &Env{Log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	p := NewPreemption(env, 0)
+	defer p.Close()
+	boom := errors.New("lock timed out")
+	lock := p.ExplainLock(Step{Name: StepLock, Do: func(context.Context) error { return boom }})
+	_, err := Execute(context.Background(), []Step{p.QuiesceStep([]int{pid}), lock}, nil, 0, env.Log)
+	var se *StepError
+	if !errors.As(err, &se) || !se.RolledBack() || se.Undone[0] != StepQuiesce {
+		t.Fatalf("err = %v, want the quiesce undone", err)
+	}
+	if r := p.Reports[0]; r.Resume == nil || r.Resume.Was != "quiesced" {
+		t.Errorf("no resume after the rollback: %+v", r)
+	}
+	if len(p.leases) != 0 {
+		t.Errorf("lease left open")
+	}
+	_ = shimctl.ErrNoShim
+}

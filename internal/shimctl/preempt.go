@@ -1,0 +1,147 @@
+package shimctl
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+)
+
+// Preemption requests (protocol version 2; docs/SHIM-PROTOCOL.md "Preemption").
+
+// ErrNoPreemption: the shim speaks protocol 1 and cannot quiesce.
+var ErrNoPreemption = fmt.Errorf("%w: the shim has no preemption (protocol 1)", ErrShim)
+
+// Limits on what a quiesce or resume reply may list; a longer list is a protocol error.
+const (
+	maxListed    = 1 << 16
+	maxBudget    = 60 * time.Second
+	maxNameBytes = 4096
+)
+
+// PreemptedLaunch is a twin stopped between blocks; its remainder runs on resume.
+type PreemptedLaunch struct {
+	Launch      uint64 `json:"launch"`
+	Kernel      string `json:"kernel"`
+	Stream      string `json:"stream"`
+	BlocksDone  uint64 `json:"blocks_done"`
+	BlocksTotal uint64 `json:"blocks_total"`
+}
+
+// LaunchNote names a launch and, where it was not stopped, why.
+type LaunchNote struct {
+	Launch uint64 `json:"launch,omitempty"`
+	Kernel string `json:"kernel"`
+	Reason string `json:"reason,omitempty"`
+}
+
+// Quiesce is the reply to "quiesce".
+type Quiesce struct {
+	State      string            `json:"state"`
+	ElapsedUS  int64             `json:"elapsed_us"`
+	Preempted  []PreemptedLaunch `json:"preempted"`
+	Drained    []LaunchNote      `json:"drained"`
+	NotStopped []LaunchNote      `json:"not_stopped"`
+	Originals  []LaunchNote      `json:"originals"`
+	Gate       string            `json:"gate"`
+}
+
+// Resume is the reply to "resume".
+type Resume struct {
+	State      string `json:"state"`
+	Was        string `json:"was"`
+	Relaunched int    `json:"relaunched"`
+	ElapsedUS  int64  `json:"elapsed_us"`
+}
+
+// needPreemption asks for the shim's version when no reply has told it yet.
+func (c *Client) needPreemption(ctx context.Context) error {
+	if c.proto == 0 {
+		if _, err := c.Status(ctx); err != nil {
+			return err
+		}
+	}
+	if c.proto < 2 {
+		return ErrNoPreemption
+	}
+	return nil
+}
+
+// Quiesce closes the shim's gate, stops the preemptible kernels in flight and waits up to budget
+// for them. The quiesce is a lease held by this connection: closing the client without Detach
+// makes the shim resume by itself.
+func (c *Client) Quiesce(ctx context.Context, budget time.Duration) (*Quiesce, error) {
+	if budget <= 0 || budget > maxBudget {
+		return nil, fmt.Errorf("quiesce: budget %s out of range (0, %s]", budget, maxBudget)
+	}
+	if err := c.needPreemption(ctx); err != nil {
+		return nil, err
+	}
+	ms := max(1, budget.Milliseconds())
+	raw, err := c.Raw(ctx, "quiesce", map[string]any{"budget_ms": ms})
+	if err != nil {
+		return nil, err
+	}
+	var q Quiesce
+	if err := json.Unmarshal(raw, &q); err != nil {
+		return nil, fmt.Errorf("quiesce: %w: %v", ErrProtocol, err)
+	}
+	if err := q.validate(); err != nil {
+		return nil, fmt.Errorf("quiesce: %w: %v", ErrProtocol, err)
+	}
+	return &q, nil
+}
+
+func (q *Quiesce) validate() error {
+	if q.State != "quiesced" {
+		return fmt.Errorf("state %q, want quiesced", q.State)
+	}
+	if q.ElapsedUS < 0 {
+		return fmt.Errorf("elapsed_us %d", q.ElapsedUS)
+	}
+	if len(q.Preempted)+len(q.Drained)+len(q.NotStopped)+len(q.Originals) > maxListed {
+		return fmt.Errorf("more than %d launches listed", maxListed)
+	}
+	for _, p := range q.Preempted {
+		if p.BlocksDone > p.BlocksTotal || len(p.Kernel) > maxNameBytes || len(p.Stream) > 64 {
+			return fmt.Errorf("preempted launch %d: %d of %d blocks", p.Launch, p.BlocksDone, p.BlocksTotal)
+		}
+	}
+	for _, l := range [][]LaunchNote{q.Drained, q.NotStopped, q.Originals} {
+		for _, n := range l {
+			if len(n.Kernel) > maxNameBytes || len(n.Reason) > maxNameBytes {
+				return fmt.Errorf("launch %d: name or reason too long", n.Launch)
+			}
+		}
+	}
+	return nil
+}
+
+// Detach keeps the process quiesced after this connection closes (sent once the driver holds
+// the process, before CRIU dumps it).
+func (c *Client) Detach(ctx context.Context) error {
+	if err := c.needPreemption(ctx); err != nil {
+		return err
+	}
+	_, err := c.Raw(ctx, "detach", nil)
+	return err
+}
+
+// Resume relaunches the remainders of preempted kernels and opens the gate; idempotent.
+func (c *Client) Resume(ctx context.Context) (*Resume, error) {
+	if err := c.needPreemption(ctx); err != nil {
+		return nil, err
+	}
+	raw, err := c.Raw(ctx, "resume", nil)
+	if err != nil {
+		return nil, err
+	}
+	var r Resume
+	if err := json.Unmarshal(raw, &r); err != nil {
+		return nil, fmt.Errorf("resume: %w: %v", ErrProtocol, err)
+	}
+	if r.State != "running" || r.Relaunched < 0 || r.Relaunched > maxListed {
+		return nil, fmt.Errorf("resume: %w: state %q, relaunched %d", ErrProtocol, r.State, r.Relaunched)
+	}
+	return &r, nil
+}

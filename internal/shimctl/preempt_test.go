@@ -1,0 +1,70 @@
+package shimctl
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/ptxmig/ptxmig/internal/shimctl/shimctltest"
+)
+
+// TestQuiesceReplies checks that quiesce replies are validated field by field.
+func TestQuiesceReplies(t *testing.T) {
+	pid := os.Getpid()
+	status := fmt.Sprintf(`{"ok":true,"proto":2,"cmd":"status","result":{"pid":%d,"proto":2}}`+"\n", pid)
+	tests := []struct {
+		name, quiesce string
+		wantErr       error
+	}{
+		{"good", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","elapsed_us":9,"preempted":[{"launch":1,"kernel":"k","stream":"0x1","blocks_done":3,"blocks_total":8}]}}`, nil},
+		{"more blocks done than exist", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","preempted":[{"launch":1,"kernel":"k","blocks_done":9,"blocks_total":8}]}}`, ErrProtocol},
+		{"not quiesced", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"running"}}`, ErrProtocol},
+		{"negative time", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","elapsed_us":-1}}`, ErrProtocol},
+		{"refused", `{"ok":false,"proto":2,"error":"already quiesced by another client"}`, ErrShim},
+		{"future protocol", `{"ok":true,"proto":3,"cmd":"quiesce","result":{"state":"quiesced"}}`, ErrProtocol},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			shimctltest.Serve(t, filepath.Join(dir, fmt.Sprintf("%d.sock", pid)), map[string]string{"status": status, "quiesce": tt.quiesce + "\n"})
+			c, err := DialPID(context.Background(), dir, pid)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			q, err := c.Quiesce(context.Background(), 10*time.Millisecond)
+			if tt.wantErr == nil && (err != nil || q.Preempted[0].BlocksDone != 3) {
+				t.Fatalf("quiesce = %+v, %v", q, err)
+			}
+			if tt.wantErr != nil && !errors.Is(err, tt.wantErr) {
+				t.Fatalf("err = %v, want %v", err, tt.wantErr)
+			}
+		})
+	}
+	if _, err := (&Client{}).Quiesce(context.Background(), 2*time.Minute); err == nil {
+		t.Error("a budget over a minute was accepted")
+	}
+}
+
+// TestProtocol1HasNoPreemption: a version-1 shim is told apart before anything is sent.
+func TestProtocol1HasNoPreemption(t *testing.T) {
+	pid := os.Getpid()
+	dir := t.TempDir()
+	shimctltest.Serve(t, filepath.Join(dir, fmt.Sprintf("%d.sock", pid)), map[string]string{
+		"status": fmt.Sprintf(`{"ok":true,"proto":1,"cmd":"status","result":{"pid":%d,"proto":1}}`+"\n", pid)})
+	c, err := DialPID(context.Background(), dir, pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Quiesce(context.Background(), 10*time.Millisecond); !errors.Is(err, ErrNoPreemption) {
+		t.Fatalf("quiesce on protocol 1: %v", err)
+	}
+	if _, err := c.Resume(context.Background()); !errors.Is(err, ErrNoPreemption) {
+		t.Fatalf("resume on protocol 1: %v", err)
+	}
+}
