@@ -1,0 +1,187 @@
+//go:build gpu
+
+package gputest
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/op"
+)
+
+// Preemption on a real GPU: longgrid (testdata/workloads) runs one many-block kernel of about
+// 30 s under `ptxmig run --preempt always`; ptxmig checkpoints it mid-kernel. Without the shim's
+// quiesce the driver lock would wait for the kernel (10 s lock timeout: exit 1).
+
+// startShimmed runs a workload under `ptxmig run` with a private socket directory.
+func startShimmed(t *testing.T, mode, name string, args ...string) *proc {
+	t.Helper()
+	shim := os.Getenv("PTXMIG_SHIM")
+	if shim == "" {
+		t.Skip("PTXMIG_SHIM not set (run through gpu-e2e.sh)")
+	}
+	sock := filepath.Join(t.TempDir(), "sock")
+	runArgs := append([]string{"run", "--shim", shim, "--socket-dir", sock, "--preempt", mode, "--", filepath.Join(workloads, name)}, args...)
+	return startEnv(t, []string{"PTXMIG_PTX_CACHE=" + filepath.Join(out, "gputest", "ptxcache")}, bin, runArgs...)
+}
+
+// longgridParams waits for the params line and returns the fixed-size arguments that repeat it.
+func longgridParams(t *testing.T, p *proc) []string {
+	t.Helper()
+	l := waitLine(t, p.log, "params ", 3*time.Minute)
+	var blocks, work, repeat int
+	if _, err := fmt.Sscanf(l, "params blocks=%d work=%d repeat=%d", &blocks, &work, &repeat); err != nil {
+		t.Fatalf("params line %q: %v", l, err)
+	}
+	return []string{"--blocks", strconv.Itoa(blocks), "--work", strconv.Itoa(work), "--repeat", strconv.Itoa(repeat)}
+}
+
+// waitStarted waits until the workload has printed n "started" lines.
+func waitStarted(t *testing.T, p *proc, n int, timeout time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		c := 0
+		for _, l := range lines(p.log) {
+			if l == "started" {
+				c++
+			}
+		}
+		if c >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d 'started' lines after %s, want %d; log:\n%s", c, timeout, n, strings.Join(lines(p.log), "\n"))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+type ckptJSON struct {
+	Preemption []*op.PreemptReport `json:"preemption"`
+	Timings    op.Timings          `json:"timings"`
+}
+
+// TestPreemptLongKernel: checkpoints of a process in the middle of a ~30 s kernel do not wait
+// for the kernel. (1) 20 checkpoints with --leave-running: each quiesces, preempts the twin,
+// checkpoints, resumes; quiesce and quiesce+lock times are recorded (P1). (2) A failure injected
+// after the driver checkpoint rolls back and resumes the kernel. (3) A checkpoint that ends the
+// process mid-kernel, then restore: the kernel's remainder runs after the restore. The results
+// match an uninterrupted run bit for bit.
+func TestPreemptLongKernel(t *testing.T) {
+	need(t, 1)
+	p := startShimmed(t, "always", "longgrid", "--seconds", "30", "--repeat", "2")
+	fixed := longgridParams(t, p)
+	plain := start(t, "longgrid", fixed...) // the reference: same work, no shim, uninterrupted
+
+	// (0) The baseline: without the shim the driver lock waits for the kernel and times out;
+	// the process is not hurt (its result is the reference below).
+	waitStarted(t, plain, 1, 2*time.Minute)
+	time.Sleep(2 * time.Second)
+	t0 := time.Now()
+	_, se0, code0 := ptxmig(t, "checkpoint", "--leave-running", "--lock-timeout", "2s", "--name", "plain-lr", strconv.Itoa(plain.pid))
+	t.Logf("plain process (no shim): checkpoint --leave-running --lock-timeout 2s: exit %d after %s: %s", code0, time.Since(t0), strings.TrimSpace(se0))
+	if code0 == 0 {
+		t.Errorf("checkpoint of a process in a long kernel without the shim succeeded; the kernel was not long enough to show the difference")
+	}
+
+	// (1) P1: 20 --leave-running checkpoints inside the first repeat's kernel.
+	waitStarted(t, p, 1, 2*time.Minute)
+	time.Sleep(3 * time.Second)
+	var quiesce, toLock []time.Duration
+	for i := 0; i < 20; i++ {
+		t0 := time.Now()
+		so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--name", fmt.Sprintf("pre-lr-%d", i), strconv.Itoa(p.pid))
+		if code != 0 {
+			t.Fatalf("checkpoint --leave-running %d: exit %d after %s: %s", i, code, time.Since(t0), se)
+		}
+		var r ckptJSON
+		if err := json.Unmarshal([]byte(so), &r); err != nil || len(r.Preemption) != 1 || r.Preemption[0].Quiesce == nil {
+			t.Fatalf("checkpoint %d: no quiesce report: %v\n%s", i, err, so)
+		}
+		q := r.Preemption[0].Quiesce
+		if i == 0 && len(q.Preempted) == 0 {
+			t.Fatalf("first checkpoint preempted nothing: %+v", q)
+		}
+		quiesce = append(quiesce, time.Duration(q.ElapsedUS)*time.Microsecond)
+		toLock = append(toLock, r.Timings.Of(op.StepQuiesce)+r.Timings.Of(op.StepLock))
+		if r.Preemption[0].Resume == nil {
+			t.Fatalf("checkpoint %d: not resumed", i)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	writeP1(t, quiesce, toLock)
+
+	// (2) Rollback on purpose: the dump fails after the driver checkpoint.
+	env, closeEnv, err := op.NewEnv(context.Background(), filepath.Join(out, "gputest", "store"), slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeEnv()
+	injected := errors.New("injected dump failure")
+	env.Hook = func(_ context.Context, step string) error {
+		if step == checkpoint.StepDump {
+			return injected
+		}
+		return nil
+	}
+	_, err = checkpoint.Run(context.Background(), env, checkpoint.Options{PID: p.pid, Name: "pre-rollback", LeaveRunning: true, LockTimeout: 10 * time.Second})
+	var fl *op.Failure
+	if !errors.As(err, &fl) || !fl.RolledBack() {
+		t.Fatalf("injected failure: %v, want a rolled-back failure", err)
+	}
+	t.Logf("rolled back: %v", err)
+
+	// (3) Checkpoint mid-kernel in the second repeat (the process ends), then restore.
+	waitStarted(t, p, 2, 3*time.Minute)
+	time.Sleep(3 * time.Second)
+	so, se, code := ptxmig(t, "--json", "checkpoint", "--name", "pre-mid", strconv.Itoa(p.pid))
+	if code != 0 {
+		t.Fatalf("checkpoint mid-kernel: exit %d: %s", code, se)
+	}
+	var r ckptJSON
+	if err := json.Unmarshal([]byte(so), &r); err != nil || len(r.Preemption) != 1 || r.Preemption[0].Quiesce == nil || len(r.Preemption[0].Quiesce.Preempted) == 0 {
+		t.Fatalf("mid-kernel checkpoint preempted nothing: %v\n%s", err, so)
+	}
+	<-p.done
+	so, se, code = ptxmig(t, "--json", "restore", "pre-mid")
+	if code != 0 {
+		t.Fatalf("restore: exit %d: %s", code, se)
+	}
+	if !strings.Contains(so, `"relaunched": 1`) {
+		t.Errorf("restore did not relaunch the preempted kernel:\n%s", so)
+	}
+	waitExit(t, p.pid, 4*time.Minute)
+	select {
+	case <-plain.done:
+	case <-time.After(4 * time.Minute):
+		t.Fatal("the reference run did not finish")
+	}
+	sameResults(t, results(p.log), results(plain.log))
+}
+
+// writeP1 records the P1 distribution under $PTXMIG_OUT/preempt-p1.txt and in the test log.
+func writeP1(t *testing.T, quiesce, toLock []time.Duration) {
+	t.Helper()
+	pct := func(d []time.Duration, q float64) time.Duration {
+		s := append([]time.Duration(nil), d...)
+		sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+		return s[min(len(s)-1, int(q*float64(len(s))))]
+	}
+	text := fmt.Sprintf("P1 over %d checkpoints --leave-running of a ~30 s kernel: quiesce p50 %s p99 %s max %s; "+
+		"quiesce+lock p50 %s p99 %s max %s\nquiesce: %v\nquiesce+lock: %v\n", len(quiesce),
+		pct(quiesce, .5), pct(quiesce, .99), pct(quiesce, 1), pct(toLock, .5), pct(toLock, .99), pct(toLock, 1), quiesce, toLock)
+	t.Log(text)
+	_ = os.WriteFile(filepath.Join(out, "preempt-p1.txt"), []byte(text), 0o644)
+}
