@@ -150,6 +150,9 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 	if p.ShellJob {
 		p.meta.Extra[op.ExtraShellJob] = "true"
 	}
+	if slices.ContainsFunc(stats, func(s proc.Stat) bool { return s.TTY != 0 }) {
+		p.meta.Extra[op.ExtraTTY] = "true"
+	}
 	if o.TCPEstablished {
 		p.meta.Extra[op.ExtraTCPEstablished] = "true"
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/testproc"
 	"github.com/ptxmig/ptxmig/restore"
+	"github.com/ptxmig/ptxmig/store"
 )
 
 // shellCounter starts the repro: a bash loop that counts into a file and forks a sleep
@@ -226,5 +227,26 @@ func TestFakeDriverSteps(t *testing.T) {
 			}
 			advancesExactly(t, p.StateFile, m, atDump.Step, 5)
 		})
+	}
+}
+
+// TestRestoreRefusesTTYImage: an image whose processes had a controlling terminal is refused
+// before anything is materialized (CRIU would need the restorer's own terminal to hand them).
+func TestRestoreRefusesTTYImage(t *testing.T) {
+	f := setup(t)
+	src := t.TempDir()
+	if err := os.WriteFile(filepath.Join(src, "core-1.img"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	meta := store.Metadata{Kind: op.KindCPU, PID: 4000000, Extra: map[string]string{op.ExtraTTY: "true", op.ExtraShellJob: "true"}}
+	if _, _, err := f.st.Put(context.Background(), src, store.PutOptions{Name: "tty", Meta: meta}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := restore.Run(context.Background(), f.env, restore.Options{Image: "tty", StagingRoot: f.stage})
+	if !errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), "controlling terminal") {
+		t.Fatalf("restore of a tty image: %v, want a refusal naming the terminal", err)
+	}
+	if ents, _ := os.ReadDir(f.stage); len(ents) != 0 {
+		t.Errorf("the refusal left staging: %v", ents)
 	}
 }

@@ -114,6 +114,11 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if meta.Kind != op.KindCUDA && meta.Kind != op.KindCPU {
 		return nil, op.Refusef("image %s is of kind %q, not a process checkpoint", m.Name, meta.Kind)
 	}
+	if meta.Extra[op.ExtraTTY] == "true" {
+		return nil, op.Refusef("image %s holds processes that had a controlling terminal: CRIU restores them only by "+
+			"handing them the restoring process's own terminal, which ptxmig does not do yet; checkpoint such a job "+
+			"started without a terminal (setsid, nohup, a service manager) instead", m.Name)
+	}
 	tree, err := op.ImageTree(meta)
 	if err != nil {
 		return nil, op.Refusef("image %s: %w", m.Name, err)

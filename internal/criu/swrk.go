@@ -33,14 +33,13 @@ type Error struct {
 }
 
 func (e *Error) Error() string {
-	s := fmt.Sprintf("criu %s: %s", e.Op, e.Msg)
+	// CRIU's RPC message is often just the first error line of its log, harmless ones included:
+	// the cause found in the log leads, and the log's path is left to the caller (it keeps the
+	// log somewhere the staging directory's removal does not reach).
 	if e.Cause != "" {
-		s = fmt.Sprintf("criu %s: %s (%s)", e.Op, e.Cause, e.Msg)
+		return fmt.Sprintf("criu %s: %s", e.Op, e.Cause)
 	}
-	if e.LogPath != "" {
-		s += " (log: " + e.LogPath + ")"
-	}
-	return s
+	return fmt.Sprintf("criu %s: %s", e.Op, e.Msg)
 }
 
 func newError(op, msg, logPath string) *Error {

@@ -23,6 +23,7 @@ const (
 // Keys checkpoint records in a manifest's Meta.Extra and restore reads back.
 const (
 	ExtraShellJob       = "criu.shell_job"
+	ExtraTTY            = "criu.tty" // a process had a controlling terminal (restore needs one to inherit)
 	ExtraTCPEstablished = "criu.tcp_established"
 	ExtraComm           = "comm"
 	ExtraLeftRunning    = "left_running"
