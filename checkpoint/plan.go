@@ -120,6 +120,11 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 	if i := slices.IndexFunc(stats, func(s proc.Stat) bool { return s.PID == self }); i >= 0 {
 		return nil, op.Refusef("ptxmig itself runs inside the tree of pid %d", o.PID)
 	}
+	if i := slices.IndexFunc(stats, func(s proc.Stat) bool { return s.TTY != 0 }); i >= 0 {
+		return nil, op.Refusef("pid %d (%s) has a controlling terminal: CRIU restores such a process only by handing it "+
+			"the restoring process's own terminal, which ptxmig does not do, so its image could not be restored; "+
+			"run the job without a terminal (setsid, nohup, a service manager or a batch system)", stats[i].PID, stats[i].Comm)
+	}
 	p := &Plan{PID: o.PID, LeaveRunning: o.LeaveRunning, opts: o}
 	if p.Image, err = imageName(env.Store, o, stats[0].Comm, time.Now()); err != nil {
 		return nil, err
@@ -150,9 +155,7 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 	if p.ShellJob {
 		p.meta.Extra[op.ExtraShellJob] = "true"
 	}
-	if slices.ContainsFunc(stats, func(s proc.Stat) bool { return s.TTY != 0 }) {
-		p.meta.Extra[op.ExtraTTY] = "true"
-	}
+
 	if o.TCPEstablished {
 		p.meta.Extra[op.ExtraTCPEstablished] = "true"
 	}

@@ -19,6 +19,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/testproc"
+	"github.com/ptxmig/ptxmig/internal/testreq"
 	"github.com/ptxmig/ptxmig/restore"
 	"github.com/ptxmig/ptxmig/store"
 )
@@ -248,5 +249,37 @@ func TestRestoreRefusesTTYImage(t *testing.T) {
 	}
 	if ents, _ := os.ReadDir(f.stage); len(ents) != 0 {
 		t.Errorf("the refusal left staging: %v", ents)
+	}
+}
+
+// TestCheckpointRefusesTTY: a process with a controlling terminal (here under script(1)) is
+// refused before anything is frozen, since its image could not be restored.
+func TestCheckpointRefusesTTY(t *testing.T) {
+	f := setup(t)
+	script, err := exec.LookPath("script")
+	if err != nil {
+		testreq.Skip(t, "script", "script(1) (util-linux) makes the pseudo-terminal: %v", err)
+	}
+	cmd := exec.Command(script, "-qfc", "sleep 60", "/dev/null")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { killTree(cmd.Process.Pid); _ = cmd.Wait() })
+	var sleeper int
+	for deadline := time.Now().Add(10 * time.Second); sleeper == 0; time.Sleep(20 * time.Millisecond) {
+		if tree, err := proc.Tree(cmd.Process.Pid); err == nil && len(tree) > 1 && tree[1].TTY != 0 {
+			sleeper = tree[1].PID
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("script(1) started no process on a terminal")
+		}
+	}
+	_, err = checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: sleeper, Name: "tty", StagingRoot: f.stage})
+	if !errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), "controlling terminal") {
+		t.Fatalf("checkpoint of a process on a terminal: %v, want a refusal", err)
+	}
+	if s, err := proc.ReadStat(sleeper); err != nil || s.Stopped() {
+		t.Errorf("the refusal touched pid %d: %+v %v", sleeper, s, err)
 	}
 }
