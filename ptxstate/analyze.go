@@ -80,6 +80,14 @@ type funcFacts struct {
 	localBytes int
 	sharedDecl int
 	reserved   []string
+
+	selfSched  []*Stmt // clusterlaunchcontrol: cancels not-yet-launched CTAs and runs their work
+	maxnreg    []*Stmt // setmaxnreg
+	relinquish []*Stmt // tcgen05.relinquish_alloc_permit
+	asyncCopy  bool    // cp.async (non-bulk): per-thread groups into shared memory
+	bulkGroup  bool    // a .bulk_group completion: bulk copies reading shared memory
+	mbarInit   []*Stmt // mbarrier.init
+	mbarInval  bool    // mbarrier.inval
 }
 
 type analyzer struct {
@@ -122,8 +130,8 @@ func parseVar(text string) (string, moduleVar, bool) {
 		switch {
 		case t.Kind == tokIdent && t.Text == ".extern":
 			v.Extern = true
-		case t.Kind == tokIdent && (t.Text == ".shared" || t.Text == ".global" || t.Text == ".const" || t.Text == ".local" || t.Text == ".tex"):
-			v.Space = t.Text
+		case t.Kind == tokIdent && isVarSpace(spaceName(t.Text)):
+			v.Space = spaceName(t.Text)
 		case t.Kind == tokIdent && t.Text == ".align":
 			k++
 		case t.Kind == tokIdent && t.Text[0] == '.' && typeBytes(t.Text) > 0:
@@ -206,12 +214,47 @@ func (a *analyzer) factsOf(f *Function) *funcFacts {
 			}
 		case base == "exit":
 			ff.exits = append(ff.exits, s)
-		case strings.HasPrefix(s.Op, "barrier.cluster") || base == "mapa" || base == "getctarank" ||
-			strings.Contains(s.Op, ".shared::cluster") || strings.Contains(s.Op, "multicast::cluster"):
+		case isClusterOp(s):
 			ff.clusterOps = append(ff.clusterOps, s)
+		case strings.HasPrefix(s.Op, "clusterlaunchcontrol.try_cancel"):
+			ff.selfSched = append(ff.selfSched, s)
+		case base == "setmaxnreg":
+			ff.maxnreg = append(ff.maxnreg, s)
+		case strings.HasPrefix(s.Op, "tcgen05.relinquish_alloc_permit"):
+			ff.relinquish = append(ff.relinquish, s)
+		case strings.HasPrefix(s.Op, "mbarrier.init"):
+			ff.mbarInit = append(ff.mbarInit, s)
+		case strings.HasPrefix(s.Op, "mbarrier.inval"):
+			ff.mbarInval = true
+		}
+		if strings.HasPrefix(s.Op, "cp.async.") && !strings.HasPrefix(s.Op, "cp.async.bulk") {
+			ff.asyncCopy = true
+		}
+		if s.HasMod("bulk_group") {
+			ff.bulkGroup = true
 		}
 	}
 	return ff
+}
+
+// isClusterOp reports whether an instruction only makes sense between the CTAs of a cluster:
+// cluster barriers, mapa/getctarank (another CTA's shared memory), multicast to the cluster, and
+// tcgen05 operations of a CTA pair (cta_group::2). An operand in .shared::cluster space alone is
+// not one: without mapa the only .shared::cluster addresses a kernel has are its own CTA's
+// (nvcc and CUTLASS emit cp.async.bulk.shared::cluster.global for plain TMA loads).
+func isClusterOp(s *Stmt) bool {
+	switch s.Base() {
+	case "mapa", "getctarank":
+		return true
+	case "barrier":
+		return strings.HasPrefix(s.Op, "barrier.cluster")
+	}
+	for _, m := range s.Mods() {
+		if strings.HasPrefix(m, "multicast::cluster") || m == "cta_group::2" {
+			return true
+		}
+	}
+	return false
 }
 
 // Analyze reports on every kernel (.entry with a body) of the module.
@@ -250,6 +293,9 @@ var forbiddenCallees = map[string]string{
 // kernelInfo carries what the transform needs beyond the report.
 type kernelInfo struct {
 	cfg *CFG
+	// The kernel (or a callee) issues cp.async / bulk-group copies: the twin waits for the
+	// thread's own groups before the next virtual block reuses shared memory.
+	drainAsync, drainBulk bool
 }
 
 func (a *analyzer) kernel(f *Function) (*KernelReport, *kernelInfo, error) {
@@ -340,6 +386,9 @@ func (a *analyzer) kernel(f *Function) (*KernelReport, *kernelInfo, error) {
 	kr.Calls = calls
 
 	specials := map[string]bool{}
+	info := &kernelInfo{cfg: g}
+	var mbarInit []*Stmt
+	mbarInval := false
 	for _, ff := range all {
 		for sr := range ff.specials {
 			specials[sr] = true
@@ -352,6 +401,19 @@ func (a *analyzer) kernel(f *Function) (*KernelReport, *kernelInfo, error) {
 		for _, s := range ff.clusterOps {
 			refuse("thread-block cluster operation %s at line %d", s.Op, s.Line)
 		}
+		for _, s := range ff.selfSched {
+			refuse("schedules its own work: %s at line %d takes over CTAs that have not launched yet (cluster launch control)", s.Op, s.Line)
+		}
+		for _, s := range ff.maxnreg {
+			refuse("%s at line %d reallocates the warp's registers: the twin would repeat it for every virtual block", s.Op, s.Line)
+		}
+		for _, s := range ff.relinquish {
+			refuse("%s at line %d gives up the CTA's tensor-memory allocation permit, which the next virtual block would need", s.Op, s.Line)
+		}
+		info.drainAsync = info.drainAsync || ff.asyncCopy
+		info.drainBulk = info.drainBulk || ff.bulkGroup
+		mbarInit = append(mbarInit, ff.mbarInit...)
+		mbarInval = mbarInval || ff.mbarInval
 		if len(ff.reserved) > 0 {
 			refuse("uses the name %s, reserved for the transform", ff.reserved[0])
 		}
@@ -375,6 +437,9 @@ func (a *analyzer) kernel(f *Function) (*KernelReport, *kernelInfo, error) {
 		case strings.HasPrefix(sr, "%clock") || strings.HasPrefix(sr, "%globaltimer"):
 			note("reads %s: a preempted block's timings include the time it spent waiting", sr)
 		}
+	}
+	if len(mbarInit) > 0 && !mbarInval {
+		note("initialises an mbarrier (line %d) and never invalidates it: the twin initialises it again for every virtual block, after the block barrier", mbarInit[0].Line)
 	}
 	if len(f.ClusterDirectives) > 0 {
 		refuse("declares %s: thread-block clusters", strings.Join(f.ClusterDirectives, ", "))
@@ -449,14 +514,15 @@ func (a *analyzer) kernel(f *Function) (*KernelReport, *kernelInfo, error) {
 	}
 
 	// Spin-waits and self-scheduling loops.
-	a.loops(g, uni, refuse)
+	a.loops(g, a.provenanceOf(g), refuse)
 
 	kr.Refusals = dedup(kr.Refusals)
+	kr.Notes = dedup(kr.Notes)
 	kr.Eligible = len(kr.Refusals) == 0
 	if kr.Eligible {
 		kr.Twin = f.Name + TwinSuffix
 	}
-	return kr, &kernelInfo{cfg: g}, nil
+	return kr, info, nil
 }
 
 func blockThreads(f *Function) int {
@@ -488,7 +554,15 @@ func dedup(xs []string) []string {
 
 // loops refuses kernels whose loops wait on memory other CTAs write (spin-waits) or pull work
 // from an atomic counter (a kernel that is already persistent).
-func (a *analyzer) loops(g *CFG, _ *uniformity, refuse func(string, ...any)) {
+//
+// Only memory another CTA can write counts: a loop that waits on a load (or counts with an
+// atomic) whose address is provably this CTA's shared memory or the thread's local memory
+// (prov.privateAccess: a .shared/.shared::cta/.local opcode, or a generic address derived only
+// from cvta.shared/cvta.local or such variables) waits for threads of the same CTA. In the twin
+// those threads run the same virtual block (no thread starts the next block before all passed
+// the block barrier), so such a wait ends exactly as in the original, and preempting between
+// blocks cannot leave it waiting for a block that was never claimed.
+func (a *analyzer) loops(g *CFG, prov *provenance, refuse func(string, ...any)) {
 	f := g.Fn
 	for _, b := range g.Blocks {
 		for _, h := range b.Succs {
@@ -526,6 +600,8 @@ func (a *analyzer) loops(g *CFG, _ *uniformity, refuse func(string, ...any)) {
 							continue
 						}
 						switch {
+						case (s.Base() == "ld" || s.Base() == "atom") && prov.privateAccess(k):
+							// CTA-private memory: see above.
 						case s.Base() == "ld" && (s.HasMod("volatile") || s.HasMod("acquire") || s.HasMod("relaxed")):
 							refuse("spin-wait: the loop at line %d waits on %s (line %d), which another CTA may write", f.Body[g.Blocks[h].Start].Line, s.Op, s.Line)
 						case s.Base() == "atom" && (s.HasMod("add") || s.HasMod("inc")) || s.Base() == "atom" && s.HasMod("or") && len(s.Args) == 3 && s.Args[2].Text == "0":

@@ -143,3 +143,57 @@ type Operand struct {
 	Regs []string // every %name inside, in order (registers and special registers)
 	toks []token
 }
+
+// Mods returns the opcode's qualifiers without their dots, in order: "shared::cta", "b64" for
+// mbarrier.init.shared::cta.b64 (a "::" sub-qualifier stays part of its qualifier).
+func (s *Stmt) Mods() []string {
+	parts := strings.Split(s.Op, ".")
+	return parts[1:]
+}
+
+// Spaces returns the state spaces the opcode names, in order (destination first where an
+// instruction names two, as cp.async.bulk.shared::cluster.global does), each normalised by
+// spaceOf; cvta's "to" is skipped. A memory instruction without one uses generic addressing.
+func (s *Stmt) Spaces() []string {
+	var out []string
+	for _, m := range s.Mods() {
+		if sp := spaceOf(m); sp != "" {
+			out = append(out, sp)
+		}
+	}
+	return out
+}
+
+// spaceOf maps a qualifier (without its dot) to the state space it names: "shared" and
+// "shared::cta" are both "shared::cta", "param::entry" and "param::func" are "param"; "" when the
+// qualifier is not a state space.
+func spaceOf(q string) string {
+	switch q {
+	case "shared", "shared::cta":
+		return "shared::cta"
+	case "shared::cluster":
+		return "shared::cluster"
+	case "param", "param::entry", "param::func":
+		return "param"
+	case "global", "local", "const", "tex":
+		return q
+	}
+	return ""
+}
+
+// spaceName strips a "::" sub-qualifier from a directive: ".shared::cta" is ".shared".
+func spaceName(d string) string {
+	if i := strings.Index(d, "::"); i >= 0 {
+		return d[:i]
+	}
+	return d
+}
+
+// isVarSpace reports whether d (from spaceName) is a state space variables are declared in.
+func isVarSpace(d string) bool {
+	switch d {
+	case ".shared", ".global", ".const", ".local", ".tex":
+		return true
+	}
+	return false
+}

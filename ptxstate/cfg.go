@@ -25,6 +25,8 @@ type CFG struct {
 	defs, uses [][]int
 	regNames   []string
 	regTypes   []string
+	// regKey maps, per instruction, each register name it mentions to its key (scopes resolved).
+	regKey []map[string]int
 }
 
 // ExitNode is the ID of the virtual exit node.
@@ -217,6 +219,7 @@ func (g *CFG) resolveRegs() {
 	f := g.Fn
 	g.defs = make([][]int, len(f.Body))
 	g.uses = make([][]int, len(f.Body))
+	g.regKey = make([]map[string]int, len(f.Body))
 	keys := map[string]int{}
 	stack := []*scopeDecls{{names: map[string]string{}, ranges: map[string]int{}, rtypes: map[string]string{}}}
 	nextID := 1
@@ -264,12 +267,16 @@ func (g *CFG) resolveRegs() {
 			}
 		case StInstr:
 			d, u := defsUses(s)
+			rk := map[string]int{}
 			for _, r := range d {
-				g.defs[i] = append(g.defs[i], key(r))
+				rk[r] = key(r)
+				g.defs[i] = append(g.defs[i], rk[r])
 			}
 			for _, r := range u {
-				g.uses[i] = append(g.uses[i], key(r))
+				rk[r] = key(r)
+				g.uses[i] = append(g.uses[i], rk[r])
 			}
+			g.regKey[i] = rk
 		}
 	}
 }

@@ -57,7 +57,7 @@ func defsUses(s *Stmt) (defs, uses []string) {
 	addUse := func(rs []string) {
 		for _, r := range rs {
 			if !IsSpecialReg(r) {
-				uses = append(uses, r)
+				uses = append(uses, regBase(r))
 			}
 		}
 	}
@@ -68,7 +68,7 @@ func defsUses(s *Stmt) (defs, uses []string) {
 		}
 		for _, r := range o.Regs {
 			if !IsSpecialReg(r) {
-				defs = append(defs, r)
+				defs = append(defs, regBase(r))
 			}
 		}
 	}
@@ -118,6 +118,15 @@ func defsUses(s *Stmt) (defs, uses []string) {
 		uses = append(uses, defs...)
 	}
 	return defs, uses
+}
+
+// regBase strips a component selector from a register operand: %r2.b0 (a video instruction's
+// byte selectors) and %v.x (an element of a vector register) are reads of %r2 and %v.
+func regBase(r string) string {
+	if i := strings.IndexByte(r, '.'); i > 0 {
+		return r[:i]
+	}
+	return r
 }
 
 // isBarrier reports whether an instruction is a CTA-level barrier operation.

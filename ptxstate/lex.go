@@ -9,7 +9,7 @@ type tokKind uint8
 
 const (
 	tokEOF    tokKind = iota
-	tokIdent          // names, opcodes with modifiers (ld.global.f32), directives (.reg), registers (%r1), labels ($L__BB0_1)
+	tokIdent          // names, opcodes with modifiers (ld.global.f32, ld.shared::cta.u32), directives (.reg, .shared::cta), registers (%r1), labels ($L__BB0_1)
 	tokNumber         // 12, 0x1f, 0f3F800000, 0d..., 1.5e3, 7U
 	tokString         // "..."
 	tokPunct          // one of { } ( ) [ ] , ; : @ ! | + - < > = * / ~ & ^ ? %
@@ -50,6 +50,11 @@ func isIdentChar(c byte) bool {
 }
 
 func isDigit(c byte) bool { return c >= '0' && c <= '9' }
+
+// isQualChar reports whether c may start the part of a qualifier after "::" (cta, 128B, 1, 2X).
+func isQualChar(c byte) bool {
+	return c == '_' || isDigit(c) || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')
+}
 
 // lex tokenises the whole source. Comments and whitespace are trivia: the parser recovers them
 // from the gaps between token offsets, which is what makes printing byte exact.
@@ -132,8 +137,19 @@ func lex(src []byte) ([]token, error) {
 			lx.pos++
 		case isIdentStart(c):
 			kind = tokIdent
-			for lx.pos < len(src) && isIdentChar(src[lx.pos]) {
-				lx.pos++
+			for lx.pos < len(src) {
+				if isIdentChar(src[lx.pos]) {
+					lx.pos++
+					continue
+				}
+				// "::" joins the parts of a qualifier or state space, in opcodes and declarations
+				// (ld.shared::cta, mbarrier::complete_tx::bytes, .L2::128B, .cta_group::1); it is
+				// never followed by '.', '%' or '$', so a label "L:" before an instruction is safe.
+				if src[lx.pos] == ':' && lx.pos+2 < len(src) && src[lx.pos+1] == ':' && isQualChar(src[lx.pos+2]) {
+					lx.pos += 2
+					continue
+				}
+				break
 			}
 		case c == '"':
 			kind = tokString

@@ -233,6 +233,14 @@ func (p *parser) function(first token) (*Function, string, error) {
 			break
 		}
 	}
+	// Attributes between .entry/.func and the name: .attribute(.unified(0xAB, 0xCD)), .noreturn.
+	for p.peek().Kind == tokIdent && (p.peek().Text == ".attribute" || p.peek().Text == ".noreturn") {
+		if p.next().Text == ".attribute" && p.peek().Kind == tokPunct && p.peek().Text == "(" {
+			if err := p.skipParens(); err != nil {
+				return nil, "", err
+			}
+		}
+	}
 	// .func may have a return parameter list first.
 	if !f.Entry && p.peek().Kind == tokPunct && p.peek().Text == "(" {
 		rets, _, err := p.params()
@@ -271,6 +279,13 @@ func (p *parser) function(first token) (*Function, string, error) {
 			continue
 		}
 		switch t.Text {
+		case ".pragma":
+			// .entry k(...) .pragma "nounroll"; { ... }: the ';' ends the pragma, not the header.
+			if _, err := p.untilSemi(t); err != nil {
+				return nil, "", err
+			}
+		case ".blocksareclusters":
+			f.ClusterDirectives = append(f.ClusterDirectives, t.Text)
 		case ".maxntid", ".reqntid", ".minnctapersm", ".maxnreg", ".reqnctapercluster", ".maxclusterrank":
 			var nums []int
 			for p.peek().Kind == tokNumber || (p.peek().Kind == tokPunct && p.peek().Text == ",") {
@@ -336,6 +351,24 @@ func (p *parser) function(first token) (*Function, string, error) {
 		}
 		f.Body = append(f.Body, s)
 	}
+}
+
+// skipParens consumes a balanced "( ... )" group.
+func (p *parser) skipParens() error {
+	open := p.next()
+	depth := 1
+	for depth > 0 {
+		t := p.next()
+		switch {
+		case t.Kind == tokEOF:
+			return p.errf(open, "unbalanced '('")
+		case t.Kind == tokPunct && t.Text == "(":
+			depth++
+		case t.Kind == tokPunct && t.Text == ")":
+			depth--
+		}
+	}
+	return nil
 }
 
 // params parses "( .param .u64 name, .param .align 8 .b8 name[16] )".
@@ -438,7 +471,7 @@ func (p *parser) stmt(depth int) (*Stmt, error) {
 		return finish(p.untilEOL()), nil
 	case first.Kind == tokIdent && first.Text[0] == '.':
 		s.Name = first.Text
-		switch first.Text {
+		switch spaceName(first.Text) {
 		case ".loc", ".file":
 			s.Kind = StDirective
 			return finish(p.untilEOL()), nil

@@ -26,7 +26,7 @@ func Instrument(m *Module) (*Module, *Report, error) {
 			kr.Refusals = append(kr.Refusals, fmt.Sprintf(".address_size %d: the control block needs 64-bit addresses", m.AddressSize))
 		}
 		if kr.Eligible {
-			slot, twin, err := makeTwin(it.Func, info.cfg)
+			slot, twin, err := makeTwin(it.Func, info)
 			if err != nil {
 				return nil, nil, fmt.Errorf("kernel %s: %w", it.Func.Name, err)
 			}
@@ -111,7 +111,7 @@ var virtualSpecial = map[string]string{
 // bar.sync (an aligned barrier) and warp-synchronous instructions (shfl.sync, vote) need that:
 // a leader lane still in scheduler code while its warp's other lanes run the body is undefined
 // behaviour, and on H200 it faulted (CUDA_ERROR_INVALID_ADDRESS_SPACE in transpose2d).
-func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
+func makeTwin(f *Function, info *kernelInfo) (*Item, *Item, error) {
 	twinName := f.Name + TwinSuffix
 	slotName := slotPrefix + f.Name
 	slot := &Item{Kind: ItemVar, Lead: "\n\n// ptxmig: scheduler state of " + twinName + " (two parity slots, leader state)\n",
@@ -334,8 +334,12 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 		L("body")+":",
 		"// ptxmig: original body",
 	)
-	for _, s := range f.Body {
+	for i, s := range f.Body {
 		ns := *s
+		if i == 0 && !strings.Contains(ns.Lead, "\n") {
+			// "{{" or "{ld..." on one line: keep it off the comment emitted above.
+			ns.Lead = "\n" + ns.Lead
+		}
 		if s.Kind == StInstr {
 			repl := map[int]string{}
 			for i, t := range s.toks {
@@ -361,8 +365,18 @@ func makeTwin(f *Function, g *CFG) (*Item, *Item, error) {
 		}
 		body = append(body, &ns)
 	}
+	emit(L("next") + ":")
+	// Copies the block issued and never waited for (legal in the original: its shared memory
+	// died with the CTA) must not land in, or read from, the next block's shared memory.
+	if info.drainAsync {
+		emit("// the thread's cp.async groups complete before the next block reuses shared memory",
+			"cp.async.wait_all;")
+	}
+	if info.drainBulk {
+		emit("// the thread's bulk copies have read their shared-memory source before it is reused",
+			"cp.async.bulk.wait_group.read \t0;")
+	}
 	emit(
-		L("next")+":",
 		"// the whole CTA finished this block: next block of the batch, or the next claim",
 		"sub.u32 \t"+rCnt+", "+rCnt+", 1;",
 		"setp.eq.u32 \t"+pT+", "+rCnt+", 0;",

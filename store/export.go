@@ -8,7 +8,9 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"log/slog"
 	"os"
+	"strings"
 	"sync"
 	"time"
 )
@@ -16,7 +18,7 @@ import (
 // An export stream (docs/FORMAT.md) is the magic "PTXMIGX1" followed by records, each a type
 // byte, a little-endian uint64 payload length and the payload:
 //
-//	'M'  the manifest, exactly as stored (its id is the hash of these bytes)
+//	'M'  the manifest, exactly as stored (sealed: it ends with its id; see auth.go)
 //	'C'  32-byte chunk id, then the chunk file (header and payload)
 //	'E'  uint64 number of 'C' records, then the 32-byte manifest id; ends the stream
 const (
@@ -32,8 +34,15 @@ var ErrBadStream = errors.New("bad export stream")
 
 // ImportOptions configures ImportWith.
 type ImportOptions struct {
-	Name     string // store under this name instead of the exported one (the id changes)
-	Workers  int
+	Name    string // store under this name instead of the exported one (the id changes)
+	Workers int
+	// MemoryLimit bounds the import's memory: the manifest plus every worker's buffers (default
+	// DefaultMemoryLimit); fewer workers run when Workers would exceed it.
+	MemoryLimit int64
+	// ExpectID, when set, is the id (or a prefix of at least 8 hex digits) the exported image
+	// must have: the stream is refused unless its manifest is sealed and matches it. With Name the
+	// check applies to the exported image, before it is renamed.
+	ExpectID string
 	Progress Progress // bytes of the stream's chunk data processed; total is the image's stored size
 }
 
@@ -60,16 +69,16 @@ func (s *Store) ExportWith(ctx context.Context, ref string, w io.Writer, o GetOp
 }
 
 func (s *Store) export(ctx context.Context, m *Manifest, w io.Writer, o GetOptions, start time.Time) (*Stats, error) {
-	workers, err := workerCount(o.Workers, o.MemoryLimit, getWorkerMem(m.ChunkSize))
-	if err != nil {
-		return nil, err
-	}
 	raw, err := os.ReadFile(s.manifestPath(m.Name))
 	if err != nil {
 		return nil, err
 	}
-	if manifestID(raw) != m.ID {
+	if id, err := manifestIDOf(raw); err != nil || id != m.ID {
 		return nil, fmt.Errorf("manifest changed while exporting")
+	}
+	workers, err := readWorkers(o.Workers, o.MemoryLimit, m, len(raw))
+	if err != nil {
+		return nil, err
 	}
 	var c counters
 	c.logical.Add(m.LogicalBytes())
@@ -85,15 +94,13 @@ func (s *Store) export(ctx context.Context, m *Manifest, w io.Writer, o GetOptio
 	}
 	stop := reportProgress(ctx, o.Progress, &c.done, total)
 	defer stop()
-	dec, err := newDecoder(workers)
+	dec, err := newChunkDecoder(workers, maxChunkOf(m))
 	if err != nil {
 		return nil, err
 	}
 	defer dec.close()
 	// Verify a batch of chunks in parallel, then write it in order.
-	files := make([][]byte, workers)
-	raws := make([][]byte, workers)
-	scratch := make([][]byte, workers)
+	bufs := make([]chunkBufs, workers)
 	for b := 0; b < len(ids); b += workers {
 		batch := ids[b:min(b+workers, len(ids))]
 		err := parallel(ctx, workers, len(batch), func() func(int) error {
@@ -101,13 +108,13 @@ func (s *Store) export(ctx context.Context, m *Manifest, w io.Writer, o GetOptio
 				if i < 0 {
 					return nil
 				}
+				u := uses[batch[i]][0]
 				var err error
-				files[i], err = s.readChunkFile(batch[i], files[i])
+				bufs[i].file, err = s.readChunkFile(batch[i], u.ch.Size, dec.fileBuf(&bufs[i]))
 				if err == nil {
-					raws[i], scratch[i], err = dec.decode(files[i], batch[i], raws[i], scratch[i])
+					_, err = dec.decode(bufs[i].file, batch[i], u.ch.Size, &bufs[i])
 				}
 				if err != nil {
-					u := uses[batch[i]][0]
 					return fmt.Errorf("file %s at offset %d: %w", u.file.Path, u.ch.Offset, err)
 				}
 				return nil
@@ -119,10 +126,10 @@ func (s *Store) export(ctx context.Context, m *Manifest, w io.Writer, o GetOptio
 		for i, id := range batch {
 			rec := make([]byte, 0, 32)
 			rec = append(rec, id[:]...)
-			writeRecordParts(bw, recChunk, rec, files[i])
-			c.stored.Add(int64(len(files[i])))
+			writeRecordParts(bw, recChunk, rec, bufs[i].file)
+			c.stored.Add(int64(len(bufs[i].file)))
 			c.chunks.Add(1)
-			c.done.Add(int64(len(raws[i])))
+			c.done.Add(int64(uses[id][0].ch.Size))
 		}
 		if bw.err != nil {
 			return nil, bw.err
@@ -223,8 +230,11 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 	if err != nil {
 		return nil, nil, err
 	}
-	if typ != recManifest || n > maxManifestBytes {
-		return nil, nil, fmt.Errorf("%w: first record %q of %d bytes, want a manifest", ErrBadStream, typ, n)
+	if typ != recManifest {
+		return nil, nil, fmt.Errorf("%w: first record %q, want a manifest", ErrBadStream, typ)
+	}
+	if n > maxManifestBytes {
+		return nil, nil, fmt.Errorf("%w: manifest record of %d bytes exceeds the limit of %d: refused before reading it", ErrBadStream, n, maxManifestBytes)
 	}
 	raw := make([]byte, n)
 	if err := readFull(r, raw); err != nil {
@@ -235,6 +245,12 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 		return nil, nil, err
 	}
 	exportedID := m.ID
+	if err := checkExpectedID(m, o.ExpectID); err != nil {
+		return nil, nil, err
+	}
+	if !m.Authenticated() {
+		slog.Warn("importing an image that is not authenticated", "image", m.Name, "id", m.ID, "why", errNotAuthenticated)
+	}
 	if o.Name != "" {
 		if err := ValidateName(o.Name); err != nil {
 			return nil, nil, err
@@ -243,11 +259,30 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 		if raw, m.ID, err = EncodeManifest(m); err != nil {
 			return nil, nil, err
 		}
+		m.FormatVersion = FormatVersion
 	}
 	if _, err := os.Lstat(s.manifestPath(m.Name)); err == nil {
 		return nil, nil, fmt.Errorf("%s: %w", m.Name, ErrExists)
 	}
-	workers, err := workerCount(o.Workers, 0, getWorkerMem(m.ChunkSize))
+	// Every stored chunk the manifest references, with the one size it must have.
+	needed := map[ChunkID]int{}
+	var total int64
+	for i := range m.Files {
+		for _, ch := range m.Files[i].Chunks {
+			if ch.Zero {
+				continue
+			}
+			if sz, ok := needed[ch.Hash]; ok {
+				if sz != ch.Size {
+					return nil, nil, fmt.Errorf("%w: manifest lists chunk %s with sizes %d and %d", ErrCorrupt, ch.Hash, sz, ch.Size)
+				}
+				continue
+			}
+			needed[ch.Hash] = ch.Size
+			total += int64(ch.Size)
+		}
+	}
+	workers, err := readWorkers(o.Workers, o.MemoryLimit, m, len(raw))
 	if err != nil {
 		return nil, nil, err
 	}
@@ -262,30 +297,19 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 	}
 	defer stage.close() // removes the temp files of a failed Import
 
-	needed := map[ChunkID]int{} // id → raw size
-	var total int64
-	for i := range m.Files {
-		for _, ch := range m.Files[i].Chunks {
-			if !ch.Zero {
-				if _, ok := needed[ch.Hash]; !ok {
-					total += int64(ch.Size)
-				}
-				needed[ch.Hash] = ch.Size
-			}
-		}
-	}
 	var c counters
 	c.logical.Add(m.LogicalBytes())
 	stop := reportProgress(ctx, o.Progress, &c.done, total)
 	defer stop()
-	dec, err := newDecoder(workers)
+	dec, err := newChunkDecoder(workers, maxChunkOf(m))
 	if err != nil {
 		return nil, nil, err
 	}
 	defer dec.close()
 
-	// The reader hands chunk records to workers, which verify and store them; buffers circulate
-	// through free, bounding memory to `workers` chunk files.
+	// The reader hands chunk records to workers, which verify and store them; chunk file buffers
+	// circulate through free, so at most `workers` of them exist, each allocated once at the
+	// size of the image's largest chunk file.
 	type rec struct {
 		id  ChunkID
 		buf []byte
@@ -303,16 +327,13 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			var out, scratch []byte
+			var bufs chunkBufs
 			for j := range jobs {
-				var err error
-				out, scratch, err = dec.decode(j.buf, j.id, out, scratch)
-				if err == nil && len(out) != needed[j.id] {
-					err = fmt.Errorf("%w: chunk %s holds %d bytes, manifest says %d", ErrCorrupt, j.id, len(out), needed[j.id])
-				}
+				size := needed[j.id]
+				_, err := dec.decode(j.buf, j.id, size, &bufs)
 				if err == nil {
 					if fi, serr := os.Lstat(s.chunkPath(j.id)); serr == nil && fi.Mode().IsRegular() {
-						c.dedup.Add(int64(len(out)))
+						c.dedup.Add(int64(size))
 						c.dedupChunks.Add(1)
 						stage.markFound()
 					} else if err = stage.add(j.id, j.buf); err == nil {
@@ -324,7 +345,7 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 				}
 				c.chunks.Add(1)
 				c.stored.Add(int64(len(j.buf)))
-				c.done.Add(int64(len(out)))
+				c.done.Add(int64(size))
 				free <- j.buf
 			}
 		}()
@@ -349,11 +370,15 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 				if err := readFull(r, id[:]); err != nil {
 					return err
 				}
-				if _, ok := needed[id]; !ok {
+				size, ok := needed[id]
+				if !ok {
 					return fmt.Errorf("%w: chunk %s is not part of image %s", ErrBadStream, id, m.Name)
 				}
 				if got[id] {
 					return fmt.Errorf("%w: chunk %s sent twice", ErrBadStream, id)
+				}
+				if fileLen := n - 32; fileLen > uint64(chunkHeaderLen+maxEncodedLen(size)) {
+					return fmt.Errorf("%w: chunk %s: record of %d bytes for a chunk of %d bytes: refused before reading it", ErrCorrupt, id, fileLen, size)
 				}
 				got[id] = true
 				var buf []byte
@@ -362,8 +387,8 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 				case <-ctx.Done():
 					return nil
 				}
-				if uint64(cap(buf)) < n-32 {
-					buf = make([]byte, n-32)
+				if cap(buf) == 0 {
+					buf = dec.fileBuf(&chunkBufs{})
 				}
 				buf = buf[:n-32]
 				if err := readFull(r, buf); err != nil {
@@ -388,6 +413,9 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 				}
 				if id := ChunkID(end[8:]); id.String() != exportedID {
 					return fmt.Errorf("%w: end record names image %s, manifest is %s", ErrBadStream, id, exportedID)
+				}
+				if k, _ := r.Read(make([]byte, 1)); k != 0 {
+					return fmt.Errorf("%w: data after the end record", ErrBadStream)
 				}
 				return nil
 			default:
@@ -422,4 +450,21 @@ func (s *Store) importStream(ctx context.Context, r io.Reader, o ImportOptions, 
 		return nil, nil, fmt.Errorf("write manifest: %w", err)
 	}
 	return m, c.stats(time.Since(start)), nil
+}
+
+// checkExpectedID refuses an imported manifest whose id is not the one expected.
+func checkExpectedID(m *Manifest, want string) error {
+	if want == "" {
+		return nil
+	}
+	if len(want) < 8 || len(want) > 64 || strings.Trim(want, "0123456789abcdef") != "" {
+		return fmt.Errorf("expected id %.80q: want 8 to 64 lower-case hex digits", want)
+	}
+	if !m.Authenticated() {
+		return fmt.Errorf("%w: image %s (id %s) is not authenticated (manifest format %s), so its id proves nothing", ErrCorrupt, m.Name, m.ID, m.FormatVersion)
+	}
+	if !strings.HasPrefix(m.ID, want) {
+		return fmt.Errorf("%w: the stream holds image %s with id %s, not the expected %s", ErrCorrupt, m.Name, m.ID, want)
+	}
+	return nil
 }

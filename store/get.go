@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"sync"
@@ -14,8 +15,9 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// readChunkFile reads a chunk file into buf (reusing its capacity).
-func (s *Store) readChunkFile(id ChunkID, buf []byte) ([]byte, error) {
+// readChunkFile reads the chunk file of id, which holds a chunk of size bytes, into buf (reusing
+// its capacity). A file longer than a header plus size bytes is refused before it is read.
+func (s *Store) readChunkFile(id ChunkID, size int, buf []byte) ([]byte, error) {
 	f, err := os.OpenFile(s.chunkPath(id), os.O_RDONLY|unix.O_NOFOLLOW, 0)
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
@@ -29,8 +31,8 @@ func (s *Store) readChunkFile(id ChunkID, buf []byte) ([]byte, error) {
 		return buf, fmt.Errorf("read chunk %s: %w", id, err)
 	}
 	n := fi.Size()
-	if !fi.Mode().IsRegular() || n < chunkHeaderLen || n > chunkHeaderLen+MaxChunkSize {
-		return buf, fmt.Errorf("%w: chunk %s: file of %d bytes", ErrCorrupt, id, n)
+	if !fi.Mode().IsRegular() || n < chunkHeaderLen || n > chunkHeaderLen+int64(maxEncodedLen(size)) {
+		return buf, fmt.Errorf("%w: chunk %s: file of %d bytes for a chunk of %d bytes", ErrCorrupt, id, n, size)
 	}
 	if int64(cap(buf)) < n {
 		buf = make([]byte, n)
@@ -54,6 +56,9 @@ func (s *Store) Materialize(ctx context.Context, ref, dstDir string, o GetOption
 		return nil, fmt.Errorf("materialize %s: %w", ref, err)
 	}
 	defer lk.unlock()
+	if !m.Authenticated() {
+		slog.Warn("image not authenticated", "image", m.Name, "id", m.ID, "why", errNotAuthenticated)
+	}
 	st, err := s.materialize(ctx, m, dstDir, o, start)
 	if err != nil {
 		return nil, fmt.Errorf("materialize %s into %s: %w", m.Name, dstDir, err)
@@ -77,7 +82,7 @@ func (s *Store) getLocked(ctx context.Context, ref string) (*Manifest, *lock, er
 }
 
 func (s *Store) materialize(ctx context.Context, m *Manifest, dstDir string, o GetOptions, start time.Time) (st *Stats, err error) {
-	workers, err := workerCount(o.Workers, o.MemoryLimit, getWorkerMem(m.ChunkSize))
+	workers, err := readWorkers(o.Workers, o.MemoryLimit, m, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -208,13 +213,13 @@ func (s *Store) fill(ctx context.Context, m *Manifest, root *os.Root, workers in
 			jobs = append(jobs, chunkUse{f, ch})
 		}
 	}
-	dec, err := newDecoder(workers)
+	dec, err := newChunkDecoder(workers, maxChunkOf(m))
 	if err != nil {
 		return err
 	}
 	defer dec.close()
 	return parallel(ctx, workers, len(jobs), func() func(i int) error {
-		var fileBuf, raw, scratch []byte
+		var bufs chunkBufs
 		var fh *os.File
 		var cur *File
 		return func(i int) (err error) {
@@ -225,12 +230,10 @@ func (s *Store) fill(ctx context.Context, m *Manifest, root *os.Root, workers in
 				return nil
 			}
 			u := jobs[i]
-			fileBuf, err = s.readChunkFile(u.ch.Hash, fileBuf)
+			var raw []byte
+			bufs.file, err = s.readChunkFile(u.ch.Hash, u.ch.Size, dec.fileBuf(&bufs))
 			if err == nil {
-				raw, scratch, err = dec.decode(fileBuf, u.ch.Hash, raw, scratch)
-			}
-			if err == nil && len(raw) != u.ch.Size {
-				err = fmt.Errorf("%w: chunk %s holds %d bytes, manifest says %d", ErrCorrupt, u.ch.Hash, len(raw), u.ch.Size)
+				raw, err = dec.decode(bufs.file, u.ch.Hash, u.ch.Size, &bufs)
 			}
 			if err != nil {
 				return fmt.Errorf("file %s at offset %d: %w", u.file.Path, u.ch.Offset, err)
@@ -250,7 +253,7 @@ func (s *Store) fill(ctx context.Context, m *Manifest, root *os.Root, workers in
 				return fmt.Errorf("write %s at offset %d: %w", u.file.Path, u.ch.Offset, err)
 			}
 			c.written.Add(n)
-			c.stored.Add(int64(len(fileBuf)))
+			c.stored.Add(int64(len(bufs.file)))
 			c.done.Add(int64(u.ch.Size))
 			return nil
 		}

@@ -1,7 +1,6 @@
 package store
 
 import (
-	"bytes"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -16,10 +15,15 @@ import (
 )
 
 // FormatVersion is the manifest format this package writes. Readers accept any minor version of
-// the same major version (unknown fields are ignored) and reject other majors.
-const FormatVersion = "1.0"
+// the same major version (unknown fields are ignored) and reject other majors. Minor 1 added
+// authentication (auth.go): from 1.1 on a manifest carries its id, which hashes every byte of it.
+// 1.0 manifests are still read; Manifest.Authenticated reports which kind a manifest is.
+const FormatVersion = "1.1"
 
-const formatMajor = 1
+const (
+	formatMajor = 1
+	authMinor   = 1 // the first minor version whose manifests are sealed
+)
 
 // HashAlgorithm names the chunk and manifest hash.
 const HashAlgorithm = "blake3-256"
@@ -33,7 +37,7 @@ const (
 
 // Limits on decoded manifests, against hostile input.
 const (
-	maxManifestBytes = 256 << 20
+	maxManifestBytes = 64 << 20 // ≈ 450,000 chunk entries: 1.7 TiB in 4 MiB chunks
 	maxNameLen       = 128
 	maxPathLen       = 4096
 	maxMetaString    = 64 << 10
@@ -124,8 +128,10 @@ type File struct {
 	Chunks []Chunk `json:"chunks,omitempty"` // regular files, contiguous from offset 0
 }
 
-// Manifest describes one image. ID is not part of the encoding: it is the BLAKE3-256 hash of
-// the encoded manifest bytes, so a manifest cannot change without changing its id.
+// Manifest describes one image. Its ID is the BLAKE3-256 hash of the encoded manifest: in format
+// 1.1 the encoding ends with the id itself, hashed as 64 ASCII zeros, and every reader checks it
+// (a manifest edited after it was written is refused, naming the field); in format 1.0 the id is
+// the hash of the bytes and is not stored.
 type Manifest struct {
 	FormatVersion string    `json:"format_version"`
 	ID            string    `json:"id,omitempty"`
@@ -136,6 +142,14 @@ type Manifest struct {
 	Hash          string    `json:"hash"`
 	ChunkSize     int       `json:"chunk_size"`
 	Files         []File    `json:"files"`
+}
+
+// Authenticated reports whether the manifest is sealed (format 1.1 or later): its id was
+// checked against every byte of it when it was read. A 1.0 manifest's id is merely the hash of
+// whatever bytes were read.
+func (m *Manifest) Authenticated() bool {
+	_, minor, err := parseVersion(m.FormatVersion)
+	return err == nil && minor >= authMinor
 }
 
 // LogicalBytes is the sum of the sizes of the image's regular files.
@@ -222,10 +236,12 @@ func validPath(p string) error {
 	return nil
 }
 
-// EncodeManifest returns the canonical encoding of m (without its ID) and the ID it hashes to.
+// EncodeManifest returns the sealed encoding of m in the current format version (whatever
+// m.FormatVersion says) and the id it carries.
 func EncodeManifest(m *Manifest) ([]byte, string, error) {
 	c := *m
 	c.ID = ""
+	c.FormatVersion = FormatVersion
 	c.Created = c.Created.UTC()
 	if err := c.validate(); err != nil {
 		return nil, "", err
@@ -234,8 +250,7 @@ func EncodeManifest(m *Manifest) ([]byte, string, error) {
 	if err != nil {
 		return nil, "", fmt.Errorf("encode manifest: %w", err)
 	}
-	b = append(b, '\n')
-	return b, manifestID(b), nil
+	return sealManifest(b)
 }
 
 func manifestID(b []byte) string {
@@ -243,12 +258,29 @@ func manifestID(b []byte) string {
 	return hex.EncodeToString(sum[:])
 }
 
-// DecodeManifest parses and validates an encoded manifest and sets its ID from the bytes.
-// It rejects other major format versions with ErrUnsupportedVersion and anything malformed with
-// ErrCorrupt.
+// manifestWire is a manifest as stored: the content and, from format 1.1, the auth member.
+type manifestWire struct {
+	Manifest
+	Auth json.RawMessage `json:"auth"`
+}
+
+// DecodeManifest parses, authenticates and validates an encoded manifest and sets its ID. A
+// sealed manifest (format 1.1) must hash to the id it ends with, else the error is a
+// *ManifestMismatchError naming what was edited; a 1.0 manifest's id is the hash of b. It rejects
+// other major format versions with ErrUnsupportedVersion and anything malformed with ErrCorrupt.
 func DecodeManifest(b []byte) (*Manifest, error) {
 	if len(b) > maxManifestBytes {
 		return nil, fmt.Errorf("%w: manifest of %d bytes exceeds %d", ErrCorrupt, len(b), maxManifestBytes)
+	}
+	// A manifest that ends with an id is authenticated before anything in it is believed, the
+	// format version included, so an edit is reported as one.
+	sealed := hasSealedTail(b)
+	var id string
+	if sealed {
+		var err error
+		if id, err = sealedID(b); err != nil {
+			return nil, err
+		}
 	}
 	// Read the version first so a future major version gets a clear error, not a parse error.
 	var v struct {
@@ -260,31 +292,67 @@ func DecodeManifest(b []byte) (*Manifest, error) {
 	if err := checkVersion(v.FormatVersion); err != nil {
 		return nil, err
 	}
-	var m Manifest
-	dec := json.NewDecoder(bytes.NewReader(b))
-	if err := dec.Decode(&m); err != nil {
+	_, minor, _ := parseVersion(v.FormatVersion)
+	switch {
+	case minor >= authMinor && !sealed:
+		return nil, fmt.Errorf("%w: manifest: format %s manifests end with their id (`,\"id\":\"…\"}`); this one does not", ErrCorrupt, v.FormatVersion)
+	case minor < authMinor && sealed:
+		return nil, fmt.Errorf("%w: manifest: format %s manifests carry no id", ErrCorrupt, v.FormatVersion)
+	}
+	var w manifestWire
+	if err := json.Unmarshal(b, &w); err != nil {
 		return nil, fmt.Errorf("%w: manifest: %v", ErrCorrupt, err)
 	}
-	if dec.More() {
-		return nil, fmt.Errorf("%w: manifest: trailing data", ErrCorrupt)
-	}
-	if m.ID != "" {
-		return nil, fmt.Errorf("%w: manifest: stored manifests carry no id field", ErrCorrupt)
+	m := &w.Manifest
+	if sealed {
+		if m.ID != id || len(w.Auth) == 0 {
+			return nil, fmt.Errorf("%w: manifest: the id member and the auth member must appear once each, id last", ErrCorrupt)
+		}
+	} else {
+		if m.ID != "" {
+			return nil, fmt.Errorf("%w: manifest: format 1.0 manifests carry no id field", ErrCorrupt)
+		}
+		id = manifestID(b)
 	}
 	if err := m.validate(); err != nil {
 		return nil, err
 	}
-	m.ID = manifestID(b)
-	return &m, nil
+	m.ID = id
+	return m, nil
+}
+
+// hasSealedTail reports whether b ends like a sealed manifest.
+func hasSealedTail(b []byte) bool {
+	n := len(b)
+	return n >= idTailLen && string(b[n-idTailLen:n-idTailLen+len(idTail)]) == idTail && string(b[n-3:]) == "\"}\n"
+}
+
+// manifestIDOf returns the id of an encoded manifest without decoding it: the id it carries
+// (checked) when sealed, else the hash of its bytes.
+func manifestIDOf(b []byte) (string, error) {
+	if hasSealedTail(b) {
+		return sealedID(b)
+	}
+	return manifestID(b), nil
+}
+
+// parseVersion splits MAJOR.MINOR.
+func parseVersion(v string) (major, minor int, err error) {
+	ma, mi, ok := strings.Cut(v, ".")
+	major, err1 := strconv.Atoi(ma)
+	minor, err2 := strconv.Atoi(mi)
+	if !ok || err1 != nil || err2 != nil || major < 0 || minor < 0 || strings.HasPrefix(ma, "+") || strings.HasPrefix(mi, "+") {
+		return 0, 0, fmt.Errorf("%w: manifest format version %.40q is malformed", ErrCorrupt, v)
+	}
+	return major, minor, nil
 }
 
 func checkVersion(v string) error {
-	major, _, ok := strings.Cut(v, ".")
-	n, err := strconv.Atoi(major)
-	if !ok || err != nil || n < 0 || strings.HasPrefix(major, "+") {
-		return fmt.Errorf("%w: manifest format version %q is malformed", ErrCorrupt, v)
+	major, _, err := parseVersion(v)
+	if err != nil {
+		return err
 	}
-	if n != formatMajor {
+	if major != formatMajor {
 		return fmt.Errorf("%w: manifest format version %s; this ptxmig reads %d.x (upgrade ptxmig)", ErrUnsupportedVersion, v, formatMajor)
 	}
 	return nil

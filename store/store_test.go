@@ -488,6 +488,9 @@ func TestMaterializeTargetChecks(t *testing.T) {
 
 func TestOpenPermissions(t *testing.T) {
 	base := t.TempDir()
+	if err := os.Mkdir(filepath.Join(base, "a"), 0o755); err != nil {
+		t.Fatal(err)
+	}
 	s, err := Open(filepath.Join(base, "a", "store"))
 	if err != nil {
 		t.Fatal(err)
@@ -510,10 +513,12 @@ func TestOpenPermissions(t *testing.T) {
 	if fi, _ := os.Stat(readable); fi.Mode().Perm() != 0o700 {
 		t.Errorf("0755 store not tightened: %v", fi.Mode())
 	}
+	// A symlink to a loose directory is refused like the directory itself (TestOpenSymlinked
+	// covers the accepted case).
 	link := filepath.Join(base, "link")
-	os.Symlink(readable, link)
+	os.Symlink(loose, link)
 	if _, err := Open(link); !errors.Is(err, ErrInsecure) {
-		t.Errorf("open symlinked store: %v", err)
+		t.Errorf("open symlink to a world-writable store: %v", err)
 	}
 	// Every file the store writes is 0600, every directory 0700.
 	src := t.TempDir()

@@ -81,7 +81,7 @@ type ckptJSON struct {
 // match an uninterrupted run bit for bit.
 func TestPreemptLongKernel(t *testing.T) {
 	need(t, 1)
-	p := startShimmed(t, "always", "longgrid", "--seconds", "30", "--repeat", "2")
+	p := startShimmed(t, "always", "longgrid", "--seconds", "30", "--block-ms", "0.25", "--repeat", "2")
 	fixed := longgridParams(t, p)
 	plain := start(t, "longgrid", fixed...) // the reference: same work, no shim, uninterrupted
 

@@ -176,6 +176,9 @@ func (p *Preemption) resumeAll(ctx context.Context, pids []int, onlyQuiesced boo
 			errs = append(errs, fmt.Errorf("resume pid %d: %w", pid, err))
 		default:
 			r.Shim, r.Resume = true, res
+			for _, e := range res.Errors {
+				errs = append(errs, fmt.Errorf("resume pid %d: relaunch of %s failed: %s", pid, e.Kernel, e.Error))
+			}
 		}
 	}
 	return errors.Join(errs...)

@@ -42,7 +42,7 @@ func TestPreemptionSteps(t *testing.T) {
 		{name: "protocol 1", replies: map[string]string{"status": status(1)}, wantShim: true, wantNote: "protocol 1"},
 		{name: "garbled quiesce", replies: map[string]string{"status": status(2), "quiesce": "{nope\n"}, wantShim: true, wantNote: "quiesce failed"},
 		{name: "quiesce, detach, resume", wantShim: true, wantQuiesce: true, wantResume: true, wantHint: "cublasGemm (no PTX (SASS only))",
-			replies: map[string]string{"status": status(2), "quiesce": quiesce, "detach": reply("detach", `{"state":"quiesced","detached":true}`, 2),
+			replies: map[string]string{"status": status(2), "quiesce": quiesce, "detach": reply("detach", `{"state":"detached","detached":true}`, 2) + "\n",
 				"resume": reply("resume", `{"state":"running","was":"quiesced","relaunched":1,"elapsed_us":90}`, 2)}},
 	}
 	for _, tt := range tests {

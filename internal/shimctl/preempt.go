@@ -3,7 +3,9 @@ package shimctl
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"time"
 )
 
@@ -48,10 +50,18 @@ type Quiesce struct {
 
 // Resume is the reply to "resume".
 type Resume struct {
-	State      string `json:"state"`
-	Was        string `json:"was"`
-	Relaunched int    `json:"relaunched"`
-	ElapsedUS  int64  `json:"elapsed_us"`
+	State      string       `json:"state"`
+	Was        string       `json:"was"`
+	Relaunched int          `json:"relaunched"`
+	Errors     []ResumeError `json:"errors,omitempty"` // relaunches the driver refused
+	ElapsedUS  int64        `json:"elapsed_us"`
+}
+
+// ResumeError is a relaunch that failed.
+type ResumeError struct {
+	Launch uint64 `json:"launch"`
+	Kernel string `json:"kernel"`
+	Error  string `json:"error"`
 }
 
 // needPreemption asks for the shim's version when no reply has told it yet.
@@ -118,13 +128,26 @@ func (q *Quiesce) validate() error {
 }
 
 // Detach keeps the process quiesced after this connection closes (sent once the driver holds
-// the process, before CRIU dumps it).
+// the process, before CRIU dumps it). The shim closes the connection after its reply; Detach
+// waits for that, so no connection of the process is open when it returns.
 func (c *Client) Detach(ctx context.Context) error {
 	if err := c.needPreemption(ctx); err != nil {
 		return err
 	}
-	_, err := c.Raw(ctx, "detach", nil)
-	return err
+	if _, err := c.Raw(ctx, "detach", nil); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	_ = c.conn.SetReadDeadline(deadline)
+	if _, err := c.r.ReadByte(); err == nil {
+		return fmt.Errorf("detach: %w: the shim kept the connection open", ErrProtocol)
+	} else if !errors.Is(err, io.EOF) {
+		return fmt.Errorf("detach: waiting for the shim to close the connection: %w", err)
+	}
+	return nil
 }
 
 // Resume relaunches the remainders of preempted kernels and opens the gate; idempotent.
@@ -140,7 +163,7 @@ func (c *Client) Resume(ctx context.Context) (*Resume, error) {
 	if err := json.Unmarshal(raw, &r); err != nil {
 		return nil, fmt.Errorf("resume: %w: %v", ErrProtocol, err)
 	}
-	if r.State != "running" || r.Relaunched < 0 || r.Relaunched > maxListed {
+	if r.State != "running" || r.Relaunched < 0 || r.Relaunched > maxListed || len(r.Errors) > maxListed {
 		return nil, fmt.Errorf("resume: %w: state %q, relaunched %d", ErrProtocol, r.State, r.Relaunched)
 	}
 	return &r, nil

@@ -1,9 +1,10 @@
 // The control socket: one Unix stream socket per process, line-delimited JSON requests and replies
 // (docs/SHIM-PROTOCOL.md). It runs on its own thread with every signal blocked, started on the
-// first CUDA activity (never in a constructor), serves one connection at a time with timeouts,
-// and only talks to peers with the same uid or root.
+// first CUDA activity (never in a constructor), serves up to 16 connections at once (one may hold
+// the quiesce lease), and only talks to peers with the same uid or root.
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,114 +44,268 @@ static void reply_error(int fd, const char *msg) {
   free(b.p);
 }
 
-// handle_line answers one request; returns -1 when the connection should close.
-static int handle_line(int fd, const char *line, size_t n) {
-  static const char *const keys[] = {"cmd", "dir"};
-  char *vals[2];
+// ---- connections ----
+// The server is one thread polling the listening socket and up to MAX_CONN connections, so a
+// connection kept open (the quiesce lease, held during a whole checkpoint) never blocks others.
+// A connection idle for IDLE_S is closed, except the lease's. Replies are sent blocking, with a
+// 10 s send timeout.
+#define MAX_CONN 16
+#define IDLE_S 10
+typedef struct {
+  int fd;
+  char *buf;
+  size_t len;
+  int discarding, lease, close_after;
+  uint64_t last_ns;
+} conn;
+static conn conns[MAX_CONN];
+
+static uint64_t ctl_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void send_ok(conn *c, const char *cmd, jbuf *res) {
+  jbuf b = {0};
+  jb_printf(&b, "{\"ok\":true,\"proto\":%d,\"cmd\":\"%s\",\"result\":", PTXMIG_PROTO_VERSION, cmd);
+  jb_s(&b, res->p ? res->p : "{}");
+  jb_s(&b, "}\n");
+  if (b.oom || res->oom) reply_error(c->fd, "out of memory building the reply");
+  else if (send_all(c->fd, b.p, b.len)) c->close_after = 1;
+  free(b.p);
+}
+
+// parse_budget: budget_ms, 1..60000 (default 10); -1 when invalid.
+static long parse_budget(const char *v) {
+  if (!v) return 10;
+  char *end;
+  errno = 0;
+  long x = strtol(v, &end, 10);
+  if (errno || *end || x < 1 || x > 60000) return -1;
+  return x;
+}
+
+// handle_line answers one request.
+static void handle_line(conn *c, const char *line, size_t n) {
+  static const char *const keys[] = {"cmd", "dir", "#budget_ms"};
+  char *vals[3];
   char err[256];
-  if (json_flat_parse(line, n, keys, vals, 2, err, sizeof err) < 0) {
+  int fd = c->fd;
+  if (json_flat_parse(line, n, keys, vals, 3, err, sizeof err) < 0) {
     char msg[300];
     snprintf(msg, sizeof msg, "malformed request: %s", err);
     reply_error(fd, msg);
-    return 0;
+    return;
   }
   const char *cmd = vals[0];
   jbuf b = {0};
-  int rc = 0;
   if (!cmd) {
     reply_error(fd, "malformed request: missing \"cmd\"");
-  } else if (strcmp(cmd, "status") == 0 || strcmp(cmd, "kernels") == 0 || strcmp(cmd, "dump-modules") == 0) {
-    jb_printf(&b, "{\"ok\":true,\"proto\":%d,\"cmd\":\"%s\",\"result\":", PTXMIG_PROTO_VERSION, cmd);
-    int ok = 1;
-    if (cmd[0] == 's') {
-      report_status(&b);
-    } else if (cmd[0] == 'k') {
-      report_kernels(&b);
-    } else if (!vals[1]) {
-      ok = 0;
-      reply_error(fd, "dump-modules: missing \"dir\"");
-    } else if (report_dump(&b, vals[1], err, sizeof err)) {
-      ok = 0;
-      reply_error(fd, err);
+  } else if (strcmp(cmd, "status") == 0) {
+    report_status(&b);
+    send_ok(c, cmd, &b);
+  } else if (strcmp(cmd, "kernels") == 0) {
+    report_kernels(&b);
+    send_ok(c, cmd, &b);
+  } else if (strcmp(cmd, "dump-modules") == 0) {
+    if (!vals[1]) reply_error(fd, "dump-modules: missing \"dir\"");
+    else if (report_dump(&b, vals[1], err, sizeof err)) reply_error(fd, err);
+    else send_ok(c, cmd, &b);
+  } else if (strcmp(cmd, "quiesce") == 0) {
+    long budget = parse_budget(vals[2]);
+    if (budget < 0) {
+      reply_error(fd, "quiesce: budget_ms must be an integer from 1 to 60000");
+    } else {
+      if (preempt_quiesce(&b, (unsigned)budget)) {
+        c->lease = 1;  // this connection holds the quiesce: closing it resumes
+        shim_log("quiesced (lease on this connection)");
+      }
+      send_ok(c, cmd, &b);
     }
-    if (ok) {
-      jb_s(&b, "}\n");
-      if (b.oom) reply_error(fd, "out of memory building the reply");
-      else if (send_all(fd, b.p, b.len)) rc = -1;
+  } else if (strcmp(cmd, "detach") == 0) {
+    if (!c->lease) {
+      reply_error(fd, preempt_state() == 0 ? "detach: not quiesced" : "detach: only the connection that quiesced may detach");
+    } else if (preempt_detach(&b)) {
+      reply_error(fd, "detach: not quiesced");
+    } else {
+      c->lease = 0;
+      c->close_after = 1;  // no connection may stay open into a CRIU dump: the shim closes its end
+      send_ok(c, cmd, &b);
     }
+  } else if (strcmp(cmd, "resume") == 0) {
+    for (int i = 0; i < MAX_CONN; i++) conns[i].lease = 0;
+    preempt_resume(&b);
+    send_ok(c, cmd, &b);
   } else {
-    char msg[128];
-    snprintf(msg, sizeof msg, "unknown cmd (want status, kernels or dump-modules)");
-    reply_error(fd, msg);
+    reply_error(fd, "unknown cmd (want status, kernels, dump-modules, quiesce, detach or resume)");
   }
   free(b.p);
-  free(vals[0]);
-  free(vals[1]);
-  return rc;
+  for (int i = 0; i < 3; i++) free(vals[i]);
 }
 
-static void serve(int fd) {
+static void conn_close(conn *c) {
+  if (c->fd < 0) return;
+  close(c->fd);
+  c->fd = -1;
+  free(c->buf);
+  c->buf = NULL;
+  if (c->lease) {
+    c->lease = 0;
+    if (preempt_state() == 1) {  // quiesced and not detached: the client went away
+      jbuf b = {0};
+      preempt_resume(&b);
+      shim_log("lease connection closed before detach: resumed (%s)", b.p ? b.p : "");
+      free(b.p);
+    }
+  }
+}
+
+static void conn_open(int fd) {
   struct ucred cr;
   socklen_t cl = sizeof cr;
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) || (cr.uid != 0 && cr.uid != geteuid())) {
     reply_error(fd, "permission denied: peer uid differs from the process owner");
+    close(fd);
+    return;
+  }
+  int i;
+  for (i = 0; i < MAX_CONN && conns[i].fd >= 0; i++) {
+  }
+  char *buf = i < MAX_CONN ? malloc(MAX_LINE + 1) : NULL;
+  if (!buf) {
+    reply_error(fd, "busy: too many connections");
+    close(fd);
     return;
   }
   struct timeval tv = {10, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  char *buf = malloc(MAX_LINE + 1);
-  if (!buf) return;
-  size_t len = 0;
-  int discarding = 0;
-  for (;;) {
-    ssize_t r = recv(fd, buf + len, MAX_LINE - len, 0);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) break;
-    len += (size_t)r;
-    size_t start = 0;
-    for (size_t i = 0; i < len; i++) {
-      if (buf[i] != '\n') continue;
-      if (discarding) {
-        discarding = 0;
-      } else if (memchr(buf + start, 0, i - start)) {
-        reply_error(fd, "malformed request: NUL byte");
-      } else if (i > start && handle_line(fd, buf + start, i - start)) {
-        free(buf);
-        return;
-      }
-      start = i + 1;
-    }
-    memmove(buf, buf + start, len - start);
-    len -= start;
-    if (len == MAX_LINE) {  // a line longer than the limit: refuse it, skip to its end
-      reply_error(fd, "malformed request: line longer than 65536 bytes");
-      discarding = 1;
-      len = 0;
-    }
+  conns[i] = (conn){.fd = fd, .buf = buf, .last_ns = ctl_now()};
+}
+
+// conn_read reads what is there and answers every complete line.
+static void conn_read(conn *c) {
+  ssize_t r = recv(c->fd, c->buf + c->len, MAX_LINE - c->len, MSG_DONTWAIT);
+  if (r < 0 && (errno == EINTR || errno == EAGAIN)) return;
+  if (r <= 0) {
+    conn_close(c);
+    return;
   }
-  free(buf);
+  c->last_ns = ctl_now();
+  c->len += (size_t)r;
+  size_t start = 0;
+  for (size_t i = 0; i < c->len && !c->close_after; i++) {
+    if (c->buf[i] != '\n') continue;
+    if (c->discarding) {
+      c->discarding = 0;
+    } else if (memchr(c->buf + start, 0, i - start)) {
+      reply_error(c->fd, "malformed request: NUL byte");
+    } else if (i > start) {
+      handle_line(c, c->buf + start, i - start);
+    }
+    start = i + 1;
+  }
+  if (c->close_after) {  // detached (the lease was dropped first), or a reply could not be sent
+    conn_close(c);
+    return;
+  }
+  memmove(c->buf, c->buf + start, c->len - start);
+  c->len -= start;
+  if (c->len == MAX_LINE) {  // a line longer than the limit: refuse it, skip to its end
+    reply_error(c->fd, "malformed request: line longer than 65536 bytes");
+    c->discarding = 1;
+    c->len = 0;
+  }
+}
+
+static ino_t sock_ino;  // the socket file this process bound (0: unknown)
+
+// bind_listen creates the listening socket at path (removing a stale file first); -1 on error.
+static int bind_listen(const char *path) {
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  unlink(sa.sun_path);  // a stale socket of an earlier process with this pid
+  struct stat st;
+  if (bind(fd, (struct sockaddr *)&sa, sizeof sa) || chmod(sa.sun_path, 0600) || listen(fd, 8) ||
+      stat(sa.sun_path, &st)) {
+    int e = errno;
+    close(fd);
+    errno = e;
+    return -1;
+  }
+  sock_ino = st.st_ino;
+  return fd;
+}
+
+// relisten: once a second, if the socket file is gone (a restore that did not re-create it, a
+// cleaner emptying the directory), bind a new listening socket at the same path. A file that is
+// there but not ours (another process's socket) is left alone.
+static int relisten(int lfd) {
+  struct stat st;
+  if (!sock_path[0] || stat(sock_path, &st) == 0 || errno != ENOENT) return lfd;
+  mkdir(cfg.socket_dir, 0700);
+  int nfd = bind_listen(sock_path);
+  if (nfd < 0) {
+    LOG_ONCE("control socket %s vanished and could not be re-created: %s", sock_path, strerror(errno));
+    return lfd;
+  }
+  shim_log("control socket %s re-created", sock_path);
+  pthread_mutex_lock(&start_mu);
+  close(lfd);
+  listen_fd = nfd;
+  pthread_mutex_unlock(&start_mu);
+  return nfd;
 }
 
 static void *ctl_thread(void *arg) {
   int lfd = (int)(intptr_t)arg;
+  uint64_t last_check = ctl_now();
+  for (int i = 0; i < MAX_CONN; i++) conns[i].fd = -1;
   for (;;) {
-    int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno == EBADF || errno == EINVAL) break;  // closed after fork or at exit
+    if (ctl_now() - last_check > 1000000000ull) {
+      lfd = relisten(lfd);
+      last_check = ctl_now();
+    }
+    struct pollfd pf[MAX_CONN + 1];
+    int idx[MAX_CONN + 1], np = 0;
+    pf[np] = (struct pollfd){.fd = lfd, .events = POLLIN};
+    idx[np++] = -1;
+    for (int i = 0; i < MAX_CONN; i++)
+      if (conns[i].fd >= 0) {
+        pf[np] = (struct pollfd){.fd = conns[i].fd, .events = POLLIN};
+        idx[np++] = i;
+      }
+    int r = poll(pf, (nfds_t)np, 1000);
+    if (r < 0 && errno != EINTR) {
       struct timespec ts = {0, 100 * 1000 * 1000};
       nanosleep(&ts, NULL);
       continue;
     }
-    serve(fd);
-    close(fd);
+    if (r > 0 && pf[0].revents) {
+      if (pf[0].revents & (POLLNVAL | POLLERR)) {
+        if (fcntl(lfd, F_GETFD) < 0) break;  // closed after fork or at exit
+      }
+      int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+      if (fd >= 0) conn_open(fd);
+    }
+    for (int k = 1; r > 0 && k < np; k++)
+      if (pf[k].revents && conns[idx[k]].fd >= 0) conn_read(&conns[idx[k]]);
+    uint64_t now = ctl_now();
+    for (int i = 0; i < MAX_CONN; i++)
+      if (conns[i].fd >= 0 && !conns[i].lease && now - conns[i].last_ns > (uint64_t)IDLE_S * 1000000000ull)
+        conn_close(&conns[i]);
   }
   return NULL;
 }
 
 static void ctl_cleanup(void) {
-  if (atomic_load(&started_pid) == (int)getpid() && sock_path[0]) unlink(sock_path);
+  struct stat st;
+  // Only our own socket file: after a restore elsewhere the path may name another process's.
+  if (atomic_load(&started_pid) == (int)getpid() && sock_path[0] && stat(sock_path, &st) == 0 &&
+      (!sock_ino || st.st_ino == sock_ino))
+    unlink(sock_path);
 }
 
 static void atfork_child(void) { ctl_atfork_child(); }
@@ -191,10 +346,8 @@ void ctl_ensure_started(void) {
     shim_log("control socket: path too long under %s", cfg.socket_dir);
     goto out;
   }
-  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  fd = bind_listen(sa.sun_path);
   if (fd < 0) goto fail;
-  unlink(sa.sun_path);  // a stale socket of an earlier process with this pid
-  if (bind(fd, (struct sockaddr *)&sa, sizeof sa) || chmod(sa.sun_path, 0600) || listen(fd, 8)) goto fail;
   sigset_t all, old;
   sigfillset(&all);
   pthread_sigmask(SIG_SETMASK, &all, &old);

@@ -35,6 +35,17 @@ void config_load(void) {
   snprintf(cfg.libcuda, sizeof cfg.libcuda, "%s", lc && *lc ? lc : "libcuda.so.1");
   const char *st = getenv("PTXMIG_SELF_TIME");
   cfg.self_time = st && st[0] == '1';
+  const char *pm = getenv("PTXMIG_PREEMPT");
+  cfg.preempt = !pm ? PM_OFF : strcmp(pm, "auto") == 0 ? PM_AUTO : strcmp(pm, "always") == 0 ? PM_ALWAYS : PM_OFF;
+  cfg.preempt_min_us = env_uint("PTXMIG_PREEMPT_MIN_US", 1000);
+  const char *ps = getenv("PTXMIG_PREEMPT_SASS");
+  cfg.preempt_sass = !(ps && strcmp(ps, "keep") == 0);
+  const char *pc = getenv("PTXMIG_PTX_CACHE");
+  snprintf(cfg.ptx_cache, sizeof cfg.ptx_cache, "%s", pc ? pc : "/var/cache/ptxmig/ptx");
+  const char *hp = getenv("PTXMIG_HELPER");
+  snprintf(cfg.helper, sizeof cfg.helper, "%s", hp && hp[0] == '/' ? hp : "");
+  cfg.helper_timeout_ms = env_uint("PTXMIG_HELPER_TIMEOUT_MS", 60000);
+  cfg.helper_max_bytes = (uint64_t)env_uint("PTXMIG_HELPER_MAX_MB", 256) << 20;
 }
 
 void shim_log(const char *fmt, ...) {
@@ -84,6 +95,131 @@ void *drv_sym(const char *name) {
 }
 
 // ---- hook table ----
+// Every call that submits GPU work (gated while quiesced and counted for the tail rule), the
+// stream life cycle, and the waits made honest about preempted twins.
+#define SUBMIT_HOOKS(X)                                                              \
+  X(cuStreamCreate, "cuStreamCreate", 0, 0, 0, 0)                                    \
+  X(cuStreamCreateWithPriority, "cuStreamCreateWithPriority", 0, 0, 0, 0)            \
+  X(cuStreamDestroy_v2, "cuStreamDestroy", 4000, 0, 0, 0)                            \
+  X(cuFuncSetAttribute, "cuFuncSetAttribute", 0, 0, 0, 0)                            \
+  X(cuStreamSynchronize, "cuStreamSynchronize", 0, 0, 0, 0)                          \
+  X(cuStreamSynchronize_ptsz, "cuStreamSynchronize", 0, 0, 1, 0)                     \
+  X(cuStreamQuery, "cuStreamQuery", 0, 0, 0, 0)                                      \
+  X(cuStreamQuery_ptsz, "cuStreamQuery", 0, 0, 1, 0)                                 \
+  X(cuCtxSynchronize, "cuCtxSynchronize", 0, 0, 0, 0)                                \
+  X(cuEventRecord, "cuEventRecord", 0, 0, 0, 0)                                      \
+  X(cuEventRecord_ptsz, "cuEventRecord", 0, 0, 1, 0)                                 \
+  X(cuEventRecordWithFlags, "cuEventRecordWithFlags", 0, 0, 0, 0)                    \
+  X(cuEventRecordWithFlags_ptsz, "cuEventRecordWithFlags", 0, 0, 1, 0)               \
+  X(cuStreamWaitEvent, "cuStreamWaitEvent", 0, 0, 0, 0)                              \
+  X(cuStreamWaitEvent_ptsz, "cuStreamWaitEvent", 0, 0, 1, 0)                         \
+  X(cuLaunchHostFunc, "cuLaunchHostFunc", 0, 0, 0, 0)                                \
+  X(cuLaunchHostFunc_ptsz, "cuLaunchHostFunc", 0, 0, 1, 0)                           \
+  X(cuStreamAddCallback, "cuStreamAddCallback", 0, 0, 0, 0)                          \
+  X(cuStreamAddCallback_ptsz, "cuStreamAddCallback", 0, 0, 1, 0)                     \
+  X(cuStreamWaitValue32, "cuStreamWaitValue32", 0, 11070, 0, 0)                      \
+  X(cuStreamWaitValue32_ptsz, "cuStreamWaitValue32", 0, 11070, 1, 0)                 \
+  X(cuStreamWaitValue64, "cuStreamWaitValue64", 0, 11070, 0, 0)                      \
+  X(cuStreamWaitValue64_ptsz, "cuStreamWaitValue64", 0, 11070, 1, 0)                 \
+  X(cuStreamWriteValue32, "cuStreamWriteValue32", 0, 11070, 0, 0)                    \
+  X(cuStreamWriteValue32_ptsz, "cuStreamWriteValue32", 0, 11070, 1, 0)               \
+  X(cuStreamWriteValue64, "cuStreamWriteValue64", 0, 11070, 0, 0)                    \
+  X(cuStreamWriteValue64_ptsz, "cuStreamWriteValue64", 0, 11070, 1, 0)               \
+  X(cuStreamBatchMemOp, "cuStreamBatchMemOp", 0, 11070, 0, 0)                        \
+  X(cuStreamBatchMemOp_ptsz, "cuStreamBatchMemOp", 0, 11070, 1, 0)                   \
+  X(cuStreamWaitValue32_v2, "cuStreamWaitValue32", 11070, 0, 0, 0)                  \
+  X(cuStreamWaitValue32_v2_ptsz, "cuStreamWaitValue32", 11070, 0, 1, 0)             \
+  X(cuStreamWaitValue64_v2, "cuStreamWaitValue64", 11070, 0, 0, 0)                  \
+  X(cuStreamWaitValue64_v2_ptsz, "cuStreamWaitValue64", 11070, 0, 1, 0)             \
+  X(cuStreamWriteValue32_v2, "cuStreamWriteValue32", 11070, 0, 0, 0)                \
+  X(cuStreamWriteValue32_v2_ptsz, "cuStreamWriteValue32", 11070, 0, 1, 0)           \
+  X(cuStreamWriteValue64_v2, "cuStreamWriteValue64", 11070, 0, 0, 0)                \
+  X(cuStreamWriteValue64_v2_ptsz, "cuStreamWriteValue64", 11070, 0, 1, 0)           \
+  X(cuStreamBatchMemOp_v2, "cuStreamBatchMemOp", 11070, 0, 0, 0)                    \
+  X(cuStreamBatchMemOp_v2_ptsz, "cuStreamBatchMemOp", 11070, 0, 1, 0)               \
+  X(cuMemPrefetchAsync, "cuMemPrefetchAsync", 0, 12020, 0, 0)                        \
+  X(cuMemPrefetchAsync_ptsz, "cuMemPrefetchAsync", 0, 12020, 1, 0)                   \
+  X(cuMemPrefetchAsync_v2, "cuMemPrefetchAsync", 12020, 0, 0, 0)                     \
+  X(cuMemPrefetchAsync_v2_ptsz, "cuMemPrefetchAsync", 12020, 0, 1, 0)                \
+  X(cuGraphUpload, "cuGraphUpload", 0, 0, 0, 0)                                      \
+  X(cuGraphUpload_ptsz, "cuGraphUpload", 0, 0, 1, 0)                                 \
+  X(cuSignalExternalSemaphoresAsync, "cuSignalExternalSemaphoresAsync", 0, 0, 0, 0)  \
+  X(cuSignalExternalSemaphoresAsync_ptsz, "cuSignalExternalSemaphoresAsync", 0, 0, 1, 0) \
+  X(cuWaitExternalSemaphoresAsync, "cuWaitExternalSemaphoresAsync", 0, 0, 0, 0)      \
+  X(cuWaitExternalSemaphoresAsync_ptsz, "cuWaitExternalSemaphoresAsync", 0, 0, 1, 0) \
+  X(cuMemcpyAsync, "cuMemcpyAsync", 0, 0, 0, 0)                                      \
+  X(cuMemcpyAsync_ptsz, "cuMemcpyAsync", 0, 0, 1, 0)                                 \
+  X(cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync", 3020, 0, 0, 0)                        \
+  X(cuMemcpyHtoDAsync_v2_ptsz, "cuMemcpyHtoDAsync", 3020, 0, 1, 0)                   \
+  X(cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync", 3020, 0, 0, 0)                        \
+  X(cuMemcpyDtoHAsync_v2_ptsz, "cuMemcpyDtoHAsync", 3020, 0, 1, 0)                   \
+  X(cuMemcpyDtoDAsync_v2, "cuMemcpyDtoDAsync", 3020, 0, 0, 0)                        \
+  X(cuMemcpyDtoDAsync_v2_ptsz, "cuMemcpyDtoDAsync", 3020, 0, 1, 0)                   \
+  X(cuMemcpyHtoAAsync_v2, "cuMemcpyHtoAAsync", 3020, 0, 0, 0)                        \
+  X(cuMemcpyHtoAAsync_v2_ptsz, "cuMemcpyHtoAAsync", 3020, 0, 1, 0)                   \
+  X(cuMemcpyAtoHAsync_v2, "cuMemcpyAtoHAsync", 3020, 0, 0, 0)                        \
+  X(cuMemcpyAtoHAsync_v2_ptsz, "cuMemcpyAtoHAsync", 3020, 0, 1, 0)                   \
+  X(cuMemcpy2DAsync_v2, "cuMemcpy2DAsync", 3020, 0, 0, 0)                            \
+  X(cuMemcpy2DAsync_v2_ptsz, "cuMemcpy2DAsync", 3020, 0, 1, 0)                       \
+  X(cuMemcpy3DAsync_v2, "cuMemcpy3DAsync", 3020, 0, 0, 0)                            \
+  X(cuMemcpy3DAsync_v2_ptsz, "cuMemcpy3DAsync", 3020, 0, 1, 0)                       \
+  X(cuMemcpy3DPeerAsync, "cuMemcpy3DPeerAsync", 0, 0, 0, 0)                          \
+  X(cuMemcpy3DPeerAsync_ptsz, "cuMemcpy3DPeerAsync", 0, 0, 1, 0)                     \
+  X(cuMemcpyPeerAsync, "cuMemcpyPeerAsync", 0, 0, 0, 0)                              \
+  X(cuMemcpyPeerAsync_ptsz, "cuMemcpyPeerAsync", 0, 0, 1, 0)                         \
+  X(cuMemsetD8Async, "cuMemsetD8Async", 0, 0, 0, 0)                                  \
+  X(cuMemsetD8Async_ptsz, "cuMemsetD8Async", 0, 0, 1, 0)                             \
+  X(cuMemsetD16Async, "cuMemsetD16Async", 0, 0, 0, 0)                                \
+  X(cuMemsetD16Async_ptsz, "cuMemsetD16Async", 0, 0, 1, 0)                           \
+  X(cuMemsetD32Async, "cuMemsetD32Async", 0, 0, 0, 0)                                \
+  X(cuMemsetD32Async_ptsz, "cuMemsetD32Async", 0, 0, 1, 0)                           \
+  X(cuMemsetD2D8Async, "cuMemsetD2D8Async", 0, 0, 0, 0)                              \
+  X(cuMemsetD2D8Async_ptsz, "cuMemsetD2D8Async", 0, 0, 1, 0)                         \
+  X(cuMemsetD2D16Async, "cuMemsetD2D16Async", 0, 0, 0, 0)                            \
+  X(cuMemsetD2D16Async_ptsz, "cuMemsetD2D16Async", 0, 0, 1, 0)                       \
+  X(cuMemsetD2D32Async, "cuMemsetD2D32Async", 0, 0, 0, 0)                            \
+  X(cuMemsetD2D32Async_ptsz, "cuMemsetD2D32Async", 0, 0, 1, 0)                       \
+  X(cuMemcpy, "cuMemcpy", 0, 0, 0, 0)                                                \
+  X(cuMemcpy_ptds, "cuMemcpy", 0, 0, 1, 0)                                           \
+  X(cuMemcpyHtoD_v2, "cuMemcpyHtoD", 3020, 0, 0, 0)                                  \
+  X(cuMemcpyHtoD_v2_ptds, "cuMemcpyHtoD", 3020, 0, 1, 0)                             \
+  X(cuMemcpyDtoH_v2, "cuMemcpyDtoH", 3020, 0, 0, 0)                                  \
+  X(cuMemcpyDtoH_v2_ptds, "cuMemcpyDtoH", 3020, 0, 1, 0)                             \
+  X(cuMemcpyDtoD_v2, "cuMemcpyDtoD", 3020, 0, 0, 0)                                  \
+  X(cuMemcpyDtoD_v2_ptds, "cuMemcpyDtoD", 3020, 0, 1, 0)                             \
+  X(cuMemcpyDtoA_v2, "cuMemcpyDtoA", 3020, 0, 0, 0)                                  \
+  X(cuMemcpyDtoA_v2_ptds, "cuMemcpyDtoA", 3020, 0, 1, 0)                             \
+  X(cuMemcpyAtoD_v2, "cuMemcpyAtoD", 3020, 0, 0, 0)                                  \
+  X(cuMemcpyAtoD_v2_ptds, "cuMemcpyAtoD", 3020, 0, 1, 0)                             \
+  X(cuMemcpyHtoA_v2, "cuMemcpyHtoA", 3020, 0, 0, 0)                                  \
+  X(cuMemcpyHtoA_v2_ptds, "cuMemcpyHtoA", 3020, 0, 1, 0)                             \
+  X(cuMemcpyAtoH_v2, "cuMemcpyAtoH", 3020, 0, 0, 0)                                  \
+  X(cuMemcpyAtoH_v2_ptds, "cuMemcpyAtoH", 3020, 0, 1, 0)                             \
+  X(cuMemcpyAtoA_v2, "cuMemcpyAtoA", 3020, 0, 0, 0)                                  \
+  X(cuMemcpyAtoA_v2_ptds, "cuMemcpyAtoA", 3020, 0, 1, 0)                             \
+  X(cuMemcpy2D_v2, "cuMemcpy2D", 3020, 0, 0, 0)                                      \
+  X(cuMemcpy2D_v2_ptds, "cuMemcpy2D", 3020, 0, 1, 0)                                 \
+  X(cuMemcpy2DUnaligned_v2, "cuMemcpy2DUnaligned", 3020, 0, 0, 0)                    \
+  X(cuMemcpy2DUnaligned_v2_ptds, "cuMemcpy2DUnaligned", 3020, 0, 1, 0)               \
+  X(cuMemcpy3D_v2, "cuMemcpy3D", 3020, 0, 0, 0)                                      \
+  X(cuMemcpy3D_v2_ptds, "cuMemcpy3D", 3020, 0, 1, 0)                                 \
+  X(cuMemcpy3DPeer, "cuMemcpy3DPeer", 0, 0, 0, 0)                                    \
+  X(cuMemcpy3DPeer_ptds, "cuMemcpy3DPeer", 0, 0, 1, 0)                               \
+  X(cuMemcpyPeer, "cuMemcpyPeer", 0, 0, 0, 0)                                        \
+  X(cuMemcpyPeer_ptds, "cuMemcpyPeer", 0, 0, 1, 0)                                   \
+  X(cuMemsetD8_v2, "cuMemsetD8", 3020, 0, 0, 0)                                      \
+  X(cuMemsetD8_v2_ptds, "cuMemsetD8", 3020, 0, 1, 0)                                 \
+  X(cuMemsetD16_v2, "cuMemsetD16", 3020, 0, 0, 0)                                    \
+  X(cuMemsetD16_v2_ptds, "cuMemsetD16", 3020, 0, 1, 0)                               \
+  X(cuMemsetD32_v2, "cuMemsetD32", 3020, 0, 0, 0)                                    \
+  X(cuMemsetD32_v2_ptds, "cuMemsetD32", 3020, 0, 1, 0)                               \
+  X(cuMemsetD2D8_v2, "cuMemsetD2D8", 3020, 0, 0, 0)                                  \
+  X(cuMemsetD2D8_v2_ptds, "cuMemsetD2D8", 3020, 0, 1, 0)                             \
+  X(cuMemsetD2D16_v2, "cuMemsetD2D16", 3020, 0, 0, 0)                                \
+  X(cuMemsetD2D16_v2_ptds, "cuMemsetD2D16", 3020, 0, 1, 0)                           \
+  X(cuMemsetD2D32_v2, "cuMemsetD2D32", 3020, 0, 0, 0)                                \
+  X(cuMemsetD2D32_v2_ptds, "cuMemsetD2D32", 3020, 0, 1, 0)
+
 // X(symbol, query name for cuGetProcAddress fallback or NULL, min version, max version (exclusive,
 // 0 = none), per-thread-stream variant, library: 0 driver, 1 runtime)
 #define HOOKS(X)                                                                  \
@@ -97,6 +233,7 @@ void *drv_sym(const char *name) {
   X(cuCtxDestroy_v2, "cuCtxDestroy", 4000, 0, 0, 0)                               \
   X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 0, 0, 0, 0)             \
   X(cuDevicePrimaryCtxRelease_v2, "cuDevicePrimaryCtxRelease", 11000, 0, 0, 0)    \
+  X(cuDevicePrimaryCtxReset_v2, "cuDevicePrimaryCtxReset", 11000, 0, 0, 0)        \
   X(cuModuleLoad, "cuModuleLoad", 0, 0, 0, 0)                                     \
   X(cuModuleLoadData, "cuModuleLoadData", 0, 0, 0, 0)                             \
   X(cuModuleLoadDataEx, "cuModuleLoadDataEx", 0, 0, 0, 0)                         \
@@ -144,6 +281,7 @@ void *drv_sym(const char *name) {
   X(cuStreamBeginCaptureToGraph_ptsz, "cuStreamBeginCaptureToGraph", 0, 0, 1, 0)  \
   X(cuStreamEndCapture, "cuStreamEndCapture", 0, 0, 0, 0)                         \
   X(cuStreamEndCapture_ptsz, "cuStreamEndCapture", 0, 0, 1, 0)                    \
+  SUBMIT_HOOKS(X)                                                                 \
   X(__cudaRegisterFatBinary, NULL, 0, 0, 0, 1)                                    \
   X(__cudaUnregisterFatBinary, NULL, 0, 0, 0, 1)                                  \
   X(__cudaRegisterFunction, NULL, 0, 0, 0, 1)                                     \
@@ -411,28 +549,124 @@ EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
   return r_;
 }
 
-// ---- modules and libraries ----
-EXPORT CUresult cuModuleLoad(CUmodule *m, const char *fname) {
-  CALL_REAL(cuModuleLoad, m, fname);
-  if (r_ == CUDA_SUCCESS && m) trk_module_add(MS_MODULE_LOAD, *m, NULL, 0, fname);
+EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
+  trk_primary_release(dev);  // the reset destroys the primary context's events, memory and launches
+  CALL_REAL(cuDevicePrimaryCtxReset_v2, dev);
   return r_;
+}
+
+// ---- modules and libraries ----
+// With the preempt mode on, a load of an image with usable PTX loads ptxstate's instrumented PTX
+// instead (instr.c); the shim still records (and dumps) the app's original image. Any failure,
+// including the driver refusing the instrumented PTX, loads the original exactly as asked.
+static CUresult (*real_load_data(void))(CUmodule *, const void *) {
+  return (CUresult(*)(CUmodule *, const void *))hook_real(H_cuModuleLoadData);
+}
+static void swap_failed(kinfo_set *ks, CUresult r) {
+  kinfo_set_free(ks);
+  instr_failed(ks, "instrumentation failed: the driver refused the instrumented PTX (error %d)", (int)r);
+  LOG_ONCE("%s; original loaded (further refusals are not logged)", ks->reason);
+}
+static void load_done(int source, CUresult r, void *handle, const void *image, const char *path, kinfo_set *ks) {
+  if (r == CUDA_SUCCESS && handle) {
+    trk_module_add(source, handle, image, 0, path);
+    if (cfg.preempt != PM_OFF) trk_module_twins(handle, ks);
+  }
+  kinfo_set_free(ks);
+}
+
+EXPORT CUresult cuModuleLoad(CUmodule *m, const char *fname) {
+  __typeof__(&cuModuleLoad) real = REAL(cuModuleLoad);
+  CUresult (*data)(CUmodule *, const void *) = real_load_data();
+  if (!real || !data) return 999;
+  kinfo_set ks = {0};
+  char *ptx = NULL;
+  CUresult r = 999;
+  int sw = m && fname && instr_prepare(NULL, 0, fname, &ptx, &ks);
+  if (sw && (r = data(m, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
+  free(ptx);
+  if (!sw) r = real(m, fname);
+  load_done(MS_MODULE_LOAD, r, m ? *m : NULL, NULL, fname, &ks);
+  return r;
 }
 EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image) {
-  CALL_REAL(cuModuleLoadData, m, image);
-  if (r_ == CUDA_SUCCESS && m) trk_module_add(MS_MODULE_LOAD_DATA, *m, image, 0, NULL);
-  return r_;
+  __typeof__(&cuModuleLoadData) real = REAL(cuModuleLoadData);
+  if (!real) return 999;
+  kinfo_set ks = {0};
+  char *ptx = NULL;
+  CUresult r = 999;
+  int sw = m && image && instr_prepare(image, 0, NULL, &ptx, &ks);
+  if (sw && (r = real(m, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
+  free(ptx);
+  if (!sw) r = real(m, image);
+  load_done(MS_MODULE_LOAD_DATA, r, m ? *m : NULL, image, NULL, &ks);
+  return r;
 }
 EXPORT CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned n, CUjit_option *o, void **v) {
-  CALL_REAL(cuModuleLoadDataEx, m, image, n, o, v);
-  if (r_ == CUDA_SUCCESS && m) trk_module_add(MS_MODULE_LOAD_DATA_EX, *m, image, 0, NULL);
-  return r_;
+  __typeof__(&cuModuleLoadDataEx) real = REAL(cuModuleLoadDataEx);
+  if (!real) return 999;
+  kinfo_set ks = {0};
+  char *ptx = NULL;
+  CUresult r = 999;
+  int sw = m && image && instr_prepare(image, 0, NULL, &ptx, &ks);
+  if (sw && (r = real(m, ptx, n, o, v)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
+  free(ptx);
+  if (!sw) r = real(m, image, n, o, v);
+  load_done(MS_MODULE_LOAD_DATA_EX, r, m ? *m : NULL, image, NULL, &ks);
+  return r;
 }
 EXPORT CUresult cuModuleLoadFatBinary(CUmodule *m, const void *fatbin) {
-  CALL_REAL(cuModuleLoadFatBinary, m, fatbin);
-  if (r_ == CUDA_SUCCESS && m) trk_module_add(MS_MODULE_LOAD_FATBIN, *m, fatbin, 0, NULL);
-  return r_;
+  __typeof__(&cuModuleLoadFatBinary) real = REAL(cuModuleLoadFatBinary);
+  CUresult (*data)(CUmodule *, const void *) = real_load_data();
+  if (!real || !data) return 999;
+  kinfo_set ks = {0};
+  char *ptx = NULL;
+  CUresult r = 999;
+  int sw = m && fatbin && instr_prepare(fatbin, 0, NULL, &ptx, &ks);
+  if (sw && (r = data(m, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
+  free(ptx);
+  if (!sw) r = real(m, fatbin);
+  load_done(MS_MODULE_LOAD_FATBIN, r, m ? *m : NULL, fatbin, NULL, &ks);
+  return r;
+}
+#define CU_LIBRARY_BINARY_IS_PRESERVED 1
+// preserved: the driver keeps using the caller's buffer (then the shim's PTX is never freed).
+static int preserved(CUlibraryOption *lo, void **lv, unsigned nl) {
+  for (unsigned i = 0; lo && i < nl && i < 64; i++)
+    if (lo[i] == CU_LIBRARY_BINARY_IS_PRESERVED && (!lv || lv[i])) return 1;
+  return 0;
+}
+EXPORT CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, CUjit_option *jo, void **jv, unsigned nj,
+                                  CUlibraryOption *lo, void **lv, unsigned nl) {
+  __typeof__(&cuLibraryLoadData) real = REAL(cuLibraryLoadData);
+  if (!real) return 999;
+  kinfo_set ks = {0};
+  char *ptx = NULL;
+  CUresult r = 999;
+  int sw = lib && code && instr_prepare(code, 0, NULL, &ptx, &ks);
+  if (sw && (r = real(lib, ptx, jo, jv, nj, lo, lv, nl)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
+  if (!sw || !preserved(lo, lv, nl)) free(ptx);
+  if (!sw) r = real(lib, code, jo, jv, nj, lo, lv, nl);
+  load_done(MS_LIBRARY_LOAD_DATA, r, lib ? *lib : NULL, code, NULL, &ks);
+  return r;
+}
+EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *lib, const char *fname, CUjit_option *jo, void **jv, unsigned nj,
+                                      CUlibraryOption *lo, void **lv, unsigned nl) {
+  __typeof__(&cuLibraryLoadFromFile) real = REAL(cuLibraryLoadFromFile);
+  __typeof__(&cuLibraryLoadData) data = REAL(cuLibraryLoadData);
+  if (!real || !data) return 999;
+  kinfo_set ks = {0};
+  char *ptx = NULL;
+  CUresult r = 999;
+  int sw = lib && fname && instr_prepare(NULL, 0, fname, &ptx, &ks);
+  if (sw && (r = data(lib, ptx, jo, jv, nj, lo, lv, nl)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
+  if (!sw || !preserved(lo, lv, nl)) free(ptx);
+  if (!sw) r = real(lib, fname, jo, jv, nj, lo, lv, nl);
+  load_done(MS_LIBRARY_LOAD_FILE, r, lib ? *lib : NULL, NULL, fname, &ks);
+  return r;
 }
 EXPORT CUresult cuModuleUnload(CUmodule m) {
+  preempt_wait_clean();  // a preempted twin's remainder may still use it
   CALL_REAL(cuModuleUnload, m);
   if (r_ == CUDA_SUCCESS) trk_module_remove(m);
   return r_;
@@ -442,19 +676,8 @@ EXPORT CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name)
   if (r_ == CUDA_SUCCESS && f) trk_func_named(*f, m, name);
   return r_;
 }
-EXPORT CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, CUjit_option *jo, void **jv, unsigned nj,
-                                  CUlibraryOption *lo, void **lv, unsigned nl) {
-  CALL_REAL(cuLibraryLoadData, lib, code, jo, jv, nj, lo, lv, nl);
-  if (r_ == CUDA_SUCCESS && lib) trk_module_add(MS_LIBRARY_LOAD_DATA, *lib, code, 0, NULL);
-  return r_;
-}
-EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *lib, const char *fname, CUjit_option *jo, void **jv, unsigned nj,
-                                      CUlibraryOption *lo, void **lv, unsigned nl) {
-  CALL_REAL(cuLibraryLoadFromFile, lib, fname, jo, jv, nj, lo, lv, nl);
-  if (r_ == CUDA_SUCCESS && lib) trk_module_add(MS_LIBRARY_LOAD_FILE, *lib, NULL, 0, fname);
-  return r_;
-}
 EXPORT CUresult cuLibraryUnload(CUlibrary lib) {
+  preempt_wait_clean();  // a preempted twin's remainder may still use it
   CALL_REAL(cuLibraryUnload, lib);
   if (r_ == CUDA_SUCCESS) trk_module_remove(lib);
   return r_;
@@ -526,6 +749,7 @@ EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size
   return r_;
 }
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+  preempt_wait_clean();  // a preempted twin's remainder may still use it
   CALL_REAL(cuMemFree_v2, p);
   if (r_ == CUDA_SUCCESS) trk_alloc_remove(p, -1);
   return r_;
@@ -546,34 +770,46 @@ EXPORT CUresult cuMemHostAlloc(void **p, size_t size, unsigned flags) {
   return r_;
 }
 EXPORT CUresult cuMemFreeHost(void *p) {
+  preempt_wait_clean();  // a preempted twin's remainder may still use it
   CALL_REAL(cuMemFreeHost, p);
   if (r_ == CUDA_SUCCESS) trk_alloc_remove((uint64_t)(uintptr_t)p, AK_HOST);
   return r_;
 }
-#define ALLOC_ASYNC(fn)                                              \
+// Stream-ordered allocations are submissions too (gated, counted for the tail rule).
+#define GATED(fn, s, ptsz, ...)        \
+  __typeof__(&fn) real_ = REAL(fn);    \
+  if (!real_) {                        \
+    LOG_ONCE("%s: real function not found in %s", #fn, cfg.libcuda); \
+    return 999;                        \
+  }                                    \
+  sub_enter();                         \
+  sub_mark(s, ptsz);                   \
+  CUresult r_ = real_(__VA_ARGS__);    \
+  sub_exit()
+#define ALLOC_ASYNC(fn, ptsz)                                        \
   EXPORT CUresult fn(CUdeviceptr *p, size_t size, CUstream s) {      \
-    CALL_REAL(fn, p, size, s);                                       \
+    GATED(fn, s, ptsz, p, size, s);                                  \
     if (r_ == CUDA_SUCCESS && p) trk_alloc_add(*p, size, AK_ASYNC);  \
     return r_;                                                       \
   }
-ALLOC_ASYNC(cuMemAllocAsync)
-ALLOC_ASYNC(cuMemAllocAsync_ptsz)
-#define ALLOC_POOL(fn)                                                                \
+ALLOC_ASYNC(cuMemAllocAsync, 0)
+ALLOC_ASYNC(cuMemAllocAsync_ptsz, 1)
+#define ALLOC_POOL(fn, ptsz)                                                          \
   EXPORT CUresult fn(CUdeviceptr *p, size_t size, CUmemoryPool pool, CUstream s) {    \
-    CALL_REAL(fn, p, size, pool, s);                                                  \
+    GATED(fn, s, ptsz, p, size, pool, s);                                             \
     if (r_ == CUDA_SUCCESS && p) trk_alloc_add(*p, size, AK_ASYNC);                   \
     return r_;                                                                        \
   }
-ALLOC_POOL(cuMemAllocFromPoolAsync)
-ALLOC_POOL(cuMemAllocFromPoolAsync_ptsz)
-#define FREE_ASYNC(fn)                                     \
+ALLOC_POOL(cuMemAllocFromPoolAsync, 0)
+ALLOC_POOL(cuMemAllocFromPoolAsync_ptsz, 1)
+#define FREE_ASYNC(fn, ptsz)                               \
   EXPORT CUresult fn(CUdeviceptr p, CUstream s) {          \
-    CALL_REAL(fn, p, s);                                   \
+    GATED(fn, s, ptsz, p, s);                              \
     if (r_ == CUDA_SUCCESS) trk_alloc_remove(p, AK_ASYNC); \
     return r_;                                             \
   }
-FREE_ASYNC(cuMemFreeAsync)
-FREE_ASYNC(cuMemFreeAsync_ptsz)
+FREE_ASYNC(cuMemFreeAsync, 0)
+FREE_ASYNC(cuMemFreeAsync_ptsz, 1)
 
 EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
                             unsigned long long flags) {
@@ -582,6 +818,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const 
   return r_;
 }
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
+  preempt_wait_clean();  // a preempted twin's remainder may still use it
   CALL_REAL(cuMemRelease, h);
   if (r_ == CUDA_SUCCESS) trk_alloc_remove(h, AK_VMM_PHYS);
   return r_;
@@ -593,31 +830,56 @@ EXPORT CUresult cuMemMap(CUdeviceptr p, size_t size, size_t off, CUmemGenericAll
   return r_;
 }
 EXPORT CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
+  preempt_wait_clean();
   CALL_REAL(cuMemUnmap, p, size);
   if (r_ == CUDA_SUCCESS) trk_vmm_unmap(p, size);
   return r_;
 }
 
 // ---- launches ----
-#define LAUNCH(fn, ptsz, kind)                                                                        \
+// Under the gate; with the preempt mode on, a launch of a kernel with a twin may launch the twin
+// instead (preempt.c), the launch counted and timed under the original kernel either way.
+#define LAUNCH(fn, ptsz)                                                                              \
   EXPORT CUresult fn(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,   \
                      unsigned bz, unsigned shmem, CUstream s, void **params, void **extra) {          \
+    __typeof__(&fn) real_ = REAL(fn);                                                                 \
+    if (!real_) {                                                                                     \
+      LOG_ONCE("%s: real function not found in %s", #fn, cfg.libcuda);                              \
+      return 999;                                                                                     \
+    }                                                                                                 \
+    sub_enter();                                                                                      \
+    uint64_t seq = sub_mark(s, ptsz);                                                                 \
     launch_tok t;                                                                                     \
-    launch_pre(&t, f, gx, gy, gz, bx, by, bz, s, ptsz, kind);                                         \
-    CALL_REAL(fn, f, gx, gy, gz, bx, by, bz, shmem, s, params, extra);                                \
+    launch_pre(&t, f, gx, gy, gz, bx, by, bz, s, ptsz, LK_NORMAL);                                    \
+    CUresult r_ = 999;                                                                                \
+    const char *why = NULL;                                                                           \
+    unsigned g_[3] = {gx, gy, gz}, b_[3] = {bx, by, bz};                                              \
+    if (!(cfg.preempt != PM_OFF &&                                                                    \
+          twin_launch(&t, LK_NORMAL, f, g_, b_, shmem, s, ptsz, params, extra, (launch_fn)real_, NULL, \
+                      NULL, seq, &r_, &why))) {                                                       \
+      r_ = real_(f, gx, gy, gz, bx, by, bz, shmem, s, params, extra);                                 \
+      if (r_ == CUDA_SUCCESS) note_original(s, ptsz, t.rec, why);                                     \
+    }                                                                                                 \
     launch_post(&t, r_);                                                                              \
+    sub_exit();                                                                                       \
     return r_;                                                                                        \
   }
-LAUNCH(cuLaunchKernel, 0, LK_NORMAL)
-LAUNCH(cuLaunchKernel_ptsz, 1, LK_NORMAL)
+LAUNCH(cuLaunchKernel, 0)
+LAUNCH(cuLaunchKernel_ptsz, 1)
 
 #define LAUNCH_COOP(fn, ptsz)                                                                         \
   EXPORT CUresult fn(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,   \
                      unsigned bz, unsigned shmem, CUstream s, void **params) {                        \
+    __typeof__(&fn) real_ = REAL(fn);                                                                 \
+    if (!real_) return 999;                                                                           \
+    sub_enter();                                                                                      \
+    sub_mark(s, ptsz);                                                                                \
     launch_tok t;                                                                                     \
     launch_pre(&t, f, gx, gy, gz, bx, by, bz, s, ptsz, LK_COOPERATIVE);                               \
-    CALL_REAL(fn, f, gx, gy, gz, bx, by, bz, shmem, s, params);                                       \
+    CUresult r_ = real_(f, gx, gy, gz, bx, by, bz, shmem, s, params);                                 \
+    if (r_ == CUDA_SUCCESS) note_original(s, ptsz, t.rec, "cooperative launch");                      \
     launch_post(&t, r_);                                                                              \
+    sub_exit();                                                                                       \
     return r_;                                                                                        \
   }
 LAUNCH_COOP(cuLaunchCooperativeKernel, 0)
@@ -625,41 +887,233 @@ LAUNCH_COOP(cuLaunchCooperativeKernel_ptsz, 1)
 
 #define LAUNCH_EX(fn, ptsz)                                                                        \
   EXPORT CUresult fn(const CUlaunchConfig *c, CUfunction f, void **params, void **extra) {         \
+    __typeof__(&fn) real_ = REAL(fn);                                                              \
+    if (!real_) return 999;                                                                        \
+    sub_enter();                                                                                   \
+    uint64_t seq = c ? sub_mark(c->hStream, ptsz) : 0;                                             \
     launch_tok t = {0};                                                                            \
+    CUresult r_ = 999;                                                                             \
+    const char *why = NULL;                                                                        \
+    int kind = LK_EX, twin = 0;                                                                    \
     if (c) {                                                                                       \
-      int kind = LK_EX;                                                                            \
       for (unsigned i = 0; c->attrs && i < c->numAttrs && i < 64; i++)                            \
         if (c->attrs[i].id == CU_LAUNCH_ATTRIBUTE_COOPERATIVE && c->attrs[i].value.cooperative)    \
           kind = LK_COOPERATIVE;                                                                   \
       launch_pre(&t, f, c->gridDimX, c->gridDimY, c->gridDimZ, c->blockDimX, c->blockDimY,         \
                  c->blockDimZ, c->hStream, ptsz, kind);                                            \
+      unsigned g_[3] = {c->gridDimX, c->gridDimY, c->gridDimZ};                                    \
+      unsigned b_[3] = {c->blockDimX, c->blockDimY, c->blockDimZ};                                 \
+      twin = cfg.preempt != PM_OFF && twin_launch(&t, kind, f, g_, b_, c->sharedMemBytes, c->hStream, \
+                                                  ptsz, params, extra, NULL, c, (launch_ex_fn)real_, \
+                                                  seq, &r_, &why);                                 \
     }                                                                                              \
-    CALL_REAL(fn, c, f, params, extra);                                                            \
+    if (!twin) {                                                                                   \
+      r_ = real_(c, f, params, extra);                                                             \
+      if (c && r_ == CUDA_SUCCESS) note_original(c->hStream, ptsz, t.rec, why);                    \
+    }                                                                                              \
     if (c) launch_post(&t, r_);                                                                    \
+    sub_exit();                                                                                    \
     return r_;                                                                                     \
   }
 LAUNCH_EX(cuLaunchKernelEx, 0)
 LAUNCH_EX(cuLaunchKernelEx_ptsz, 1)
 
 EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *lp, unsigned n, unsigned flags) {
+  __typeof__(&cuLaunchCooperativeKernelMultiDevice) real = REAL(cuLaunchCooperativeKernelMultiDevice);
+  if (!real) return 999;
   launch_tok t[16];
   unsigned k = n < 16 ? n : 16;
+  sub_enter();
+  for (unsigned i = 0; lp && i < n; i++) sub_mark(lp[i].hStream, 0);
   for (unsigned i = 0; lp && i < k; i++)
     launch_pre(&t[i], lp[i].function, lp[i].gridDimX, lp[i].gridDimY, lp[i].gridDimZ, lp[i].blockDimX,
                lp[i].blockDimY, lp[i].blockDimZ, lp[i].hStream, 0, LK_COOPERATIVE);
-  CALL_REAL(cuLaunchCooperativeKernelMultiDevice, lp, n, flags);
-  for (unsigned i = 0; lp && i < k; i++) launch_post(&t[i], r_);
+  CUresult r_ = real(lp, n, flags);
+  for (unsigned i = 0; lp && i < k; i++) {
+    if (r_ == CUDA_SUCCESS) note_original(lp[i].hStream, 0, t[i].rec, "cooperative launch");
+    launch_post(&t[i], r_);
+  }
+  sub_exit();
   return r_;
 }
 
-#define GRAPH_LAUNCH(fn)                                  \
-  EXPORT CUresult fn(CUgraphExec g, CUstream s) {         \
-    CALL_REAL(fn, g, s);                                  \
-    trk_graph_launch(g, r_);                              \
-    return r_;                                            \
+#define GRAPH_LAUNCH(fn, ptsz)                                         \
+  EXPORT CUresult fn(CUgraphExec g, CUstream s) {                      \
+    GATED(fn, s, ptsz, g, s);                                          \
+    struct krec *k = trk_graph_launch(g, r_);                          \
+    if (r_ == CUDA_SUCCESS) note_original(s, ptsz, k, "graph launch"); \
+    return r_;                                                         \
   }
-GRAPH_LAUNCH(cuGraphLaunch)
-GRAPH_LAUNCH(cuGraphLaunch_ptsz)
+GRAPH_LAUNCH(cuGraphLaunch, 0)
+GRAPH_LAUNCH(cuGraphLaunch_ptsz, 1)
+
+// ---- other submissions: gated and counted per stream ----
+// SUBMIT(fn, ptsz, (params), (args), stream): an asynchronous submission to stream.
+#define SUBMIT(fn, ptsz, PARAMS, ARGS, S)                             \
+  EXPORT CUresult fn PARAMS {                                         \
+    __typeof__(&fn) real_ = REAL(fn);                                 \
+    if (!real_) {                                                     \
+      LOG_ONCE("%s: real function not found in %s", #fn, cfg.libcuda); \
+      return 999;                                                     \
+    }                                                                 \
+    sub_enter();                                                      \
+    sub_mark(S, ptsz);                                                \
+    CUresult r_ = real_ ARGS;                                         \
+    sub_exit();                                                       \
+    return r_;                                                        \
+  }
+// SUBMIT_SYNC: a synchronous copy (legacy stream, or the per-thread one for _ptds): first waits in
+// the shim for the twins it would queue behind, so that a checkpoint can still preempt them.
+#define SUBMIT_SYNC(fn, ptsz, PARAMS, ARGS)                           \
+  EXPORT CUresult fn PARAMS {                                         \
+    __typeof__(&fn) real_ = REAL(fn);                                 \
+    if (!real_) {                                                     \
+      LOG_ONCE("%s: real function not found in %s", #fn, cfg.libcuda); \
+      return 999;                                                     \
+    }                                                                 \
+    sync_prewait();                                                   \
+    sub_enter();                                                      \
+    sub_mark(NULL, ptsz);                                             \
+    CUresult r_ = real_ ARGS;                                         \
+    sub_exit();                                                       \
+    return r_;                                                        \
+  }
+#define SUBMIT2(fn, PARAMS, ARGS, S) SUBMIT(fn, 0, PARAMS, ARGS, S) SUBMIT(fn##_ptsz, 1, PARAMS, ARGS, S)
+#define SYNC2(fn, PARAMS, ARGS) SUBMIT_SYNC(fn, 0, PARAMS, ARGS) SUBMIT_SYNC(fn##_ptds, 1, PARAMS, ARGS)
+typedef void *CUarray_;
+typedef struct {
+  int type, id;
+} CUmemLocation_;
+
+SUBMIT2(cuEventRecord, (CUevent e, CUstream s), (e, s), s)
+SUBMIT2(cuEventRecordWithFlags, (CUevent e, CUstream s, unsigned fl), (e, s, fl), s)
+SUBMIT2(cuStreamWaitEvent, (CUstream s, CUevent e, unsigned fl), (s, e, fl), s)
+SUBMIT2(cuLaunchHostFunc, (CUstream s, void (*fnp)(void *), void *ud), (s, fnp, ud), s)
+SUBMIT2(cuStreamAddCallback, (CUstream s, void (*cb)(CUstream, CUresult, void *), void *ud, unsigned fl),
+        (s, cb, ud, fl), s)
+SUBMIT2(cuStreamWaitValue32, (CUstream s, CUdeviceptr a, uint32_t v, unsigned fl), (s, a, v, fl), s)
+SUBMIT2(cuStreamWaitValue64, (CUstream s, CUdeviceptr a, uint64_t v, unsigned fl), (s, a, v, fl), s)
+SUBMIT2(cuStreamWriteValue32, (CUstream s, CUdeviceptr a, uint32_t v, unsigned fl), (s, a, v, fl), s)
+SUBMIT2(cuStreamWriteValue64, (CUstream s, CUdeviceptr a, uint64_t v, unsigned fl), (s, a, v, fl), s)
+SUBMIT2(cuStreamBatchMemOp, (CUstream s, unsigned n, void *ops, unsigned fl), (s, n, ops, fl), s)
+SUBMIT2(cuStreamWaitValue32_v2, (CUstream s, CUdeviceptr a, uint32_t v, unsigned fl), (s, a, v, fl), s)
+SUBMIT2(cuStreamWaitValue64_v2, (CUstream s, CUdeviceptr a, uint64_t v, unsigned fl), (s, a, v, fl), s)
+SUBMIT2(cuStreamWriteValue32_v2, (CUstream s, CUdeviceptr a, uint32_t v, unsigned fl), (s, a, v, fl), s)
+SUBMIT2(cuStreamWriteValue64_v2, (CUstream s, CUdeviceptr a, uint64_t v, unsigned fl), (s, a, v, fl), s)
+SUBMIT2(cuStreamBatchMemOp_v2, (CUstream s, unsigned n, void *ops, unsigned fl), (s, n, ops, fl), s)
+SUBMIT2(cuMemPrefetchAsync, (CUdeviceptr p, size_t n, CUdevice dv, CUstream s), (p, n, dv, s), s)
+SUBMIT2(cuMemPrefetchAsync_v2, (CUdeviceptr p, size_t n, CUmemLocation_ loc, unsigned fl, CUstream s),
+        (p, n, loc, fl, s), s)
+SUBMIT2(cuGraphUpload, (CUgraphExec g, CUstream s), (g, s), s)
+SUBMIT2(cuSignalExternalSemaphoresAsync, (const void *sem, const void *par, unsigned n, CUstream s),
+        (sem, par, n, s), s)
+SUBMIT2(cuWaitExternalSemaphoresAsync, (const void *sem, const void *par, unsigned n, CUstream s),
+        (sem, par, n, s), s)
+SUBMIT2(cuMemcpyAsync, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s), (dst, src, n, s), s)
+SUBMIT2(cuMemcpyHtoDAsync_v2, (CUdeviceptr dst, const void *src, size_t n, CUstream s), (dst, src, n, s), s)
+SUBMIT2(cuMemcpyDtoHAsync_v2, (void *dst, CUdeviceptr src, size_t n, CUstream s), (dst, src, n, s), s)
+SUBMIT2(cuMemcpyDtoDAsync_v2, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s), (dst, src, n, s), s)
+SUBMIT2(cuMemcpyHtoAAsync_v2, (CUarray_ a, size_t off, const void *src, size_t n, CUstream s),
+        (a, off, src, n, s), s)
+SUBMIT2(cuMemcpyAtoHAsync_v2, (void *dst, CUarray_ a, size_t off, size_t n, CUstream s), (dst, a, off, n, s), s)
+SUBMIT2(cuMemcpy2DAsync_v2, (const void *p, CUstream s), (p, s), s)
+SUBMIT2(cuMemcpy3DAsync_v2, (const void *p, CUstream s), (p, s), s)
+SUBMIT2(cuMemcpy3DPeerAsync, (const void *p, CUstream s), (p, s), s)
+SUBMIT2(cuMemcpyPeerAsync, (CUdeviceptr dst, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t n, CUstream s),
+        (dst, dc, src, sc, n, s), s)
+SUBMIT2(cuMemsetD8Async, (CUdeviceptr p, unsigned char v, size_t n, CUstream s), (p, v, n, s), s)
+SUBMIT2(cuMemsetD16Async, (CUdeviceptr p, unsigned short v, size_t n, CUstream s), (p, v, n, s), s)
+SUBMIT2(cuMemsetD32Async, (CUdeviceptr p, unsigned v, size_t n, CUstream s), (p, v, n, s), s)
+SUBMIT2(cuMemsetD2D8Async, (CUdeviceptr p, size_t pitch, unsigned char v, size_t w, size_t h, CUstream s),
+        (p, pitch, v, w, h, s), s)
+SUBMIT2(cuMemsetD2D16Async, (CUdeviceptr p, size_t pitch, unsigned short v, size_t w, size_t h, CUstream s),
+        (p, pitch, v, w, h, s), s)
+SUBMIT2(cuMemsetD2D32Async, (CUdeviceptr p, size_t pitch, unsigned v, size_t w, size_t h, CUstream s),
+        (p, pitch, v, w, h, s), s)
+SYNC2(cuMemcpy, (CUdeviceptr dst, CUdeviceptr src, size_t n), (dst, src, n))
+SYNC2(cuMemcpyHtoD_v2, (CUdeviceptr dst, const void *src, size_t n), (dst, src, n))
+SYNC2(cuMemcpyDtoH_v2, (void *dst, CUdeviceptr src, size_t n), (dst, src, n))
+SYNC2(cuMemcpyDtoD_v2, (CUdeviceptr dst, CUdeviceptr src, size_t n), (dst, src, n))
+SYNC2(cuMemcpyDtoA_v2, (CUarray_ a, size_t off, CUdeviceptr src, size_t n), (a, off, src, n))
+SYNC2(cuMemcpyAtoD_v2, (CUdeviceptr dst, CUarray_ a, size_t off, size_t n), (dst, a, off, n))
+SYNC2(cuMemcpyHtoA_v2, (CUarray_ a, size_t off, const void *src, size_t n), (a, off, src, n))
+SYNC2(cuMemcpyAtoH_v2, (void *dst, CUarray_ a, size_t off, size_t n), (dst, a, off, n))
+SYNC2(cuMemcpyAtoA_v2, (CUarray_ d, size_t doff, CUarray_ a, size_t off, size_t n), (d, doff, a, off, n))
+SYNC2(cuMemcpy2D_v2, (const void *p), (p))
+SYNC2(cuMemcpy2DUnaligned_v2, (const void *p), (p))
+SYNC2(cuMemcpy3D_v2, (const void *p), (p))
+SYNC2(cuMemcpy3DPeer, (const void *p), (p))
+SYNC2(cuMemcpyPeer, (CUdeviceptr dst, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t n), (dst, dc, src, sc, n))
+// Synchronous memsets are asynchronous for device memory: plain submissions, no pre-wait.
+#define MEMSET2(fn, PARAMS, ARGS) SUBMIT(fn, 0, PARAMS, ARGS, NULL) SUBMIT(fn##_ptds, 1, PARAMS, ARGS, NULL)
+MEMSET2(cuMemsetD8_v2, (CUdeviceptr p, unsigned char v, size_t n), (p, v, n))
+MEMSET2(cuMemsetD16_v2, (CUdeviceptr p, unsigned short v, size_t n), (p, v, n))
+MEMSET2(cuMemsetD32_v2, (CUdeviceptr p, unsigned v, size_t n), (p, v, n))
+MEMSET2(cuMemsetD2D8_v2, (CUdeviceptr p, size_t pitch, unsigned char v, size_t w, size_t h), (p, pitch, v, w, h))
+MEMSET2(cuMemsetD2D16_v2, (CUdeviceptr p, size_t pitch, unsigned short v, size_t w, size_t h), (p, pitch, v, w, h))
+MEMSET2(cuMemsetD2D32_v2, (CUdeviceptr p, size_t pitch, unsigned v, size_t w, size_t h), (p, pitch, v, w, h))
+
+// ---- streams and waits ----
+EXPORT CUresult cuStreamCreate(CUstream *s, unsigned flags) {
+  CALL_REAL(cuStreamCreate, s, flags);
+  if (r_ == CUDA_SUCCESS && s) stream_created(*s, flags);
+  return r_;
+}
+EXPORT CUresult cuStreamCreateWithPriority(CUstream *s, unsigned flags, int prio) {
+  CALL_REAL(cuStreamCreateWithPriority, s, flags, prio);
+  if (r_ == CUDA_SUCCESS && s) stream_created(*s, flags);
+  return r_;
+}
+// A stream with a preempted twin is destroyed only after the remainder was relaunched on it.
+EXPORT CUresult cuStreamDestroy_v2(CUstream s) {
+  __typeof__(&cuStreamDestroy_v2) real_ = REAL(cuStreamDestroy_v2);
+  if (!real_) return 999;
+  sync_scope sc;
+  uint64_t g;
+  scope_stream(&sc, s, 0);
+  honest_wait(&sc, &g);
+  return real_(s);
+}
+// Attributes the app sets on a kernel (notably the dynamic shared memory limit) are set on its twin.
+EXPORT CUresult cuFuncSetAttribute(CUfunction f, int attr, int value) {
+  CALL_REAL(cuFuncSetAttribute, f, attr, value);
+  if (r_ == CUDA_SUCCESS) trk_func_attr(f, attr, value);
+  return r_;
+}
+
+// Honest waits: while a twin of the scope is preempted and its remainder has not been relaunched,
+// the wait sleeps in the shim; a wait that returned from the driver after a twin of its scope was
+// preempted during the call waits for the relaunch and calls again.
+#define HONEST_SYNC(fn, SCOPE, PARAMS, ARGS)      \
+  EXPORT CUresult fn PARAMS {                     \
+    __typeof__(&fn) real_ = REAL(fn);             \
+    if (!real_) return 999;                       \
+    sync_scope sc;                                \
+    SCOPE;                                        \
+    for (;;) {                                    \
+      uint64_t g;                                 \
+      honest_wait(&sc, &g);                       \
+      CUresult r_ = real_ ARGS;                   \
+      if (!honest_again(&sc, g)) return r_;       \
+    }                                             \
+  }
+HONEST_SYNC(cuStreamSynchronize, scope_stream(&sc, s, 0), (CUstream s), (s))
+HONEST_SYNC(cuStreamSynchronize_ptsz, scope_stream(&sc, s, 1), (CUstream s), (s))
+HONEST_SYNC(cuCtxSynchronize, scope_ctx(&sc), (void), ())
+#define HONEST_QUERY(fn, ptsz)                                                \
+  EXPORT CUresult fn(CUstream s) {                                            \
+    __typeof__(&fn) real_ = REAL(fn);                                         \
+    if (!real_) return 999;                                                   \
+    sync_scope sc;                                                            \
+    scope_stream(&sc, s, ptsz);                                               \
+    if (honest_pending(&sc)) return CUDA_ERROR_NOT_READY;                     \
+    uint64_t g;                                                               \
+    honest_wait(&sc, &g);                                                     \
+    CUresult r_ = real_(s);                                                   \
+    return honest_again(&sc, g) && r_ == CUDA_SUCCESS ? CUDA_ERROR_NOT_READY : r_; \
+  }
+HONEST_QUERY(cuStreamQuery, 0)
+HONEST_QUERY(cuStreamQuery_ptsz, 1)
 
 // Stream capture: while any capture is open the shim records no timing events, since an event
 // recorded on a capturing (or, in global mode, the legacy) stream would change the app's graph.

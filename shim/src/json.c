@@ -203,10 +203,33 @@ int json_flat_parse(const char *text, size_t n, const char *const *keys, char **
     l.i++;
     ws(&l);
     size_t slot = nkeys;
-    for (size_t k = 0; k < nkeys; k++)
-      if (strcmp(keys[k], key) == 0) slot = k;
+    int numeric = 0;  // a key spelled "#name" takes a number, returned as its text
+    for (size_t k = 0; k < nkeys; k++) {
+      const char *kk = keys[k][0] == '#' ? keys[k] + 1 : keys[k];
+      if (strcmp(kk, key) == 0) {
+        slot = k;
+        numeric = keys[k][0] == '#';
+      }
+    }
     free(key);
-    if (l.i < l.n && l.s[l.i] == '"') {
+    if (numeric && l.i < l.n && (l.s[l.i] == '-' || (l.s[l.i] >= '0' && l.s[l.i] <= '9'))) {
+      size_t st = l.i;
+      if (skip_scalar(&l)) {
+        why = "invalid number";
+        goto fail;
+      }
+      if (vals[slot]) {
+        why = "duplicate member";
+        goto fail;
+      }
+      if (!(vals[slot] = strndup(l.s + st, l.i - st))) {
+        why = "out of memory";
+        goto fail;
+      }
+    } else if (numeric) {
+      why = "member must be a number";
+      goto fail;
+    } else if (l.i < l.n && l.s[l.i] == '"') {
       char *v = str(&l, &why);
       if (!v) goto fail;
       if (slot < nkeys) {
@@ -252,4 +275,177 @@ fail:
   }
   snprintf(err, errlen, "%s", why ? why : "invalid JSON");
   return -1;
+}
+
+// ---- ptxstate's instrument report ----
+// skip_value skips any JSON value (depth-limited); 0 or -1.
+static int skip_value(lex *l, int depth) {
+  const char *why;
+  ws(l);
+  if (l->i >= l->n || depth > 64) return -1;
+  char c = l->s[l->i];
+  if (c == '"') {
+    char *s = str(l, &why);
+    if (!s) return -1;
+    free(s);
+    return 0;
+  }
+  if (c == '{' || c == '[') {
+    char close = c == '{' ? '}' : ']';
+    l->i++;
+    ws(l);
+    if (l->i < l->n && l->s[l->i] == close) {
+      l->i++;
+      return 0;
+    }
+    for (;;) {
+      if (c == '{') {
+        ws(l);
+        char *k = str(l, &why);
+        if (!k) return -1;
+        free(k);
+        ws(l);
+        if (l->i >= l->n || l->s[l->i] != ':') return -1;
+        l->i++;
+      }
+      if (skip_value(l, depth + 1)) return -1;
+      ws(l);
+      if (l->i < l->n && l->s[l->i] == ',') {
+        l->i++;
+        continue;
+      }
+      if (l->i < l->n && l->s[l->i] == close) {
+        l->i++;
+        return 0;
+      }
+      return -1;
+    }
+  }
+  return skip_scalar(l);
+}
+
+// kernel_obj reads one element of "kernels": name, eligible, first refusal.
+static int kernel_obj(lex *l, json_kernel_fn cb, void *arg) {
+  const char *why;
+  ws(l);
+  if (l->i >= l->n || l->s[l->i] != '{') return skip_value(l, 1);
+  l->i++;
+  char *name = NULL, *refusal = NULL;
+  int eligible = -1, rc = -1;
+  ws(l);
+  if (l->i < l->n && l->s[l->i] == '}') {
+    l->i++;
+    return 0;
+  }
+  for (;;) {
+    ws(l);
+    char *k = str(l, &why);
+    if (!k) goto out;
+    ws(l);
+    if (l->i >= l->n || l->s[l->i] != ':') {
+      free(k);
+      goto out;
+    }
+    l->i++;
+    ws(l);
+    if (strcmp(k, "name") == 0 && l->i < l->n && l->s[l->i] == '"' && !name) {
+      name = str(l, &why);
+      if (!name) {
+        free(k);
+        goto out;
+      }
+    } else if (strcmp(k, "eligible") == 0 && l->n - l->i >= 4 && memcmp(l->s + l->i, "true", 4) == 0) {
+      eligible = 1;
+      l->i += 4;
+    } else if (strcmp(k, "eligible") == 0 && l->n - l->i >= 5 && memcmp(l->s + l->i, "false", 5) == 0) {
+      eligible = 0;
+      l->i += 5;
+    } else if (strcmp(k, "refusals") == 0 && l->i < l->n && l->s[l->i] == '[' && !refusal) {
+      size_t save = l->i;
+      l->i++;
+      ws(l);
+      if (l->i < l->n && l->s[l->i] == '"') refusal = str(l, &why);
+      l->i = save;
+      if (skip_value(l, 2)) {
+        free(k);
+        goto out;
+      }
+    } else if (skip_value(l, 2)) {
+      free(k);
+      goto out;
+    }
+    free(k);
+    ws(l);
+    if (l->i < l->n && l->s[l->i] == ',') {
+      l->i++;
+      continue;
+    }
+    if (l->i < l->n && l->s[l->i] == '}') {
+      l->i++;
+      break;
+    }
+    goto out;
+  }
+  if (name && eligible >= 0) cb(arg, name, eligible, refusal);
+  rc = 0;
+out:
+  free(name);
+  free(refusal);
+  return rc;
+}
+
+int json_kernel_report(const char *text, size_t n, json_kernel_fn cb, void *arg) {
+  const char *why;
+  lex l = {text, n, 0};
+  ws(&l);
+  if (l.i >= l.n || l.s[l.i] != '{') return -1;
+  l.i++;
+  int found = 0;
+  for (;;) {
+    ws(&l);
+    if (l.i < l.n && l.s[l.i] == '}') break;
+    char *k = str(&l, &why);
+    if (!k) return -1;
+    ws(&l);
+    if (l.i >= l.n || l.s[l.i] != ':') {
+      free(k);
+      return -1;
+    }
+    l.i++;
+    ws(&l);
+    int is_k = strcmp(k, "kernels") == 0;
+    free(k);
+    if (is_k && l.i < l.n && l.s[l.i] == '[') {
+      found = 1;
+      l.i++;
+      ws(&l);
+      if (l.i < l.n && l.s[l.i] == ']') {
+        l.i++;
+      } else {
+        for (;;) {
+          if (kernel_obj(&l, cb, arg)) return -1;
+          ws(&l);
+          if (l.i < l.n && l.s[l.i] == ',') {
+            l.i++;
+            continue;
+          }
+          if (l.i < l.n && l.s[l.i] == ']') {
+            l.i++;
+            break;
+          }
+          return -1;
+        }
+      }
+    } else if (skip_value(&l, 1)) {
+      return -1;
+    }
+    ws(&l);
+    if (l.i < l.n && l.s[l.i] == ',') {
+      l.i++;
+      continue;
+    }
+    if (l.i < l.n && l.s[l.i] == '}') break;
+    return -1;
+  }
+  return found ? 0 : -1;
 }

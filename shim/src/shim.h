@@ -7,10 +7,16 @@
 #include <stdint.h>
 
 #include "cuda_defs.h"
+#include "../include/ptxmig_ctrl.h"
+
+struct jbuf;
+struct krec;
 
 #define EXPORT __attribute__((visibility("default")))
-#define PTXMIG_SHIM_VERSION "ptxmig-shim 1"
-#define PTXMIG_PROTO_VERSION 1
+#define PTXMIG_SHIM_VERSION "ptxmig-shim 2"
+#define PTXMIG_PROTO_VERSION 2
+// Cache key of instrumented PTX: <sha256 of the PTX>-v<this>.ptx. Bump when ptxstate's output changes.
+#define PTXMIG_TRANSFORM_VERSION 2
 
 // ---- configuration (read once from the environment, see docs/SHIM-PROTOCOL.md) ----
 typedef struct {
@@ -21,7 +27,16 @@ typedef struct {
   uint64_t capture_max;      // PTXMIG_CAPTURE_MAX_MB: bytes of module images kept at most
   char libcuda[256];         // PTXMIG_LIBCUDA: the real driver library
   int self_time;             // PTXMIG_SELF_TIME=1: measure the shim's own time on each launch
+  int preempt;               // PTXMIG_PREEMPT: PM_OFF (default), PM_AUTO, PM_ALWAYS
+  unsigned preempt_min_us;   // PTXMIG_PREEMPT_MIN_US (default 1000)
+  int preempt_sass;          // PTXMIG_PREEMPT_SASS: 1 jit (default), 0 keep modules with SASS for the GPU
+  char ptx_cache[256];       // PTXMIG_PTX_CACHE, default /var/cache/ptxmig/ptx ("" or "off": no cache)
+  char helper[256];          // PTXMIG_HELPER: the ptxmig binary ("" : none)
+  unsigned helper_timeout_ms;  // PTXMIG_HELPER_TIMEOUT_MS (default 60000)
+  uint64_t helper_max_bytes; // PTXMIG_HELPER_MAX_MB: PTX size limit in and out (default 256)
 } shim_config;
+enum { PM_OFF, PM_AUTO, PM_ALWAYS };
+extern const char *const preempt_mode_names[3];
 extern shim_config cfg;
 void config_load(void);
 
@@ -67,6 +82,72 @@ void trk_module_alias(void *alias, void *handle);  // cuLibraryGetModule
 void trk_func_named(void *fn, void *owner, const char *name);
 void trk_func_copy(void *fn, void *from);  // cuKernelGetFunction: fn gets from's name/module
 
+// Per-kernel twin information of an instrumented (or refused) module, from ptxstate's report and
+// the PTX's .entry parameter lists. Never freed (kernel records point at them).
+typedef struct kinfo {
+  char *name;        // the original kernel's name
+  int twin;          // the loaded module carries name__ptxmig
+  char *reason;      // why not (NULL when twin)
+  int nparams;       // -1: layout unknown
+  uint32_t *off, *size;
+  uint32_t args_size;
+} kinfo;
+typedef struct kinfo_set {
+  int n;
+  kinfo *k;
+  int instrumented;  // the module was loaded from instrumented PTX
+  char reason[192];  // module-level reason when not instrumented (or no kernels)
+} kinfo_set;
+// instr.c: instr_prepare looks at a module image about to be loaded (image, or a file at path) and,
+// when the preempt mode is on and the image has usable PTX, returns 1 with *ptx the instrumented PTX
+// (malloc'd, NUL-terminated) to load instead and *ks filled; 0 (with ks->reason) to load the original.
+int instr_prepare(const void *image, size_t known, const char *path, char **ptx, kinfo_set *ks);
+void kinfo_set_free(kinfo_set *ks);  // frees the kernels (keeps reason)
+void instr_failed(kinfo_set *ks, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void instr_stats(struct jbuf *b);
+// trk_module_twins attaches ks (moved) to the module just tracked under handle.
+void trk_module_twins(void *handle, kinfo_set *ks);
+const kinfo *trk_kinfo_of(struct krec *r, const char **module_reason, void **owner, int *owner_is_lib);
+int trk_instrumented_modules(void);
+
+// Kernel records (track.c).
+#define NSHAPES 4
+#define RING 256
+typedef struct krec {
+  void *fn;
+  char *_Atomic name;
+  atomic_int module_id;
+  int is_graph;
+  atomic_ulong seen, launches, failed, cooperative;
+  struct {
+    unsigned g[3], b[3];
+    atomic_ulong n;
+  } shapes[NSHAPES];
+  atomic_int nshapes;
+  atomic_ulong other_shapes;
+  // timing, under sample_mu
+  float ring[RING];
+  unsigned nring, ringpos;
+  uint64_t nsampled;
+  double sum_us;
+  atomic_uint mean_us;  // mean sampled GPU time in µs (rounded up), 0 until timed
+  // preemption (preempt.c)
+  void *_Atomic owner;          // module or library handle the kernel was obtained from
+  const kinfo *_Atomic kinfo;   // its twin information (NULL: unknown yet)
+  atomic_int kinfo_tried;       // the lookup through the driver was done
+  void *_Atomic twin_fn;        // K__ptxmig's handle in the same module (looked up once)
+  atomic_int twin_fn_state;     // 0 not looked up, 1 found, -1 not found
+  atomic_ulong twin_launches, twin_fallbacks;
+  atomic_int param_src;         // 0 unknown, 1 cuFuncGetParamInfo, 2 PTX
+  void *_Atomic layout;         // the parameter layout (preempt.c), reset with the twin information
+  const char *_Atomic no_twin_why;  // why the kernel has no twin, once settled (launch fast path)
+  struct {
+    int attr, value;
+  } attrs[8];                   // cuFuncSetAttribute calls to replay on the twin (under k_mu)
+  atomic_int nattrs, attrs_gen, attrs_applied;
+} krec;
+
+
 // Launches.
 typedef struct launch_tok {
   struct krec *rec;
@@ -78,8 +159,46 @@ enum launch_kind { LK_NORMAL, LK_COOPERATIVE, LK_EX };
 void launch_pre(launch_tok *t, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                 unsigned by, unsigned bz, CUstream s, int ptsz, int kind);
 void launch_post(launch_tok *t, CUresult r);
-void trk_graph_launch(CUgraphExec g, CUresult r);
+struct krec *trk_graph_launch(CUgraphExec g, CUresult r);
 void trk_capture(int delta);
+int trk_capture_open(void);
+
+// ---- preemption (preempt.c) ----
+// Every wrapper that submits GPU work brackets its driver call with sub_enter/sub_exit (the gate:
+// sub_enter blocks while the process is quiesced) and records the submission with sub_mark.
+void sub_enter(void);
+void sub_exit(void);
+uint64_t sub_mark(CUstream s, int ptsz);
+void note_original(CUstream s, int ptsz, struct krec *r, const char *why);
+void stream_created(CUstream s, unsigned flags);
+typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              CUstream, void **, void **);
+typedef CUresult (*launch_ex_fn)(const CUlaunchConfig *, CUfunction, void **, void **);
+// twin_launch launches f's twin instead of f when the policy allows: 1 with *res set, or 0 (and
+// *why) when the caller must launch the original.
+int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], const unsigned b[3], unsigned shmem,
+                CUstream s, int ptsz, void **params, void **extra, launch_fn lf, const CUlaunchConfig *ex,
+                launch_ex_fn lef, uint64_t seq, CUresult *res, const char **why);
+typedef struct {
+  void *c, *s;  // context record (ctx-wide scope) or stream record
+} sync_scope;
+void scope_stream(sync_scope *sc, CUstream s, int ptsz);
+void scope_ctx(sync_scope *sc);
+void honest_wait(const sync_scope *sc, uint64_t *gen);
+int honest_again(const sync_scope *sc, uint64_t gen);
+int honest_pending(const sync_scope *sc);
+void sync_prewait(void);
+int preempt_quiesce(struct jbuf *b, unsigned budget_ms);  // 1: this call quiesced (the lease is the caller's)
+int preempt_detach(struct jbuf *b);
+void preempt_resume(struct jbuf *b);
+int preempt_state(void);  // 0 running, 1 quiesced, 2 detached
+void preempt_report_status(struct jbuf *b);
+void preempt_atfork_child(void);
+void preempt_drop_ctx(CUcontext ctx);
+void preempt_wait_clean(void);  // sleeps while a twin of the current context awaits its relaunch
+void trk_func_attr(CUfunction f, int attr, int value);
+void trk_twin_reset(struct krec *r);
+int trk_func_attrs(struct krec *r, int attrs[8][2], int *n);
 void samples_drop_ctx(CUcontext ctx);
 void trk_primary_release(CUdevice dev);  // before a primary context release: drop its samples and events
 void samples_harvest(int max, int from_ctl);
@@ -89,7 +208,7 @@ void ctl_ensure_started(void);  // called on first CUDA activity; idempotent and
 void ctl_atfork_child(void);
 
 // ---- JSON output buffer (json.c) ----
-typedef struct {
+typedef struct jbuf {
   char *p;
   size_t len, cap;
   int oom;
@@ -101,8 +220,13 @@ void jb_str(jbuf *b, const char *s, size_t n);  // quoted, escaped JSON string
 void jb_key(jbuf *b, const char *k);            // "k":
 // json_get_string parses a flat JSON object and copies string member key into out; returns 1 if
 // found, 0 if absent, -1 when the text is not a valid flat JSON object (error text in err).
+// A key spelled "#name" takes a number (its text is returned).
 int json_flat_parse(const char *text, size_t n, const char *const *keys, char **vals, size_t nkeys,
                     char *err, size_t errlen);
+// json_kernel_report walks ptxstate's report ({"kernels":[{"name","eligible","refusals"},...]}) and
+// calls cb per kernel (refusal: the first one, or NULL); 0, or -1 when the text is not such a report.
+typedef void (*json_kernel_fn)(void *arg, const char *name, int eligible, const char *refusal);
+int json_kernel_report(const char *text, size_t n, json_kernel_fn cb, void *arg);
 
 // Report builders (track.c) used by the control socket.
 void report_status(jbuf *b);

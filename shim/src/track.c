@@ -220,6 +220,9 @@ typedef struct {
   char sha[65];
   int nptx, nelf, parse_err;
   char archs[128];
+  // preemption: the module's twin information (instr.c), when the preempt mode looked at it
+  int has_ks;
+  kinfo_set ks;
 } module;
 
 static pthread_mutex_t mod_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -430,7 +433,9 @@ static void give_private_copies(module *reg) {
   }
 }
 
+static void twins_forget_module(void *handle);
 void trk_module_remove(void *handle) {
+  twins_forget_module(handle);
   pthread_mutex_lock(&mod_mu);
   uint64_t *v = pm_find(&modmap, (uint64_t)(uintptr_t)handle);
   if (v) {
@@ -450,6 +455,43 @@ void trk_module_alias(void *alias, void *handle) {
   pthread_mutex_unlock(&mod_mu);
 }
 
+void trk_module_twins(void *handle, kinfo_set *ks) {
+  pthread_mutex_lock(&mod_mu);
+  uint64_t *v = pm_find(&modmap, (uint64_t)(uintptr_t)handle);
+  if (v && !mods[*v - 1]->has_ks) {
+    mods[*v - 1]->ks = *ks;
+    mods[*v - 1]->has_ks = 1;
+    ks->k = NULL;  // moved: never freed, kernel records point into it
+    ks->n = 0;
+  }
+  pthread_mutex_unlock(&mod_mu);
+}
+
+int trk_instrumented_modules(void) {
+  int n = 0;
+  pthread_mutex_lock(&mod_mu);
+  for (size_t i = 0; i < nmods; i++) n += mods[i]->loaded && mods[i]->has_ks && mods[i]->ks.instrumented;
+  pthread_mutex_unlock(&mod_mu);
+  return n;
+}
+
+// module_kinfo finds name's twin information in the module of handle; mod_mu held. *mreason gets
+// the module's reason (stable: module records are never freed).
+static const kinfo *module_kinfo(void *handle, const char *name, const char **mreason, int *is_lib) {
+  uint64_t *v = pm_find(&modmap, (uint64_t)(uintptr_t)handle);
+  if (!v) return NULL;
+  module *m = mods[*v - 1];
+  if (is_lib) *is_lib = m->handle == handle && (m->source == MS_LIBRARY_LOAD_DATA || m->source == MS_LIBRARY_LOAD_FILE);
+  if (!m->has_ks) {
+    if (mreason) *mreason = cfg.preempt == PM_OFF ? "preempt mode off" : "module loaded before the shim looked at it";
+    return NULL;
+  }
+  if (mreason) *mreason = m->ks.reason;
+  for (int i = 0; name && i < m->ks.n; i++)
+    if (strcmp(m->ks.k[i].name, name) == 0) return &m->ks.k[i];
+  return NULL;
+}
+
 static int module_id_of(void *handle) {
   int id = 0;
   pthread_mutex_lock(&mod_mu);
@@ -460,27 +502,6 @@ static int module_id_of(void *handle) {
 }
 
 // ---- kernels and launches ----
-#define NSHAPES 4
-#define RING 256
-typedef struct krec {
-  void *fn;
-  char *_Atomic name;
-  atomic_int module_id;
-  int is_graph;
-  atomic_ulong seen, launches, failed, cooperative;
-  struct {
-    unsigned g[3], b[3];
-    atomic_ulong n;
-  } shapes[NSHAPES];
-  atomic_int nshapes;
-  atomic_ulong other_shapes;
-  // timing, under sample_mu
-  float ring[RING];
-  unsigned nring, ringpos;
-  uint64_t nsampled;
-  double sum_us;
-} krec;
-
 static pthread_mutex_t k_mu = PTHREAD_MUTEX_INITIALIZER;
 static pmap kmap;  // function/kernel/graph-exec handle → krec*
 static krec **krecs;
@@ -529,6 +550,13 @@ void trk_func_named(void *fn, void *owner, const char *name) {
   if (!r) return;
   int mid = module_id_of(owner);
   if (mid) atomic_store(&r->module_id, mid);
+  if (owner && name && mid) {
+    pthread_mutex_lock(&mod_mu);
+    const kinfo *k = module_kinfo(owner, name, NULL, NULL);
+    pthread_mutex_unlock(&mod_mu);
+    if (atomic_exchange(&r->owner, owner) != owner) trk_twin_reset(r);  // a handle value reused
+    atomic_store(&r->kinfo, k);
+  }
   if (name && !atomic_load(&r->name)) {
     char *n = strdup(name), *expect = NULL;
     if (n && !atomic_compare_exchange_strong(&r->name, &expect, n)) free(n);
@@ -539,12 +567,64 @@ void trk_func_copy(void *fn, void *from) {
   krec *src = krec_get(from, 0), *r = krec_get(fn, 0);
   if (!src || !r) return;
   if (atomic_load(&src->module_id)) atomic_store(&r->module_id, atomic_load(&src->module_id));
+  if (atomic_load(&src->owner)) atomic_store(&r->owner, atomic_load(&src->owner));
+  if (atomic_load(&src->kinfo)) atomic_store(&r->kinfo, atomic_load(&src->kinfo));
   char *sn = atomic_load(&src->name);
   if (sn && !atomic_load(&r->name)) {
     char *n = strdup(sn), *expect = NULL;
     if (n && !atomic_compare_exchange_strong(&r->name, &expect, n)) free(n);
   }
 }
+
+// trk_twin_reset forgets what a kernel record knew about its twin (its module went away, or the
+// handle value now names another kernel).
+void trk_twin_reset(krec *r) {
+  atomic_store(&r->kinfo, NULL);
+  atomic_store(&r->kinfo_tried, 0);
+  atomic_store(&r->twin_fn_state, 0);
+  atomic_store(&r->twin_fn, NULL);
+  atomic_store(&r->layout, NULL);  // leaked: a launch in flight may still read it
+  atomic_store(&r->attrs_applied, 0);
+  atomic_store(&r->no_twin_why, NULL);
+}
+
+static void twins_forget_module(void *handle) {
+  pthread_mutex_lock(&k_mu);
+  for (size_t i = 0; i < nkrecs; i++)
+    if (atomic_load(&krecs[i]->owner) == handle) {
+      atomic_store(&krecs[i]->owner, NULL);
+      trk_twin_reset(krecs[i]);
+    }
+  pthread_mutex_unlock(&k_mu);
+}
+
+void trk_func_attr(CUfunction f, int attr, int value) {
+  krec *r = krec_get(f, 0);
+  if (!r) return;
+  pthread_mutex_lock(&k_mu);
+  int n = atomic_load(&r->nattrs), i;
+  for (i = 0; i < n && r->attrs[i].attr != attr; i++) {
+  }
+  if (i < 8) {
+    r->attrs[i].attr = attr;
+    r->attrs[i].value = value;
+    if (i == n) atomic_store(&r->nattrs, n + 1);
+    atomic_fetch_add(&r->attrs_gen, 1);
+  }
+  pthread_mutex_unlock(&k_mu);
+}
+
+// trk_func_attrs copies the recorded attributes (returns their generation).
+int trk_func_attrs(krec *r, int attrs[8][2], int *n) {
+  pthread_mutex_lock(&k_mu);
+  *n = atomic_load(&r->nattrs);
+  for (int i = 0; i < *n; i++) attrs[i][0] = r->attrs[i].attr, attrs[i][1] = r->attrs[i].value;
+  int g = atomic_load(&r->attrs_gen);
+  pthread_mutex_unlock(&k_mu);
+  return g;
+}
+
+int trk_capture_open(void) { return atomic_load(&capture_open) > 0; }
 
 void trk_capture(int delta) {
   if (delta > 0) atomic_fetch_add(&capture_open, 1);
@@ -644,6 +724,8 @@ static void ring_add(krec *r, float us) {
   if (r->nring < RING) r->nring++;
   r->nsampled++;
   r->sum_us += us;
+  double mean = r->sum_us / (double)r->nsampled + 1.0;
+  atomic_store(&r->mean_us, mean > 4e9 ? 4000000000u : (unsigned)mean);
 }
 
 // samples_harvest collects finished samples without ever waiting: cuEventQuery only.
@@ -680,6 +762,7 @@ void samples_harvest(int max, int from_ctl) {
 }
 
 void samples_drop_ctx(CUcontext ctx) {
+  preempt_drop_ctx(ctx);
   if (!ev.event_create) return;
   pthread_mutex_lock(&sample_mu);
   int w = 0;
@@ -728,6 +811,7 @@ static void fork_parent(void) {
 }
 static void fork_child(void) {
   fork_parent();
+  preempt_atfork_child();
   pthread_mutex_init(&sample_mu, NULL);
   npending = 0;
   npool = 0;
@@ -863,11 +947,12 @@ static void launch_post_track(launch_tok *t, CUresult r) {
   pthread_mutex_unlock(&sample_mu);
 }
 
-void trk_graph_launch(CUgraphExec g, CUresult r) {
+krec *trk_graph_launch(CUgraphExec g, CUresult r) {
   krec *k = krec_get(g, 1);
-  if (!k) return;
+  if (!k) return NULL;
   if (r == CUDA_SUCCESS) atomic_fetch_add(&k->launches, 1);
   else atomic_fetch_add(&k->failed, 1);
+  return k;
 }
 
 // ---- reports for the control socket ----
@@ -1045,7 +1130,10 @@ void report_status(jbuf *b) {
   pthread_mutex_unlock(&k_mu);
   jb_printf(b, ",\"launches\":{\"kernels\":%lu,\"distinct_kernels\":%zu,\"graph_execs\":%zu}",
             atomic_load(&total_launches), nk, ng);
-  jb_printf(b, ",\"sampling\":{\"first\":%u,\"every\":%u}}", cfg.sample_first, cfg.sample_every);
+  jb_printf(b, ",\"sampling\":{\"first\":%u,\"every\":%u}", cfg.sample_first, cfg.sample_every);
+  jb_key(b, "preempt");
+  preempt_report_status(b);
+  jb_s(b, "}");
 }
 
 static int cmp_float(const void *a, const void *b) {
@@ -1075,6 +1163,53 @@ static void resolve_name(krec *r) {
     int id = module_id_of(m);
     if (id) atomic_store(&r->module_id, id);
   }
+}
+
+const kinfo *trk_kinfo_of(krec *r, const char **mreason, void **owner, int *is_lib) {
+  const kinfo *k = atomic_load(&r->kinfo);
+  void *o = atomic_load(&r->owner);
+  *mreason = NULL;
+  *is_lib = 0;
+  // Fast path for launches: settled once the twin was looked up, or the kernel has none.
+  if (k && atomic_load(&r->twin_fn_state) != 0) {
+    *owner = o;
+    return k;
+  }
+  const char *nw = atomic_load(&r->no_twin_why);
+  if (!k && nw) {
+    *mreason = nw;
+    *owner = o;
+    return NULL;
+  }
+  if (!atomic_load(&r->kinfo_tried) || k) {
+    // The name and module of kernels reached without a name (enumeration, CUkernel handles).
+    if (!k && !o) resolve_name(r);
+    char *nm = atomic_load(&r->name);
+    if (!o && nm) {
+      CUresult (*fmod)(CUmodule *, void *) = (CUresult(*)(CUmodule *, void *))drv_sym("cuFuncGetModule");
+      CUmodule m;
+      if (fmod && fmod(&m, r->fn) == CUDA_SUCCESS && m) atomic_store(&r->owner, o = m);
+    }
+    if (o) {
+      pthread_mutex_lock(&mod_mu);
+      const kinfo *kk = module_kinfo(o, nm, mreason, is_lib);
+      pthread_mutex_unlock(&mod_mu);
+      if (kk && !k) atomic_store(&r->kinfo, k = kk);
+    } else {
+      *mreason = "module unknown";
+    }
+    atomic_store(&r->kinfo_tried, 1);
+    if (!k && *mreason) atomic_store(&r->no_twin_why, *mreason);  // module reasons are stable strings
+  } else {
+    *mreason = o ? NULL : "module unknown";
+    if (o) {
+      pthread_mutex_lock(&mod_mu);
+      module_kinfo(o, NULL, mreason, is_lib);
+      pthread_mutex_unlock(&mod_mu);
+    }
+  }
+  *owner = o;
+  return k;
 }
 
 void report_kernels(jbuf *b) {
@@ -1118,6 +1253,24 @@ void report_kernels(jbuf *b) {
     sum = r->sum_us;
     pthread_mutex_unlock(&sample_mu);
     jb_printf(b, ",\"timed\":%llu", (unsigned long long)ns_total);
+    {
+      const char *mr;
+      void *o;
+      int lib;
+      const kinfo *k = trk_kinfo_of(r, &mr, &o, &lib);
+      int twin = k && k->twin && atomic_load(&r->twin_fn_state) >= 0;
+      const char *why = twin ? NULL
+                        : k && k->twin ? "twin not found in the loaded module"
+                        : k && k->reason ? k->reason
+                        : mr && *mr ? mr
+                        : "module has no PTX";
+      if (cfg.preempt == PM_OFF) why = "preempt mode off", twin = 0;
+      jb_printf(b, ",\"twin\":%s,\"twin_reason\":", twin ? "true" : "false");
+      if (why) jb_str(b, why, strlen(why));
+      else jb_s(b, "null");
+      jb_printf(b, ",\"twin_launches\":%lu,\"twin_fallbacks\":%lu", atomic_load(&r->twin_launches),
+                atomic_load(&r->twin_fallbacks));
+    }
     if (nr) {
       qsort(ring, nr, sizeof ring[0], cmp_float);
       unsigned i50 = (nr - 1) / 2, i99 = (unsigned)((nr - 1) * 99 / 100);

@@ -35,10 +35,13 @@ check integration/non-cuda-no-socket non_cuda
 check integration/fork-while-tracking env LD_LIBRARY_PATH="$build/fake" PTXMIG_SOCKET_DIR="$sd" LD_PRELOAD="$shim" "$build/app_fork" 300
 
 harness drive.py python3 "$here/drive.py" --shim "$shim" --build "$build" || true
+harness preempt.py python3 "$here/preempt.py" --shim "$shim" --build "$build" || true
 asan=$(${CC:-cc} -print-file-name=libasan.so)
 if [ -f "$asan" ]; then
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     harness drive.py-san python3 "$here/drive.py" --shim "$build/libptxmig-san.so" --preload-first "$(realpath "$asan")" --build "$build" || true
+  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+    harness preempt.py-san python3 "$here/preempt.py" --shim "$build/libptxmig-san.so" --preload-first "$(realpath "$asan")" --build "$build" || true
 else
   skip asan drive-san "sanitized shim run: libasan.so not found for ${CC:-cc}"
 fi

@@ -400,6 +400,61 @@ static void test_json(void) {
   free(b.p);
 }
 
+// ptxstate's report as the helper prints it (indented JSON) and the cache's compact form.
+typedef struct {
+  int n, eligible[4];
+  char names[4][32], refusal[4][96];
+} rep_acc;
+static void rep_cb(void *arg, const char *name, int eligible, const char *refusal) {
+  rep_acc *a = arg;
+  if (a->n == 4) return;
+  snprintf(a->names[a->n], sizeof a->names[0], "%s", name);
+  snprintf(a->refusal[a->n], sizeof a->refusal[0], "%s", refusal ? refusal : "");
+  a->eligible[a->n++] = eligible;
+}
+static void test_report(void) {
+  begin("json/kernel-report");
+  static const char rep[] =
+      "{\n  \"version\": \"9.0\",\n  \"target\": [\"sm_90\"],\n  \"kernels\": [\n    {\n      \"name\": \"a\",\n"
+      "      \"line\": 5,\n      \"eligible\": true,\n      \"twin\": \"a__ptxmig\",\n      \"barriers\": [{\"line\": 9, "
+      "\"live\": [\"%r1\"], \"uniformly_reached\": true}],\n      \"save_bytes_per_cta\": null\n    },\n"
+      "    {\"name\": \"b\", \"eligible\": false, \"refusals\": [\"reads %envreg1: \\\"x\\\"\", \"second\"]}\n  ]\n}\n";
+  rep_acc a = {0};
+  CHECK(json_kernel_report(rep, strlen(rep), rep_cb, &a) == 0, "report not parsed");
+  CHECK(a.n == 2 && strcmp(a.names[0], "a") == 0 && a.eligible[0] == 1 && a.refusal[0][0] == 0, "kernel a");
+  CHECK(a.n == 2 && strcmp(a.names[1], "b") == 0 && a.eligible[1] == 0 && strcmp(a.refusal[1], "reads %envreg1: \"x\"") == 0,
+        "kernel b: %s", a.refusal[1]);
+  static const char *const bad[] = {"", "{", "[]", "{\"kernels\":[{\"name\":\"a\",\"eligible\":true}", "{\"kernels\":3}",
+                                    "{\"x\":1}", "{\"kernels\":[{\"name\":\"a\" \"eligible\":true}]}"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    rep_acc b = {0};
+    CHECK(json_kernel_report(bad[i], strlen(bad[i]), rep_cb, &b) < 0, "accepted %s", bad[i]);
+  }
+  // Truncations of the real report never crash and never pass as complete.
+  for (size_t n = 0; n + 1 < strlen(rep); n++) {
+    rep_acc b = {0};
+    char *t = malloc(n + 1);
+    memcpy(t, rep, n);
+    t[n] = 0;
+    CHECK(json_kernel_report(t, n, rep_cb, &b) < 0, "accepted a truncation at %zu", n);
+    free(t);
+  }
+  end();
+  begin("json/numeric-member");
+  static const char *const keys[] = {"cmd", "#budget_ms"};
+  char *vals[2], err[128];
+  const char *ok = "{\"cmd\":\"quiesce\",\"budget_ms\":250}";
+  CHECK(json_flat_parse(ok, strlen(ok), keys, vals, 2, err, sizeof err) == 1 && vals[1] && strcmp(vals[1], "250") == 0,
+        "budget_ms not returned");
+  free(vals[0]);
+  free(vals[1]);
+  static const char *const nbad[] = {"{\"cmd\":\"q\",\"budget_ms\":\"250\"}", "{\"cmd\":\"q\",\"budget_ms\":true}",
+                                     "{\"cmd\":\"q\",\"budget_ms\":-}", "{\"cmd\":\"q\",\"budget_ms\":1,\"budget_ms\":2}"};
+  for (size_t i = 0; i < sizeof nbad / sizeof nbad[0]; i++)
+    CHECK(json_flat_parse(nbad[i], strlen(nbad[i]), keys, vals, 2, err, sizeof err) < 0, "accepted %s", nbad[i]);
+  end();
+}
+
 static void run_fixtures(const char *dir) {
   char name[300];
   snprintf(name, sizeof name, "fixtures %s", dir);
@@ -413,6 +468,7 @@ int main(int argc, char **argv) {
   prog = slash ? slash + 1 : argv[0];
   begin("sha256"); test_sha256(); end();
   begin("json"); test_json(); end();
+  test_report();
   begin("synthetic"); test_synthetic(); end();
   test_system_codecs();
   if (argc < 2) run_fixtures("testdata/fatbin");

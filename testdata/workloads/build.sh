@@ -15,6 +15,16 @@ fi
 mkdir -p "$out"
 "$NVCC" -O2 -arch="$ARCH" -o "$out/counter" "$here/counter.cu"
 "$NVCC" -O2 -arch="$ARCH" -o "$out/longkernel" "$here/longkernel.cu"
+# longgrid/hazards (many-block kernels for block-granular twins): explicit -gencode, always sm_90
+# SASS + compute_90 PTX (the shim instruments the PTX), plus the host GPU's own SASS + PTX when
+# ARCH names another sm_XY.
+gencode=(-gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90)
+if [[ $ARCH == sm_* && $ARCH != sm_90 ]]; then
+  cc=${ARCH#sm_}
+  gencode+=(-gencode "arch=compute_$cc,code=sm_$cc" -gencode "arch=compute_$cc,code=compute_$cc")
+fi
+"$NVCC" -O2 "${gencode[@]}" -o "$out/longgrid" "$here/longgrid.cu"
+"$NVCC" -O2 "${gencode[@]}" -o "$out/hazards" "$here/hazards.cu" -lpthread
 "$NVCC" -O2 -o "$out/ptxload" "$here/ptxload.c" -lcuda
 "$NVCC" -ptx -arch=sm_90 -o "$out/vecadd.ptx" "$here/vecadd_kernel.cu"
 cp "$here/train.py" "$out/train.py"

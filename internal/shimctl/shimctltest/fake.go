@@ -12,7 +12,8 @@ import (
 // Serve listens on the Unix socket path until the test ends and answers each request line with
 // the reply whose key appears as the request's "cmd"; a request no key matches closes the
 // connection. A reply without a trailing newline is sent and the connection closed, like a shim
-// that went away mid-line.
+// that went away mid-line; a reply ending in two newlines is sent with one and the connection
+// closed, like the shim after "detach".
 func Serve(t testing.TB, path string, replies map[string]string) {
 	t.Helper()
 	l, err := net.Listen("unix", path)
@@ -38,6 +39,10 @@ func Serve(t testing.TB, path string, replies map[string]string) {
 						}
 					}
 					if reply == "" {
+						return
+					}
+					if strings.HasSuffix(reply, "\n\n") {
+						c.Write([]byte(reply[:len(reply)-1]))
 						return
 					}
 					c.Write([]byte(reply))

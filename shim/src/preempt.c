@@ -1,0 +1,1176 @@
+// Preemptible launches (docs/SHIM-PROTOCOL.md "Preemption"): twin launches with private argument
+// copies and a control block from a per-context pool, the submission gate, per-stream submission
+// sequence numbers for the tail rule, quiesce/detach/resume, and the honest synchronisation used
+// by the sync wrappers. Locks: pre_mu guards the launch list, the stream/context records' pending
+// counters and the state; it is never taken by fork handlers (the child re-creates it) and never
+// held while waiting for the GPU (driver calls under it are non-blocking queries and async submits).
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "shim.h"
+
+const char *const preempt_mode_names[3] = {"off", "auto", "always"};
+
+#define CU_STREAM_LEGACY_H ((CUstream)0x1)
+#define CU_STREAM_NON_BLOCKING 0x1
+#define CU_EVENT_DISABLE_TIMING 0x2
+#define CU_LAUNCH_PARAM_END ((void *)0x00)
+#define CU_LAUNCH_PARAM_BUFFER_POINTER ((void *)0x01)
+#define CU_LAUNCH_PARAM_BUFFER_SIZE ((void *)0x02)
+#define ATTR_MULTIPROCESSOR_COUNT 16
+
+static uint64_t mono(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+static void nap_us(unsigned us) {
+  struct timespec ts = {0, (long)us * 1000};
+  nanosleep(&ts, NULL);
+}
+
+// ---- the real driver entry points the shim itself calls ----
+static struct {
+  pthread_once_t once;
+  int ok;
+  CUresult (*ctx_get)(CUcontext *);
+  CUresult (*ctx_push)(CUcontext);
+  CUresult (*ctx_pop)(CUcontext *);
+  CUresult (*ctx_dev)(CUdevice *);
+  CUresult (*stream_ctx)(CUstream, CUcontext *);
+  CUresult (*stream_flags)(CUstream, unsigned *);
+  CUresult (*stream_create)(CUstream *, unsigned);
+  CUresult (*stream_query)(CUstream);
+  CUresult (*stream_sync)(CUstream);
+  CUresult (*ev_create)(CUevent *, unsigned);
+  CUresult (*ev_record)(CUevent, CUstream);
+  CUresult (*ev_query)(CUevent);
+  CUresult (*ev_sync)(CUevent);
+  CUresult (*mem_alloc)(CUdeviceptr *, size_t);
+  CUresult (*memset32_async)(CUdeviceptr, unsigned, size_t, CUstream);
+  CUresult (*htod_async)(CUdeviceptr, const void *, size_t, CUstream);
+  CUresult (*dtoh_async)(void *, CUdeviceptr, size_t, CUstream);
+  CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                     void **, void **);
+  CUresult (*occupancy)(int *, CUfunction, int, size_t);
+  CUresult (*dev_attr)(int *, int, CUdevice);
+  CUresult (*param_info)(CUfunction, size_t, size_t *, size_t *);
+  CUresult (*mod_get_fn)(CUfunction *, CUmodule, const char *);
+  CUresult (*lib_get_kernel)(CUkernel *, CUlibrary, const char *);
+  CUresult (*kernel_get_fn)(CUfunction *, CUkernel);
+  CUresult (*func_set_attr)(CUfunction, int, int);
+} d = {.once = PTHREAD_ONCE_INIT};
+
+#define SYM(field, name) (*(void **)&d.field = drv_sym(name))
+static void d_load(void) {
+  SYM(ctx_get, "cuCtxGetCurrent");
+  SYM(ctx_push, "cuCtxPushCurrent_v2");
+  SYM(ctx_pop, "cuCtxPopCurrent_v2");
+  SYM(ctx_dev, "cuCtxGetDevice");
+  SYM(stream_ctx, "cuStreamGetCtx");
+  SYM(stream_flags, "cuStreamGetFlags");
+  SYM(stream_create, "cuStreamCreate");
+  SYM(stream_query, "cuStreamQuery");
+  SYM(stream_sync, "cuStreamSynchronize");
+  SYM(ev_create, "cuEventCreate");
+  SYM(ev_record, "cuEventRecord");
+  SYM(ev_query, "cuEventQuery");
+  SYM(ev_sync, "cuEventSynchronize");
+  SYM(mem_alloc, "cuMemAlloc_v2");
+  SYM(memset32_async, "cuMemsetD32Async");
+  SYM(htod_async, "cuMemcpyHtoDAsync_v2");
+  SYM(dtoh_async, "cuMemcpyDtoHAsync_v2");
+  SYM(launch, "cuLaunchKernel");
+  SYM(occupancy, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  SYM(dev_attr, "cuDeviceGetAttribute");
+  SYM(param_info, "cuFuncGetParamInfo");
+  SYM(mod_get_fn, "cuModuleGetFunction");
+  SYM(lib_get_kernel, "cuLibraryGetKernel");
+  SYM(kernel_get_fn, "cuKernelGetFunction");
+  SYM(func_set_attr, "cuFuncSetAttribute");
+  d.ok = d.ctx_get && d.ctx_push && d.ctx_pop && d.ctx_dev && d.stream_ctx && d.stream_flags && d.stream_create &&
+         d.stream_query && d.ev_create && d.ev_record && d.ev_query && d.ev_sync && d.mem_alloc && d.memset32_async &&
+         d.htod_async && d.dtoh_async && d.launch && d.occupancy && d.dev_attr && d.stream_sync;
+  if (!d.ok) LOG_ONCE("preemption: the driver lacks entry points the twins need; kernels launch as originals");
+}
+static int d_ready(void) {
+  pthread_once(&d.once, d_load);
+  return d.ok;
+}
+
+// ---- contexts and streams ----
+#define SLOTS_PER_SLAB 64
+#define MAX_SLABS 16
+typedef struct crec {
+  CUcontext ctx;
+  int sms;  // multiprocessors of its device (0: unknown yet)
+  _Atomic uint64_t legacy_last, blocking_last;  // last submission to the legacy stream / any blocking stream
+  uint64_t pgen;  // last preemption generation raised on a stream of this context (pre_mu)
+  int npending;   // twins of this context preempted (or being preempted) and not yet relaunched
+  CUstream side;  // non-blocking stream for the preempt writes and read-backs
+  CUdeviceptr slab[MAX_SLABS];
+  uint64_t used[MAX_SLABS];
+  int nslab;
+  CUevent free_ev[32];
+  int nfree_ev;
+  struct krec *_Atomic orig;  // the last original launched on the legacy stream
+  const char *_Atomic orig_why;
+} crec;
+typedef struct srec {
+  CUstream s;
+  crec *cr;
+  int nonblocking;
+  _Atomic uint64_t last;
+  uint64_t pgen;
+  int npending;
+  struct krec *_Atomic orig;
+  const char *_Atomic orig_why;
+} srec;
+
+static pthread_mutex_t pre_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pre_cv = PTHREAD_COND_INITIALIZER;  // pending cleared, gate opened
+#define MAX_CRECS 64
+static crec *_Atomic crecs[MAX_CRECS];
+#define STAB 4096
+static srec *_Atomic stab[STAB];  // open addressing by handle; records are never freed
+static _Atomic uint64_t gseq;      // submission sequence
+static _Atomic uint64_t pgen;      // preemption generation (bumped under pre_mu)
+static atomic_int twins_ever;
+
+static crec *crec_of(CUcontext c) {
+  if (!c) return NULL;
+  static __thread CUcontext lc;
+  static __thread crec *lr;
+  if (c == lc && lr) return lr;
+  for (int i = 0; i < MAX_CRECS; i++) {
+    crec *r = atomic_load(&crecs[i]);
+    if (!r) break;
+    if (r->ctx == c) {
+      lc = c, lr = r;
+      return r;
+    }
+  }
+  pthread_mutex_lock(&pre_mu);
+  crec *r = NULL;
+  int i;
+  for (i = 0; i < MAX_CRECS; i++) {
+    r = atomic_load(&crecs[i]);
+    if (!r || r->ctx == c) break;
+  }
+  if (i < MAX_CRECS && !r && (r = calloc(1, sizeof *r))) {
+    r->ctx = c;
+    atomic_store(&crecs[i], r);
+  } else if (i == MAX_CRECS) {
+    r = NULL;
+    LOG_ONCE("preemption: context table full");
+  }
+  pthread_mutex_unlock(&pre_mu);
+  if (r) lc = c, lr = r;
+  return r;
+}
+static crec *crec_cur(void) {
+  CUcontext c = NULL;
+  if (!d.ctx_get || d.ctx_get(&c) != CUDA_SUCCESS) return NULL;
+  return crec_of(c);
+}
+
+static size_t shash(CUstream s) {
+  uint64_t k = (uint64_t)(uintptr_t)s;
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdull;
+  k ^= k >> 33;
+  return (size_t)k & (STAB - 1);
+}
+static srec *srec_find(CUstream s) {
+  for (size_t i = shash(s), n = 0; n < STAB; i = (i + 1) & (STAB - 1), n++) {
+    srec *r = atomic_load(&stab[i]);
+    if (!r) return NULL;
+    if (r->s == s) return r;
+  }
+  return NULL;
+}
+// srec_get finds or adds the record of an explicit stream (ctx and flags from the driver or given).
+static srec *srec_put(CUstream s, CUcontext ctx, int have_flags, unsigned flags) {
+  srec *r = srec_find(s);
+  if (r && !have_flags) return r;
+  if (!ctx && d.stream_ctx(s, &ctx) != CUDA_SUCCESS) return NULL;
+  if (!have_flags && d.stream_flags(s, &flags) != CUDA_SUCCESS) return NULL;
+  crec *c = crec_of(ctx);
+  if (!c) return NULL;
+  pthread_mutex_lock(&pre_mu);
+  if (!r) r = srec_find(s);
+  if (r) {  // a re-created stream reusing a handle
+    r->cr = c;
+    r->nonblocking = (flags & CU_STREAM_NON_BLOCKING) != 0;
+  } else {
+    size_t i = shash(s), n = 0;
+    while (n < STAB && atomic_load(&stab[i])) i = (i + 1) & (STAB - 1), n++;
+    if (n < STAB * 3 / 4 && (r = calloc(1, sizeof *r))) {
+      r->s = s;
+      r->cr = c;
+      r->nonblocking = (flags & CU_STREAM_NON_BLOCKING) != 0;
+      atomic_store(&stab[i], r);
+    } else {
+      r = NULL;
+      LOG_ONCE("preemption: stream table full; twins launch only on known streams");
+    }
+  }
+  pthread_mutex_unlock(&pre_mu);
+  return r;
+}
+static srec *srec_get(CUstream s) {
+  static __thread CUstream ls;
+  static __thread srec *lr;
+  if (s == ls && lr) return lr;
+  srec *r = srec_find(s);
+  if (!r) r = srec_put(s, NULL, 0, 0);
+  if (r) ls = s, lr = r;
+  return r;
+}
+
+static int is_legacy(CUstream s, int ptsz) { return (s == NULL && !ptsz) || s == CU_STREAM_LEGACY_H; }
+static int is_ptds(CUstream s, int ptsz) { return (s == NULL && ptsz) || s == CU_STREAM_PER_THREAD; }
+
+void stream_created(CUstream s, unsigned flags) {
+  if (cfg.preempt == PM_OFF || !s || !d_ready()) return;
+  CUcontext c = NULL;
+  if (d.ctx_get(&c) == CUDA_SUCCESS && c) srec_put(s, c, 1, flags);
+}
+
+// ---- the gate ----
+static atomic_int gate_closed;
+// Submissions past the gate, counted in per-thread shards (no cache line shared by launching
+// threads); quiesce sums them.
+#define SHARDS 16
+static struct {
+  _Alignas(64) atomic_long n;
+} inflight[SHARDS];
+static atomic_uint next_shard;
+static __thread int my_shard = -1;
+static atomic_long *shard(void) {
+  if (my_shard < 0) my_shard = (int)(atomic_fetch_add(&next_shard, 1) % SHARDS);
+  return &inflight[my_shard].n;
+}
+static long inflight_total(void) {
+  long t = 0;
+  for (int i = 0; i < SHARDS; i++) t += atomic_load(&inflight[i].n);
+  return t;
+}
+
+// Re-entrant per thread: a submission made from inside another (a driver calling one of its own
+// exported entry points) is part of the outer one and never waits at the gate.
+static __thread int sub_depth;
+void sub_enter(void) {
+  if (sub_depth++) return;
+  atomic_long *n = shard();
+  for (;;) {
+    atomic_fetch_add(n, 1);
+    if (!atomic_load(&gate_closed)) return;
+    atomic_fetch_sub(n, 1);
+    pthread_mutex_lock(&pre_mu);
+    while (atomic_load(&gate_closed)) pthread_cond_wait(&pre_cv, &pre_mu);
+    pthread_mutex_unlock(&pre_mu);
+  }
+}
+void sub_exit(void) {
+  if (--sub_depth == 0) atomic_fetch_sub(shard(), 1);
+}
+
+uint64_t sub_mark(CUstream s, int ptsz) {
+  if (cfg.preempt == PM_OFF || !d_ready()) return 0;
+  uint64_t seq = atomic_fetch_add(&gseq, 1) + 1;
+  if (is_legacy(s, ptsz)) {
+    crec *c = crec_cur();
+    if (c) atomic_store(&c->legacy_last, seq);
+  } else if (is_ptds(s, ptsz)) {
+    crec *c = crec_cur();  // the per-thread stream synchronises with the legacy one: a blocking stream
+    if (c) atomic_store(&c->blocking_last, seq);
+  } else {
+    srec *r = srec_get(s);
+    if (r) {
+      atomic_store(&r->last, seq);
+      if (!r->nonblocking) atomic_store(&r->cr->blocking_last, seq);
+    } else {
+      crec *c = crec_cur();
+      if (c) atomic_store(&c->blocking_last, seq);
+    }
+  }
+  return seq;
+}
+
+void note_original(CUstream s, int ptsz, struct krec *r, const char *why) {
+  if (cfg.preempt == PM_OFF || !r || !d.ok) return;
+  if (is_legacy(s, ptsz) || is_ptds(s, ptsz)) {
+    crec *c = crec_cur();
+    if (c) {
+      atomic_store(&c->orig, r);
+      atomic_store(&c->orig_why, why);
+    }
+  } else {
+    srec *sr = srec_find(s);
+    if (sr) {
+      atomic_store(&sr->orig, r);
+      atomic_store(&sr->orig_why, why);
+    }
+  }
+}
+
+// ---- twin launches ----
+enum { TL_RUNNING, TL_PREEMPTING, TL_PREEMPTED, TL_DONE };
+typedef struct tl {
+  struct tl *next;
+  uint64_t id, seq;
+  krec *rec;
+  CUfunction twin;
+  crec *cr;
+  srec *sr;  // NULL on the legacy stream
+  CUstream stream;
+  unsigned block[3], shmem, W;
+  int slab, slot;
+  CUdeviceptr ctl;
+  struct ptxmig_ctl init;  // host image of the initial control block (the async copy's source)
+  struct ptxmig_ctl seen;  // read back at quiesce
+  uint8_t *args;
+  void **argv;
+  CUevent done;
+  int state, raised, drain, ended, relaunches;
+} tl;
+static tl *live;  // pre_mu
+static int nlive;
+static uint64_t next_launch_id = 1;
+static atomic_ulong st_twin_launches, st_relaunches, st_quiesces, st_preempted;
+
+typedef struct layout {
+  int n;
+  uint32_t args_size;
+  uint32_t *off, *size;
+} layout;
+
+// param_layout_of: from cuFuncGetParamInfo where the driver has it, else from the PTX; kept in
+// the kernel record.
+static const layout *param_layout_of(krec *r, const kinfo *k) {
+  layout *l = atomic_load(&r->layout);
+  if (l) return l;
+  l = calloc(1, sizeof *l);
+  if (!l) return NULL;
+  int n = 0;
+  if (d.param_info) {
+    size_t off, sz;
+    uint32_t offs[1024], sizes[1024];
+    while (n < 1024 && d.param_info(r->fn, (size_t)n, &off, &sz) == CUDA_SUCCESS && off < 32768 && sz <= 32768) {
+      offs[n] = (uint32_t)off;
+      sizes[n] = (uint32_t)sz;
+      if (off + sz > l->args_size) l->args_size = (uint32_t)(off + sz);
+      n++;
+    }
+    if (n > 0 && (!k || k->nparams < 0 || k->nparams == n)) {
+      l->off = malloc((size_t)n * sizeof *l->off);
+      l->size = malloc((size_t)n * sizeof *l->size);
+      if (l->off && l->size) {
+        memcpy(l->off, offs, (size_t)n * sizeof *offs);
+        memcpy(l->size, sizes, (size_t)n * sizeof *sizes);
+        l->n = n;
+        atomic_store(&r->param_src, 1);
+      } else {
+        n = 0;
+      }
+    } else {
+      n = 0;
+    }
+  }
+  if (!n) {
+    free(l->off);
+    free(l->size);
+    l->off = l->size = NULL;
+    l->args_size = 0;
+    if (!k || k->nparams < 0) {
+      free(l);
+      return NULL;
+    }
+    l->n = k->nparams;
+    l->off = k->off;
+    l->size = k->size;
+    l->args_size = k->args_size;
+    atomic_store(&r->param_src, 2);
+  }
+  layout *expect = NULL;
+  if (!atomic_compare_exchange_strong(&r->layout, &expect, l)) {
+    if (atomic_load(&r->param_src) == 1) {
+      free(l->off);
+      free(l->size);
+    }
+    free(l);
+    l = expect;
+  }
+  return l;
+}
+
+// twin_handle looks up K__ptxmig once per kernel record.
+static CUfunction twin_handle(krec *r, const kinfo *k, void *owner, int is_lib) {
+  int st = atomic_load(&r->twin_fn_state);
+  if (st) return st > 0 ? atomic_load(&r->twin_fn) : NULL;
+  char tn[600];
+  void *f = NULL;
+  int l = snprintf(tn, sizeof tn, "%s" PTXMIG_TWIN_SUFFIX, k->name);
+  if (l > 0 && (size_t)l < sizeof tn && owner) {
+    if (is_lib && d.lib_get_kernel && d.kernel_get_fn) {
+      CUkernel kk;
+      if (d.lib_get_kernel(&kk, (CUlibrary)owner, tn) == CUDA_SUCCESS) f = kk;
+    } else if (d.mod_get_fn) {
+      CUfunction ff;
+      if (d.mod_get_fn(&ff, (CUmodule)owner, tn) == CUDA_SUCCESS) f = ff;
+    }
+  }
+  atomic_store(&r->twin_fn, f);
+  atomic_store(&r->twin_fn_state, !f ? -1 : is_lib ? 2 : 1);
+  if (!f) shim_log("preemption: %s not found in its module; kernel launches as the original", tn);
+  return f;
+}
+
+// ctl_slot takes a control block from c's pool; pre_mu held (allocates a slab when all are used).
+static int ctl_slot(crec *c, CUdeviceptr *p, int *slab, int *slot) {
+  for (int i = 0; i < c->nslab; i++)
+    if (~c->used[i]) {
+      int b = __builtin_ctzll(~c->used[i]);
+      c->used[i] |= 1ull << b;
+      *slab = i, *slot = b;
+      *p = c->slab[i] + (CUdeviceptr)b * PTXMIG_CTL_SIZE;
+      return 0;
+    }
+  if (c->nslab == MAX_SLABS || d.mem_alloc(&c->slab[c->nslab], SLOTS_PER_SLAB * PTXMIG_CTL_SIZE) != CUDA_SUCCESS)
+    return -1;
+  c->used[c->nslab] = 1;
+  *slab = c->nslab, *slot = 0;
+  *p = c->slab[c->nslab++];
+  return 0;
+}
+
+static void tl_free(tl *t) {  // pre_mu held
+  if (t->slab >= 0) t->cr->used[t->slab] &= ~(1ull << t->slot);
+  if (t->done) {
+    if (t->cr->nfree_ev < 32) t->cr->free_ev[t->cr->nfree_ev++] = t->done;
+    // else: leaked rather than destroyed under the lock; the pool rarely overflows
+  }
+  free(t->args);
+  free(t->argv);
+  free(t);
+}
+
+// retire frees finished launches of ctx c (NULL: any, on the control thread); pre_mu held.
+static void retire_locked(crec *c, int max) {
+  for (tl **pp = &live; *pp && max > 0;) {
+    tl *t = *pp;
+    if ((t->state != TL_RUNNING && t->state != TL_DONE) || (c && t->cr != c)) {
+      pp = &t->next;
+      continue;
+    }
+    max--;
+    if (t->state == TL_DONE) {
+      *pp = t->next;
+      nlive--;
+      tl_free(t);
+      continue;
+    }
+    int pushed = 0;
+    if (!c && !(pushed = d.ctx_push(t->cr->ctx) == CUDA_SUCCESS)) {  // its context is gone
+      pp = &t->next;
+      continue;
+    }
+    CUresult q = d.ev_query(t->done);
+    if (pushed) {
+      CUcontext x;
+      d.ctx_pop(&x);
+    }
+    if (q == CUDA_ERROR_NOT_READY) {
+      pp = &t->next;
+      continue;
+    }
+    *pp = t->next;
+    nlive--;
+    tl_free(t);
+  }
+}
+
+static int attrs_allowed(const CUlaunchConfig *c) {
+  for (unsigned i = 0; c->attrs && i < c->numAttrs && i < 64; i++) {
+    int id = c->attrs[i].id;
+    // access policy window 1, synchronization policy 3, priority 8, memory sync domain map/domain 9/10
+    if (id != 1 && id != 3 && id != 8 && id != 9 && id != 10) return 0;
+  }
+  return 1;
+}
+
+int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], const unsigned b[3], unsigned shmem,
+                CUstream s, int ptsz, void **params, void **extra, launch_fn lf, const CUlaunchConfig *ex,
+                launch_ex_fn lef, uint64_t seq, CUresult *res, const char **why) {
+  *why = NULL;
+  (void)f;
+  if (cfg.preempt == PM_OFF) return 0;
+  krec *r = t->rec;
+  if (!r || !d_ready()) {
+    *why = "kernel not tracked";
+    return 0;
+  }
+  if (kind == LK_COOPERATIVE) {
+    *why = "cooperative launch";
+    return 0;
+  }
+  if (trk_capture_open()) {
+    *why = "stream capture open";
+    return 0;
+  }
+  if (is_ptds(s, ptsz)) {
+    *why = "per-thread default stream";
+    return 0;
+  }
+  const char *mr;
+  void *owner;
+  int is_lib;
+  const kinfo *k = trk_kinfo_of(r, &mr, &owner, &is_lib);
+  if (!k || !k->twin) {
+    *why = k && k->reason ? k->reason : mr ? mr : "no twin";
+    return 0;
+  }
+  if (cfg.preempt == PM_AUTO) {
+    unsigned m = atomic_load(&r->mean_us);
+    if (m && m - 1 <= cfg.preempt_min_us) {
+      *why = "short kernel (auto)";
+      return 0;
+    }
+  }
+  if (ex && !attrs_allowed(ex)) {
+    *why = "launch attributes (cluster, programmatic or completion events)";
+    return 0;
+  }
+  if (!g[0] || !g[1] || !g[2] || !b[0] || !b[1] || !b[2]) {
+    *why = "invalid launch";
+    return 0;
+  }
+  CUcontext cur = NULL;
+  if (d.ctx_get(&cur) != CUDA_SUCCESS || !cur) {
+    *why = "no current context";
+    return 0;
+  }
+  crec *c = crec_of(cur);
+  srec *sr = NULL;
+  if (!is_legacy(s, ptsz)) {
+    sr = srec_get(s);
+    if (!sr || sr->cr != c) {
+      *why = sr ? "stream of another context" : "stream not tracked";
+      return 0;
+    }
+  }
+  if (!c) {
+    *why = "context not tracked";
+    return 0;
+  }
+  CUfunction twin = twin_handle(r, k, owner, is_lib);
+  // A library's twin is a CUkernel: its function in the current context serves occupancy and launch.
+  if (twin && atomic_load(&r->twin_fn_state) == 2 && d.kernel_get_fn(&twin, (CUkernel)twin) != CUDA_SUCCESS)
+    twin = NULL;
+  if (!twin) {
+    *why = "twin not found in the loaded module";
+    return 0;
+  }
+  // Replay the app's cuFuncSetAttribute calls (e.g. the dynamic shared memory limit) on the twin.
+  int ag = atomic_load(&r->attrs_gen);
+  if (ag && atomic_load(&r->attrs_applied) != ag && d.func_set_attr) {
+    int at[8][2], na;
+    ag = trk_func_attrs(r, at, &na);
+    for (int i = 0; i < na; i++) d.func_set_attr(twin, at[i][0], at[i][1]);
+    atomic_store(&r->attrs_applied, ag);
+  }
+  const layout *lay = param_layout_of(r, k);
+  if (!lay) {
+    *why = "parameter layout unknown";
+    return 0;
+  }
+  if (!c->sms) {
+    CUdevice dev;
+    int sms = 0;
+    if (d.ctx_dev(&dev) == CUDA_SUCCESS && d.dev_attr(&sms, ATTR_MULTIPROCESSOR_COUNT, dev) == CUDA_SUCCESS) c->sms = sms;
+  }
+  int occ = 0;
+  unsigned threads = b[0] * b[1] * b[2];
+  if (!c->sms || d.occupancy(&occ, twin, (int)threads, shmem) != CUDA_SUCCESS || occ <= 0) {
+    *why = "twin occupancy is zero";
+    return 0;
+  }
+  uint64_t total = (uint64_t)g[0] * g[1] * g[2];
+  uint64_t w = (uint64_t)occ * (uint64_t)c->sms;
+  if (w > total) w = total;
+  if (w > 0x7fffffffu) w = 0x7fffffffu;
+  // Private copy of the arguments (the app may reuse its buffers once the launch returns).
+  tl *x = calloc(1, sizeof *x);
+  uint8_t *args = calloc(1, lay->args_size + 8);
+  void **argv = calloc((size_t)lay->n + 1, sizeof *argv);
+  if (!x || !args || !argv) {
+    free(x);
+    free(args);
+    free(argv);
+    *why = "out of memory";
+    return 0;
+  }
+  int ok = 1;
+  if (params) {
+    for (int i = 0; i < lay->n; i++) {
+      if (!params[i]) {
+        ok = 0;
+        break;
+      }
+      memcpy(args + lay->off[i], params[i], lay->size[i]);
+    }
+  } else if (extra) {
+    void *buf = NULL;
+    size_t bsz = 0;
+    for (int i = 0; i < 64 && extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
+      if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) buf = extra[i + 1];
+      else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE && extra[i + 1]) bsz = *(size_t *)extra[i + 1];
+      else ok = 0;
+    }
+    if (!buf || bsz < lay->args_size) ok = 0;
+    else memcpy(args, buf, lay->args_size);
+  } else if (lay->n) {
+    ok = 0;
+  }
+  if (!ok) {
+    free(x);
+    free(args);
+    free(argv);
+    *why = "arguments not understood";
+    return 0;
+  }
+  for (int i = 0; i < lay->n; i++) argv[i] = args + lay->off[i];
+  argv[lay->n] = &x->ctl;
+  x->args = args;
+  x->argv = argv;
+  x->rec = r;
+  x->twin = twin;
+  x->cr = c;
+  x->sr = sr;
+  x->stream = s;
+  x->seq = seq;
+  memcpy(x->block, b, sizeof x->block);
+  x->shmem = shmem;
+  x->W = (unsigned)w;
+  x->slab = -1;
+  x->init.total_blocks = total;
+  x->init.grid_x = g[0], x->init.grid_y = g[1], x->init.grid_z = g[2];
+  x->init.magic = PTXMIG_CTL_MAGIC;
+  x->init.version = PTXMIG_CTL_VERSION;
+  pthread_mutex_lock(&pre_mu);
+  retire_locked(c, 4);
+  int got = ctl_slot(c, &x->ctl, &x->slab, &x->slot) == 0;
+  if (got && c->nfree_ev) x->done = c->free_ev[--c->nfree_ev];
+  pthread_mutex_unlock(&pre_mu);
+  if (got && !x->done && d.ev_create(&x->done, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) x->done = NULL;
+  if (!got || !x->done) {
+    pthread_mutex_lock(&pre_mu);
+    tl_free(x);
+    pthread_mutex_unlock(&pre_mu);
+    *why = "no control block (device memory)";
+    return 0;
+  }
+  CUresult rr = d.htod_async(x->ctl, &x->init, sizeof x->init, s);
+  if (rr == CUDA_SUCCESS) {
+    if (ex && lef) {
+      CUlaunchConfig c2 = *ex;
+      c2.gridDimX = x->W, c2.gridDimY = 1, c2.gridDimZ = 1;
+      rr = lef(&c2, twin, argv, NULL);
+    } else {
+      rr = lf(twin, x->W, 1, 1, b[0], b[1], b[2], shmem, s, argv, NULL);
+    }
+  }
+  if (rr == CUDA_SUCCESS) rr = d.ev_record(x->done, s);
+  if (rr != CUDA_SUCCESS) {
+    // The twin could not be launched: the original is launched instead (and reports its error).
+    atomic_fetch_add(&r->twin_fallbacks, 1);
+    LOG_ONCE("preemption: a twin launch failed (%d); launching the original", (int)rr);
+    pthread_mutex_lock(&pre_mu);
+    tl_free(x);
+    pthread_mutex_unlock(&pre_mu);
+    *why = "twin launch failed";
+    return 0;
+  }
+  atomic_store(&twins_ever, 1);
+  pthread_mutex_lock(&pre_mu);
+  x->id = next_launch_id++;
+  x->state = TL_RUNNING;
+  x->next = live;
+  live = x;
+  nlive++;
+  pthread_mutex_unlock(&pre_mu);
+  atomic_fetch_add(&r->twin_launches, 1);
+  atomic_fetch_add(&st_twin_launches, 1);
+  *res = CUDA_SUCCESS;
+  return 1;
+}
+
+// ---- honest synchronisation ----
+void scope_stream(sync_scope *sc, CUstream s, int ptsz) {
+  sc->c = sc->s = NULL;
+  if (!atomic_load(&twins_ever)) return;
+  if (is_legacy(s, ptsz) || is_ptds(s, ptsz)) sc->c = crec_cur();
+  else sc->s = srec_find(s);
+}
+void scope_ctx(sync_scope *sc) {
+  sc->c = sc->s = NULL;
+  if (atomic_load(&twins_ever)) sc->c = crec_cur();
+}
+static int pending_locked(const sync_scope *sc) {
+  return sc->s ? ((srec *)sc->s)->npending : sc->c ? ((crec *)sc->c)->npending : 0;
+}
+static uint64_t pgen_locked(const sync_scope *sc) {
+  return sc->s ? ((srec *)sc->s)->pgen : sc->c ? ((crec *)sc->c)->pgen : 0;
+}
+int honest_pending(const sync_scope *sc) {
+  if (!sc->c && !sc->s) return 0;
+  pthread_mutex_lock(&pre_mu);
+  int p = pending_locked(sc);
+  pthread_mutex_unlock(&pre_mu);
+  return p;
+}
+void honest_wait(const sync_scope *sc, uint64_t *g) {
+  *g = atomic_load(&pgen);
+  if (!sc->c && !sc->s) return;
+  pthread_mutex_lock(&pre_mu);
+  while (pending_locked(sc)) pthread_cond_wait(&pre_cv, &pre_mu);
+  *g = atomic_load(&pgen);
+  pthread_mutex_unlock(&pre_mu);
+}
+int honest_again(const sync_scope *sc, uint64_t g) {
+  if ((!sc->c && !sc->s) || atomic_load(&pgen) == g) return 0;
+  pthread_mutex_lock(&pre_mu);
+  int again = pgen_locked(sc) > g;
+  pthread_mutex_unlock(&pre_mu);
+  return again;
+}
+
+// sync_prewait: before a synchronous copy or memset (a submission to the legacy or per-thread
+// stream that waits), wait in the shim for the twins it would queue behind, so that the copy never
+// sits behind a running twin (which would then be drained instead of preempted).
+void sync_prewait(void) {
+  if (!atomic_load(&twins_ever)) return;
+  crec *c = crec_cur();
+  if (!c) return;
+  for (int round = 0; round < 8; round++) {
+    CUevent evs[16];
+    int n = 0;
+    pthread_mutex_lock(&pre_mu);
+    for (tl *t = live; t && n < 16; t = t->next)
+      if (t->cr == c && t->state == TL_RUNNING && (!t->sr || !t->sr->nonblocking)) evs[n++] = t->done;
+    pthread_mutex_unlock(&pre_mu);
+    for (int i = 0; i < n; i++) d.ev_sync(evs[i]);
+    sync_scope sc = {c, NULL};
+    uint64_t g;
+    honest_wait(&sc, &g);
+    if (!n) return;
+  }
+}
+
+void preempt_wait_clean(void) {
+  if (!atomic_load(&twins_ever)) return;
+  sync_scope sc;
+  uint64_t g;
+  scope_ctx(&sc);
+  honest_wait(&sc, &g);
+}
+
+// ---- quiesce / detach / resume ----
+enum { P_RUNNING, P_QUIESCED, P_DETACHED };
+static const char *const pstate_names[] = {"running", "quiesced", "detached"};
+static int pstate;       // pre_mu
+static char *last_reply;  // pre_mu: the last quiesce's result object
+
+static const char *kname(krec *r) {
+  char *n = r ? atomic_load(&r->name) : NULL;
+  return n ? n : "(unnamed)";
+}
+static void jb_stream(jbuf *b, CUstream s) { jb_printf(b, "\"0x%llx\"", (unsigned long long)(uintptr_t)s); }
+
+static int is_tail(const tl *t) {
+  uint64_t q = t->seq;
+  if (!q) return 0;
+  if (!t->sr) return atomic_load(&t->cr->legacy_last) == q && atomic_load(&t->cr->blocking_last) < q;
+  return atomic_load(&t->sr->last) == q && (t->sr->nonblocking || atomic_load(&t->cr->legacy_last) < q);
+}
+
+static CUstream side_stream(crec *c) {  // ctx pushed
+  if (!c->side && d.stream_create(&c->side, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) c->side = NULL;
+  return c->side;
+}
+
+static void pending_clear_locked(tl *t) {
+  if (!t->raised) return;
+  t->raised = 0;
+  if (t->sr) t->sr->npending--;
+  t->cr->npending--;
+}
+
+static void report_originals(jbuf *b) {
+  int first = 1;
+  jb_s(b, "[");
+  for (int i = 0; i < MAX_CRECS; i++) {
+    crec *c = atomic_load(&crecs[i]);
+    if (!c) break;
+    if (d.ctx_push(c->ctx) != CUDA_SUCCESS) continue;
+    krec *r = atomic_load(&c->orig);
+    if (r && d.stream_query(NULL) == CUDA_ERROR_NOT_READY) {
+      const char *w = atomic_load(&c->orig_why);
+      jb_printf(b, "%s{\"kernel\":", first ? "" : ",");
+      first = 0;
+      const char *n = kname(r);
+      jb_str(b, n, strlen(n));
+      jb_s(b, ",\"stream\":\"legacy\",\"reason\":");
+      jb_str(b, w ? w : "original", strlen(w ? w : "original"));
+      jb_s(b, "}");
+    }
+    for (size_t j = 0; j < STAB; j++) {
+      srec *s = atomic_load(&stab[j]);
+      if (!s || s->cr != c || !(r = atomic_load(&s->orig))) continue;
+      if (d.stream_query(s->s) != CUDA_ERROR_NOT_READY) continue;
+      const char *w = atomic_load(&s->orig_why);
+      jb_printf(b, "%s{\"kernel\":", first ? "" : ",");
+      first = 0;
+      const char *n = kname(r);
+      jb_str(b, n, strlen(n));
+      jb_s(b, ",\"stream\":");
+      jb_stream(b, s->s);
+      jb_s(b, ",\"reason\":");
+      jb_str(b, w ? w : "original", strlen(w ? w : "original"));
+      jb_s(b, "}");
+    }
+    CUcontext x;
+    d.ctx_pop(&x);
+  }
+  jb_s(b, "]");
+}
+
+int preempt_quiesce(jbuf *b, unsigned budget_ms) {
+  uint64_t t0 = mono(), deadline = t0 + (uint64_t)budget_ms * 1000000ull;
+  d_ready();
+  pthread_mutex_lock(&pre_mu);
+  if (pstate != P_RUNNING) {
+    jb_s(b, last_reply ? last_reply : "{}");
+    pthread_mutex_unlock(&pre_mu);
+    return 0;
+  }
+  atomic_store(&gate_closed, 1);
+  pstate = P_QUIESCED;
+  pthread_mutex_unlock(&pre_mu);
+  atomic_fetch_add(&st_quiesces, 1);
+  // Calls past the gate finish their submission first: their sequence numbers are then final.
+  while (inflight_total() > 0 && mono() < deadline) nap_us(20);
+  int racing = inflight_total() > 0;
+  tl *raise[256];
+  int nraise = 0;
+  pthread_mutex_lock(&pre_mu);
+  for (tl *t = live; t; t = t->next) {
+    t->drain = t->ended = 0;
+    if (t->state != TL_RUNNING) continue;
+    // Launches that already finished (not yet retired) are neither preempted nor drained.
+    int pushed = d.ctx_push(t->cr->ctx) == CUDA_SUCCESS;
+    CUresult q = pushed ? d.ev_query(t->done) : CUDA_ERROR_NOT_READY;
+    if (pushed) {
+      CUcontext x;
+      d.ctx_pop(&x);
+    }
+    if (q == CUDA_SUCCESS) {
+      t->state = TL_DONE;
+      continue;
+    }
+    if (cfg.debug)
+      shim_log("quiesce: launch %llu seq %llu stream %p: stream last %llu legacy %llu blocking %llu racing %d",
+               (unsigned long long)t->id, (unsigned long long)t->seq, (void *)t->stream,
+               (unsigned long long)(t->sr ? atomic_load(&t->sr->last) : 0),
+               (unsigned long long)atomic_load(&t->cr->legacy_last), (unsigned long long)atomic_load(&t->cr->blocking_last),
+               racing);
+    if (!racing && nraise < 256 && is_tail(t)) {
+      uint64_t gg = atomic_fetch_add(&pgen, 1) + 1;
+      t->raised = 1;
+      t->state = TL_PREEMPTING;
+      t->cr->pgen = gg;
+      t->cr->npending++;
+      if (t->sr) {
+        t->sr->pgen = gg;
+        t->sr->npending++;
+      }
+      raise[nraise++] = t;
+    } else {
+      t->drain = 1;
+    }
+  }
+  pthread_mutex_unlock(&pre_mu);
+  // Raise the flags. Launches stay listed meanwhile: retire skips non-running ones, and app threads
+  // are held at the gate. A twin still queued behind other work of its stream has its control
+  // block initialised (preempt = 0) on that stream just before it starts, after a raise made
+  // now: the flag is raised again every RERAISE_NS until the twin ends, so it also stops.
+  uint64_t last_raise = 0;
+#define RERAISE_NS 500000ull
+  for (;;) {
+    if (mono() - last_raise >= RERAISE_NS) {
+      for (int i = 0; i < nraise; i++) {
+        tl *t = raise[i];
+        if (t->ended || d.ctx_push(t->cr->ctx) != CUDA_SUCCESS) continue;
+        CUstream side = side_stream(t->cr);
+        if (!side || d.memset32_async(t->ctl + PTXMIG_CTL_OFF_PREEMPT, 1, 1, side) != CUDA_SUCCESS)
+          LOG_ONCE("preemption: raising a preempt flag failed");
+        CUcontext x;
+        d.ctx_pop(&x);
+      }
+      last_raise = mono();
+    }
+    // Wait for the raised twins to stop and the others to finish, within the budget.
+    int left = 0;
+    pthread_mutex_lock(&pre_mu);
+    for (tl *t = live; t; t = t->next) {
+      if (t->ended || !(t->raised || t->drain)) continue;
+      int pushed = d.ctx_push(t->cr->ctx) == CUDA_SUCCESS;
+      if (d.ev_query(t->done) != CUDA_ERROR_NOT_READY) t->ended = 1;
+      else left++;
+      if (pushed) {
+        CUcontext x;
+        d.ctx_pop(&x);
+      }
+    }
+    pthread_mutex_unlock(&pre_mu);
+    if (!left || mono() >= deadline) break;
+    nap_us(20);
+  }
+  // Read back the stopped twins' control blocks (on the side stream: it waits for nothing else).
+  for (int i = 0; i < nraise; i++) {
+    tl *t = raise[i];
+    if (!t->ended || d.ctx_push(t->cr->ctx) != CUDA_SUCCESS) continue;
+    CUstream side = side_stream(t->cr);
+    if (!side || d.dtoh_async(&t->seen, t->ctl, sizeof t->seen, side) != CUDA_SUCCESS || d.stream_sync(side) != CUDA_SUCCESS)
+      memset(&t->seen, 0, sizeof t->seen);
+    CUcontext x;
+    d.ctx_pop(&x);
+  }
+  jbuf r = {0};
+  jb_printf(&r, "{\"state\":\"quiesced\",\"gate\":\"closed\",\"elapsed_us\":%llu,\"budget_ms\":%u,\"preempted\":[",
+            (unsigned long long)((mono() - t0) / 1000), budget_ms);
+  int fp = 1, fd = 1, fn = 1;
+  jbuf drained = {0}, notst = {0};
+  pthread_mutex_lock(&pre_mu);
+  for (tl *t = live; t; t = t->next) {
+    const char *n = kname(t->rec);
+    if (t->raised && t->ended && t->seen.magic == PTXMIG_CTL_MAGIC && t->seen.next_block >= t->seen.total_blocks) {
+      pending_clear_locked(t);  // it finished before it saw the flag
+      t->state = TL_DONE;
+      jb_printf(&drained, "%s{\"launch\":%llu,\"kernel\":", fd ? "" : ",", (unsigned long long)t->id);
+      jb_str(&drained, n, strlen(n));
+      jb_s(&drained, "}");
+      fd = 0;
+    } else if (t->raised && t->ended) {
+      t->state = TL_PREEMPTED;
+      atomic_fetch_add(&st_preempted, 1);
+      uint64_t tot = t->seen.magic == PTXMIG_CTL_MAGIC ? t->seen.total_blocks : t->init.total_blocks;
+      jb_printf(&r, "%s{\"launch\":%llu,\"kernel\":", fp ? "" : ",", (unsigned long long)t->id);
+      jb_str(&r, n, strlen(n));
+      jb_s(&r, ",\"stream\":");
+      jb_stream(&r, t->stream);
+      jb_printf(&r, ",\"blocks_done\":%llu,\"blocks_total\":%llu}", (unsigned long long)t->seen.blocks_done,
+                (unsigned long long)tot);
+      fp = 0;
+    } else if (t->drain && t->ended) {
+      t->state = TL_DONE;
+      jb_printf(&drained, "%s{\"launch\":%llu,\"kernel\":", fd ? "" : ",", (unsigned long long)t->id);
+      jb_str(&drained, n, strlen(n));
+      jb_s(&drained, "}");
+      fd = 0;
+    } else if (t->raised || t->drain) {
+      jb_printf(&notst, "%s{\"launch\":%llu,\"kernel\":", fn ? "" : ",", (unsigned long long)t->id);
+      jb_str(&notst, n, strlen(n));
+      jb_s(&notst, ",\"stream\":");
+      jb_stream(&notst, t->stream);
+      const char *why = t->raised ? "still running after the budget"
+                        : racing  ? "a submission was in progress"
+                                  : "not the tail of its stream";
+      jb_s(&notst, ",\"reason\":");
+      jb_str(&notst, why, strlen(why));
+      jb_s(&notst, "}");
+      fn = 0;
+    }
+  }
+  pthread_cond_broadcast(&pre_cv);
+  pthread_mutex_unlock(&pre_mu);
+  jb_s(&r, "],\"drained\":[");
+  if (drained.p) jb_s(&r, drained.p);
+  jb_s(&r, "],\"not_stopped\":[");
+  if (notst.p) jb_s(&r, notst.p);
+  jb_s(&r, "],\"originals\":");
+  report_originals(&r);
+  jb_s(&r, "}");
+  free(drained.p);
+  free(notst.p);
+  if (r.oom || drained.oom || notst.oom) {
+    free(r.p);
+    r = (jbuf){0};
+    jb_s(&r, "{\"state\":\"quiesced\",\"gate\":\"closed\",\"error\":\"out of memory building the reply\"}");
+  }
+  pthread_mutex_lock(&pre_mu);
+  free(last_reply);
+  last_reply = r.p ? strdup(r.p) : NULL;
+  pthread_mutex_unlock(&pre_mu);
+  jb_s(b, r.p ? r.p : "{}");
+  free(r.p);
+  return 1;
+}
+
+int preempt_detach(jbuf *b) {
+  pthread_mutex_lock(&pre_mu);
+  int ok = pstate == P_QUIESCED;
+  if (ok) pstate = P_DETACHED;
+  pthread_mutex_unlock(&pre_mu);
+  if (ok) jb_s(b, "{\"state\":\"detached\",\"detached\":true}");
+  return ok ? 0 : -1;
+}
+
+int preempt_state(void) {
+  pthread_mutex_lock(&pre_mu);
+  int s = pstate;
+  pthread_mutex_unlock(&pre_mu);
+  return s;
+}
+
+static int cmp_seq(const void *a, const void *b) {
+  const tl *x = *(tl *const *)a, *y = *(tl *const *)b;
+  return (x->seq > y->seq) - (x->seq < y->seq);
+}
+
+void preempt_resume(jbuf *b) {
+  uint64_t t0 = mono();
+  d_ready();
+  pthread_mutex_lock(&pre_mu);
+  int was = pstate;
+  if (was == P_RUNNING) {
+    pthread_mutex_unlock(&pre_mu);
+    jb_s(b, "{\"state\":\"running\",\"was\":\"running\",\"relaunched\":0,\"errors\":[],\"elapsed_us\":0}");
+    return;
+  }
+  tl **todo = nlive ? calloc((size_t)nlive, sizeof *todo) : NULL;
+  int n = 0;
+  for (tl *t = live; t && todo; t = t->next)
+    if (t->raised) todo[n++] = t;
+  pthread_mutex_unlock(&pre_mu);
+  if (n > 1) qsort(todo, (size_t)n, sizeof *todo, cmp_seq);
+  int relaunched = 0;
+  jbuf errs = {0};
+  // The gate stays closed meanwhile: each remainder is ahead of anything the app submits next.
+  for (int i = 0; i < n; i++) {
+    tl *t = todo[i];
+    CUresult rr = d.ctx_push(t->cr->ctx);
+    if (rr == CUDA_SUCCESS) {
+      rr = d.memset32_async(t->ctl + PTXMIG_CTL_OFF_PREEMPT, 0, 1, t->stream);
+      if (rr == CUDA_SUCCESS)
+        rr = d.launch(t->twin, t->W, 1, 1, t->block[0], t->block[1], t->block[2], t->shmem, t->stream, t->argv, NULL);
+      if (rr == CUDA_SUCCESS) rr = d.ev_record(t->done, t->stream);
+      CUcontext x;
+      d.ctx_pop(&x);
+    }
+    if (rr == CUDA_SUCCESS) {
+      relaunched++;
+      t->relaunches++;
+      atomic_fetch_add(&st_relaunches, 1);
+    } else {
+      shim_log("preemption: relaunch of %s failed: %d", kname(t->rec), (int)rr);
+      const char *nm = kname(t->rec);
+      jb_printf(&errs, "%s{\"launch\":%llu,\"kernel\":", errs.len ? "," : "", (unsigned long long)t->id);
+      jb_str(&errs, nm, strlen(nm));
+      jb_printf(&errs, ",\"error\":%d}", (int)rr);
+    }
+  }
+  pthread_mutex_lock(&pre_mu);
+  for (int i = 0; i < n; i++) {
+    pending_clear_locked(todo[i]);
+    todo[i]->state = TL_RUNNING;
+  }
+  for (tl *t = live; t; t = t->next) t->drain = t->ended = 0;
+  pstate = P_RUNNING;
+  atomic_store(&gate_closed, 0);
+  pthread_cond_broadcast(&pre_cv);
+  pthread_mutex_unlock(&pre_mu);
+  free(todo);
+  jb_printf(b, "{\"state\":\"running\",\"was\":\"%s\",\"relaunched\":%d,\"errors\":[%s],\"elapsed_us\":%llu}",
+            pstate_names[was], relaunched, errs.p ? errs.p : "", (unsigned long long)((mono() - t0) / 1000));
+  free(errs.p);
+}
+
+void preempt_report_status(jbuf *b) {
+  pthread_mutex_lock(&pre_mu);
+  if (d.ok && pstate == P_RUNNING) retire_locked(NULL, 64);  // finished launches leave the count
+  int st = pstate, n = 0, np = 0;
+  for (tl *t = live; t; t = t->next) {
+    n += t->state == TL_RUNNING || t->state == TL_PREEMPTING;
+    np += t->state == TL_PREEMPTED || t->state == TL_PREEMPTING;
+  }
+  pthread_mutex_unlock(&pre_mu);
+  jb_printf(b,
+            "{\"mode\":\"%s\",\"min_us\":%u,\"state\":\"%s\",\"gate\":\"%s\",\"twins_in_flight\":%d,\"preempted_pending\":%d,"
+            "\"instrumented_modules\":%d,\"twin_launches\":%lu,\"relaunches\":%lu,\"quiesces\":%lu,\"preempted\":%lu,\"cache\":",
+            preempt_mode_names[cfg.preempt], cfg.preempt_min_us, pstate_names[st],
+            atomic_load(&gate_closed) ? "closed" : "open", n, np, trk_instrumented_modules(),
+            atomic_load(&st_twin_launches), atomic_load(&st_relaunches), atomic_load(&st_quiesces),
+            atomic_load(&st_preempted));
+  instr_stats(b);
+  jb_printf(b, ",\"helper\":");
+  jb_str(b, cfg.helper, strlen(cfg.helper));
+  jb_s(b, ",\"cache_dir\":");
+  jb_str(b, cfg.ptx_cache, strlen(cfg.ptx_cache));
+  jb_s(b, "}");
+}
+
+// preempt_drop_ctx forgets a context that is being destroyed (or whose primary context is being
+// released): its launches, control-block slabs, events and side stream die with it. A context
+// that survives (a primary context still retained elsewhere) only loses its pool, which is rebuilt.
+void preempt_drop_ctx(CUcontext ctx) {
+  if (!ctx) return;
+  pthread_mutex_lock(&pre_mu);
+  crec *c = NULL;
+  for (int i = 0; i < MAX_CRECS && !c; i++) {
+    crec *r = atomic_load(&crecs[i]);
+    if (!r) break;
+    if (r->ctx == ctx) c = r;
+  }
+  if (c) {
+    for (tl **pp = &live; *pp;) {
+      tl *t = *pp;
+      if (t->cr != c) {
+        pp = &t->next;
+        continue;
+      }
+      *pp = t->next;
+      nlive--;
+      pending_clear_locked(t);
+      t->slab = -1;
+      t->done = NULL;
+      tl_free(t);
+    }
+    c->nslab = 0;
+    memset(c->used, 0, sizeof c->used);
+    c->nfree_ev = 0;
+    c->side = NULL;
+    c->sms = 0;
+    atomic_store(&c->orig, NULL);
+    pthread_cond_broadcast(&pre_cv);
+  }
+  pthread_mutex_unlock(&pre_mu);
+}
+
+// A child forked after CUDA has none of the parent's launches, contexts or streams.
+void preempt_atfork_child(void) {
+  pthread_mutex_init(&pre_mu, NULL);
+  pthread_cond_init(&pre_cv, NULL);
+  atomic_store(&gate_closed, 0);
+  for (int i = 0; i < SHARDS; i++) atomic_store(&inflight[i].n, 0);
+  pstate = P_RUNNING;
+  live = NULL;  // the parent's records are leaked, never touched
+  nlive = 0;
+  for (int i = 0; i < MAX_CRECS; i++) atomic_store(&crecs[i], NULL);
+  for (size_t i = 0; i < STAB; i++) atomic_store(&stab[i], NULL);
+}

@@ -1,0 +1,237 @@
+// Preemption test app, driven line by line on stdin by tests/drive.py (replies on stdout):
+//   launch S N [x]  launch k_count on stream S (s: blocking stream, n: non-blocking, l: legacy) over
+//                   N blocks (x: arguments through `extra`); the app clobbers and frees its argument
+//                   buffers right after the call, so a relaunch must use the shim's private copies
+//   bg S N          the same launch from a new thread (prints "bglaunched" when the call returns)
+//   refused S       launch k_refused (no twin) on S
+//   hostfn S        cuLaunchHostFunc on S (prints "hostfn ran" from the driver's thread)
+//   event S         record the app's event on S;  waitev S: make S wait for it
+//   sync S          a new thread calls cuStreamSynchronize(S), prints "synced S" when it returns
+//   ctxsync         a new thread calls cuCtxSynchronize, prints "ctxsynced"
+//   memcpy          a new thread does a synchronous DtoH copy, prints "memcpied"
+//   query S         prints "query RC" (cuStreamQuery)
+//   bigshm S N      cuFuncSetAttribute(max dynamic shared memory 64 KiB), then launch with 64 KiB
+//   free            a new thread frees a scratch allocation, prints "freed"
+//   check           cuCtxSynchronize, then every block of every launch must have run exactly once
+//   quit
+// APP_MODULE=library loads through cuLibraryLoadData/cuLibraryGetKernel, else cuModuleLoadData.
+// APP_GO_FILE=PATH (the CRIU test: no pipes to the harness): print "pid N", launch k_count over 400
+// blocks on the blocking stream, wait until PATH exists, then check and exit.
+#include <pthread.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "common.h"
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+CUresult cuInit(unsigned);
+CUresult cuDevicePrimaryCtxRetain(void **, int);
+CUresult cuCtxSetCurrent(void *);
+CUresult cuModuleLoadData(void **, const void *);
+CUresult cuModuleGetFunction(void **, void *, const char *);
+CUresult cuLibraryLoadData(void **, const void *, void *, void *, unsigned, void *, void *, unsigned);
+CUresult cuLibraryGetKernel(void **, void *, const char *);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemsetD32_v2(CUdeviceptr, unsigned, size_t);
+CUresult cuMemsetD32Async(CUdeviceptr, unsigned, size_t, void *);
+CUresult cuMemcpyDtoH_v2(void *, CUdeviceptr, size_t);
+CUresult cuLaunchKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **);
+CUresult cuStreamCreate(void **, unsigned);
+CUresult cuLaunchHostFunc(void *, void (*)(void *), void *);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuFuncSetAttribute(void *, int, int);
+CUresult cuStreamSynchronize(void *);
+CUresult cuStreamQuery(void *);
+CUresult cuCtxSynchronize(void);
+CUresult cuEventCreate(void **, unsigned);
+CUresult cuEventRecord(void *, void *);
+CUresult cuStreamWaitEvent(void *, void *, unsigned);
+
+static const char kc_ptx[] =
+    ".version 7.0\n.target sm_70\n.address_size 64\n\n"
+    ".visible .entry k_count(\n\t.param .u64 k_count_param_0,\n\t.param .u32 k_count_param_1\n)\n{\n"
+    "\t.reg .b32 %r<4>;\n\t.reg .b64 %rd<5>;\n"
+    "\tld.param.u64 %rd1, [k_count_param_0];\n\tmov.u32 %r1, %ctaid.x;\n"
+    "\tcvta.to.global.u64 %rd2, %rd1;\n\tmul.wide.u32 %rd3, %r1, 4;\n\tadd.s64 %rd4, %rd2, %rd3;\n"
+    "\tatom.global.add.u32 %r2, [%rd4], 1;\n\tret;\n}\n\n"
+    ".visible .entry k_refused(\n\t.param .u64 k_refused_param_0\n)\n{\n"
+    "\t.reg .b32 %r<4>;\n\tmov.u32 %r1, %envreg1;\n\tret;\n}\n";
+
+static void *app_ctx, *fn_count, *fn_refused, *s_block, *s_nonblock, *ev;
+static pthread_mutex_t out_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+  CUdeviceptr p;
+  unsigned n;
+} bufs[256];
+static int nbufs;
+static char go_cmd[16];
+
+static void say(const char *fmt, const char *arg) {
+  pthread_mutex_lock(&out_mu);
+  printf(fmt, arg);
+  printf("\n");
+  fflush(stdout);
+  pthread_mutex_unlock(&out_mu);
+}
+static void *stream_of(const char *s) { return s[0] == 's' ? s_block : s[0] == 'n' ? s_nonblock : NULL; }
+
+static unsigned shmem;
+static CUdeviceptr scratch;
+static void launch(void *stream, unsigned n, int extra) {
+  CUdeviceptr d;
+  CK(cuMemAlloc_v2(&d, (size_t)n * 4));
+  CK(cuMemsetD32Async(d, 0, n, stream));  // on the launch's stream: no legacy work behind other twins
+  pthread_mutex_lock(&out_mu);
+  bufs[nbufs].p = d, bufs[nbufs++].n = n;
+  pthread_mutex_unlock(&out_mu);
+  if (extra) {
+    struct { CUdeviceptr p; unsigned n; unsigned pad; } *buf = malloc(16);
+    size_t *size = malloc(sizeof *size);
+    buf->p = d, buf->n = n;
+    *size = 16;
+    void **x = malloc(5 * sizeof *x);
+    x[0] = (void *)1, x[1] = buf, x[2] = (void *)2, x[3] = size, x[4] = NULL;
+    CK(cuLaunchKernel(fn_count, n, 1, 1, 128, 1, 1, shmem, stream, NULL, x));
+    memset(buf, 0xff, 16);
+    free(buf);
+    free(size);
+    free(x);
+  } else {
+    CUdeviceptr *pd = malloc(sizeof *pd);
+    unsigned *pn = malloc(sizeof *pn);
+    void **p = malloc(2 * sizeof *p);
+    *pd = d, *pn = n;
+    p[0] = pd, p[1] = pn;
+    CK(cuLaunchKernel(fn_count, n, 1, 1, 128, 1, 1, shmem, stream, p, NULL));
+    memset(pd, 0xff, sizeof *pd);  // the app reuses its argument memory at once
+    free(pd);
+    free(pn);
+    free(p);
+  }
+}
+
+static void host_fn(void *arg) {
+  (void)arg;
+  say("hostfn ran%s", "");
+}
+
+typedef struct { char cmd[16], s[8]; unsigned n; } job;
+static void *bg(void *arg) {
+  job *j = arg;
+  CK(cuCtxSetCurrent(app_ctx));
+  if (strcmp(j->cmd, "bg") == 0) {
+    launch(stream_of(j->s), j->n, 0);
+    say("bglaunched %s", j->s);
+  } else if (strcmp(j->cmd, "sync") == 0) {
+    CK(cuStreamSynchronize(stream_of(j->s)));
+    say("synced %s", j->s);
+  } else if (strcmp(j->cmd, "ctxsync") == 0) {
+    CK(cuCtxSynchronize());
+    say("ctxsynced%s", "");
+  } else if (strcmp(j->cmd, "free") == 0) {
+    CK(cuMemFree_v2(scratch));
+    say("freed%s", "");
+  } else if (strcmp(j->cmd, "memcpy") == 0) {
+    unsigned v;
+    CK(cuMemcpyDtoH_v2(&v, bufs[0].p, 4));
+    say("memcpied%s", "");
+  }
+  free(j);
+  return NULL;
+}
+
+int main(void) {
+  void *ctx, *mod;
+  CK(cuInit(0));
+  CK(cuDevicePrimaryCtxRetain(&ctx, 0));
+  CK(cuCtxSetCurrent(ctx));
+  app_ctx = ctx;
+  const char *how = getenv("APP_MODULE");
+  if (how && strcmp(how, "library") == 0) {
+    CK(cuLibraryLoadData(&mod, kc_ptx, NULL, NULL, 0, NULL, NULL, 0));
+    CK(cuLibraryGetKernel(&fn_count, mod, "k_count"));
+    CK(cuLibraryGetKernel(&fn_refused, mod, "k_refused"));
+  } else {
+    CK(cuModuleLoadData(&mod, kc_ptx));
+    CK(cuModuleGetFunction(&fn_count, mod, "k_count"));
+    CK(cuModuleGetFunction(&fn_refused, mod, "k_refused"));
+  }
+  CK(cuStreamCreate(&s_block, 0));
+  CK(cuStreamCreate(&s_nonblock, 1));
+  CK(cuEventCreate(&ev, 2));
+  const char *go = getenv("APP_GO_FILE");
+  if (go) {
+    printf("pid %d\n", (int)getpid());
+    launch(s_block, 400, 0);
+    say("launched %s", "s");
+    struct stat st;
+    struct timespec ts = {0, 50 * 1000 * 1000};
+    while (stat(go, &st) != 0) nanosleep(&ts, NULL);
+    strcpy(go_cmd, "check");
+  } else {
+    printf("ready\n");
+    fflush(stdout);
+  }
+  char line[128];
+  while (go_cmd[0] ? (snprintf(line, sizeof line, "%s", go_cmd), 1) : fgets(line, sizeof line, stdin) != NULL) {
+    char cmd[16] = "", s[8] = "s", x[8] = "";
+    unsigned n = 0;
+    sscanf(line, "%15s %7s %u %7s", cmd, s, &n, x);
+    if (strcmp(cmd, "launch") == 0) {
+      launch(stream_of(s), n, x[0] == 'x');
+      say("launched %s", s);
+    } else if (strcmp(cmd, "bigshm") == 0) {
+      CK(cuFuncSetAttribute(fn_count, 8, 65536));
+      shmem = 65536;
+      launch(stream_of(s), n, 0);
+      shmem = 0;
+      say("launched %s", s);
+    } else if (strcmp(cmd, "refused") == 0) {
+      CUdeviceptr d = 0;
+      void *p[] = {&d};
+      CK(cuLaunchKernel(fn_refused, 4, 1, 1, 32, 1, 1, 0, stream_of(s), p, NULL));
+      say("launched %s", s);
+    } else if (strcmp(cmd, "hostfn") == 0) {
+      CK(cuLaunchHostFunc(stream_of(s), host_fn, NULL));
+      say("queued %s", s);
+    } else if (strcmp(cmd, "event") == 0) {
+      CK(cuEventRecord(ev, stream_of(s)));
+      say("recorded %s", s);
+    } else if (strcmp(cmd, "waitev") == 0) {
+      CK(cuStreamWaitEvent(stream_of(s), ev, 0));
+      say("waiting %s", s);
+    } else if (strcmp(cmd, "query") == 0) {
+      char rc[16];
+      snprintf(rc, sizeof rc, "%d", cuStreamQuery(stream_of(s)));
+      say("query %s", rc);
+    } else if (strcmp(cmd, "check") == 0) {
+      CK(cuCtxSynchronize());
+      int bad = 0;
+      for (int i = 0; i < nbufs; i++) {
+        unsigned *h = malloc((size_t)bufs[i].n * 4);
+        CK(cuMemcpyDtoH_v2(h, bufs[i].p, (size_t)bufs[i].n * 4));
+        for (unsigned b = 0; b < bufs[i].n; b++)
+          if (h[b] != 1) bad++;
+        free(h);
+      }
+      char msg[64];
+      snprintf(msg, sizeof msg, "%s %d launches, %d bad blocks", bad ? "bad" : "ok", nbufs, bad);
+      say("check %s", msg);
+      if (go_cmd[0]) break;
+    } else if (strcmp(cmd, "quit") == 0) {
+      break;
+    } else {
+      if (strcmp(cmd, "free") == 0) CK(cuMemAlloc_v2(&scratch, 4096));
+      job *j = calloc(1, sizeof *j);
+      snprintf(j->cmd, sizeof j->cmd, "%s", cmd);
+      snprintf(j->s, sizeof j->s, "%s", s);
+      j->n = n;
+      pthread_t t;
+      pthread_create(&t, NULL, bg, j);
+      pthread_detach(t);
+    }
+  }
+  return 0;
+}

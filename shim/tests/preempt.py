@@ -1,0 +1,702 @@
+#!/usr/bin/env python3
+"""Preemption tests of the shim against the fake driver (see run.sh): instrumented module loads
+(real ptxmig helper, failing helpers, the cache), twin launches with private argument copies, the
+gate, the tail rule, honest synchronisation, the lease, detach/resume, protocol garbage, and the
+control socket after a CRIU dump+restore. Results go to $SHIM_RESULTS like drive.py's."""
+import argparse, json, os, select, shutil, socket, stat, subprocess, sys, tempfile, time
+
+failures = []
+tally = {"PASS": 0, "SKIP": 0, "FAIL": 0}
+label = "preempt"
+OPTS = None
+
+
+def check(cond, msg):
+    if not cond:
+        failures.append(msg)
+        print("FAIL", msg, file=sys.stderr)
+    return cond
+
+
+def result(status, name, detail=""):
+    tally[status] += 1
+    if status != "PASS":
+        print(f"{status} {label}/{name}" + (f": {detail}" if detail else ""))
+    path = os.environ.get("SHIM_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{status}\t{label}/{name}\t{detail}\n")
+
+
+def required(need):
+    reqs = [r.strip() for r in os.environ.get("PTXMIG_REQUIRE", "").split(",")]
+    return need in reqs or "all" in reqs
+
+
+def skip(need, name, reason):
+    if need and required(need):
+        result("FAIL", name, f"required {need} unavailable: {reason} (PTXMIG_REQUIRE)")
+    else:
+        result("SKIP", name, reason)
+
+
+class case:
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        self.start = len(failures)
+        return self
+
+    def __exit__(self, typ, exc, tb):
+        if typ is not None:
+            check(False, f"{self.name}: {typ.__name__}: {exc}")
+        if len(failures) > self.start:
+            result("FAIL", self.name, "; ".join(failures[self.start:])[:400])
+        else:
+            result("PASS", self.name)
+        return True
+
+
+class App:
+    """app_preempt under the shim, driven line by line."""
+
+    def __init__(self, tmp, env_extra, exe="app_preempt", shim=True):
+        self.tmp = tmp
+        self.sockdir = os.path.join(tmp, "sock")
+        env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(OPTS.build, "fake"), PTXMIG_SOCKET_DIR=self.sockdir,
+                   PTXMIG_PTX_CACHE=os.path.join(tmp, "cache"), PTXMIG_PREEMPT="always", FAKE_CUDA_BLOCK_US="2000")
+        if os.path.exists(os.path.join(OPTS.build, "ptxmig")):
+            env["PTXMIG_HELPER"] = os.path.abspath(os.path.join(OPTS.build, "ptxmig"))
+        if shim:
+            env["LD_PRELOAD"] = " ".join(x for x in [OPTS.preload_first, OPTS.shim] if x)
+        for k, v in env_extra.items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        self.p = subprocess.Popen([os.path.join(OPTS.build, exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, env=env, text=True, bufsize=1)
+        self.rbuf = b""
+        while True:
+            line = self.line(20)
+            if line == "ready":
+                break
+            if line is None:
+                raise RuntimeError(f"app not ready: {self.p.stderr.read() if self.p.poll() is not None else ''}")
+        self.path = os.path.join(self.sockdir, f"{self.p.pid}.sock")
+
+    def line(self, timeout=10):
+        """The next line of output, or None after timeout seconds (own buffering: select() on a
+        buffered pipe file would miss lines already read ahead)."""
+        end = time.time() + timeout
+        fd = self.p.stdout.fileno()
+        while b"\n" not in self.rbuf:
+            left = end - time.time()
+            if left <= 0:
+                return None
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    return None
+                self.rbuf += chunk
+        l, self.rbuf = self.rbuf.split(b"\n", 1)
+        return l.decode()
+
+    def cmd(self, c, expect=True, timeout=10):
+        self.p.stdin.write(c + "\n")
+        self.p.stdin.flush()
+        if expect:
+            return self.line(timeout)
+        return None
+
+    def expect_none(self, secs):
+        """No output for secs seconds (a thread must still be blocked)."""
+        return self.line(secs)
+
+    def conn(self):
+        return Conn(self.path)
+
+    def finish(self):
+        try:
+            self.cmd("quit", expect=False)
+            self.p.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            rc = self.p.wait(20)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            rc = self.p.wait()
+        err = self.p.stderr.read()
+        return rc, err
+
+
+class Conn:
+    def __init__(self, path):
+        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.s.settimeout(20)
+        self.s.connect(path)
+        self.f = self.s.makefile("rb")
+
+    def raw(self, data):
+        self.s.sendall(data)
+        line = self.f.readline()
+        if not line:
+            raise RuntimeError("connection closed without a reply")
+        return json.loads(line)
+
+    def req(self, **kw):
+        return self.raw((json.dumps(kw) + "\n").encode())
+
+    def close(self):
+        self.f.close()  # the socket only closes once its file object is closed too
+        self.s.close()
+
+
+def kern(c, name):
+    ks = [k for k in c.req(cmd="kernels")["result"]["kernels"] if k["name"] == name]
+    return ks[0] if ks else None
+
+
+def ended_ok(name, app):
+    rc, err = app.finish()
+    check(rc == 0, f"{name}: app exit {rc}: {err[-1500:]}")
+
+
+def have_helper():
+    return os.path.exists(os.path.join(OPTS.build, "ptxmig"))
+
+
+def with_app(name, env=None, exe="app_preempt"):
+    tmp = tempfile.mkdtemp(prefix="ptxmig-preempt-")
+    return tmp, App(tmp, env or {}, exe)
+
+
+# ---- the cases ----
+
+def t_basic(name, env):
+    tmp, app = with_app(name, env)
+    c = app.conn()
+    s = c.req(cmd="status")["result"]
+    check(s["proto"] == 2 and s["preempt"]["mode"] == "always", f"{name}: status {s.get('proto')} {s.get('preempt')}")
+    check(s["preempt"]["instrumented_modules"] == 1, f"{name}: instrumented modules {s['preempt']}")
+    check(app.cmd("launch s 400") == "launched s", f"{name}: launch")
+    time.sleep(0.05)
+    k = kern(c, "k_count")
+    check(k and k["twin"] is True and k["twin_reason"] is None and k["twin_launches"] == 1, f"{name}: kernels k_count {k}")
+    kr = kern(c, "k_refused")
+    check(kr and kr["twin"] is False and kr["twin_reason"].startswith("refused by ptxstate: reads %envreg1"),
+          f"{name}: k_refused {kr}")
+    q = c.req(cmd="quiesce", budget_ms=500)
+    r = q["result"]
+    check(q["ok"] and r["state"] == "quiesced" and r["gate"] == "closed", f"{name}: quiesce {q}")
+    p = r.get("preempted", [])
+    check(len(p) == 1 and p[0]["kernel"] == "k_count" and 0 < p[0]["blocks_done"] < p[0]["blocks_total"] == 400,
+          f"{name}: preempted {p}")
+    check(r["elapsed_us"] < 500000, f"{name}: quiesce took {r['elapsed_us']} us")
+    st = c.req(cmd="status")["result"]["preempt"]
+    check(st["state"] == "quiesced" and st["preempted_pending"] == 1, f"{name}: status while quiesced {st}")
+    # A stream query while the twin's remainder has not run: not ready.
+    check(app.cmd("query s") == "query 600", f"{name}: cuStreamQuery while preempted is not NOT_READY")
+    rs = c.req(cmd="resume")["result"]
+    check(rs["was"] == "quiesced" and rs["relaunched"] == 1 and rs["state"] == "running", f"{name}: resume {rs}")
+    check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks after resume")
+    c.close()
+    ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def t_free_attrs(name):
+    tmp, app = with_app(name)
+    c = app.conn()
+    check(app.cmd("bigshm s 300") == "launched s", f"{name}: launch with 64 KiB of dynamic shared memory")
+    k = kern(c, "k_count")
+    check(k["twin_launches"] == 1 and k["twin_fallbacks"] == 0, f"{name}: attribute not replayed on the twin: {k}")
+    r = c.req(cmd="quiesce", budget_ms=500)["result"]
+    check(len(r["preempted"]) == 1, f"{name}: preempted {r}")
+    app.cmd("free", expect=False)  # cuMemFree must not run while a remainder is pending
+    check(app.expect_none(0.4) is None, f"{name}: cuMemFree returned while a twin awaited its relaunch")
+    c.req(cmd="resume")
+    check(app.line(10) == "freed", f"{name}: cuMemFree after resume")
+    check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks")
+    c.close()
+    ended_ok(name, app)
+
+
+def t_legacy_extra(name):
+    tmp, app = with_app(name, {"FAKE_CUDA_NO_PARAM_INFO": "1"})
+    c = app.conn()
+    app.cmd("launch l 300 x")
+    time.sleep(0.05)
+    r = c.req(cmd="quiesce", budget_ms=500)["result"]
+    check(len(r["preempted"]) == 1 and r["preempted"][0]["stream"] == "0x0", f"{name}: preempted {r}")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks")
+    check(kern(c, "k_count")["twin_launches"] == 1, f"{name}: twin launches")
+    c.close()
+    ended_ok(name, app)
+
+
+def t_tail(name):
+    tmp, app = with_app(name)
+    c = app.conn()
+    app.cmd("launch s 100")  # 0.2 s: drained
+    app.cmd("launch s 300")  # the stream's tail: preempted
+    r = c.req(cmd="quiesce", budget_ms=5000)["result"]
+    check([d["launch"] for d in r["drained"]] == [1], f"{name}: drained {r['drained']}")
+    check([p["launch"] for p in r["preempted"]] == [2], f"{name}: preempted {r['preempted']}")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=30) == "check ok 2 launches, 0 bad blocks", f"{name}: blocks")
+    # An event recorded after the twin: the twin is not the tail; the budget runs out.
+    app.cmd("launch n 300")
+    app.cmd("event n")
+    r = c.req(cmd="quiesce", budget_ms=50)["result"]
+    ns = r["not_stopped"]
+    check(len(ns) == 1 and ns[0]["reason"] == "not the tail of its stream" and not r["preempted"],
+          f"{name}: twin with an event behind it: {r}")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=30) == "check ok 3 launches, 0 bad blocks", f"{name}: blocks")
+    # Work on the legacy stream behind a twin of a blocking stream: not the tail either.
+    app.cmd("launch s 300")
+    app.cmd("refused l")
+    r = c.req(cmd="quiesce", budget_ms=50)["result"]
+    check(len(r["not_stopped"]) == 1 and not r["preempted"], f"{name}: twin with legacy work behind it: {r}")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=30) == "check ok 4 launches, 0 bad blocks", f"{name}: blocks")
+    # A host function behind the twin: drained, and it runs only after the twin.
+    app.cmd("launch s 100")
+    check(app.cmd("hostfn s") == "queued s", f"{name}: hostfn")
+    r = c.req(cmd="quiesce", budget_ms=3000)["result"]
+    check(not r["preempted"] and [d["launch"] for d in r["drained"]] == [5], f"{name}: twin with a host function behind it: {r}")
+    check(app.line(5) == "hostfn ran", f"{name}: host function")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=30) == "check ok 5 launches, 0 bad blocks", f"{name}: blocks")
+    c.close()
+    ended_ok(name, app)
+
+
+def t_gate(name):
+    tmp, app = with_app(name)
+    c = app.conn()
+    r = c.req(cmd="quiesce", budget_ms=20)["result"]
+    check(r["state"] == "quiesced" and not r["preempted"], f"{name}: quiesce {r}")
+    app.cmd("bg s 10", expect=False)
+    check(app.expect_none(0.5) is None, f"{name}: a launch went through the closed gate")
+    c2 = app.conn()  # other clients are served while the lease is held
+    check(c2.req(cmd="status")["result"]["preempt"]["gate"] == "closed", f"{name}: status on a second connection")
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(app.path)
+    s.sendall(os.urandom(3000) + b"\n")  # garbage on a third connection
+    s.close()
+    c2.close()
+    rs = c.req(cmd="resume")["result"]
+    check(rs["relaunched"] == 0, f"{name}: resume {rs}")
+    check(app.line(5) == "bglaunched s", f"{name}: the blocked launch did not proceed after resume")
+    check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks")
+    c.close()
+    ended_ok(name, app)
+
+
+def t_sync(name):
+    tmp, app = with_app(name)
+    c = app.conn()
+    app.cmd("launch n 400")
+    app.cmd("sync n", expect=False)  # a thread inside cuStreamSynchronize (in the fake driver)
+    app.cmd("launch l 400")
+    app.cmd("memcpy", expect=False)  # a thread in a synchronous copy behind the legacy twin
+    time.sleep(0.1)
+    r = c.req(cmd="quiesce", budget_ms=1000)["result"]
+    check(sorted(p["stream"] == "0x0" for p in r["preempted"]) == [False, True],
+          f"{name}: both twins preempted (a copy waiting behind one must not make it undrainable): {r}")
+    check(app.expect_none(0.5) is None, f"{name}: a sync returned while its twin was preempted")
+    c.req(cmd="resume")
+    got = sorted(filter(None, [app.line(10), app.line(10)]))
+    check(got == ["memcpied", "synced n"], f"{name}: after resume: {got}")
+    check(app.cmd("check", timeout=30) == "check ok 2 launches, 0 bad blocks", f"{name}: blocks")
+    # ctx-wide sync during a checkpoint
+    app.cmd("launch n 300")
+    app.cmd("ctxsync", expect=False)
+    time.sleep(0.05)
+    r = c.req(cmd="quiesce", budget_ms=1000)["result"]
+    check(len(r["preempted"]) == 1, f"{name}: preempted {r}")
+    check(app.expect_none(0.3) is None, f"{name}: cuCtxSynchronize returned while a twin was preempted")
+    c.req(cmd="resume")
+    check(app.line(10) == "ctxsynced", f"{name}: ctxsync after resume")
+    check(app.cmd("check", timeout=30) == "check ok 3 launches, 0 bad blocks", f"{name}: blocks")
+    c.close()
+    ended_ok(name, app)
+
+
+def t_lease(name):
+    tmp, app = with_app(name)
+    a = app.conn()
+    app.cmd("launch s 400")
+    r = a.req(cmd="quiesce", budget_ms=500)["result"]
+    check(len(r["preempted"]) == 1, f"{name}: preempted {r}")
+    b = app.conn()
+    again = b.req(cmd="quiesce", budget_ms=5)["result"]
+    check(again == r, f"{name}: a second quiesce does not answer the current state: {again}")
+    d = b.req(cmd="detach")
+    check(not d["ok"] and "only the connection" in d["error"], f"{name}: detach from another connection: {d}")
+    g = a.raw(b"\x00garbage\n")  # garbage on the lease's connection: an error, the lease stays
+    check(not g["ok"] and b.req(cmd="status")["result"]["preempt"]["state"] == "quiesced", f"{name}: garbage on the lease: {g}")
+    a.close()  # the lease holder goes away: the shim resumes by itself
+    for _ in range(100):
+        st = b.req(cmd="status")["result"]["preempt"]
+        if st["state"] == "running":
+            break
+        time.sleep(0.05)
+    check(st["state"] == "running" and st["gate"] == "open" and st["relaunches"] == 1, f"{name}: after lease loss {st}")
+    check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks")
+    b.close()
+    ended_ok(name, app)
+
+
+def t_detach(name):
+    tmp, app = with_app(name)
+    a = app.conn()
+    app.cmd("launch s 400")
+    a.req(cmd="quiesce", budget_ms=500)
+    d = a.req(cmd="detach")
+    check(d["ok"] and d["result"] == {"state": "detached", "detached": True}, f"{name}: detach {d}")
+    check(a.f.readline() == b"", f"{name}: the shim did not close the detached connection")
+    a.close()
+    time.sleep(0.1)
+    b = app.conn()
+    st = b.req(cmd="status")["result"]["preempt"]
+    check(st["state"] == "detached" and st["gate"] == "closed", f"{name}: status after detach {st}")
+    r = b.req(cmd="resume")["result"]
+    check(r["was"] == "detached" and r["relaunched"] == 1, f"{name}: resume {r}")
+    r2 = b.req(cmd="resume")["result"]
+    check(r2["was"] == "running" and r2["relaunched"] == 0, f"{name}: second resume {r2}")
+    check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks")
+    b.close()
+    ended_ok(name, app)
+
+
+def t_protocol(name):
+    tmp, app = with_app(name)
+    c = app.conn()
+    for bad in [b'{"cmd":"quiesce","budget_ms":"10"}\n', b'{"cmd":"quiesce","budget_ms":0}\n',
+                b'{"cmd":"quiesce","budget_ms":60001}\n', b'{"cmd":"quiesce","budget_ms":1.5}\n',
+                b'{"cmd":"quiesce","budget_ms":-3}\n', b'{"cmd":"quiesce","budget_ms":[1]}\n',
+                b'{"cmd":"quiesce","budget_ms":1,"budget_ms":2}\n', b'{"cmd":"detach"}\n', b'{"cmd":"resum"}\n']:
+        r = c.raw(bad)
+        check(r["ok"] is False and r["proto"] == 2 and r["error"], f"{name}: {bad!r} got {r}")
+    check(c.req(cmd="status")["result"]["preempt"]["state"] == "running", f"{name}: garbage changed the state")
+    check(c.req(cmd="resume")["result"]["was"] == "running", f"{name}: resume while running")
+    c.close()
+    ended_ok(name, app)
+
+
+def t_relisten(name):
+    tmp, app = with_app(name, {"PTXMIG_PREEMPT": None})
+    os.unlink(app.path)
+    c = None
+    for _ in range(40):
+        time.sleep(0.1)
+        if os.path.exists(app.path):
+            c = app.conn()
+            break
+    if check(c is not None, f"{name}: the control socket was not re-created"):
+        check(c.req(cmd="status")["result"]["pid"] == app.p.pid, f"{name}: status")
+        check(stat.S_IMODE(os.stat(app.path).st_mode) == 0o600, f"{name}: mode")
+        c.close()
+    ended_ok(name, app)
+    check(not os.path.exists(app.path), f"{name}: socket left behind")
+
+
+HELPER_FAIL = "#!/bin/sh\ncat >/dev/null\necho 'instrument: broken on purpose' >&2\nexit 3\n"
+HELPER_GARBAGE = "#!/bin/sh\ncat >/dev/null\necho 'not ptx at all'\n"
+
+
+def t_fallback(name, helper_script, want_reason, env=None):
+    tmp = tempfile.mkdtemp(prefix="ptxmig-preempt-")
+    extra = dict(env or {})
+    if helper_script is not None:
+        h = os.path.join(tmp, "helper.sh")
+        with open(h, "w") as f:
+            f.write(helper_script)
+        os.chmod(h, 0o755)
+        extra["PTXMIG_HELPER"] = h
+    app = App(tmp, extra)
+    c = app.conn()
+    app.cmd("launch s 20")
+    k = kern(c, "k_count")
+    check(k and k["twin"] is False and want_reason in (k["twin_reason"] or "") and k["twin_launches"] == 0,
+          f"{name}: k_count {k} (want reason containing {want_reason!r})")
+    st = c.req(cmd="status")["result"]["preempt"]
+    check(st["instrumented_modules"] == 0, f"{name}: status {st}")
+    r = c.req(cmd="quiesce", budget_ms=200)["result"]
+    check(not r["preempted"], f"{name}: preempted an original: {r}")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks")
+    c.close()
+    ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return st
+
+
+def t_cache(name):
+    tmp = tempfile.mkdtemp(prefix="ptxmig-preempt-")
+    app = App(tmp, {})
+    c = app.conn()
+    st = c.req(cmd="status")["result"]["preempt"]["cache"]
+    check(st["misses"] == 1 and st["hits"] == 0 and st["helper_runs"] == 1, f"{name}: first run {st}")
+    c.close()
+    ended_ok(name, app)
+    cdir = os.path.join(tmp, "cache")
+    check(stat.S_IMODE(os.stat(cdir).st_mode) == 0o700, f"{name}: cache dir mode")
+    files = sorted(os.listdir(cdir))
+    check(len(files) == 2 and files[0].endswith("-v2.ptx") and files[1].endswith("-v2.why"), f"{name}: cache files {files}")
+    for f in files:
+        check(stat.S_IMODE(os.stat(os.path.join(cdir, f)).st_mode) == 0o600, f"{name}: {f} mode")
+    # Second run: from the cache only (no helper at all), reasons kept.
+    app = App(tmp, {"PTXMIG_HELPER": None})
+    c = app.conn()
+    st = c.req(cmd="status")["result"]["preempt"]["cache"]
+    check(st["hits"] == 1 and st["misses"] == 0 and st["helper_runs"] == 0, f"{name}: second run {st}")
+    app.cmd("launch s 20")
+    check(kern(c, "k_count")["twin_launches"] == 1, f"{name}: no twin from the cache")
+    kr = kern(c, "k_refused")
+    check(kr and kr["twin_reason"].startswith("refused by ptxstate: reads %envreg1"), f"{name}: reason from cache {kr}")
+    check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks")
+    c.close()
+    ended_ok(name, app)
+    # Same helper: a hit. Another helper binary (another ptxstate): a miss, and the entry is rewritten.
+    app = App(tmp, {})
+    c = app.conn()
+    st = c.req(cmd="status")["result"]["preempt"]["cache"]
+    check(st["hits"] == 1 and st["helper_runs"] == 0, f"{name}: same helper {st}")
+    c.close()
+    ended_ok(name, app)
+    other = os.path.join(tmp, "ptxmig-copy")
+    shutil.copy(os.path.join(OPTS.build, "ptxmig"), other)
+    app = App(tmp, {"PTXMIG_HELPER": other})
+    c = app.conn()
+    st = c.req(cmd="status")["result"]["preempt"]["cache"]
+    check(st["hits"] == 0 and st["misses"] == 1 and st["helper_runs"] == 1, f"{name}: other helper {st}")
+    c.close()
+    ended_ok(name, app)
+    # A symlink planted under the cache name is not followed; a corrupt entry is not used.
+    ptx = [f for f in files if f.endswith(".ptx")][0]
+    os.unlink(os.path.join(cdir, ptx))
+    os.symlink("/etc/hostname", os.path.join(cdir, ptx))
+    app = App(tmp, {"PTXMIG_HELPER": None})
+    c = app.conn()
+    k = kern(c, "k_count") or {}
+    st = c.req(cmd="status")["result"]["preempt"]["cache"]
+    check(st["hits"] == 0 and st["misses"] == 1, f"{name}: symlinked cache entry used: {st}")
+    c.close()
+    ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def t_auto(name):
+    tmp, app = with_app(name, {"PTXMIG_PREEMPT": "auto", "PTXMIG_PREEMPT_MIN_US": "100000000", "FAKE_CUDA_BLOCK_US": "0"})
+    c = app.conn()
+    for _ in range(6):
+        app.cmd("launch s 8")
+        app.cmd("check", timeout=30)
+        c.req(cmd="kernels")  # harvests the samples
+    k = kern(c, "k_count")
+    check(k and 1 <= k["twin_launches"] < k["launches"] == 6 and k["timed"] >= 1, f"{name}: auto policy {k}")
+    r = c.req(cmd="quiesce", budget_ms=50)["result"]
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=30) == "check ok 6 launches, 0 bad blocks", f"{name}: blocks")
+    c.close()
+    ended_ok(name, app)
+
+
+def t_off(name):
+    tmp, app = with_app(name, {"PTXMIG_PREEMPT": None})
+    c = app.conn()
+    app.cmd("launch s 10")
+    k = kern(c, "k_count")
+    check(k and k["twin"] is False and k["twin_reason"] == "preempt mode off" and k["twin_launches"] == 0, f"{name}: {k}")
+    st = c.req(cmd="status")["result"]["preempt"]
+    check(st["mode"] == "off" and st["cache"]["helper_runs"] == 0, f"{name}: status {st}")
+    r = c.req(cmd="quiesce", budget_ms=10)["result"]
+    check(r["state"] == "quiesced" and r["gate"] == "closed", f"{name}: quiesce in mode off {r}")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks")
+    c.close()
+    ended_ok(name, app)
+
+
+def t_runtime(name):
+    """The fake runtime's lazy cuLibraryLoadData of an nvcc fatbin: PTX entry picked and instrumented
+    by the real ptxstate; launches through cuLaunchKernelEx of CUkernel handles."""
+    tmp = tempfile.mkdtemp(prefix="ptxmig-preempt-")
+    app = App(tmp, {}, exe="app_runtime")
+    c = app.conn()
+    for kn in ("fx_scale", "_Z6fx_addIfEvPT_PKS0_i"):
+        k = kern(c, kn)
+        check(k and k["twin"] is True and k["twin_launches"] == 3, f"{name}: {kn} {k}")
+    names = [k["name"] for k in c.req(cmd="kernels")["result"]["kernels"]]
+    check(not any(n.endswith("__ptxmig") for n in names), f"{name}: twins listed as kernels: {names}")
+    c.close()
+    ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def t_sass_keep(name):
+    tmp = tempfile.mkdtemp(prefix="ptxmig-preempt-")
+    app = App(tmp, {"PTXMIG_PREEMPT_SASS": "keep"}, exe="app_runtime")
+    c = app.conn()
+    k = kern(c, "fx_scale")
+    check(k and k["twin"] is False and k["twin_reason"] == "module has SASS for this GPU (PTXMIG_PREEMPT_SASS=keep)"
+          and k["twin_launches"] == 0, f"{name}: {k}")
+    st = c.req(cmd="status")["result"]["preempt"]
+    check(st["cache"]["helper_runs"] == 0 and st["instrumented_modules"] == 0, f"{name}: {st}")
+    c.close()
+    ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def t_criu(name):
+    """CRIU dump of a detached (quiesced) shimmed app, restore, then status and resume on the
+    restored process's socket; the remainder runs and every block ran exactly once."""
+    criu = shutil.which("criu") or ("/usr/local/sbin/criu" if os.path.exists("/usr/local/sbin/criu") else None)
+    if not criu:
+        return skip("criu", name, "criu not installed")
+    if os.geteuid() != 0:
+        return skip("criu", name, "criu needs root")
+    tmp = tempfile.mkdtemp(prefix="ptxmig-criu-")
+    sockdir = os.path.join(tmp, "sock")
+    imgdir = os.path.join(tmp, "img")
+    os.makedirs(imgdir)
+    go = os.path.join(tmp, "go")
+    outp = os.path.join(tmp, "app.out")
+    env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(OPTS.build, "fake"), PTXMIG_SOCKET_DIR=sockdir,
+               PTXMIG_PTX_CACHE=os.path.join(tmp, "cache"), PTXMIG_PREEMPT="always", FAKE_CUDA_BLOCK_US="2000",
+               LD_PRELOAD=" ".join(x for x in [OPTS.preload_first, OPTS.shim] if x), APP_GO_FILE=go,
+               PTXMIG_HELPER=os.path.abspath(os.path.join(OPTS.build, "ptxmig")))
+    # stdio are regular files and the app has its own session: CRIU dumps it alone.
+    log = open(outp, "w")
+    p = subprocess.Popen([os.path.join(OPTS.build, "app_preempt")], stdin=subprocess.DEVNULL, stdout=log,
+                         stderr=subprocess.STDOUT, env=env, start_new_session=True, close_fds=True)
+    pid = p.pid
+    restored = False
+    try:
+        for _ in range(200):
+            if "launched s" in open(outp).read():
+                break
+            time.sleep(0.05)
+        path = os.path.join(sockdir, f"{pid}.sock")
+        a = Conn(path)
+        r = a.req(cmd="quiesce", budget_ms=500)["result"]
+        check(len(r["preempted"]) == 1, f"{name}: preempted {r}")
+        check(a.req(cmd="detach")["ok"], f"{name}: detach")
+        a.f.readline()
+        a.close()
+        d = subprocess.run([criu, "dump", "-t", str(pid), "-D", imgdir, "-v4", "-o", "dump.log"],
+                           capture_output=True, text=True)
+        try:
+            p.wait(10)  # dumped processes are killed (no --leave-running)
+        except subprocess.TimeoutExpired:
+            pass
+        if not check(d.returncode == 0, f"{name}: criu dump failed: {d.stderr[-300:]} "
+                     f"{open(os.path.join(imgdir, 'dump.log')).read()[-1500:]}"):
+            return
+        rs = subprocess.run([criu, "restore", "-D", imgdir, "-d", "-v4", "-o", "restore.log"],
+                            capture_output=True, text=True)
+        if not check(rs.returncode == 0, f"{name}: criu restore failed: {rs.stderr[-300:]} "
+                     f"{open(os.path.join(imgdir, 'restore.log')).read()[-1500:]}"):
+            return
+        restored = True
+        b = None
+        for _ in range(50):
+            try:
+                b = Conn(path)
+                break
+            except OSError:
+                time.sleep(0.1)
+        if not check(b is not None, f"{name}: no control socket after restore at {path}"):
+            return
+        st = b.req(cmd="status")["result"]
+        check(st["pid"] == pid and st["preempt"]["state"] == "detached", f"{name}: status after restore {st['preempt']}")
+        rr = b.req(cmd="resume")["result"]
+        check(rr["was"] == "detached" and rr["relaunched"] == 1, f"{name}: resume after restore {rr}")
+        b.close()
+        open(go, "w").close()
+        out = ""
+        for _ in range(300):
+            out = open(outp).read()
+            if "check " in out:
+                break
+            time.sleep(0.1)
+        check("check ok 1 launches, 0 bad blocks" in out, f"{name}: restored app: {out[-800:]}")
+        for _ in range(100):  # the restored app exits by itself; its socket goes with it
+            if not os.path.exists(f"/proc/{pid}"):
+                break
+            time.sleep(0.05)
+        check(not os.path.exists(path), f"{name}: socket left behind by the restored app")
+    finally:
+        if os.path.exists(f"/proc/{pid}") and (restored or p.poll() is None):
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+def main():
+    global label, OPTS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shim", required=True)
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--preload-first", default="")
+    ap.add_argument("--only", default="")
+    OPTS = ap.parse_args()
+    label = "preempt-san" if OPTS.preload_first else "preempt"
+    cases = [
+        ("mode-off", t_off, ()),
+        ("helper-missing", lambda n: t_fallback(n, None, "cannot run", {"PTXMIG_HELPER": "/nonexistent/ptxmig"}), ()),
+        ("helper-failing", lambda n: t_fallback(n, HELPER_FAIL, "helper exit 3: instrument: broken on purpose"), ()),
+        ("helper-garbage", lambda n: t_fallback(n, HELPER_GARBAGE, "lacks the original kernels"), ()),
+        ("protocol", t_protocol, ()),
+        ("gate", t_gate, ()),
+        ("socket-recreated", t_relisten, ()),
+    ]
+    helper_cases = [
+        ("basic", lambda n: t_basic(n, {}), ()),
+        ("basic-library", lambda n: t_basic(n, {"APP_MODULE": "library"}), ()),
+        ("legacy-stream-extra-args-no-paraminfo", t_legacy_extra, ()),
+        ("driver-rejects-twins", lambda n: t_fallback(n, None, "the driver refused the instrumented PTX", {"FAKE_CUDA_REJECT_TWINS": "1", "PTXMIG_HELPER": os.path.abspath(os.path.join(OPTS.build, "ptxmig"))}), ()),
+        ("cache", t_cache, ()),
+        ("tail-rule", t_tail, ()),
+        ("free-waits-attributes-replayed", t_free_attrs, ()),
+        ("sync-honest", t_sync, ()),
+        ("lease", t_lease, ()),
+        ("detach-resume", t_detach, ()),
+        ("auto-policy", t_auto, ()),
+        ("runtime-fatbin", t_runtime, ()),
+        ("runtime-fatbin-sass-keep", t_sass_keep, ()),
+        ("criu", t_criu, ()),
+    ]
+    for n, fn, _ in cases:
+        if OPTS.only and OPTS.only != n:
+            continue
+        with case(n):
+            fn(n)
+    for n, fn, _ in helper_cases:
+        if OPTS.only and OPTS.only != n:
+            continue
+        if not have_helper():
+            skip("go", n, "no ptxmig helper: go missing, or `go build ./cmd/ptxmig` failed (see make's output)")
+            continue
+        if n == "criu" and OPTS.preload_first:
+            skip(None, n, "CRIU test runs with the plain shim only (ASan's shadow mappings)")
+            continue
+        with case(n):
+            fn(n)
+    summary = f"{tally['PASS']} passed, {tally['SKIP']} skipped, {tally['FAIL']} failed ({os.path.basename(OPTS.shim)})"
+    print(f"preempt.py: {summary}")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
