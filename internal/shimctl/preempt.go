@@ -50,11 +50,11 @@ type Quiesce struct {
 
 // Resume is the reply to "resume".
 type Resume struct {
-	State      string       `json:"state"`
-	Was        string       `json:"was"`
-	Relaunched int          `json:"relaunched"`
+	State      string        `json:"state"`
+	Was        string        `json:"was"`
+	Relaunched int           `json:"relaunched"`
 	Errors     []ResumeError `json:"errors,omitempty"` // relaunches the driver refused
-	ElapsedUS  int64        `json:"elapsed_us"`
+	ElapsedUS  int64         `json:"elapsed_us"`
 }
 
 // ResumeError is a relaunch that failed.
