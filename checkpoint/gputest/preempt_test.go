@@ -17,7 +17,10 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/shimctl"
 )
 
 // Preemption on a real GPU: longgrid (testdata/workloads) runs one many-block kernel of about
@@ -81,6 +84,12 @@ type ckptJSON struct {
 // match an uninterrupted run bit for bit.
 func TestPreemptLongKernel(t *testing.T) {
 	need(t, 1)
+	// PTXMIG_PREEMPT_BUDGET overrides ptxmig's default budget for this test (to measure how long
+	// preemption takes when the default is too short).
+	budget := os.Getenv("PTXMIG_PREEMPT_BUDGET")
+	if budget == "" {
+		budget = op.DefaultPreemptBudget.String()
+	}
 	p := startShimmed(t, "always", "longgrid", "--seconds", "30", "--block-ms", "0.25", "--repeat", "2")
 	fixed := longgridParams(t, p)
 	plain := start(t, "longgrid", fixed...) // the reference: same work, no shim, uninterrupted
@@ -99,10 +108,11 @@ func TestPreemptLongKernel(t *testing.T) {
 	// (1) P1: 20 --leave-running checkpoints inside the first repeat's kernel.
 	waitStarted(t, p, 1, 2*time.Minute)
 	time.Sleep(3 * time.Second)
+	shimDiagnostics(t, p.pid)
 	var quiesce, toLock []time.Duration
 	for i := 0; i < 20; i++ {
 		t0 := time.Now()
-		so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--name", fmt.Sprintf("pre-lr-%d", i), strconv.Itoa(p.pid))
+		so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--preempt-budget", budget, "--name", fmt.Sprintf("pre-lr-%d", i), strconv.Itoa(p.pid))
 		if code != 0 {
 			t.Fatalf("checkpoint --leave-running %d: exit %d after %s: %s", i, code, time.Since(t0), se)
 		}
@@ -136,7 +146,8 @@ func TestPreemptLongKernel(t *testing.T) {
 		}
 		return nil
 	}
-	_, err = checkpoint.Run(context.Background(), env, checkpoint.Options{PID: p.pid, Name: "pre-rollback", LeaveRunning: true, LockTimeout: 10 * time.Second})
+	bd, _ := time.ParseDuration(budget)
+	_, err = checkpoint.Run(context.Background(), env, checkpoint.Options{PID: p.pid, Name: "pre-rollback", LeaveRunning: true, LockTimeout: 10 * time.Second, PreemptBudget: bd})
 	var fl *op.Failure
 	if !errors.As(err, &fl) || !fl.RolledBack() {
 		t.Fatalf("injected failure: %v, want a rolled-back failure", err)
@@ -146,7 +157,7 @@ func TestPreemptLongKernel(t *testing.T) {
 	// (3) Checkpoint mid-kernel in the second repeat (the process ends), then restore.
 	waitStarted(t, p, 2, 3*time.Minute)
 	time.Sleep(3 * time.Second)
-	so, se, code := ptxmig(t, "--json", "checkpoint", "--name", "pre-mid", strconv.Itoa(p.pid))
+	so, se, code := ptxmig(t, "--json", "checkpoint", "--preempt-budget", budget, "--name", "pre-mid", strconv.Itoa(p.pid))
 	if code != 0 {
 		t.Fatalf("checkpoint mid-kernel: exit %d: %s", code, se)
 	}
@@ -171,6 +182,73 @@ func TestPreemptLongKernel(t *testing.T) {
 	sameResults(t, results(p.log), results(plain.log))
 }
 
+// shimDiagnostics logs what the shim of pid says about preemption: its status, its kernels, and
+// a quiesce and resume made directly (so a failing checkpoint can be told apart from a shim that
+// has no twin running).
+func shimDiagnostics(t *testing.T, pid int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dir := ""
+	if e, err := gpu.ProcessEnviron("/proc", pid); err == nil {
+		dir = e["PTXMIG_SOCKET_DIR"]
+	}
+	c, err := shimctl.DialPID(ctx, dir, pid)
+	if err != nil {
+		t.Fatalf("shim of pid %d (socket dir %q): %v", pid, dir, err)
+	}
+	defer c.Close()
+	raw, err := c.Raw(ctx, "status", nil)
+	if err != nil {
+		t.Fatalf("status: %v", err)
+	}
+	var st struct {
+		Preempt json.RawMessage `json:"preempt"`
+		Modules json.RawMessage `json:"modules"`
+	}
+	_ = json.Unmarshal(raw, &st)
+	t.Logf("shim status.preempt: %s", st.Preempt)
+	t.Logf("shim status.modules: %s", st.Modules)
+	if raw, err := c.Raw(ctx, "kernels", nil); err == nil {
+		t.Logf("shim kernels: %s", raw)
+	}
+	q, err := c.Quiesce(ctx, 10*time.Millisecond)
+	t.Logf("direct quiesce (10 ms): %+v %v", q, err)
+	r, err := c.Resume(ctx)
+	t.Logf("direct resume: %+v %v", r, err)
+	time.Sleep(500 * time.Millisecond)
+	q, err = c.Quiesce(ctx, 200*time.Millisecond)
+	t.Logf("direct quiesce (200 ms): %+v %v", q, err)
+	logThreads(t, pid)
+	if d, err := cudackpt.Open(); err != nil {
+		t.Logf("driver: %v", err)
+	} else {
+		t0 := time.Now()
+		err := d.Lock(pid, 5*time.Second)
+		t.Logf("driver lock after the quiesce: %v after %s", err, time.Since(t0))
+		logThreads(t, pid)
+		if err == nil {
+			t.Logf("driver unlock: %v", d.Unlock(pid))
+		}
+	}
+	r, err = c.Resume(ctx)
+	t.Logf("direct resume: %+v %v", r, err)
+}
+
+// logThreads logs where each thread of pid waits.
+func logThreads(t *testing.T, pid int) {
+	t.Helper()
+	tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	var parts []string
+	for _, e := range tasks {
+		comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/comm", pid, e.Name()))
+		wchan, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/wchan", pid, e.Name()))
+		stack, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/syscall", pid, e.Name()))
+		parts = append(parts, fmt.Sprintf("%s %s wchan=%s syscall=%.20s", e.Name(), strings.TrimSpace(string(comm)), wchan, stack))
+	}
+	t.Logf("threads of %d: %s", pid, strings.Join(parts, " | "))
+}
+
 // writeP1 records the P1 distribution under $PTXMIG_OUT/preempt-p1.txt and in the test log.
 func writeP1(t *testing.T, quiesce, toLock []time.Duration) {
 	t.Helper()
@@ -179,8 +257,8 @@ func writeP1(t *testing.T, quiesce, toLock []time.Duration) {
 		sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
 		return s[min(len(s)-1, int(q*float64(len(s))))]
 	}
-	text := fmt.Sprintf("P1 over %d checkpoints --leave-running of a ~30 s kernel: quiesce p50 %s p99 %s max %s; "+
-		"quiesce+lock p50 %s p99 %s max %s\nquiesce: %v\nquiesce+lock: %v\n", len(quiesce),
+	text := fmt.Sprintf("P1 over %d checkpoints --leave-running of a ~30 s kernel (preempt budget %s): quiesce p50 %s p99 %s max %s; "+
+		"quiesce+lock p50 %s p99 %s max %s\nquiesce: %v\nquiesce+lock: %v\n", len(quiesce), os.Getenv("PTXMIG_PREEMPT_BUDGET"),
 		pct(quiesce, .5), pct(quiesce, .99), pct(quiesce, 1), pct(toLock, .5), pct(toLock, .99), pct(toLock, 1), quiesce, toLock)
 	t.Log(text)
 	_ = os.WriteFile(filepath.Join(out, "preempt-p1.txt"), []byte(text), 0o644)

@@ -192,12 +192,16 @@ func (p *Preemption) Close() {
 	}
 }
 
-// LockHint names what may hold the driver lock after a quiesce: kernels without a twin and twins
-// that did not stop within the budget ("" when nothing was left running).
+// LockHint names what may hold the driver lock after a quiesce: kernels without a twin, twins
+// that did not stop within the budget, and shims that could not quiesce ("" when nothing was left
+// running).
 func (p *Preemption) LockHint() string {
 	var parts []string
 	for _, r := range p.Reports {
 		if r.Quiesce == nil {
+			if r.Shim && r.Note != "" {
+				parts = append(parts, fmt.Sprintf("pid %d: %s", r.PID, r.Note))
+			}
 			continue
 		}
 		for _, n := range r.Quiesce.NotStopped {
@@ -210,7 +214,7 @@ func (p *Preemption) LockHint() string {
 	if len(parts) == 0 {
 		return ""
 	}
-	return "kernels not preempted: " + strings.Join(parts, "; ")
+	return "not preempted: " + strings.Join(parts, "; ")
 }
 
 // ExplainLock decorates a lock step's failure with LockHint.

@@ -68,3 +68,21 @@ func TestProtocol1HasNoPreemption(t *testing.T) {
 		t.Fatalf("resume on protocol 1: %v", err)
 	}
 }
+
+// TestStatusPreemptFields: the shim's status.preempt (as a real shim sends it, floats included)
+// decodes.
+func TestStatusPreemptFields(t *testing.T) {
+	pid := os.Getpid()
+	dir := t.TempDir()
+	shimctltest.Serve(t, filepath.Join(dir, fmt.Sprintf("%d.sock", pid)), map[string]string{
+		"status": fmt.Sprintf(`{"ok":true,"proto":2,"cmd":"status","result":{"pid":%d,"proto":2,"preempt":{"mode":"always","min_us":1000,"state":"running","gate":"open","twins_in_flight":1,"preempted_pending":0,"instrumented_modules":1,"twin_launches":5,"relaunches":0,"quiesces":0,"preempted":0,"cache":{"hits":0,"misses":1,"helper_failures":0,"helper_runs":1,"helper_ms":9.577},"helper":"/x/ptxmig","cache_dir":"/c"}}}`+"\n", pid)})
+	c, err := DialPID(context.Background(), dir, pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	st, err := c.Status(context.Background())
+	if err != nil || st.Preempt == nil || st.Preempt.Cache["helper_ms"] != 9.577 || st.Preempt.TwinsInFlight != 1 {
+		t.Fatalf("status = %+v, %v", st, err)
+	}
+}

@@ -21,11 +21,11 @@ type Status struct {
 
 // PreemptStatus is the shim's preemption state (protocol 2).
 type PreemptStatus struct {
-	Mode                string            `json:"mode"`
-	State               string            `json:"state"`
-	TwinsInFlight       int               `json:"twins_in_flight"`
-	InstrumentedModules int               `json:"instrumented_modules"`
-	Cache               map[string]uint64 `json:"cache,omitempty"`
+	Mode                string             `json:"mode"`
+	State               string             `json:"state"`
+	TwinsInFlight       int                `json:"twins_in_flight"`
+	InstrumentedModules int                `json:"instrumented_modules"`
+	Cache               map[string]float64 `json:"cache,omitempty"`
 }
 
 // Device is one CUDA device as the driver reports it inside the process.
