@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/criu"
+	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/internal/proc"
@@ -70,22 +71,6 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	}
 	defer releaseAll(locks)
 
-	staging, err := os.MkdirTemp(p.StagingRoot, fmt.Sprintf("ckpt-%d-", p.PID))
-	if err != nil {
-		return nil, op.Refusef("staging directory in %s: %w", p.StagingRoot, err)
-	}
-	keep := o.KeepStaging
-	defer func() {
-		if !keep {
-			if err := os.RemoveAll(staging); err != nil {
-				env.Logger().Warn("cannot remove staging directory", "dir", staging, "err", err)
-			}
-		}
-	}()
-	images := filepath.Join(staging, "images")
-	if err := os.Mkdir(images, 0o700); err != nil {
-		return nil, fmt.Errorf("staging: %w", err)
-	}
 	res := &Result{PID: p.PID, Kind: p.Kind, Tree: p.Tree, GPUs: p.GPUs, Visible: p.Visible, LeftRunning: p.LeaveRunning,
 		ShellJob: p.ShellJob, ShellJobReason: p.ShellJobReason}
 	var manifest *store.Manifest
@@ -93,13 +78,33 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	tr := &treeTracker{root: p.PID, known: op.TreePIDs(p.Tree, false)}
 	pre := op.NewPreemption(env, o.PreemptBudget)
 	defer pre.Close()
-	steps, cleanup := buildSteps(env, p, images, tr, pre, func(m *store.Manifest, s *store.Stats) { manifest, stats = m, s })
-	defer cleanup()
-	timings, err := op.Execute(ctx, steps, env.Hook, 0, env.Log)
+	stored := func(m *store.Manifest, s *store.Stats) { manifest, stats = m, s }
+	// The journal lists the steps before the staging directory (named after it) exists.
+	planned, _ := buildSteps(env, p, "", tr, pre, nil, stored, t0)
+	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpCheckpoint, Root: p.PID, Tree: op.TreePIDs(p.Tree, false),
+		CUDA: p.CUDAPIDs, LeaveRunning: p.LeaveRunning, StagingRoot: p.StagingRoot, Store: env.Store.Dir(), Image: p.Image,
+		Steps: op.StepNames(planned)})
+	if err != nil {
+		return nil, err
+	}
+	staging := txn.Staging()
+	images := filepath.Join(staging, "images")
+	if err := os.Mkdir(images, 0o700); err != nil {
+		err = op.Refusef("staging: %w", err)
+		txn.End(err, false)
+		return nil, err
+	}
+	steps, cleanup := buildSteps(env, p, images, tr, pre, txn.Helper, stored, t0)
+	timings, err := txn.Execute(ctx, steps, env.Hook, 0)
+	cleanup()
 	res.Timings, res.Preemption = timings, pre.Reports
 	if err != nil {
-		return nil, op.NewFailure(err, "checkpoint", p.PID, []string{filepath.Join(images, "dump.log")}, tr.pids())
+		// Keep CRIU's log before the staging directory goes.
+		ferr := op.NewFailure(err, "checkpoint", p.PID, []string{filepath.Join(images, "dump.log")}, tr.pids())
+		txn.End(err, o.KeepStaging)
+		return nil, ferr
 	}
+	txn.End(nil, o.KeepStaging)
 	if manifest != nil {
 		res.Image, res.ImageID = manifest.Name, manifest.ID
 	}
@@ -167,8 +172,11 @@ func releaseAll(locks []*oplock.Lock) {
 // the store's prestaged work if the store step did not take it). Without LeaveRunning the tree is
 // dumped and left stopped, stored, then ended: a store failure rolls back to a running tree. With
 // LeaveRunning, CRIU resumes the tree after the dump and the driver restores and unlocks before
-// the (slow) store, so it runs while the image is written.
-func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Preemption, stored func(*store.Manifest, *store.Stats)) ([]op.Step, func()) {
+// the (slow) store, so it runs while the image is written. The store step commits: once the
+// image is stored the checkpoint has happened, whatever comes after (a signal included).
+// helper (may be nil) is told CRIU's pid; t0 is when the operation began.
+func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Preemption, helper func(int),
+	stored func(*store.Manifest, *store.Stats), t0 time.Time) ([]op.Step, func()) {
 	o := p.opts
 	// The store starts on the dump's files while CRIU still writes them (store.Prestage), so the
 	// store step after the dump only re-reads, re-hashes and commits what is already encoded.
@@ -186,7 +194,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 			op.CheckpointStep(d, p.CUDAPIDs), qs.DetachStep())
 	}
 	dump := criu.DumpOptions{PID: p.PID, ImagesDir: images, LeaveRunning: o.LeaveRunning, LeaveStopped: !o.LeaveRunning,
-		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished}
+		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, OnStart: helper}
 	steps = append(steps, op.Step{Name: StepDump,
 		Do: func(ctx context.Context) error {
 			var err error
@@ -223,7 +231,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		steps = append(steps, op.RestoreStep(d, op.Fixed(p.CUDAPIDs), nil, nil, false), op.UnlockStep(d, op.Fixed(p.CUDAPIDs)),
 			qs.ResumeStep(op.Fixed(p.CUDAPIDs), false))
 	}
-	steps = append(steps, op.Step{Name: StepStore, Do: func(ctx context.Context) error {
+	steps = append(steps, op.Step{Name: StepStore, Commit: true, Do: func(ctx context.Context) error {
 		meta := p.meta
 		meta.Extra = maps.Clone(p.meta.Extra)
 		tr.tree = dumpedTree(p.Tree, tr.known)
@@ -231,6 +239,13 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		m, s, err := env.Store.Put(ctx, images, store.PutOptions{Name: p.Image, Meta: meta, Progress: o.Progress, Prestaged: pre})
 		dropPre()
 		if err != nil {
+			// A Put interrupted (by a signal) after it wrote the manifest has stored the image:
+			// the checkpoint happened, and must say so.
+			if m, gerr := env.Store.Get(p.Image); gerr == nil && m.Name == p.Image && m.Meta.PID == p.PID && !m.Created.Before(t0.Add(-time.Second)) {
+				env.Logger().Warn("the store reported an error after the image was stored; the image stands", "image", p.Image, "err", err)
+				stored(m, nil)
+				return nil
+			}
 			return fmt.Errorf("store image %q: %w", p.Image, err)
 		}
 		stored(m, s)
@@ -253,7 +268,8 @@ func dumpedTree(planned []op.TreeProc, pids []int) []op.TreeProc {
 			continue
 		}
 		if s, err := proc.ReadStat(pid); err == nil {
-			out = append(out, op.TreeProc{PID: s.PID, PPID: s.PPID, Comm: s.Comm})
+			cg, _ := proc.Cgroup(pid)
+			out = append(out, op.TreeProc{PID: s.PID, PPID: s.PPID, Comm: s.Comm, Cgroup: cg})
 		}
 	}
 	return out

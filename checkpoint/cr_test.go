@@ -377,3 +377,43 @@ func TestRestoreCorruptImage(t *testing.T) {
 		t.Fatal("a process was restored from a corrupt image")
 	}
 }
+
+// TestSignalAfterCommit: a SIGINT (a cancelled context) that arrives once the store step has
+// stored the image does not roll back: the checkpoint completes and says so (issue: exit 4
+// "rolled back" with the image committed). One that arrives before the store rolls back, and
+// leaves no image.
+func TestSignalAfterCommit(t *testing.T) {
+	for _, at := range []string{checkpoint.StepFinish, checkpoint.StepStore} {
+		t.Run("cancelled before "+at, func(t *testing.T) {
+			f := setup(t)
+			p, m := f.start(t, "state")
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			f.env.Hook = func(_ context.Context, step string) error {
+				if step == at {
+					cancel()
+				}
+				return nil
+			}
+			res, err := checkpoint.Run(ctx, f.env, checkpoint.Options{PID: p.PID, Name: "sig", StagingRoot: f.stage})
+			_, gerr := f.st.Get("sig")
+			if at == checkpoint.StepFinish {
+				if err != nil || res.Image != "sig" || gerr != nil {
+					t.Fatalf("cancelled after the commit: %v (image: %v), want a completed checkpoint", err, gerr)
+				}
+				select {
+				case <-p.Exited():
+				case <-time.After(10 * time.Second):
+					t.Fatal("the checkpointed process still runs")
+				}
+				return
+			}
+			var se *op.StepError
+			if !errors.As(err, &se) || !se.RolledBack() || se.Committed || !errors.Is(gerr, store.ErrNotFound) {
+				t.Fatalf("cancelled before the store: %v (image: %v), want rolled back with no image", err, gerr)
+			}
+			now, _ := testproc.ReadState(p.StateFile)
+			advancesExactly(t, p.StateFile, m, now.Step, 5)
+		})
+	}
+}

@@ -141,6 +141,10 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 		}
 	}
 	p.Tree = op.TreeOf(stats, cuda)
+	for i := range p.Tree {
+		// Where each process belongs: a restore puts it back there (see restore's Plan.Cgroup).
+		p.Tree[i].Cgroup, _ = proc.Cgroup(p.Tree[i].PID)
+	}
 	p.ShellJob = o.ShellJob
 	if reason := ShellJobReason(stats); reason != "" && !o.ShellJob {
 		p.ShellJob, p.ShellJobReason = true, reason
@@ -154,6 +158,14 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 	}
 	if p.ShellJob {
 		p.meta.Extra[op.ExtraShellJob] = "true"
+	}
+	if p.Tree[0].Cgroup != "" {
+		p.meta.Extra[op.ExtraCgroup] = p.Tree[0].Cgroup
+	}
+	if es, err := proc.Cgroups(o.PID); err == nil {
+		if v1 := op.EncodeCgroupsV1(es); v1 != "" {
+			p.meta.Extra[op.ExtraCgroupV1] = v1
+		}
 	}
 
 	if o.TCPEstablished {

@@ -15,6 +15,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/internal/placement"
@@ -182,8 +183,8 @@ func cudaDescendants(env *op.Env, pid int) string {
 	return fmt.Sprintf(" (its CUDA descendants: pid %s; migrate those)", strings.Join(found, ", "))
 }
 
-// Execute runs the plan: quiesce (under the shim) → lock → checkpoint → restore with pairs →
-// unlock → resume. If the restore onto
+// Execute runs the plan, journaled with a guardian (op.Begin): quiesce (under the shim) → lock →
+// checkpoint → restore with pairs → unlock → resume. If the restore onto
 // the targets fails, the checkpoint's undo restores onto the source GPUs and the lock's undo
 // unlocks. That restore passes no pairs: the driver then puts every GPU back where it was
 // checkpointed (the identity), which needs no bijection and works on every driver.
@@ -211,9 +212,16 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	steps := Steps(env.Driver, p.PID, p.dpairs, o.LockTimeout, recheck)
 	steps[0] = pre.ExplainLock(steps[0])
 	steps = append(append([]op.Step{pre.QuiesceStep([]int{p.PID})}, steps...), pre.ResumeStep(op.Fixed([]int{p.PID}), false))
+	steps[len(steps)-1].Commit = true
+	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpMigrate, Root: p.PID, Tree: []int{p.PID}, CUDA: []int{p.PID},
+		Steps: op.StepNames(steps)})
+	if err != nil {
+		return nil, err
+	}
 	res := &Result{PID: p.PID, Source: p.Source, Target: p.Target, Pairs: p.Pairs}
 	t0 := time.Now()
-	timings, err := op.Execute(ctx, steps, env.Hook, 0, env.Log)
+	timings, err := txn.Execute(ctx, steps, env.Hook, 0)
+	txn.End(err, false)
 	res.Timings, res.Preemption = timings, pre.Reports
 	res.Lock, res.Checkpoint = timings.Of(StepLock), timings.Of(StepCheckpoint)
 	res.Restore, res.Unlock = timings.Of(StepRestore), timings.Of(StepUnlock)

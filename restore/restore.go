@@ -16,6 +16,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/internal/placement"
@@ -42,7 +43,10 @@ type Options struct {
 	KeepStaging bool
 	StagingRoot string        // default: tmpfs when memory allows, else /var/tmp/ptxmig
 	PIDWait     time.Duration // how long to wait for a dying process to free a pid; default 10 s
-	Progress    func(done, total int64)
+	// Cgroup is the cgroup v2 path (as /proc/PID/cgroup shows it) the whole tree goes to; it
+	// must exist. "" puts each process back in its recorded cgroup, else DefaultCgroup.
+	Cgroup   string
+	Progress func(done, total int64)
 }
 
 // Plan is a checked restore.
@@ -57,12 +61,17 @@ type Plan struct {
 	ShellJob bool             `json:"shell_job"`
 	Bytes    int64            `json:"bytes"` // the image's logical size
 	Staging  string           `json:"staging_root"`
-	Steps    []op.PlanStep    `json:"steps"`
+	// Cgroup is the cgroup v2 path the tree's root goes to ("" on a host without cgroup v2),
+	// CgroupReason why (recorded at checkpoint, the default, as asked).
+	Cgroup       string        `json:"cgroup,omitempty"`
+	CgroupReason string        `json:"cgroup_reason"`
+	Steps        []op.PlanStep `json:"steps"`
 
 	opts     Options
 	meta     store.Metadata
 	dpairs   []cudackpt.Pair
 	cudaPIDs []int
+	cgroups  *cgroupPlan
 }
 
 // Result of a restore.
@@ -79,6 +88,7 @@ type Result struct {
 	Timings     op.Timings          `json:"timings"`
 	Total       time.Duration       `json:"total_ns"`
 	Bytes       int64               `json:"bytes"`
+	Cgroup      string              `json:"cgroup,omitempty"` // the root's cgroup v2 path after the restore
 	StagingDir  string              `json:"staging_dir,omitempty"`
 }
 
@@ -133,6 +143,10 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	} else if len(o.GPUs) > 0 || len(o.GPUMap) > 0 {
 		return nil, op.Refusef("image %s is a CPU process: --gpu/--gpu-map do not apply", m.Name)
 	}
+	if p.cgroups, err = planCgroups(p, o); err != nil {
+		return nil, err
+	}
+	p.Cgroup, p.CgroupReason = p.cgroups.target, p.cgroups.why
 	for _, t := range tree {
 		if err := waitPIDFree(ctx, t.PID, o.PIDWait); err != nil {
 			return nil, err
@@ -195,7 +209,7 @@ func (p *Plan) describe() []op.PlanStep {
 	if p.ShellJob {
 		sj = " as a shell job (into ptxmig's session)"
 	}
-	add(StepCRIURestore, "CRIU restore of the tree, pid %v%s, detached", pids, sj)
+	add(StepCRIURestore, "CRIU restore of the tree, pid %v%s, detached, into %s", pids, sj, p.cgroups.describe())
 	if len(p.cudaPIDs) > 0 {
 		where := "onto the GPUs it was checkpointed on"
 		if p.Remapped {
@@ -205,12 +219,14 @@ func (p *Plan) describe() []op.PlanStep {
 		add(StepUnlock, "driver unlock of pid %v", p.cudaPIDs)
 		add(op.StepResume, "processes under the ptxmig shim: relaunch kernels preempted at the checkpoint, release held launches")
 	}
-	add("on failure", "kill the restored processes; the image stays as it is")
+	add("on failure", "kill the restored processes; the image stays as it is (also if ptxmig dies: its guardian does it)")
 	return s
 }
 
-// Execute runs a plan: materialize → CRIU restore (detached, under the original pids) → driver
-// restore with GPU pairs → unlock.
+// Execute runs a plan: materialize → CRIU restore (detached, under the original pids, into the
+// planned cgroups) → driver restore with GPU pairs → unlock → resume (under the shim). The last
+// step commits; any failure before kills the restored tree, and so does the guardian if ptxmig
+// dies before the commit.
 func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	t0 := time.Now()
 	o, meta := p.opts, p.meta
@@ -220,41 +236,27 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	}
 	defer lk.Release()
 
-	staging, err := os.MkdirTemp(p.Staging, "rst-"+p.Image+"-")
-	if err != nil {
-		return nil, op.Refusef("staging in %s: %w", p.Staging, err)
-	}
-	defer func() {
-		if !o.KeepStaging {
-			_ = os.RemoveAll(staging)
-		}
-	}()
-	images, work := filepath.Join(staging, "images"), filepath.Join(staging, "work")
-	if err := os.Mkdir(work, 0o700); err != nil {
-		return nil, fmt.Errorf("staging: %w", err)
-	}
 	res := &Result{Image: p.Image, ImageID: p.ImageID, PID: meta.PID, Kind: meta.Kind, Tree: p.Tree, Pairs: p.Pairs, Remapped: p.Remapped}
-	tm := time.Now()
-	st, err := env.Store.Materialize(ctx, p.ImageID, images, store.GetOptions{Progress: o.Progress})
-	res.Materialize = time.Since(tm)
-	if err != nil {
-		if errors.Is(err, store.ErrCorrupt) {
-			return nil, op.Refusef("image %s is corrupt, nothing was restored: %w", p.Image, err)
-		}
-		return nil, fmt.Errorf("materialize image %s: %w", p.Image, err)
-	}
-	if st != nil {
-		res.Bytes = st.LogicalBytes
-	}
-
-	var restored bool
 	treePIDs := op.TreePIDs(p.Tree, false)
-	ropts := criu.RestoreOptions{ImagesDir: images, WorkDir: work,
-		ShellJob: p.ShellJob, TCPEstablished: meta.Extra[op.ExtraTCPEstablished] == "true"}
+	var restored bool
+	var txn *op.Txn
+	ropts := criu.RestoreOptions{ShellJob: p.ShellJob, TCPEstablished: meta.Extra[op.ExtraTCPEstablished] == "true", IgnoreCgroups: true}
 	steps := []op.Step{{
 		Name: StepCRIURestore,
 		Do: func(ctx context.Context) error {
+			dir, err := p.cgroups.prepare()
+			if err != nil {
+				return err
+			}
+			ropts.CgroupDir, ropts.OnStart = dir, txn.Helper
 			r, err := env.CRIU.Restore(ctx, ropts)
+			if errors.Is(err, criu.ErrStart) && dir != "" {
+				// CLONE_INTO_CGROUP refused (an old kernel, a cgroup that cannot hold processes):
+				// start CRIU where ptxmig is and move the processes after.
+				env.Logger().Warn("cannot start CRIU in the target cgroup; moving the restored processes after", "cgroup", p.cgroups.target, "err", err)
+				ropts.CgroupDir = ""
+				r, err = env.CRIU.Restore(ctx, ropts)
+			}
 			if r != nil && r.PID > 0 {
 				restored = true
 			}
@@ -263,6 +265,9 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 			}
 			if r.PID != meta.PID {
 				return fmt.Errorf("criu restored pid %d, expected %d", r.PID, meta.PID)
+			}
+			if err := p.cgroups.place(restoredTree(meta.PID, treePIDs), env.Logger()); err != nil {
+				return fmt.Errorf("place the restored processes: %w", err)
 			}
 			return nil
 		},
@@ -273,6 +278,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 			return proc.Kill(restoredTree(meta.PID, treePIDs), 10*time.Second)
 		},
 	}}
+	var pre *op.Preemption
 	if len(p.cudaPIDs) > 0 {
 		recheck := func() error {
 			if !p.Remapped || env.GPUs == nil {
@@ -284,17 +290,52 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 			}
 			return placement.CheckRoom(p.Pairs, devs, false)
 		}
-		pre := op.NewPreemption(env, 0)
+		pre = op.NewPreemption(env, 0)
 		defer func() { res.Preemption = pre.Reports }()
 		steps = append(steps,
 			op.RestoreStep(env.Driver, op.Fixed(p.cudaPIDs), p.dpairs, recheck, true),
 			op.UnlockStep(env.Driver, op.Fixed(p.cudaPIDs)),
 			pre.ResumeStep(op.Fixed(p.cudaPIDs), true))
 	}
-	res.Timings, err = op.Execute(ctx, steps, env.Hook, 0, env.Log)
+	steps[len(steps)-1].Commit = true
+
+	txn, err = env.Begin(ctx, op.TxnSpec{Op: journal.OpRestore, Root: meta.PID, Tree: treePIDs, CUDA: p.cudaPIDs,
+		StagingRoot: p.Staging, Store: env.Store.Dir(), Image: p.Image, Steps: op.StepNames(steps)})
 	if err != nil {
-		return nil, op.NewFailure(err, "restore", meta.PID, []string{filepath.Join(work, "restore.log")}, treePIDs)
+		return nil, err
 	}
+	staging := txn.Staging()
+	images, work := filepath.Join(staging, "images"), filepath.Join(staging, "work")
+	ropts.ImagesDir, ropts.WorkDir = images, work
+	if err := os.Mkdir(work, 0o700); err != nil {
+		err = op.Refusef("staging: %w", err)
+		txn.End(err, false)
+		return nil, err
+	}
+	tm := time.Now()
+	st, err := env.Store.Materialize(ctx, p.ImageID, images, store.GetOptions{Progress: o.Progress})
+	res.Materialize = time.Since(tm)
+	if err != nil {
+		if errors.Is(err, store.ErrCorrupt) {
+			err = op.Refusef("image %s is corrupt, nothing was restored: %w", p.Image, err)
+		} else {
+			err = fmt.Errorf("materialize image %s: %w", p.Image, err)
+		}
+		txn.End(err, o.KeepStaging)
+		return nil, err
+	}
+	if st != nil {
+		res.Bytes = st.LogicalBytes
+	}
+
+	res.Timings, err = txn.Execute(ctx, steps, env.Hook, 0)
+	if err != nil {
+		ferr := op.NewFailure(err, "restore", meta.PID, []string{filepath.Join(work, "restore.log")}, treePIDs)
+		txn.End(err, o.KeepStaging)
+		return nil, ferr
+	}
+	txn.End(nil, o.KeepStaging)
+	res.Cgroup, _ = proc.Cgroup(meta.PID)
 	if o.KeepStaging {
 		res.StagingDir = staging
 	}

@@ -13,6 +13,13 @@
 // Chunks are written before the manifest that references them, so a crash at any moment leaves
 // every image intact and at worst unreferenced chunks or temp files, which GC removes. A writer's
 // chunk temp files are fsynced together by one syncfs(2) before any is renamed (see chunkStage).
+//
+// Opening: OpenWith creates a store only with Create, only in a missing directory whose parent
+// exists (or an empty one), so a mistyped path is never conjured into a store. The directory may be
+// a symlink; what it resolves to must pass the ownership and mode checks, and the store works on
+// the resolved path. A store the caller cannot write (a read-only mount) opens read-only: reads
+// take their shared lock through read-only descriptors (flock needs no write access), and gc is
+// refused with ErrReadOnly.
 package store
 
 import (

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"strconv"
@@ -230,9 +231,33 @@ func shimDiagnostics(t *testing.T, pid int) {
 		if err == nil {
 			t.Logf("driver unlock: %v", d.Unlock(pid))
 		}
+		// The same with a driver checkpoint and restore in between (what --leave-running does),
+		// twice, each followed by a resume and a new quiesce.
+		for i := 0; i < 2; i++ {
+			r, err = c.Resume(ctx)
+			t.Logf("cycle %d: resume: %+v %v", i, r, err)
+			time.Sleep(time.Second)
+			q, err = c.Quiesce(ctx, 200*time.Millisecond)
+			t.Logf("cycle %d: quiesce (200 ms): %+v %v", i, q, err)
+			err := d.Lock(pid, 5*time.Second)
+			t.Logf("cycle %d: lock %v", i, err)
+			if err != nil {
+				break
+			}
+			t.Logf("cycle %d: checkpoint %v, restore %v, unlock %v", i, d.Checkpoint(pid), d.Restore(pid, nil), d.Unlock(pid))
+		}
 	}
 	r, err = c.Resume(ctx)
 	t.Logf("direct resume: %+v %v", r, err)
+	time.Sleep(time.Second)
+	q, err = c.Quiesce(ctx, 200*time.Millisecond)
+	t.Logf("after the cycles: quiesce (200 ms): %+v %v", q, err)
+	r, err = c.Resume(ctx)
+	t.Logf("after the cycles: resume: %+v %v", r, err)
+	if out, err := exec.Command("dmesg").CombinedOutput(); err == nil {
+		ls := strings.Split(strings.TrimSpace(string(out)), "\n")
+		t.Logf("dmesg tail:\n%s", strings.Join(ls[max(0, len(ls)-8):], "\n"))
+	}
 }
 
 // logThreads logs where each thread of pid waits.

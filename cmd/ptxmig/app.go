@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -19,6 +20,9 @@ import (
 // version is set at build time with -ldflags "-X main.version=...".
 var version = "dev"
 
+// defaultStore is --store's default.
+const defaultStore = "/var/lib/ptxmig"
+
 // commands holds every subcommand; each cmd_<verb>.go registers its own in init.
 var commands []*cli.Command
 
@@ -31,52 +35,60 @@ type globals struct {
 	Out   io.Writer
 	Err   io.Writer
 	Log   *slog.Logger
+	// jsonOut receives --json documents, the error document included: stdout, or stderr when a
+	// command's stdout carries data (image export to a pipe).
+	jsonOut io.Writer
 }
 
 func env(c *cli.Context) *globals { return c.App.Metadata["globals"].(*globals) }
 
-const exitCodesHelp = `EXIT CODES:
-   0  success
-   1  the operation failed
-   2  usage error (bad flags or arguments)
-   3  refused by preflight: nothing was touched
-   4  failed after touching the process, rolled back: it runs as before
-   5  busy: another ptxmig operation holds the same target`
+// globalFlags are the app's flags; they work before or after the command.
+func globalFlags() []cli.Flag {
+	return []cli.Flag{
+		&cli.StringFlag{Name: "store", Value: defaultStore, EnvVars: []string{"PTXMIG_STORE"},
+			Usage: "`DIR` of the image store (commands that only read never create it)"},
+		&cli.StringFlag{Name: "log-level", Value: "warn", EnvVars: []string{"PTXMIG_LOG_LEVEL"},
+			Usage: "diagnostics on stderr at `LEVEL` and above: debug, info, warn or error"},
+		&cli.BoolFlag{Name: "json", Usage: "machine-readable output: one JSON document on stdout, also on failure"},
+		&cli.BoolFlag{Name: "version", Usage: "print ptxmig's version and exit (the version command says more)"},
+	}
+}
+
+// errVersionShown ends a run after --version printed the version.
+var errVersionShown = errors.New("version shown")
 
 func newApp(stdout, stderr io.Writer) *cli.App {
-	g := &globals{Out: stdout, Err: stderr}
-	// Fresh copies: urfave/cli mutates commands (HelpName) on every run, and tests run the app
-	// many times in one process.
+	g := &globals{Out: stdout, Err: stderr, jsonOut: stdout, Store: defaultStore, Log: slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+	// Fresh copies: urfave/cli mutates commands (HelpName, flags) on every run, and tests run the
+	// app many times in one process.
 	cmds := make([]*cli.Command, len(commands))
 	for i, c := range commands {
-		cc := *c
-		cmds[i] = &cc
+		cmds[i] = copyCommand(c)
 	}
 	sort.Slice(cmds, func(i, j int) bool { return cmds[i].Name < cmds[j].Name })
 	for _, c := range cmds {
-		markUsageErrors(c)
+		setupCommand(c)
 	}
 	app := &cli.App{
 		Name:  "ptxmig",
 		Usage: "checkpoint, restore and migrate running CUDA processes",
-		Description: "ptxmig saves a running CUDA process into a verified, deduplicated image store, restores it\n" +
-			"onto any GPU of the same chip type, and moves live processes between GPUs.\n" +
-			"Flags go before positional arguments: ptxmig checkpoint --leave-running 4242.",
-		Version:               version,
-		HideVersion:           true,
-		Writer:                stdout,
-		ErrWriter:             stderr,
-		Commands:              cmds,
-		Metadata:              map[string]any{"globals": g},
-		ExitErrHandler:        func(*cli.Context, error) {}, // exit codes are mapped in run, after cleanup
-		CustomAppHelpTemplate: cli.AppHelpTemplate + "\n" + exitCodesHelp + "\n",
-		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "store", Value: "/var/lib/ptxmig", EnvVars: []string{"PTXMIG_STORE"},
-				Usage: "image store directory"},
-			&cli.StringFlag{Name: "log-level", Value: "warn", EnvVars: []string{"PTXMIG_LOG_LEVEL"},
-				Usage: "diagnostics on stderr: debug, info, warn or error"},
-			&cli.BoolFlag{Name: "json", Usage: "machine-readable output on stdout"},
-		},
+		Description: "ptxmig saves a running CUDA process tree into a verified, deduplicated image store, restores\n" +
+			"it onto any GPU of the same chip type, and moves live processes between GPUs. Flags go\n" +
+			"anywhere on the line; `--` ends them. Start with `ptxmig doctor`, then:\n\n" +
+			"   ptxmig ps                              # CUDA processes on this host\n" +
+			"   ptxmig checkpoint --name job-1 4242    # save pid 4242's process tree (it ends)\n" +
+			"   ptxmig restore job-1                   # bring it back\n" +
+			"   ptxmig help checkpoint                 # any command's help, with examples",
+		Version:         version,
+		HideVersion:     true,
+		HideHelpCommand: true,
+		Writer:          stdout,
+		ErrWriter:       stderr,
+		Commands:        cmds,
+		Metadata:        map[string]any{"globals": g},
+		ExitErrHandler:  func(*cli.Context, error) {}, // exit codes are mapped in run, after cleanup
+		// --help by hand: urfave adds it only when no command is called "help", and ours is.
+		Flags: append(globalFlags(), cli.HelpFlag),
 		Before: func(c *cli.Context) error {
 			var lvl slog.Level
 			if err := lvl.UnmarshalText([]byte(c.String("log-level"))); err != nil {
@@ -86,40 +98,102 @@ func newApp(stdout, stderr io.Writer) *cli.App {
 			g.JSON = c.Bool("json")
 			g.Log = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: lvl}))
 			slog.SetDefault(g.Log)
+			if c.Bool("version") {
+				if g.JSON {
+					_ = writeJSON(stdout, map[string]string{"ptxmig": version})
+				} else {
+					fmt.Fprintf(stdout, "ptxmig %s\n", version)
+				}
+				return errVersionShown
+			}
 			return nil
+		},
+		Action: func(c *cli.Context) error {
+			if g.JSON { // help is no JSON document
+				return exitcode.Usagef("no command given (see `ptxmig --help`)")
+			}
+			return cli.ShowAppHelp(c)
 		},
 		OnUsageError: usageError,
 	}
 	return app
 }
 
-func usageError(_ *cli.Context, err error, _ bool) error { return exitcode.Wrap(exitcode.Usage, err) }
+// copyCommand copies c and, recursively, its subcommands.
+func copyCommand(c *cli.Command) *cli.Command {
+	cc := *c
+	if len(c.Subcommands) > 0 {
+		cc.Subcommands = make([]*cli.Command, len(c.Subcommands))
+		for i, s := range c.Subcommands {
+			cc.Subcommands[i] = copyCommand(s)
+		}
+	}
+	return &cc
+}
 
-func markUsageErrors(c *cli.Command) {
+// setupCommand gives every command the usage-error mapping and a group (a command with
+// subcommands) its help as its action; normalizeArgs already refused unknown subcommands.
+func setupCommand(c *cli.Command) {
 	if c.OnUsageError == nil {
 		c.OnUsageError = usageError
 	}
+	c.HideHelpCommand = true // `help` is normalizeArgs' business (urfave would add it to every command)
+	if len(c.Subcommands) > 0 && c.Action == nil {
+		c.Action = func(ctx *cli.Context) error {
+			if env(ctx).JSON { // help is no JSON document
+				return exitcode.Usagef("%s: which command? %s (see `ptxmig %s --help`)", commandPath(ctx), strings.Join(visibleNames(ctx.Command.Subcommands), ", "), commandPath(ctx))
+			}
+			return cli.ShowSubcommandHelp(ctx)
+		}
+	}
 	for _, s := range c.Subcommands {
-		markUsageErrors(s)
+		setupCommand(s)
 	}
 }
 
-// run executes the CLI and returns the exit status; errors are reported here, once.
+func usageError(_ *cli.Context, err error, _ bool) error { return exitcode.Wrap(exitcode.Usage, err) }
+
+// resultError carries a command's --json result along with its failure: run prints one document
+// holding the result's members and the error's.
+type resultError struct {
+	err    error
+	result any
+}
+
+func (e *resultError) Error() string { return e.err.Error() }
+func (e *resultError) Unwrap() error { return e.err }
+
+// withResult attaches v, the command's --json result, to err (nil stays nil).
+func withResult(err error, v any) error {
+	if err == nil {
+		return nil
+	}
+	return &resultError{err: err, result: v}
+}
+
+// run executes the CLI and returns the exit status; errors are reported here, once: with --json
+// as one document on stdout (the command's partial result merged in), else on stderr.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	app := newApp(stdout, stderr)
-	err := app.RunContext(ctx, args)
+	g := app.Metadata["globals"].(*globals)
+	p, err := normalizeArgs(app, args)
 	if err == nil {
+		err = app.RunContext(ctx, p.args)
+	}
+	if errors.Is(err, errVersionShown) || err == nil {
 		return exitcode.OK
 	}
-	code := exitcode.Of(err)
-	if strings.Contains(err.Error(), "flag provided but not defined") || strings.HasPrefix(err.Error(), "No help topic") {
-		code = exitcode.Usage
+	code := exitStatus(err)
+	if len(p.path) > 0 && p.path[0] == "run" && code != exitRunNoExec && code != exitRunNotFound {
+		code = exitRunFailed // env(1)/timeout(1) style: ptxmig run's own failures never look like the command's
 	}
-	if errors.Is(err, context.Canceled) && code == exitcode.Failed {
-		code = 130
+	msg := err.Error()
+	if code == exitcode.Usage && strings.Contains(msg, "flag provided but not defined") {
+		msg += fmt.Sprintf(" (see `ptxmig %s --help`)", strings.TrimSpace(strings.Join(p.path, " ")))
+		msg = strings.Replace(msg, "`ptxmig  --help`", "`ptxmig --help`", 1)
 	}
-	if wantJSON(args) {
-		doc := map[string]any{"error": err.Error(), "exit_code": code, "kind": exitcode.Name(code)}
+	if p.json || g.JSON {
+		doc := map[string]any{"error": msg, "exit_code": code, "kind": exitKind(code)}
 		var f *op.Failure
 		if errors.As(err, &f) {
 			doc["failed_step"], doc["rolled_back"], doc["undone"] = f.Step, f.RolledBack(), f.Undone
@@ -130,49 +204,94 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 				doc["log_dir"] = f.LogDir
 			}
 		}
-		_ = writeJSON(stdout, doc)
+		var result any
+		var re *resultError
+		if errors.As(err, &re) {
+			result = re.result
+		}
+		_ = writeErrorJSON(g.jsonOut, result, doc)
 	} else {
-		fmt.Fprintf(stderr, "ptxmig: error: %v\n", err)
+		fmt.Fprintf(stderr, "ptxmig: error: %s\n", escLines(msg))
 	}
 	return code
 }
 
-// wantJSON reports whether --json was given among the global flags (the app may have failed
-// before its Before hook ran).
-func wantJSON(args []string) bool {
-	for _, a := range args[1:] {
-		if a == "--json" || a == "-json" || a == "--json=true" {
-			return true
-		}
+// writeErrorJSON writes the one document of a failed command: the members of its partial result
+// (an object keeps its members in order; anything else becomes "result"), then the error's.
+func writeErrorJSON(w io.Writer, result any, errDoc map[string]any) error {
+	eb, err := marshalJSON(errDoc)
+	if err != nil {
+		return err
 	}
-	return false
+	if result == nil {
+		return writeJSON(w, json.RawMessage(eb))
+	}
+	rb, err := marshalJSON(result)
+	if err != nil || len(rb) < 2 || rb[0] != '{' {
+		errDoc["result"] = result
+		return writeJSON(w, errDoc)
+	}
+	inner := bytes.TrimSpace(rb[1 : len(rb)-1])
+	merged := append([]byte("{"), inner...)
+	if len(inner) > 0 {
+		merged = append(merged, ',')
+	}
+	merged = append(merged, eb[1:]...)
+	return writeJSON(w, json.RawMessage(merged))
 }
 
-// printJSON writes v as indented JSON to stdout.
-func printJSON(c *cli.Context, v any) error { return writeJSON(env(c).Out, v) }
+func marshalJSON(v any) ([]byte, error) {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
+		return nil, fmt.Errorf("encode JSON: %w", err)
+	}
+	return bytes.TrimSpace(b.Bytes()), nil
+}
+
+// printJSON writes v as the command's one JSON document.
+func printJSON(c *cli.Context, v any) error { return writeJSON(env(c).jsonOut, v) }
 
 // writeJSON writes v to w as one JSON document, indented by two spaces and ended by a newline,
 // in a single Write (nothing is written when v fails to encode). All user-facing JSON, on
 // stdout or elsewhere, goes through it.
 func writeJSON(w io.Writer, v any) error {
-	b, err := json.MarshalIndent(v, "", "  ")
+	b, err := marshalJSON(v)
 	if err != nil {
+		return err
+	}
+	var out bytes.Buffer
+	if err := json.Indent(&out, b, "", "  "); err != nil {
 		return fmt.Errorf("encode JSON: %w", err)
 	}
-	_, err = w.Write(append(b, '\n'))
+	out.WriteByte('\n')
+	_, err = w.Write(out.Bytes())
 	return err
 }
 
-// argsExactly enforces the number of positional arguments; v2 stops flag parsing at the first
-// positional argument, so a trailing flag shows up here as a surplus argument.
+// commandPath is "image rm" for `ptxmig image rm`.
+func commandPath(c *cli.Context) string {
+	return strings.TrimPrefix(c.Command.HelpName, "ptxmig ")
+}
+
+// argsExactly enforces the number of positional arguments (flags are already parsed wherever
+// they stood: normalizeArgs).
 func argsExactly(c *cli.Context, n int) error {
 	if c.NArg() == n {
 		return nil
 	}
-	for _, a := range c.Args().Slice() {
-		if strings.HasPrefix(a, "-") {
-			return exitcode.Usagef("%s: flag %s after an argument; put flags first: ptxmig %s %s", c.Command.Name, a, c.Command.Name, c.Command.ArgsUsage)
-		}
+	what := "no arguments"
+	if c.Command.ArgsUsage != "" {
+		what = c.Command.ArgsUsage
 	}
-	return exitcode.Usagef("%s: want %d argument(s) (%s), got %d", c.Command.Name, n, c.Command.ArgsUsage, c.NArg())
+	return exitcode.Usagef("%s: want %s, got %d argument(s) (see `ptxmig %s --help`)", commandPath(c), what, c.NArg(), commandPath(c))
+}
+
+// argsAtLeast enforces a minimum number of positional arguments.
+func argsAtLeast(c *cli.Context, n int) error {
+	if c.NArg() >= n {
+		return nil
+	}
+	return exitcode.Usagef("%s: want %s (see `ptxmig %s --help`)", commandPath(c), c.Command.ArgsUsage, commandPath(c))
 }

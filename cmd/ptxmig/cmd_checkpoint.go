@@ -3,9 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
-	"io"
-	"os"
-	"strconv"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -15,8 +13,8 @@ import (
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/exitcode"
 	"github.com/ptxmig/ptxmig/internal/op"
-	"github.com/ptxmig/ptxmig/internal/oplock"
-	"github.com/ptxmig/ptxmig/internal/shimctl"
+	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/store"
 )
 
 func init() {
@@ -24,20 +22,24 @@ func init() {
 		Name:      "checkpoint",
 		Usage:     "save a running process tree (CUDA or CPU-only) into an image in the store",
 		ArgsUsage: "PID",
-		Description: "Saves PID and every process below it. Preflight refuses (exit status 3) before anything is\n" +
-			"frozen or written: not root; the name is empty, taken, or could be read as an image id (4 to 64\n" +
-			"hex digits); PID is ptxmig or one of its ancestors; a process is locked by another tool; CRIU is\n" +
-			"missing; the store lacks room for the estimate (resident memory + GPU memory). A tree that\n" +
-			"belongs to a shell's session or has a controlling terminal is dumped as a shell job (said in the\n" +
-			"output) instead of failing in CRIU. --dry-run prints the plan and stops there.\n\n" +
+		Description: "Saves PID and every process below it. Usage errors (exit 2): PID is not a number; --name is\n" +
+			"not a valid image name (letters, digits and . _ + @ -) or is 4 to 64 hex digits (it would read\n" +
+			"as an image id). No process PID: exit 6. Preflight refuses (exit 3) before anything is frozen\n" +
+			"or written: not root; the name is taken; PID is ptxmig or one of its ancestors; a process is\n" +
+			"locked by another tool or has a controlling terminal; CRIU is missing; the store is read-only\n" +
+			"or lacks room for the estimate (resident memory + GPU memory). A tree that belongs to a shell's\n" +
+			"session is dumped as a shell job (said in the output) instead of failing in CRIU. --dry-run\n" +
+			"prints the plan and stops there, creating nothing (not even the store). The first checkpoint\n" +
+			"creates the store (stderr says so); its parent directory must exist.\n\n" +
 			"Then, for the CUDA processes of the tree: those under the ptxmig shim (`ptxmig run`) are quiesced:\n" +
 			"their preemptible kernels stop between blocks within --preempt-budget and new launches are held,\n" +
 			"so the lock does not wait for long kernels; the output names any kernel left running. Then the\n" +
 			"driver lock (waits for running kernels up to --lock-timeout) → driver checkpoint (GPU memory to\n" +
-			"host memory, GPUs released); then CRIU dump of\n" +
-			"the tree → store. The manifest records the tree, host, kernel, driver, CUDA, the source GPUs\n" +
-			"(index, UUID, name, compute capability, memory used), every GPU of the host (a restore onto other\n" +
-			"GPUs must pair each of them; MIG is not supported), the pid and the command line.\n\n" +
+			"host memory, GPUs released); then CRIU dump of the tree → store. On a terminal, a status line on\n" +
+			"stderr shows the step, the bytes stored with throughput, and an ETA. The manifest records the\n" +
+			"tree, host, kernel, driver, CUDA, the source GPUs (index, UUID, name, compute capability,\n" +
+			"memory used), every GPU of the host (a restore onto other GPUs must pair each of them; MIG is\n" +
+			"not supported), the pid and the command line.\n\n" +
 			"Without --leave-running every process of the tree is stopped by the dump and ended once the image\n" +
 			"is stored. Any failure — or SIGINT/SIGTERM to ptxmig — after the first step rolls back: every\n" +
 			"stopped process is resumed, the GPUs restored and unlocked, and the tree runs on as before (exit\n" +
@@ -46,9 +48,10 @@ func init() {
 			"Examples:\n" +
 			"   ptxmig checkpoint 4242\n" +
 			"   ptxmig checkpoint --dry-run 4242\n" +
-			"   ptxmig checkpoint --name trainer-step-900 --leave-running --lock-timeout 30s 4242",
+			"   ptxmig checkpoint --name trainer-step-900 --leave-running --lock-timeout 30s 4242\n" +
+			"   ptxmig checkpoint 4242 --name nightly-4242 --json",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "name", Usage: "image name (default COMM-PID-DATE-TIME)"},
+			&cli.StringFlag{Name: "name", Usage: "image `NAME` (default COMM-PID-DATE-TIME)"},
 			&cli.BoolFlag{Name: "leave-running", Usage: "keep the processes running after the checkpoint"},
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
 			&cli.DurationFlag{Name: "lock-timeout", Value: 10 * time.Second, Usage: "how long the driver lock may wait for running kernels (0: forever)"},
@@ -62,6 +65,13 @@ func init() {
 	})
 }
 
+// checkpointLabels name the steps of a checkpoint in its output and status line.
+var checkpointLabels = map[string]string{
+	op.StepQuiesce: "quiesce", op.StepDetach: "detach", op.StepResume: "resume", checkpoint.StepLock: "lock",
+	checkpoint.StepCheckpoint: "device->host", checkpoint.StepDump: "criu dump", checkpoint.StepRestore: "driver restore",
+	checkpoint.StepUnlock: "unlock", checkpoint.StepStore: "store", checkpoint.StepFinish: "stop processes",
+}
+
 func checkpointAction(c *cli.Context) error {
 	if err := argsExactly(c, 1); err != nil {
 		return err
@@ -69,6 +79,11 @@ func checkpointAction(c *cli.Context) error {
 	pid, err := parsePID(c.Args().First())
 	if err != nil {
 		return err
+	}
+	if c.IsSet("name") {
+		if err := checkImageName("--name", c.String("name")); err != nil {
+			return err
+		}
 	}
 	lockTimeout, err := lockTimeoutFlag(c)
 	if err != nil {
@@ -79,31 +94,70 @@ func checkpointAction(c *cli.Context) error {
 		return err
 	}
 	g := env(c)
-	e, closeEnv, err := op.NewEnv(c.Context, g.Store, g.Log)
+	dry := c.Bool("dry-run")
+	// The store is opened here rather than by NewEnv: a dry run must not create it, and a new
+	// store is announced. NewEnv still refuses a non-root caller before anything is opened.
+	e, closeEnv, err := op.NewEnv(c.Context, "", g.Log)
 	defer closeEnv()
 	if err != nil {
 		return opError(g.Err, err)
 	}
-	plan, err := checkpoint.PlanCheckpoint(e, checkpoint.Options{
+	if !proc.Alive(pid) {
+		return fmt.Errorf("checkpoint: %w: no running process with pid %d", errNoProcess, pid)
+	}
+	st, err := checkpointStore(c, dry)
+	if err != nil {
+		return err
+	}
+	e.Store = st
+	if name := c.String("name"); c.IsSet("name") {
+		if m, err := st.Get(name); err == nil && m.Name == name {
+			return exitcode.Refusedf("--name %q: an image of that name exists (id %.12s, made %s); pick another name or remove it with: %s",
+				name, m.ID, m.Created.Format(time.RFC3339), hint(c, "image", "rm", name))
+		}
+	}
+	opts := checkpoint.Options{
 		PID: pid, Name: c.String("name"), NameSet: c.IsSet("name"), LeaveRunning: c.Bool("leave-running"),
 		LockTimeout: lockTimeout, PreemptBudget: budget, TCPEstablished: c.Bool("tcp-established"),
 		ShellJob: c.Bool("shell-job"), KeepStaging: c.Bool("keep-staging"),
 		PrestageWorkers: c.Int("prestage-workers"),
-	})
-	if err != nil {
-		return opError(g.Err, err)
 	}
 	w := g.Out
-	if c.Bool("dry-run") {
+	if dry {
+		plan, err := checkpoint.PlanCheckpoint(e, opts)
+		if err != nil {
+			return opError(g.Err, err)
+		}
 		return printPlan(c, plan, plan.Steps, func() {
-			fmt.Fprintf(w, "plan for pid %d (dry run, nothing done): image %s, %s, estimated %s\n", plan.PID, plan.Image, plan.Kind, ms(plan.Estimate.Duration))
+			fmt.Fprintf(w, "plan for pid %d (dry run, nothing done): image %s, %s, estimated %s\n", plan.PID, esc(plan.Image), plan.Kind, ms(plan.Estimate.Duration))
+			if _, absent := st.(absentStore); absent {
+				fmt.Fprintf(w, "the store %s does not exist yet: the checkpoint will create it\n", esc(g.Store))
+			}
 			printTree(w, plan.Tree)
 		})
 	}
+	// The status line needs the plan's steps, and the plan keeps the options it was made with
+	// (their Progress callback): plan once without a line to learn the steps and the estimate,
+	// then plan again with it. Planning touches nothing.
+	plan, err := checkpoint.PlanCheckpoint(e, opts)
+	if err != nil {
+		return opError(g.Err, err)
+	}
+	prog := newOpProgress(g.Err, fmt.Sprintf("checkpoint %d", pid), plan.Steps, checkpointLabels, plan.Estimate.Duration)
+	defer prog.Done()
+	if prog != nil {
+		opts.Name, opts.NameSet = plan.Image, true
+		opts.Progress = prog.Bytes()
+		e.Hook = prog.Hook(e.Hook)
+		if plan, err = checkpoint.PlanCheckpoint(e, opts); err != nil {
+			return opError(g.Err, err)
+		}
+	}
 	if plan.ShellJobReason != "" && !g.JSON {
-		fmt.Fprintf(g.Err, "ptxmig: dumping as a shell job: %s\n", plan.ShellJobReason)
+		fmt.Fprintf(g.Err, "ptxmig: dumping as a shell job: %s\n", esc(plan.ShellJobReason))
 	}
 	res, err := checkpoint.Execute(c.Context, e, plan)
+	prog.Done()
 	if err != nil {
 		return opError(g.Err, err)
 	}
@@ -112,7 +166,7 @@ func checkpointAction(c *cli.Context) error {
 	}
 	gpus := ""
 	for _, gp := range res.GPUs {
-		gpus += fmt.Sprintf(", GPU %d %s %s", gp.Index, gp.Name, gp.UUID)
+		gpus += fmt.Sprintf(", GPU %d %s %s", gp.Index, esc(gp.Name), gp.UUID)
 	}
 	fmt.Fprintf(w, "checkpointed pid %d (%s%s)\n", res.PID, res.Kind, gpus)
 	if len(res.Tree) > 1 {
@@ -125,14 +179,10 @@ func checkpointAction(c *cli.Context) error {
 		}
 		fmt.Fprintf(w, "GPUs visible to it: %s\n", strings.Join(vis, ", "))
 	}
-	fmt.Fprintf(w, "image %s (id %s)\n", res.Image, shortID(res.ImageID))
+	fmt.Fprintf(w, "image %s (id %s)\n", esc(res.Image), shortID(res.ImageID))
 	printPreemption(w, res.Preemption)
-	labels := map[string]string{
-		op.StepQuiesce: "quiesce", op.StepDetach: "detach", op.StepResume: "resume", checkpoint.StepLock: "lock", checkpoint.StepCheckpoint: "device->host", checkpoint.StepDump: "criu dump",
-		checkpoint.StepRestore: "driver restore", checkpoint.StepUnlock: "unlock", checkpoint.StepStore: "store", checkpoint.StepFinish: "stop processes",
-	}
 	for _, t := range res.Timings {
-		fmt.Fprintf(w, "  %-15s %s\n", labels[t.Step], ms(t.Duration))
+		fmt.Fprintf(w, "  %-15s %s\n", stepLabel(checkpointLabels, t.Step), ms(t.Duration))
 	}
 	fmt.Fprintf(w, "  %-15s %s\n", "total", ms(res.Total))
 	s := res.Sizes
@@ -142,161 +192,34 @@ func checkpointAction(c *cli.Context) error {
 	if res.LeftRunning {
 		fmt.Fprintf(w, "pid %d keeps running\n", res.PID)
 	} else {
-		fmt.Fprintf(w, "pid %d was stopped; bring it back with: %s\n", res.PID, restoreHint(c, res.Image))
+		fmt.Fprintf(w, "pid %d was stopped; bring it back with: %s\n", res.PID, hint(c, "restore", res.Image))
 	}
 	if res.StagingDir != "" {
-		fmt.Fprintf(w, "staging kept in %s\n", res.StagingDir)
+		fmt.Fprintf(w, "staging kept in %s\n", esc(res.StagingDir))
 	}
 	return nil
 }
 
-// restoreHint is the command that restores image, with the store named when it is not the
-// default one.
-func restoreHint(c *cli.Context, image string) string {
-	if st := env(c).Store; c.IsSet("store") || os.Getenv("PTXMIG_STORE") != "" {
-		return fmt.Sprintf("ptxmig --store %s restore %s", st, image)
+// checkpointStore opens the store a checkpoint writes: created when missing (and announced). A
+// dry run creates nothing: a store that does not exist yet but could be made stands in as an
+// empty one (absentStore); one that could not be made fails as the real run would.
+func checkpointStore(c *cli.Context, dry bool) (op.ImageStore, error) {
+	if !dry {
+		return openStoreWrite(c)
 	}
-	return "ptxmig restore " + image
-}
-
-// printPlan prints a --dry-run plan: with --json one document {"dry_run": true, "plan": …};
-// else head() then the numbered steps.
-func printPlan(c *cli.Context, plan any, steps []op.PlanStep, head func()) error {
-	if env(c).JSON {
-		return printJSON(c, map[string]any{"dry_run": true, "plan": plan})
-	}
-	head()
-	for i, s := range steps {
-		fmt.Fprintf(env(c).Out, "  %d. %-14s %s\n", i+1, s.Step, s.Action)
-	}
-	return nil
-}
-
-// printTree lists a process tree, one process a line, indented by depth.
-func printTree(w io.Writer, tree []op.TreeProc) {
-	depth := map[int]int{}
-	for _, p := range tree {
-		d := 0
-		if pd, ok := depth[p.PPID]; ok {
-			d = pd + 1
-		}
-		depth[p.PID] = d
-		cuda := ""
-		if p.CUDA {
-			cuda = " [cuda]"
-		}
-		fmt.Fprintf(w, "  %s%d %s%s\n", strings.Repeat("  ", d), p.PID, p.Comm, cuda)
-	}
-}
-
-func parsePID(s string) (int, error) {
-	pid, err := strconv.Atoi(s)
-	if err != nil || pid <= 0 {
-		return 0, exitcode.Usagef("PID %q: want a positive integer", s)
-	}
-	return pid, nil
-}
-
-// preemptBudgetFlag is --preempt-budget, shared by checkpoint and migrate.
-func preemptBudgetFlag() cli.Flag {
-	return &cli.DurationFlag{Name: "preempt-budget", Value: op.DefaultPreemptBudget,
-		Usage: "processes under the shim: how long to wait for preemptible kernels to stop before the driver lock"}
-}
-
-// preemptBudget reads --preempt-budget (1 ms to 60 s).
-func preemptBudget(c *cli.Context) (time.Duration, error) {
-	d := c.Duration("preempt-budget")
-	if d < time.Millisecond || d > time.Minute {
-		return 0, exitcode.Usagef("--preempt-budget %s: want 1ms to 1m", d)
-	}
-	return d, nil
-}
-
-// printPreemption reports, per process under the shim, what the quiesce stopped and what it
-// left to the driver lock, and the resume. Processes without the shim print nothing.
-func printPreemption(w io.Writer, reports []*op.PreemptReport) {
-	for _, r := range reports {
-		if !r.Shim {
-			continue
-		}
-		if r.Note != "" {
-			fmt.Fprintf(w, "pid %d: %s\n", r.PID, r.Note)
-		}
-		if q := r.Quiesce; q != nil {
-			fmt.Fprintf(w, "pid %d: quiesced in %s (%d preempted, %d drained, %d left to the lock)\n", r.PID,
-				usText(q.ElapsedUS), len(q.Preempted), len(q.Drained), len(q.NotStopped)+len(q.Originals))
-			for _, k := range q.Preempted {
-				fmt.Fprintf(w, "  preempted %s: %d of %d blocks done\n", k.Kernel, k.BlocksDone, k.BlocksTotal)
-			}
-			for _, k := range append(append([]shimctl.LaunchNote(nil), q.NotStopped...), q.Originals...) {
-				fmt.Fprintf(w, "  not preempted %s: %s\n", k.Kernel, k.Reason)
-			}
-		}
-		if res := r.Resume; res != nil {
-			fmt.Fprintf(w, "pid %d: resumed (%d relaunched) in %s\n", r.PID, res.Relaunched, usText(res.ElapsedUS))
-		}
-	}
-}
-
-func usText(us int64) string {
-	if us < 10000 {
-		return fmt.Sprintf("%.2f ms", float64(us)/1000)
-	}
-	return ms(time.Duration(us) * time.Microsecond)
-}
-
-// lockTimeoutFlag reads --lock-timeout, shared by checkpoint and migrate; 0 means no limit.
-func lockTimeoutFlag(c *cli.Context) (time.Duration, error) {
-	d := c.Duration("lock-timeout")
-	if d < 0 {
-		return 0, exitcode.Usagef("--lock-timeout %s: want 0 (no limit) or a positive duration", d)
-	}
-	return d, nil
-}
-
-func shortID(id string) string {
-	if len(id) > 12 {
-		return id[:12]
-	}
-	return id
-}
-
-func ms(d time.Duration) string {
-	if d < 10*time.Second {
-		return fmt.Sprintf("%d ms", d.Milliseconds())
-	}
-	return fmt.Sprintf("%.1f s", d.Seconds())
-}
-
-// opError maps checkpoint/restore/migrate failures to exit statuses and prints CRIU's log tail
-// and where the failure's logs were kept.
-func opError(stderr io.Writer, err error) error {
-	if err == nil {
-		return nil
-	}
-	var f *op.Failure
-	if errors.As(err, &f) {
-		if len(f.CRIUTail) > 0 {
-			fmt.Fprintf(stderr, "ptxmig: last lines of CRIU's log:\n  %s\n", strings.Join(f.CRIUTail, "\n  "))
-		}
-		if f.LogDir != "" {
-			fmt.Fprintf(stderr, "ptxmig: logs kept in %s\n", f.LogDir)
-		}
-	}
-	return withOpExitCode(err)
-}
-
-// withOpExitCode attaches the exit status of a checkpoint/restore/migrate failure: refused by
-// preflight 3, busy 5, failed and rolled back 4, anything else 1.
-func withOpExitCode(err error) error {
-	var se *op.StepError
+	dir := env(c).Store
+	s, err := store.OpenWith(dir, store.OpenOptions{})
 	switch {
-	case errors.Is(err, op.ErrRefused):
-		return exitcode.Wrap(exitcode.Refused, err)
-	case errors.Is(err, oplock.ErrBusy):
-		return exitcode.Wrap(exitcode.Busy, err)
-	case errors.As(err, &se) && se.RolledBack():
-		return exitcode.Wrap(exitcode.RolledBack, err)
+	case err == nil && s.ReadOnly():
+		return nil, exitcode.Refusedf("store %s is read-only: a checkpoint cannot write to it", esc(dir))
+	case err == nil:
+		return s, nil
+	case !errors.Is(err, store.ErrNoStore):
+		return nil, err
 	}
-	return exitcode.Wrap(exitcode.Failed, err)
+	if err := store.CheckCreate(dir); err != nil {
+		return nil, err
+	}
+	abs, _ := filepath.Abs(dir)
+	return absentStore{dir: abs}, nil
 }

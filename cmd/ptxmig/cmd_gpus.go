@@ -18,7 +18,11 @@ func init() {
 		Usage: "list this host's GPUs with memory, utilization, power and their CUDA processes (NVML)",
 		Description: "Reads every GPU through NVML: index, UUID, name, compute capability, memory used/total,\n" +
 			"utilization, power draw, and the compute processes with their memory. Utilization and power\n" +
-			"print as - when the GPU does not report them. Fails with \"no NVIDIA driver\" on hosts without one.",
+			"print as - when the GPU does not report them. Fails with \"no NVIDIA driver\" (exit 1) on hosts\n" +
+			"without one; `ptxmig doctor` says what else the host lacks.\n\n" +
+			"Examples:\n" +
+			"   ptxmig gpus\n" +
+			"   ptxmig gpus --json",
 		Action: gpusAction,
 	})
 }
@@ -66,7 +70,7 @@ func gpusAction(c *cli.Context) error {
 				procs += fmt.Sprintf("%d(%s)", p.PID, bytesize.FormatU(p.UsedMemory))
 			}
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s / %s\t%s\t%s\t%s\n", d.Index, d.Name, d.ComputeCap, d.UUID,
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s / %s\t%s\t%s\t%s\n", d.Index, esc(d.Name), esc(d.ComputeCap), esc(d.UUID),
 			bytesize.FormatU(d.MemoryUsed), bytesize.FormatU(d.MemoryTotal),
 			pct(d.Utilization), watts(d.PowerW), procs)
 	}

@@ -23,67 +23,105 @@ import (
 
 func init() {
 	workers := &cli.IntFlag{Name: "workers", Usage: "parallel workers (0: one per CPU)"}
-	memory := &cli.StringFlag{Name: "memory", Value: "512MiB", Usage: "bound on buffer memory, e.g. 256MiB or 2GiB"}
+	memory := &cli.StringFlag{Name: "memory", Value: "512MiB", Usage: "bound on buffer memory (`SIZE`, e.g. 256MiB or 2GiB)"}
 	register(&cli.Command{
 		Name:  "image",
-		Usage: "manage images in the store: add, extract, inspect, verify, rm, gc, export, import",
+		Usage: "manage images in the store: ls, add, extract, inspect, verify, rm, gc, export, import",
 		Description: "Images are immutable, named directory trees (a CRIU dump plus ptxmig metadata) kept as\n" +
 			"BLAKE3-addressed, zstd-compressed, deduplicated chunks. Every read re-verifies chunk hashes.\n" +
-			"An image is named by its NAME, its full ID or a unique ID prefix (4+ hex digits).\n" +
-			"List images with `ptxmig images`. Format: docs/FORMAT.md.",
+			"An image is named by its NAME, its full ID or a unique ID prefix (4+ hex digits). Commands\n" +
+			"that only read (ls, inspect, verify, extract, export) work on a read-only store and never\n" +
+			"create one; add and import create the store when its directory is missing (its parent must\n" +
+			"exist). Format: docs/FORMAT.md.\n\n" +
+			"Examples:\n" +
+			"   ptxmig image ls\n" +
+			"   ptxmig image inspect trainer-1\n" +
+			"   ptxmig image export trainer-1 | ssh host2 ptxmig image import",
 		Subcommands: []*cli.Command{
+			{
+				Name:    "ls",
+				Aliases: []string{"list"},
+				Usage:   "list the images in the store (same as `ptxmig images`)",
+				Description: imagesDescription + "\n\n" +
+					"Examples:\n" +
+					"   ptxmig image ls\n" +
+					"   ptxmig image ls -q                        # ids only, one a line\n" +
+					"   ptxmig --store /mnt/shared/ptxmig image list --json",
+				Flags:  imagesFlags(),
+				Action: imagesList,
+			},
 			{
 				Name:      "add",
 				Usage:     "store a directory (e.g. a CRIU dump made by another tool) as a new image",
 				ArgsUsage: "NAME DIR",
 				Description: "Symlinks are stored as links and never followed; sparse files stay sparse. NAME may use\n" +
-					"letters, digits and . _ + @ - and must not exist yet.\n" +
-					"Example: ptxmig image add --kind cpu --label job=42 job42 /tmp/dump",
+					"letters, digits and . _ + @ - (not 4 to 64 hex digits, which read as an image id; else\n" +
+					"exit 2) and must not exist yet (exit 3).\n\n" +
+					"Examples:\n" +
+					"   ptxmig image add --kind cpu --label job=42 job42 /tmp/dump\n" +
+					"   ptxmig image add --parent job42 --chunk-size 1MiB job42-b /tmp/dump2",
 				Flags: []cli.Flag{
-					&cli.StringFlag{Name: "parent", Usage: "name or id of the image this one derives from"},
-					&cli.StringFlag{Name: "kind", Usage: "what the directory holds: cuda, cpu, or empty for any directory"},
-					&cli.StringSliceFlag{Name: "label", Usage: "extra metadata as KEY=VALUE (repeatable)"},
-					&cli.StringFlag{Name: "chunk-size", Value: "4MiB", Usage: "chunk size, 4KiB to 64MiB"},
+					&cli.StringFlag{Name: "parent", Usage: "`NAME|ID` of the image this one derives from"},
+					&cli.StringFlag{Name: "kind", Usage: "what the directory holds: `KIND` cuda, cpu, or empty for any directory"},
+					&cli.StringSliceFlag{Name: "label", Usage: "extra metadata as `KEY=VALUE` (repeatable)"},
+					&cli.StringFlag{Name: "chunk-size", Value: "4MiB", Usage: "chunk `SIZE`, 4KiB to 64MiB"},
 					workers, memory,
 				},
 				Action: imageAdd,
 			},
 			{
-				Name:        "extract",
-				Usage:       "materialize an image into a directory (missing or empty)",
-				ArgsUsage:   "NAME|ID DIR",
-				Description: "Every chunk is verified; on any error nothing is left in DIR.",
-				Flags:       []cli.Flag{workers, memory},
-				Action:      imageExtract,
+				Name:      "extract",
+				Usage:     "materialize an image into a directory (missing or empty)",
+				ArgsUsage: "NAME|ID DIR",
+				Description: "Every chunk is verified; on any error nothing is left in DIR.\n\n" +
+					"Examples:\n" +
+					"   ptxmig image extract trainer-1 /tmp/trainer-1\n" +
+					"   ptxmig image extract --workers 4 --memory 1GiB trainer-1 /tmp/restore-me",
+				Flags:  []cli.Flag{workers, memory},
+				Action: imageExtract,
 			},
 			{
 				Name:      "inspect",
-				Usage:     "show an image's manifest: provenance, GPUs, files and sizes",
+				Usage:     "show an image's manifest: provenance, GPUs, process tree, files and sizes",
 				ArgsUsage: "NAME|ID",
-				Action:    imageInspect,
+				Description: "Names, paths, symlink targets, labels and command lines are printed with control\n" +
+					"characters escaped (\\x1b); --json gives the manifest plus logical and stored sizes.\n\n" +
+					"Examples:\n" +
+					"   ptxmig image inspect trainer-1\n" +
+					"   ptxmig image inspect --json trainer-1",
+				Action: imageInspect,
 			},
 			{
-				Name:        "verify",
-				Usage:       "re-read images and check every chunk; names each bad file and offset",
-				ArgsUsage:   "[NAME|ID...]",
-				Description: "Without arguments every image is verified. Exits 1 if any image is damaged.",
-				Flags:       []cli.Flag{workers, memory},
-				Action:      imageVerify,
+				Name:      "verify",
+				Usage:     "re-read images and check every chunk; names each bad file and offset",
+				ArgsUsage: "[NAME|ID...]",
+				Description: "Without arguments every image is verified. Every NAME|ID must exist before any is read\n" +
+					"(else exit 6). Exits 1 if any image is damaged; --json prints one document with every\n" +
+					"report (and the error).\n\n" +
+					"Examples:\n" +
+					"   ptxmig image verify\n" +
+					"   ptxmig image verify --workers 2 trainer-1 trainer-2",
+				Flags:  []cli.Flag{workers, memory},
+				Action: imageVerify,
 			},
 			{
-				Name:        "rm",
-				Usage:       "remove images (their chunks are freed by gc)",
-				ArgsUsage:   "NAME|ID...",
-				Action:      imageRm,
-				Description: "Removes the manifests; run `ptxmig image gc` to free chunks no image uses.",
+				Name:      "rm",
+				Usage:     "remove images (their chunks are freed by gc)",
+				ArgsUsage: "NAME|ID...",
+				Description: "Removes the manifests; `ptxmig image gc` frees the chunks no image uses. Every NAME|ID is\n" +
+					"checked first: when one does not exist (exit 6) or is ambiguous (exit 2), nothing is removed.\n\n" +
+					"Examples:\n" +
+					"   ptxmig image rm trainer-1\n" +
+					"   ptxmig image rm trainer-1 trainer-2 && ptxmig image gc",
+				Action: imageRm,
 			},
 			{
 				Name:  "gc",
 				Usage: "delete chunks no image references, leftovers of interrupted writers, and old failure logs",
 				Description: "Takes the store lock exclusively: waits for running puts and reads, which wait for it.\n" +
-					"Refuses to run while a manifest is unreadable (remove or repair that image first).\n" +
-					"Also prunes the logs that failed operations keep in /var/log/ptxmig ($PTXMIG_LOG_DIR) to the\n" +
-					"newest 20 and none older than 14 days; --logs removes them all.\n\n" +
+					"Refuses to run while a manifest is unreadable (remove or repair that image first), and on a\n" +
+					"read-only store. Also prunes the logs that failed operations keep in /var/log/ptxmig\n" +
+					"($PTXMIG_LOG_DIR) to the newest 20 and none older than 14 days; --logs removes them all.\n\n" +
 					"Examples:\n" +
 					"   ptxmig image gc\n" +
 					"   ptxmig image gc --logs",
@@ -94,36 +132,33 @@ func init() {
 				Name:      "export",
 				Usage:     "write an image and all its chunks as one stream, to a file or stdout",
 				ArgsUsage: "NAME|ID",
-				Description: "Move an image between hosts: ptxmig image export job42 | ssh host2 ptxmig image import\n" +
-					"With stdout as the stream, --json statistics go to stderr.",
+				Description: "Moves an image between hosts. With stdout as the stream (a pipe, never a terminal) the\n" +
+					"--json document goes to stderr. -o FILE is written atomically: a failed export leaves no file.\n\n" +
+					"Examples:\n" +
+					"   ptxmig image export job42 | ssh host2 ptxmig image import\n" +
+					"   ptxmig image export -o /tmp/job42.ptxmig job42",
 				Flags: []cli.Flag{
-					&cli.StringFlag{Name: "output", Aliases: []string{"o"}, Usage: "write to FILE (atomically) instead of stdout"},
+					&cli.StringFlag{Name: "output", Aliases: []string{"o"}, Usage: "write to `FILE` (atomically) instead of stdout"},
 					workers, memory,
 				},
 				Action: imageExport,
 			},
 			{
-				Name:        "import",
-				Usage:       "read an export stream from FILE or stdin, verifying every chunk",
-				ArgsUsage:   "[FILE]",
-				Description: "Chunks already in the store are skipped. A truncated or corrupt stream leaves no image.",
+				Name:      "import",
+				Usage:     "read an export stream from FILE or stdin, verifying every chunk",
+				ArgsUsage: "[FILE]",
+				Description: "Chunks already in the store are skipped. A truncated or corrupt stream leaves no image.\n\n" +
+					"Examples:\n" +
+					"   ssh host1 ptxmig image export job42 | ptxmig image import\n" +
+					"   ptxmig image import --name job42-copy /tmp/job42.ptxmig",
 				Flags: []cli.Flag{
-					&cli.StringFlag{Name: "name", Usage: "store under this name instead of the exported one"},
+					&cli.StringFlag{Name: "name", Usage: "store under `NAME` instead of the exported one"},
 					workers,
 				},
 				Action: imageImport,
 			},
 		},
 	})
-}
-
-// openStore opens the store named by --store.
-func openStore(c *cli.Context) (*store.Store, error) {
-	s, err := store.Open(env(c).Store)
-	if err != nil {
-		return nil, err
-	}
-	return s, nil
 }
 
 // storeErr attaches exit statuses to store errors.
@@ -242,7 +277,10 @@ func imageAdd(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	s, err := openStore(c)
+	if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
+		return exitcode.Usagef("image add: DIR %s is not a directory", esc(dir))
+	}
+	s, err := openStoreWrite(c)
 	if err != nil {
 		return err
 	}
@@ -255,7 +293,7 @@ func imageAdd(c *cli.Context) error {
 	if env(c).JSON {
 		return printJSON(c, map[string]any{"name": m.Name, "id": m.ID, "stats": newStatsJSON(st)})
 	}
-	fmt.Fprintf(env(c).Out, "added %s (id %s)\n", m.Name, m.ID)
+	fmt.Fprintf(env(c).Out, "added %s (id %s)\n", esc(m.Name), m.ID)
 	printStats(env(c).Out, st)
 	return nil
 }
@@ -268,19 +306,20 @@ func imageExtract(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	s, err := openStore(c)
+	s, err := openStoreRead(c)
 	if err != nil {
 		return err
 	}
-	st, err := s.Materialize(c.Context, c.Args().Get(0), c.Args().Get(1), g)
+	ref, dir := c.Args().Get(0), c.Args().Get(1)
+	st, err := s.Materialize(c.Context, ref, dir, g)
 	bar.Done()
 	if err != nil {
 		return storeErr(err)
 	}
 	if env(c).JSON {
-		return printJSON(c, map[string]any{"image": c.Args().Get(0), "dir": c.Args().Get(1), "stats": newStatsJSON(st)})
+		return printJSON(c, map[string]any{"image": ref, "dir": dir, "stats": newStatsJSON(st)})
 	}
-	fmt.Fprintf(env(c).Out, "extracted %s into %s\n", c.Args().Get(0), c.Args().Get(1))
+	fmt.Fprintf(env(c).Out, "extracted %s into %s\n", esc(ref), esc(dir))
 	printStats(env(c).Out, st)
 	return nil
 }
@@ -296,7 +335,7 @@ func imageInspect(c *cli.Context) error {
 	if err := argsExactly(c, 1); err != nil {
 		return err
 	}
-	s, err := openStore(c)
+	s, err := openStoreRead(c)
 	if err != nil {
 		return err
 	}
@@ -311,10 +350,13 @@ func imageInspect(c *cli.Context) error {
 	return nil
 }
 
+// writeInspect prints a manifest for people. Everything that came from the image (names, paths,
+// targets, labels, command lines, host and GPU names) is escaped: an imported image is data
+// from elsewhere.
 func writeInspect(w io.Writer, m *store.Manifest) {
 	kv := func(k, v string) {
 		if v != "" {
-			fmt.Fprintf(w, "%-10s %s\n", k+":", v)
+			fmt.Fprintf(w, "%-10s %s\n", esc(k)+":", esc(v))
 		}
 	}
 	kv("name", m.Name)
@@ -331,7 +373,9 @@ func writeInspect(w io.Writer, m *store.Manifest) {
 	if m.Meta.PID != 0 {
 		kv("pid", strconv.Itoa(m.Meta.PID))
 	}
-	kv("cmdline", strings.Join(m.Meta.Cmdline, " "))
+	if len(m.Meta.Cmdline) > 0 {
+		fmt.Fprintf(w, "%-10s %s\n", "cmdline:", escList(m.Meta.Cmdline, " "))
+	}
 	for _, g := range m.Meta.GPUs {
 		kv("gpu", fmt.Sprintf("%d %s %s (sm %s, %s)", g.Index, g.Name, g.UUID, g.ComputeCap, bytesize.FormatU(g.MemoryBytes)))
 	}
@@ -345,7 +389,7 @@ func writeInspect(w io.Writer, m *store.Manifest) {
 			if p.CUDA {
 				cuda = " cuda"
 			}
-			kv("process", fmt.Sprintf("%d (parent %d) %q%s", p.PID, p.PPID, p.Comm, cuda))
+			kv("process", fmt.Sprintf("%d (parent %d) %s%s", p.PID, p.PPID, p.Comm, cuda))
 		}
 	}
 	for _, k := range sortedKeys(m.Meta.Extra) {
@@ -362,11 +406,11 @@ func writeInspect(w io.Writer, m *store.Manifest) {
 				zero++
 			}
 		}
-		p := f.Path
+		p := esc(f.Path)
 		if f.Type == store.TypeSymlink {
-			p += " -> " + f.Target
+			p += " -> " + esc(f.Target)
 		}
-		fmt.Fprintf(w, "%-7s %04o %10s %6d %5d  %s\n", f.Type, f.Mode, bytesize.Format(f.Size), len(f.Chunks), zero, p)
+		fmt.Fprintf(w, "%-7s %04o %10s %6d %5d  %s\n", esc(string(f.Type)), f.Mode, bytesize.Format(f.Size), len(f.Chunks), zero, p)
 	}
 }
 
@@ -383,8 +427,18 @@ func sortedKeys(m map[string]string) []string {
 	return ks
 }
 
+// verifyJSON is the --json form of `image verify`, on success and on failure.
+type verifyJSON struct {
+	Images  []*store.VerifyReport `json:"images"`
+	Damaged int                   `json:"damaged"`
+}
+
 func imageVerify(c *cli.Context) error {
-	s, err := openStore(c)
+	g, _, err := getOptions(c, "")
+	if err != nil {
+		return err
+	}
+	s, err := openStoreRead(c)
 	if err != nil {
 		return err
 	}
@@ -393,82 +447,99 @@ func imageVerify(c *cli.Context) error {
 		if refs, err = s.Names(); err != nil {
 			return err
 		}
-	}
-	g, _, err := getOptions(c, "")
-	if err != nil {
+	} else if err := checkRefs(s, refs, true); err != nil {
 		return err
 	}
-	var reports []*store.VerifyReport
-	bad := 0
+	res := verifyJSON{Images: []*store.VerifyReport{}}
 	var firstErr error
+	w := env(c).Out
 	for _, ref := range refs {
-		bar := progress.New(env(c).Err, "verify "+ref)
+		bar := progress.New(env(c).Err, "verify "+esc(ref))
 		g.Progress = bar.Func()
 		r, err := s.VerifyWith(c.Context, ref, g)
 		bar.Done()
-		if r == nil { // not found, cancelled, I/O error: no report
-			return storeErr(err)
+		if r == nil { // cancelled, I/O error, removed meanwhile: no report
+			return withResult(storeErr(err), res)
 		}
-		reports = append(reports, r)
+		res.Images = append(res.Images, r)
 		if err != nil {
-			bad++
+			res.Damaged++
 			if firstErr == nil {
 				firstErr = err
 			}
 		}
-		if !env(c).JSON {
-			if r.OK() {
-				fmt.Fprintf(env(c).Out, "ok   %s (%d chunks, %s, %.1f s)\n", r.Name, r.Chunks, bytesize.Format(r.Bytes), r.Duration.Seconds())
-			} else {
-				fmt.Fprintf(env(c).Out, "BAD  %s: %d problem(s)\n", r.Name, len(r.Problems))
-				for _, p := range r.Problems {
-					fmt.Fprintf(env(c).Out, "     %s at offset %d: %s\n", p.Path, p.Offset, p.Err)
+		if env(c).JSON {
+			continue
+		}
+		if r.OK() {
+			fmt.Fprintf(w, "ok   %s (%d chunks, %s, %.1f s)\n", esc(r.Name), r.Chunks, bytesize.Format(r.Bytes), r.Duration.Seconds())
+		} else {
+			fmt.Fprintf(w, "BAD  %s: %d problem(s)\n", esc(r.Name), len(r.Problems))
+			for _, p := range r.Problems {
+				what := esc(p.Path)
+				if p.Field != "" {
+					what += " " + esc(p.Field)
+				} else {
+					what += fmt.Sprintf(" at offset %d", p.Offset)
 				}
+				fmt.Fprintf(w, "     %s: %s\n", what, esc(p.Err))
 			}
 		}
-	}
-	if env(c).JSON {
-		if err := printJSON(c, map[string]any{"images": reports, "damaged": bad}); err != nil {
-			return err
+		for _, warn := range r.Warnings {
+			fmt.Fprintf(w, "     warning: %s\n", esc(warn))
 		}
 	}
-	if bad > 0 {
-		return fmt.Errorf("%d of %d image(s) damaged; first: %w", bad, len(reports), firstErr)
+	if res.Damaged > 0 {
+		return withResult(fmt.Errorf("%d of %d image(s) damaged; first: %w", res.Damaged, len(res.Images), firstErr), res)
+	}
+	if env(c).JSON {
+		return printJSON(c, res)
+	}
+	return nil
+}
+
+// checkRefs resolves every image reference before a command acts on any: the first one that does
+// not exist or is ambiguous fails the command. With unreadable, a manifest that exists but cannot
+// be read (corrupt, unsupported) passes: verify reports it, rm removes it.
+func checkRefs(s *store.Store, refs []string, unreadable bool) error {
+	for _, ref := range refs {
+		_, err := s.Get(ref)
+		switch {
+		case err == nil:
+		case unreadable && (errors.Is(err, store.ErrCorrupt) || errors.Is(err, store.ErrUnsupportedVersion)):
+		default:
+			return err
+		}
 	}
 	return nil
 }
 
 func imageRm(c *cli.Context) error {
-	if c.NArg() == 0 {
-		return exitcode.Usagef("rm: want at least one NAME|ID")
+	if err := argsAtLeast(c, 1); err != nil {
+		return err
 	}
-	s, err := openStore(c)
+	s, err := openStoreModify(c)
 	if err != nil {
 		return err
 	}
-	var removed []string
-	var errs []error
-	for _, ref := range c.Args().Slice() {
+	refs := c.Args().Slice()
+	if err := checkRefs(s, refs, true); err != nil {
+		return fmt.Errorf("%w; nothing was removed", err)
+	}
+	removed := []string{}
+	for _, ref := range refs {
 		if err := s.Remove(ref); err != nil {
-			errs = append(errs, err)
-			continue
+			return withResult(err, map[string]any{"removed": removed})
 		}
 		removed = append(removed, ref)
 		if !env(c).JSON {
-			fmt.Fprintf(env(c).Out, "removed %s\n", ref)
+			fmt.Fprintf(env(c).Out, "removed %s\n", esc(ref))
 		}
 	}
 	if env(c).JSON {
-		if err := printJSON(c, map[string]any{"removed": removed}); err != nil {
-			return err
-		}
+		return printJSON(c, map[string]any{"removed": removed})
 	}
-	if len(errs) > 0 {
-		return errors.Join(errs...)
-	}
-	if !env(c).JSON {
-		fmt.Fprintln(env(c).Out, "run `ptxmig image gc` to free unreferenced chunks")
-	}
+	fmt.Fprintf(env(c).Out, "free their chunks with: %s\n", hint(c, "image", "gc"))
 	return nil
 }
 
@@ -476,7 +547,7 @@ func imageGC(c *cli.Context) error {
 	if err := argsExactly(c, 0); err != nil {
 		return err
 	}
-	s, err := openStore(c)
+	s, err := openStoreModify(c)
 	if err != nil {
 		return err
 	}
@@ -490,7 +561,10 @@ func imageGC(c *cli.Context) error {
 	}
 	logs, err := op.PruneLogs(op.LogDir(), keep, age, time.Now())
 	if err != nil {
-		return fmt.Errorf("gc: failure logs in %s: %w", op.LogDir(), err)
+		return withResult(fmt.Errorf("gc: failure logs in %s: %w", op.LogDir(), err), st)
+	}
+	if logs == nil {
+		logs = []string{}
 	}
 	if env(c).JSON {
 		return printJSON(c, struct {
@@ -511,18 +585,23 @@ func imageExport(c *cli.Context) error {
 	var w io.Writer = env(c).Out
 	info := env(c).Out
 	if out == "" || out == "-" {
+		// stdout carries the stream: messages and --json documents (the error's too) go to stderr.
+		info, env(c).jsonOut = env(c).Err, env(c).Err
 		if f, ok := w.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
-			return exitcode.Usagef("export: refusing to write a binary stream to a terminal; use -o FILE or a pipe")
+			return exitcode.Usagef("image export: refusing to write a binary stream to a terminal; use -o FILE or a pipe")
 		}
-		info = env(c).Err
 		out = ""
 	}
 	g, bar, err := getOptions(c, "export")
 	if err != nil {
 		return err
 	}
-	s, err := openStore(c)
+	s, err := openStoreRead(c)
 	if err != nil {
+		return err
+	}
+	ref := c.Args().First()
+	if _, err := s.Get(ref); err != nil { // before creating the output file
 		return err
 	}
 	var tmp *atomicfile.File
@@ -530,29 +609,29 @@ func imageExport(c *cli.Context) error {
 		// Write next to the target and rename on success: a failed export leaves no partial file.
 		tmp, err = atomicfile.Create(out, 0o600)
 		if err != nil {
-			return fmt.Errorf("export: %w", err)
+			return fmt.Errorf("image export: %w", err)
 		}
 		defer tmp.Abort()
 		w = tmp
 	}
-	st, err := s.ExportWith(c.Context, c.Args().First(), w, g)
+	st, err := s.ExportWith(c.Context, ref, w, g)
 	bar.Done()
 	if err != nil {
 		return storeErr(err)
 	}
 	if tmp != nil {
 		if err := tmp.Commit(); err != nil {
-			return fmt.Errorf("export: %w", err)
+			return fmt.Errorf("image export: %w", err)
 		}
 	}
 	if env(c).JSON {
-		return writeJSON(info, map[string]any{"image": c.Args().First(), "output": out, "stream_bytes": st.WrittenBytes, "stats": newStatsJSON(st)})
+		return writeJSON(info, map[string]any{"image": ref, "output": out, "stream_bytes": st.WrittenBytes, "stats": newStatsJSON(st)})
 	}
 	dest := out
 	if dest == "" {
 		dest = "stdout"
 	}
-	fmt.Fprintf(info, "exported %s to %s: %s stream for %s logical, %.2f s\n", c.Args().First(), dest,
+	fmt.Fprintf(info, "exported %s to %s: %s stream for %s logical, %.2f s\n", esc(ref), esc(dest),
 		bytesize.Format(st.WrittenBytes), bytesize.Format(st.LogicalBytes), st.Duration.Seconds())
 	return nil
 }
@@ -561,27 +640,33 @@ func imageImport(c *cli.Context) error {
 	if c.NArg() > 1 {
 		return argsExactly(c, 1)
 	}
-	var r io.Reader = os.Stdin
-	if p := c.Args().First(); p != "" && p != "-" {
-		f, err := os.Open(p)
-		if err != nil {
-			return fmt.Errorf("import: %w", err)
-		}
-		defer f.Close()
-		r = f
-	} else if term.IsTerminal(int(os.Stdin.Fd())) {
-		return exitcode.Usagef("import: stdin is a terminal; give FILE or pipe an export stream in")
-	}
 	if n := c.String("name"); n != "" {
 		if err := store.ValidateName(n); err != nil {
 			return exitcode.Wrap(exitcode.Usage, err)
 		}
 	}
-	bar := progress.New(env(c).Err, "import")
-	s, err := openStore(c)
+	var r io.Reader = c.App.Reader
+	if r == nil {
+		r = os.Stdin
+	}
+	if p := c.Args().First(); p != "" && p != "-" {
+		f, err := os.Open(p)
+		if err != nil {
+			if errors.Is(err, os.ErrNotExist) {
+				return exitcode.Usagef("image import: %v", err)
+			}
+			return fmt.Errorf("image import: %w", err)
+		}
+		defer f.Close()
+		r = f
+	} else if f, ok := r.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
+		return exitcode.Usagef("image import: stdin is a terminal; give FILE or pipe an export stream in")
+	}
+	s, err := openStoreWrite(c)
 	if err != nil {
 		return err
 	}
+	bar := progress.New(env(c).Err, "import")
 	m, st, err := s.ImportWith(c.Context, r, store.ImportOptions{Name: c.String("name"), Workers: c.Int("workers"), Progress: bar.Func()})
 	bar.Done()
 	if err != nil {
@@ -591,6 +676,6 @@ func imageImport(c *cli.Context) error {
 		return printJSON(c, map[string]any{"name": m.Name, "id": m.ID, "stats": newStatsJSON(st)})
 	}
 	fmt.Fprintf(env(c).Out, "imported %s (id %s): %d chunks, %d already present, %s written\n",
-		m.Name, m.ID, st.Chunks, st.DedupChunks, bytesize.Format(st.WrittenBytes))
+		esc(m.Name), m.ID, st.Chunks, st.DedupChunks, bytesize.Format(st.WrittenBytes))
 	return nil
 }

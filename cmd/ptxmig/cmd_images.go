@@ -12,12 +12,26 @@ import (
 	"github.com/ptxmig/ptxmig/store"
 )
 
+const imagesDescription = "Columns: name, short id, creation time, source host and GPUs, logical size, stored size\n" +
+	"(compressed, distinct chunks of the image; chunks shared with other images count in each).\n" +
+	"-q prints only the full ids, one a line, for scripts; --json gives every field. A missing\n" +
+	"store is an error (exit 6), never created; a read-only store is listed as any other."
+
+func imagesFlags() []cli.Flag {
+	return []cli.Flag{&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "print only image ids, one a line"}}
+}
+
 func init() {
 	register(&cli.Command{
-		Name:        "images",
-		Usage:       "list the images in the store",
-		Description: "Columns: name, short id, creation time, source host and GPUs, logical size, stored size\n(compressed, distinct chunks of the image; chunks shared with other images count in each).",
-		Action:      imagesList,
+		Name:  "images",
+		Usage: "list the images in the store",
+		Description: imagesDescription + "\n\n" +
+			"Examples:\n" +
+			"   ptxmig images\n" +
+			"   ptxmig images -q                          # ids only\n" +
+			"   ptxmig --store /mnt/shared/ptxmig images --json",
+		Flags:  imagesFlags(),
+		Action: imagesList,
 	})
 }
 
@@ -39,7 +53,7 @@ func imagesList(c *cli.Context) error {
 	if err := argsExactly(c, 0); err != nil {
 		return err
 	}
-	s, err := openStore(c)
+	s, err := openStoreRead(c)
 	if err != nil {
 		return err
 	}
@@ -52,8 +66,14 @@ func imagesList(c *cli.Context) error {
 		rows = append(rows, imageRow{Name: m.Name, ID: m.ID, Parent: m.Parent, Created: m.Created, Kind: m.Meta.Kind,
 			Host: m.Meta.Host, GPUs: m.Meta.GPUs, Files: len(m.Files), LogicalBytes: m.LogicalBytes(), StoredBytes: m.StoredBytes()})
 	}
-	if env(c).JSON {
+	switch {
+	case env(c).JSON:
 		return printJSON(c, rows)
+	case c.Bool("quiet"):
+		for _, r := range rows {
+			fmt.Fprintln(env(c).Out, r.ID)
+		}
+		return nil
 	}
 	writeImages(env(c).Out, rows)
 	return nil
@@ -65,15 +85,15 @@ func writeImages(w io.Writer, rows []imageRow) {
 	for _, r := range rows {
 		gpu := "-"
 		if n := len(r.GPUs); n == 1 {
-			gpu = fmt.Sprintf("%d:%s", r.GPUs[0].Index, r.GPUs[0].Name)
+			gpu = fmt.Sprintf("%d:%s", r.GPUs[0].Index, esc(r.GPUs[0].Name))
 		} else if n > 1 {
-			gpu = fmt.Sprintf("%dx %s", n, r.GPUs[0].Name)
+			gpu = fmt.Sprintf("%dx %s", n, esc(r.GPUs[0].Name))
 		}
-		host := r.Host
+		host := esc(r.Host)
 		if host == "" {
 			host = "-"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, r.ID[:12], r.Created.Local().Format("2006-01-02 15:04:05"),
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", esc(r.Name), shortID(r.ID), r.Created.Local().Format("2006-01-02 15:04:05"),
 			host, gpu, bytesize.Format(r.LogicalBytes), bytesize.Format(r.StoredBytes))
 	}
 	tw.Flush()

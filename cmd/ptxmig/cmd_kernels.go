@@ -12,6 +12,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
 )
 
@@ -24,7 +25,13 @@ func init() {
 			"sampled launches (the first PTXMIG_SAMPLE_FIRST of each kernel, then 1 in PTXMIG_SAMPLE_EVERY),\n" +
 			"measured with CUDA events. Kernels launched through several handles (modules, contexts) are\n" +
 			"listed once per handle. When the app runs with PTXMIG_SELF_TIME=1, the last line gives the time\n" +
-			"the shim's own bookkeeping added per launch.\n\n   ptxmig kernels 4242\n   ptxmig --json kernels 4242",
+			"the shim's own bookkeeping added per launch. Kernel names and reasons come from the process\n" +
+			"and print with control characters escaped. A process without a control socket is refused\n" +
+			"(exit 3).\n\n" +
+			"Examples:\n" +
+			"   ptxmig kernels 4242\n" +
+			"   ptxmig kernels 4242 --json\n" +
+			"   ptxmig kernels --socket-dir /tmp/ptxmig 4242",
 		Flags:  []cli.Flag{socketDirFlag()},
 		Action: kernelsAction,
 	})
@@ -44,6 +51,9 @@ func shimPID(c *cli.Context) (int, error) {
 
 // dialShim connects to pid's control socket; a process without one is a refusal.
 func dialShim(c *cli.Context, pid int) (*shimctl.Client, context.Context, context.CancelFunc, error) {
+	if !proc.Alive(pid) {
+		return nil, nil, nil, fmt.Errorf("%w: no running process with pid %d", errNoProcess, pid)
+	}
 	ctx, cancel := context.WithTimeout(c.Context, 2*time.Minute)
 	cl, err := shimctl.DialPID(ctx, c.String("socket-dir"), pid)
 	if err != nil {
@@ -77,7 +87,7 @@ func kernelsAction(c *cli.Context) error {
 	for _, x := range k.Kernels {
 		name := "?"
 		if x.Name != nil {
-			name = *x.Name
+			name = esc(*x.Name)
 		}
 		p50, p99 := "-", "-"
 		if x.Time != nil {
@@ -90,7 +100,7 @@ func kernelsAction(c *cli.Context) error {
 		fmt.Fprintf(w, "%d\t%d\t%s\t%s\t%s\t%d\t%s\t%s\n", x.Launches, x.Timed, p50, p99, shapeSummary(x), x.Module, twin, name)
 	}
 	for _, g := range k.Graphs {
-		fmt.Fprintf(w, "%d\t-\t-\t-\t-\t-\t-\tgraph exec %s\n", g.Launches, g.Exec)
+		fmt.Fprintf(w, "%d\t-\t-\t-\t-\t-\t-\tgraph exec %s\n", g.Launches, esc(fmt.Sprint(g.Exec)))
 	}
 	if err := w.Flush(); err != nil {
 		return err
@@ -100,9 +110,9 @@ func kernelsAction(c *cli.Context) error {
 		if !x.Twin && x.TwinReason != "" {
 			name := "?"
 			if x.Name != nil {
-				name = *x.Name
+				name = esc(*x.Name)
 			}
-			fmt.Fprintf(env(c).Out, "no twin: %s: %s\n", name, x.TwinReason)
+			fmt.Fprintf(env(c).Out, "no twin: %s: %s\n", name, esc(x.TwinReason))
 		}
 	}
 	if st := k.SelfTime; st != nil && st.Enabled && st.Launches > 0 {

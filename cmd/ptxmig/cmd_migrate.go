@@ -9,6 +9,7 @@ import (
 
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/placement"
+	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/migrate"
 )
 
@@ -27,13 +28,15 @@ func init() {
 			"their GPU or take the ones left free (moving 0 to 1 on two GPUs pairs 0->1 and 1->0); --dry-run\n" +
 			"lists the pairs. If anything fails after the lock, or ptxmig gets SIGINT/SIGTERM, the process is\n" +
 			"restored onto its source GPUs, unlocked and resumed (exit status 4). Prints the downtime (gate\n" +
-			"closed to gate open) and its parts.\n\n" +
+			"closed to gate open) and its parts; on a terminal, a status line on stderr shows the step as it\n" +
+			"runs. No process PID: exit 6. Migrate uses no image store.\n\n" +
 			"Examples:\n" +
 			"   ptxmig migrate --gpu 1 4242\n" +
-			"   ptxmig migrate --dry-run --gpu 1 4242",
+			"   ptxmig migrate --dry-run --gpu 1 4242\n" +
+			"   ptxmig migrate 4242 --gpu-map 0=1 --lock-timeout 30s",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "gpu", Usage: "target GPU index per GPU the process uses, in order: N[,M...]"},
-			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping OLD=NEW[,...] (GPU UUIDs or indexes)"},
+			&cli.StringFlag{Name: "gpu", Usage: "target GPU index per GPU the process uses, in order: `N[,M...]`"},
+			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping `OLD=NEW[,...]` (GPU UUIDs or indexes)"},
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
 			&cli.DurationFlag{Name: "lock-timeout", Value: 10 * time.Second, Usage: "how long the driver lock may wait for running kernels (0: forever)"},
 			preemptBudgetFlag(),
@@ -41,6 +44,10 @@ func init() {
 		Action: migrateAction,
 	})
 }
+
+// migrateLabels name the steps of a migration in its status line.
+var migrateLabels = map[string]string{op.StepQuiesce: "quiesce", migrate.StepLock: "lock", migrate.StepCheckpoint: "device->host",
+	migrate.StepRestore: "host->device", migrate.StepUnlock: "unlock", op.StepResume: "resume"}
 
 func migrateAction(c *cli.Context) error {
 	if err := argsExactly(c, 1); err != nil {
@@ -68,6 +75,9 @@ func migrateAction(c *cli.Context) error {
 	if err != nil {
 		return opError(g.Err, err)
 	}
+	if !proc.Alive(pid) {
+		return fmt.Errorf("migrate: %w: no running process with pid %d", errNoProcess, pid)
+	}
 	plan, err := migrate.PlanMigrate(e, migrate.Options{PID: pid, GPUs: gpus, GPUMap: gmap, LockTimeout: lockTimeout, PreemptBudget: budget})
 	if err != nil {
 		return opError(g.Err, err)
@@ -79,7 +89,11 @@ func migrateAction(c *cli.Context) error {
 			printPairs(w, plan.Pairs, true)
 		})
 	}
+	prog := newOpProgress(g.Err, fmt.Sprintf("migrate %d", pid), plan.Steps, migrateLabels, 0)
+	defer prog.Done()
+	e.Hook = prog.Hook(e.Hook)
 	res, err := migrate.Execute(c.Context, e, plan)
+	prog.Done()
 	if err != nil {
 		return opError(g.Err, err)
 	}
@@ -110,6 +124,6 @@ func printPairs(w io.Writer, pairs []placement.Pair, remapped bool) {
 		fmt.Fprintf(w, "GPUs (unmoved; the driver got no pairs):\n")
 	}
 	for _, p := range pairs {
-		fmt.Fprintf(w, "  %s\n", p)
+		fmt.Fprintf(w, "  %s\n", esc(p.String()))
 	}
 }

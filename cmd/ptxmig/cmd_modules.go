@@ -18,8 +18,12 @@ func init() {
 		Description: "Reads the shim's control socket of PID (started with `ptxmig run`). Every module and library\n" +
 			"load is captured with a private copy of its image. With --dump DIR the process writes each\n" +
 			"loaded image, and every PTX and cubin inside it (decompressed), as DIR/<sha256>.<ext> (0600)\n" +
-			"plus DIR/index.json; DIR is created 0700 if missing and written by the process's user.\n\n" +
-			"   ptxmig modules 4242\n   ptxmig modules --dump /tmp/mods 4242",
+			"plus DIR/index.json; DIR is created 0700 if missing and written by the process's user. Text\n" +
+			"from the process prints with control characters escaped.\n\n" +
+			"Examples:\n" +
+			"   ptxmig modules 4242\n" +
+			"   ptxmig modules --dump /tmp/mods 4242\n" +
+			"   ptxmig modules 4242 --json",
 		Flags: []cli.Flag{
 			socketDirFlag(),
 			&cli.StringFlag{Name: "dump", Usage: "write captured images, PTX and cubins into `DIR`"},
@@ -50,13 +54,15 @@ func modulesAction(c *cli.Context) error {
 		if err != nil {
 			return fmt.Errorf("pid %d: %w", pid, err)
 		}
+		if !env(c).JSON {
+			fmt.Fprintf(env(c).Out, "dumped %d modules (%d ptx, %d cubin, %d new files) into %s; index %s\n",
+				d.Modules, d.PTX, d.Cubin, d.FilesWritten, esc(d.Dir), esc(filepath.Join(d.Dir, d.Index)))
+		}
+		if d.Errors > 0 {
+			return withResult(fmt.Errorf("pid %d: dump: %d entries could not be written or decoded (see %s)", pid, d.Errors, esc(filepath.Join(d.Dir, d.Index))), d)
+		}
 		if env(c).JSON {
 			return printJSON(c, d)
-		}
-		fmt.Fprintf(env(c).Out, "dumped %d modules (%d ptx, %d cubin, %d new files) into %s; index %s\n",
-			d.Modules, d.PTX, d.Cubin, d.FilesWritten, d.Dir, filepath.Join(d.Dir, d.Index))
-		if d.Errors > 0 {
-			return fmt.Errorf("pid %d: dump: %d entries could not be written or decoded (see %s)", pid, d.Errors, filepath.Join(d.Dir, d.Index))
 		}
 		return nil
 	}
@@ -74,9 +80,9 @@ func modulesAction(c *cli.Context) error {
 		if !m.Loaded {
 			state = "unloaded"
 		} else if m.NotCaptured != "" {
-			state = "not captured: " + m.NotCaptured
+			state = "not captured: " + esc(m.NotCaptured)
 		} else if m.ParseError != "" {
-			state = "parse error: " + m.ParseError
+			state = "parse error: " + esc(m.ParseError)
 		}
 		sha := m.SHA256
 		if len(sha) > 12 {
@@ -89,7 +95,7 @@ func modulesAction(c *cli.Context) error {
 		if archs == "" {
 			archs = "-"
 		}
-		fmt.Fprintf(w, "%d\t%s\t%s\t%d\t%d\t%d\t%s\t%s\t%s\n", m.ID, m.Source, m.Format, m.Bytes, m.PTX, m.ELF, archs, sha, state)
+		fmt.Fprintf(w, "%d\t%s\t%s\t%d\t%d\t%d\t%s\t%s\t%s\n", m.ID, esc(m.Source), esc(m.Format), m.Bytes, m.PTX, m.ELF, esc(archs), esc(sha), state)
 	}
 	return w.Flush()
 }

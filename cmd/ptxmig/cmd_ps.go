@@ -24,9 +24,10 @@ func init() {
 			"runs under the ptxmig shim (libptxmig.so mapped, i.e. started with `ptxmig run`). PPID and\n" +
 			"SESSION place it in its process tree: `ptxmig checkpoint` saves the tree below the pid it is\n" +
 			"given, so checkpoint a job's session leader (or its wrapper's pid) to save the whole job.\n\n" +
+			"Names and command lines come from the processes and print with control characters escaped.\n\n" +
 			"Examples:\n" +
 			"   ptxmig ps\n" +
-			"   ptxmig --json ps",
+			"   ptxmig ps --json",
 		Action: psAction,
 	})
 }
@@ -103,12 +104,12 @@ func psAction(c *cli.Context) error {
 		if e.Shim {
 			shim = "yes"
 		}
-		cmd := strings.Join(e.Cmdline, " ")
+		cmd := escList(e.Cmdline, " ")
 		if cmd == "" {
-			cmd = "[" + e.Comm + "]"
+			cmd = "[" + esc(e.Comm) + "]"
 		}
-		if len(cmd) > 60 {
-			cmd = cmd[:57] + "..."
+		if r := []rune(cmd); len(r) > 60 {
+			cmd = string(r[:57]) + "..."
 		}
 		fmt.Fprintf(tw, "%d\t%d\t%d\t%s\t%s\t%s\t%s\t%s\n", e.PID, e.PPID, e.Session, e.State, shim, g, m, cmd)
 	}

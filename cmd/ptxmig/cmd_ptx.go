@@ -1,8 +1,10 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"strings"
 
@@ -23,25 +25,37 @@ func init() {
 			"one and stop claiming when the block's preempt flag is set; relaunching with the same\n" +
 			"control block runs every remaining block exactly once. Kernels that cannot be made safe\n" +
 			"(grid sync, clusters, spin-waits, early exits before barriers…) keep only their original\n" +
-			"and get a stated reason. FILE and OUT may be - for stdin and stdout.",
+			"and get a stated reason. FILE and OUT may be - for stdin and stdout.\n\n" +
+			"Examples:\n" +
+			"   ptxmig ptx analyze kernels.ptx\n" +
+			"   ptxmig ptx instrument -o kernels.twins.ptx kernels.ptx",
 		Subcommands: []*cli.Command{
 			{
 				Name:      "analyze",
 				Usage:     "report, per kernel, eligibility, barrier sites, live registers and shared memory",
 				ArgsUsage: "FILE",
-				Flags: []cli.Flag{
-					&cli.BoolFlag{Name: "json", Usage: "machine-readable output (same as the global --json)"},
-				},
+				Description: "Reads FILE (- for stdin) and reports every .entry: eligible for a twin or the reasons it is\n" +
+					"refused, barrier sites with the registers live across them, shared and local memory, calls\n" +
+					"and warp collectives. Names from the PTX print with control characters escaped.\n\n" +
+					"Examples:\n" +
+					"   ptxmig ptx analyze kernels.ptx\n" +
+					"   ptxmig ptx analyze kernels.ptx --json\n" +
+					"   cuobjdump -ptx ./app | ptxmig ptx analyze -",
 				Action: ptxAnalyzeAction,
 			},
 			{
 				Name:      "instrument",
 				Usage:     "write FILE plus a preemptible twin of every eligible kernel to OUT",
 				ArgsUsage: "FILE",
+				Description: "OUT (-o, required) is written atomically and may be FILE itself; - writes to stdout. Kernels\n" +
+					"left without a twin are logged at --log-level info, or listed by --report (on stderr when OUT\n" +
+					"is -). With --json the report is the command's JSON document (on stderr when OUT is -).\n\n" +
+					"Examples:\n" +
+					"   ptxmig ptx instrument -o kernels.twins.ptx kernels.ptx\n" +
+					"   ptxmig ptx instrument --report -o - kernels.ptx > out.ptx",
 				Flags: []cli.Flag{
-					&cli.StringFlag{Name: "output", Aliases: []string{"o"}, Usage: "output PTX file, or - for stdout (required)"},
+					&cli.StringFlag{Name: "output", Aliases: []string{"o"}, Usage: "output PTX `FILE`, or - for stdout (required)"},
 					&cli.BoolFlag{Name: "report", Usage: "also print the per-kernel report (to stderr when OUT is -)"},
-					&cli.BoolFlag{Name: "json", Usage: "print the report as JSON (same as the global --json)"},
 				},
 				Action: ptxInstrumentAction,
 			},
@@ -59,7 +73,10 @@ func readPTX(c *cli.Context, name string) (*ptxstate.Module, error) {
 		data, err = os.ReadFile(name)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("read %s: %w", name, err)
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil, exitcode.Usagef("read %s: %v", esc(name), err)
+		}
+		return nil, fmt.Errorf("read %s: %w", esc(name), err)
 	}
 	m, err := ptxstate.Parse(data)
 	if err != nil {
@@ -80,7 +97,7 @@ func ptxAnalyzeAction(c *cli.Context) error {
 	if err != nil {
 		return fmt.Errorf("analyze %s: %w", c.Args().First(), err)
 	}
-	if env(c).JSON || c.Bool("json") {
+	if env(c).JSON {
 		return printJSON(c, r)
 	}
 	return writeReport(env(c).Out, r, true)
@@ -93,6 +110,10 @@ func ptxInstrumentAction(c *cli.Context) error {
 	in, outName := c.Args().First(), c.String("output")
 	if outName == "" {
 		return exitcode.Usagef("ptx instrument: -o OUT is required (a file, or - for stdout)")
+	}
+	if outName == "-" {
+		// stdout carries the PTX: the --json document, the error's too, goes to stderr.
+		env(c).jsonOut = env(c).Err
 	}
 	m, err := readPTX(c, in)
 	if err != nil {
@@ -111,20 +132,20 @@ func ptxInstrumentAction(c *cli.Context) error {
 		// file (and OUT may be the input file).
 		return err
 	}
-	if !c.Bool("report") {
-		for _, k := range r.Kernels {
-			if !k.Eligible {
-				env(c).Log.Info("kernel left without a twin", "kernel", k.Name, "reasons", strings.Join(k.Refusals, "; "))
-			}
-		}
-		return nil
-	}
 	w := env(c).Out
 	if outName == "-" {
 		w = env(c).Err
 	}
-	if env(c).JSON || c.Bool("json") {
+	if env(c).JSON {
 		return writeJSON(w, r)
+	}
+	if !c.Bool("report") {
+		for _, k := range r.Kernels {
+			if !k.Eligible {
+				env(c).Log.Info("kernel left without a twin", "kernel", esc(k.Name), "reasons", escList(k.Refusals, "; "))
+			}
+		}
+		return nil
 	}
 	return writeReport(w, r, false)
 }
@@ -132,19 +153,19 @@ func ptxInstrumentAction(c *cli.Context) error {
 // writeReport prints the human form of a report; detail adds barrier sites and live registers.
 func writeReport(w io.Writer, r *ptxstate.Report, detail bool) error {
 	var b strings.Builder
-	fmt.Fprintf(&b, "PTX %s, target %s: %d kernel(s)\n", r.Version, strings.Join(r.Target, ","), len(r.Kernels))
+	fmt.Fprintf(&b, "PTX %s, target %s: %d kernel(s)\n", esc(r.Version), escList(r.Target, ","), len(r.Kernels))
 	for _, k := range r.Kernels {
 		b.WriteString("\n")
 		if k.Eligible {
-			fmt.Fprintf(&b, "%s (line %d): eligible, twin %s\n", k.Name, k.Line, k.Twin)
+			fmt.Fprintf(&b, "%s (line %d): eligible, twin %s\n", esc(k.Name), k.Line, esc(k.Twin))
 		} else {
-			fmt.Fprintf(&b, "%s (line %d): refused\n", k.Name, k.Line)
+			fmt.Fprintf(&b, "%s (line %d): refused\n", esc(k.Name), k.Line)
 			for _, why := range k.Refusals {
-				fmt.Fprintf(&b, "  - %s\n", why)
+				fmt.Fprintf(&b, "  - %s\n", esc(why))
 			}
 		}
 		for _, n := range k.Notes {
-			fmt.Fprintf(&b, "  note: %s\n", n)
+			fmt.Fprintf(&b, "  note: %s\n", esc(n))
 		}
 		if !detail {
 			continue
@@ -154,13 +175,13 @@ func writeReport(w io.Writer, r *ptxstate.Report, detail bool) error {
 			dyn = " + dynamic"
 		}
 		fmt.Fprintf(&b, "  shared memory: %d bytes static%s; local: %d bytes/thread\n", k.SharedStaticBytes, dyn, k.LocalBytes)
-		sr := strings.Join(k.SpecialRegs, " ")
+		sr := escList(k.SpecialRegs, " ")
 		if sr == "" {
 			sr = "none"
 		}
 		fmt.Fprintf(&b, "  special registers: %s\n", sr)
 		if len(k.Calls) > 0 {
-			fmt.Fprintf(&b, "  calls: %s\n", strings.Join(k.Calls, " "))
+			fmt.Fprintf(&b, "  calls: %s\n", escList(k.Calls, " "))
 		}
 		fmt.Fprintf(&b, "  warp collectives: %d; basic blocks: %d; registers: %d\n", k.WarpCollectives, k.Blocks, k.Registers)
 		fmt.Fprintf(&b, "  barrier sites: %d\n", len(k.Barriers))
@@ -169,7 +190,7 @@ func writeReport(w io.Writer, r *ptxstate.Report, detail bool) error {
 			if !s.Uniform {
 				u = "divergently reached"
 			}
-			fmt.Fprintf(&b, "    line %d %s (%s): %d live register(s), %d bytes/thread: %s\n", s.Line, s.Op, u, len(s.Live), s.LiveBytes, strings.Join(s.Live, " "))
+			fmt.Fprintf(&b, "    line %d %s (%s): %d live register(s), %d bytes/thread: %s\n", s.Line, esc(s.Op), u, len(s.Live), s.LiveBytes, escList(s.Live, " "))
 		}
 		if k.SaveBytesPerCTA != nil {
 			fmt.Fprintf(&b, "  save area estimate: %d bytes/thread, %d bytes/CTA\n", k.SaveBytesPerThread, *k.SaveBytesPerCTA)

@@ -61,7 +61,7 @@ func TestPtxCommands(t *testing.T) {
 		t.Errorf("instrument without -o: exit %d, want 2", code)
 	}
 	_, _, code = runCLI(t, "ptx", "analyze", filepath.Join(t.TempDir(), "missing.ptx"))
-	if code != 1 {
-		t.Errorf("missing file: exit %d, want 1", code)
+	if code != 2 {
+		t.Errorf("missing file: exit %d, want 2 (a bad argument)", code)
 	}
 }

@@ -1,9 +1,11 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"path/filepath"
 	"time"
 
@@ -13,6 +15,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/migrate"
 	"github.com/ptxmig/ptxmig/rebalance"
+	"github.com/ptxmig/ptxmig/store"
 )
 
 func init() {
@@ -26,11 +29,14 @@ func init() {
 			"pinned (--pin, --pin-name, or PTXMIG_PIN=1 in their environment) or without room on a target\n" +
 			"stay where they are; --dry-run prints the plan and the reason for every process.\n" +
 			"History and counters live in <store>/rebalance/; an overlapping run exits 0 at once.\n" +
-			"Policy file format, scoring and metrics: docs/REBALANCE.md. Flags override the policy file.\n\n" +
+			"Policy file format, scoring and metrics: docs/REBALANCE.md (installed in\n" +
+			"/usr/local/share/doc/ptxmig). Flags override the policy file. `make install` puts an example\n" +
+			"policy in /etc/ptxmig/rebalance.json (when none is there) and a systemd timer and a cron line\n" +
+			"in /usr/local/share/doc/ptxmig/examples; neither is enabled by installing.\n\n" +
 			"Examples:\n" +
 			"   ptxmig rebalance --dry-run\n" +
-			"   ptxmig rebalance --policy /etc/ptxmig/rebalance.json --metrics-file /var/lib/node_exporter/ptxmig_rebalance.prom\n" +
-			"   */5 * * * * root ptxmig rebalance --metrics-file ...   (cron, see scripts/ptxmig-rebalance.cron)",
+			"   ptxmig rebalance --dry-run --busy-threshold 70 --window 10s\n" +
+			"   ptxmig rebalance --policy /etc/ptxmig/rebalance.json --metrics-file /var/lib/node_exporter/textfile_collector/ptxmig_rebalance.prom",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "policy", Usage: "policy `FILE` (JSON); flags given here override it"},
 			&cli.BoolFlag{Name: "dry-run", Usage: "plan and explain, move nothing, write no state"},
@@ -138,6 +144,12 @@ func rebalanceAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
+	if !c.Bool("dry-run") {
+		// Its state goes under the store directory: a mistyped --store is refused, not created.
+		if err := store.CheckCreate(g.Store); err != nil {
+			return err
+		}
+	}
 	obs, closeObs, err := newRebalanceObserver()
 	if err != nil {
 		return fmt.Errorf("rebalance: %w", err)
@@ -172,10 +184,18 @@ func rebalanceAction(c *cli.Context) error {
 		}
 	}
 	if g.JSON {
-		if perr := printJSON(c, rep); perr != nil {
-			return perr
+		if err != nil {
+			return withResult(rebalanceExit(err), rep)
 		}
-	} else if werr := rebalance.WriteText(g.Out, rep); werr != nil {
+		return printJSON(c, rep)
+	}
+	// The report names processes (their comm and command line come from /proc, set by whoever
+	// runs them): escaped like every such string.
+	var b bytes.Buffer
+	if werr := rebalance.WriteText(&b, rep); werr != nil {
+		return werr
+	}
+	if _, werr := io.WriteString(g.Out, escLines(b.String())); werr != nil {
 		return werr
 	}
 	return rebalanceExit(err)

@@ -17,13 +17,16 @@ func init() {
 		Name:      "restore",
 		Usage:     "bring an image back as a running process tree, on the same or other GPUs",
 		ArgsUsage: "IMAGE",
-		Description: "IMAGE is an image name or id. Preflight: each checkpointed GPU must map to a present GPU of the\n" +
-			"same chip type with enough free memory, and every pid of the recorded process tree must be free\n" +
-			"(CRIU restores each process under its pid). --dry-run prints the plan and stops there. Then the\n" +
-			"image is materialized (every chunk verified; a corrupt image is refused) → CRIU restore of the\n" +
-			"tree (detached: it outlives ptxmig; a shell job joins ptxmig's session) → driver restore of its\n" +
-			"CUDA processes with GPU pairs → unlock. A failure after CRIU restored the tree kills it again;\n" +
-			"the image stays intact (exit status 4) and CRIU's log is kept in /var/log/ptxmig.\n\n" +
+		Description: "IMAGE is an image name, id or unique id prefix (none: exit 6; ambiguous: exit 2). The store is\n" +
+			"only read: a missing store is an error (never created) and a read-only store works. Preflight:\n" +
+			"each checkpointed GPU must map to a present GPU of the same chip type with enough free memory,\n" +
+			"and every pid of the recorded process tree must be free (CRIU restores each process under its\n" +
+			"pid). --dry-run prints the plan and stops there. Then the image is materialized (every chunk\n" +
+			"verified; a corrupt image is refused) → CRIU restore of the tree (detached: it outlives ptxmig;\n" +
+			"a shell job joins ptxmig's session) → driver restore of its CUDA processes with GPU pairs →\n" +
+			"unlock. On a terminal, a status line on stderr shows the step, bytes materialized with\n" +
+			"throughput, and an ETA. A failure after CRIU restored the tree kills it again; the image stays\n" +
+			"intact (exit status 4) and CRIU's log is kept in /var/log/ptxmig.\n\n" +
 			"By default each GPU maps to the GPU with the same UUID, else (another host) the same index.\n" +
 			"When a GPU moves, the driver needs a pair for every GPU of the source host (recorded at\n" +
 			"checkpoint, whatever CUDA_VISIBLE_DEVICES was): the ones it did not use keep their GPU or take\n" +
@@ -31,17 +34,22 @@ func init() {
 			"Examples:\n" +
 			"   ptxmig restore counter-4242-20261122-101500\n" +
 			"   ptxmig restore --dry-run --gpu 1 trainer-step-900\n" +
-			"   ptxmig restore --gpu 1 trainer-step-900\n" +
-			"   ptxmig restore --gpu-map GPU-5e3a1c2b-0f9d-4e2a-8b7c-1234567890ab=1 trainer-step-900",
+			"   ptxmig restore trainer-step-900 --gpu 1\n" +
+			"   ptxmig restore --gpu-map GPU-5e3a1c2b-0f9d-4e2a-8b7c-1234567890ab=1 trainer-step-900\n" +
+			"   ptxmig --store /mnt/shared/ptxmig restore trainer-step-900",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "gpu", Usage: "target GPU index per checkpointed GPU, in order: N[,M...]"},
-			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping OLD=NEW[,...] (GPU UUIDs or indexes)"},
+			&cli.StringFlag{Name: "gpu", Usage: "target GPU index per checkpointed GPU, in order: `N[,M...]`"},
+			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping `OLD=NEW[,...]` (GPU UUIDs or indexes)"},
 			&cli.BoolFlag{Name: "keep-staging", Usage: "keep the materialized image and CRIU's log"},
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
 		},
 		Action: restoreAction,
 	})
 }
+
+// restoreLabels name the steps of a restore in its output and status line.
+var restoreLabels = map[string]string{restore.StepMaterialize: "materialize", restore.StepCRIURestore: "criu restore",
+	restore.StepDriverRestore: "host->device", restore.StepUnlock: "unlock", op.StepResume: "resume"}
 
 func restoreAction(c *cli.Context) error {
 	if err := argsExactly(c, 1); err != nil {
@@ -52,44 +60,63 @@ func restoreAction(c *cli.Context) error {
 		return err
 	}
 	g := env(c)
-	e, closeEnv, err := op.NewEnv(c.Context, g.Store, g.Log)
+	e, closeEnv, err := op.NewEnv(c.Context, "", g.Log)
 	defer closeEnv()
 	if err != nil {
 		return opError(g.Err, err)
 	}
-	plan, err := restore.PlanRestore(c.Context, e, restore.Options{Image: c.Args().First(), GPUs: gpus, GPUMap: gmap, KeepStaging: c.Bool("keep-staging")})
+	st, err := openStoreRead(c) // restore only reads the store: never created, read-only is fine
+	if err != nil {
+		return err
+	}
+	e.Store = st
+	ref := c.Args().First()
+	opts := restore.Options{Image: ref, GPUs: gpus, GPUMap: gmap, KeepStaging: c.Bool("keep-staging")}
+	plan, err := restore.PlanRestore(c.Context, e, opts)
 	if err != nil {
 		return opError(g.Err, err)
 	}
 	w := g.Out
 	if c.Bool("dry-run") {
 		return printPlan(c, plan, plan.Steps, func() {
-			fmt.Fprintf(w, "plan for image %s (dry run, nothing done): pid %d, %s\n", plan.Image, plan.PID, plan.Kind)
+			fmt.Fprintf(w, "plan for image %s (dry run, nothing done): pid %d, %s\n", esc(plan.Image), plan.PID, plan.Kind)
 			printTree(w, plan.Tree)
 			printPairs(w, plan.Pairs, plan.Remapped)
 		})
 	}
+	// As for checkpoint: the plan keeps its options, so the status line's callbacks go into a
+	// second plan once the first gave the steps.
+	prog := newOpProgress(g.Err, "restore "+esc(plan.Image), plan.Steps, restoreLabels, 0)
+	defer prog.Done()
+	if prog != nil {
+		opts.Progress = prog.Bytes()
+		e.Hook = prog.Hook(e.Hook)
+		if plan, err = restore.PlanRestore(c.Context, e, opts); err != nil {
+			return opError(g.Err, err)
+		}
+		prog.Phase(restore.StepMaterialize) // Execute materializes before its first hooked step
+	}
 	res, err := restore.Execute(c.Context, e, plan)
+	prog.Done()
 	if err != nil {
 		return opError(g.Err, err)
 	}
 	if g.JSON {
 		return printJSON(c, res)
 	}
-	fmt.Fprintf(w, "restored image %s as pid %d (%s)\n", res.Image, res.PID, res.Kind)
+	fmt.Fprintf(w, "restored image %s as pid %d (%s)\n", esc(res.Image), res.PID, res.Kind)
 	if len(res.Tree) > 1 {
 		printTree(w, res.Tree)
 	}
 	printPairs(w, res.Pairs, res.Remapped)
 	printPreemption(w, res.Preemption)
 	fmt.Fprintf(w, "  %-15s %s (%s)\n", "materialize", ms(res.Materialize), bytesize.Format(res.Bytes))
-	labels := map[string]string{restore.StepCRIURestore: "criu restore", restore.StepDriverRestore: "host->device", restore.StepUnlock: "unlock", op.StepResume: "resume"}
 	for _, t := range res.Timings {
-		fmt.Fprintf(w, "  %-15s %s\n", labels[t.Step], ms(t.Duration))
+		fmt.Fprintf(w, "  %-15s %s\n", stepLabel(restoreLabels, t.Step), ms(t.Duration))
 	}
 	fmt.Fprintf(w, "  %-15s %s\n", "total", ms(res.Total))
 	if res.StagingDir != "" {
-		fmt.Fprintf(w, "staging kept in %s\n", res.StagingDir)
+		fmt.Fprintf(w, "staging kept in %s\n", esc(res.StagingDir))
 	}
 	return nil
 }

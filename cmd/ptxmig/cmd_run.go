@@ -26,23 +26,28 @@ func init() {
 		Description: "Like env or nice, ptxmig run checks what it can (the shim, CMD, the socket directory), puts\n" +
 			"the shim first in LD_PRELOAD (an existing LD_PRELOAD is kept), sets PTXMIG_SOCKET_DIR and\n" +
 			"execs CMD. CMD replaces ptxmig: same PID, parent, session, terminal and open files, and no\n" +
-			"ptxmig process stays behind to wait for it or write to its files. The exit status is CMD's\n" +
-			"own; ptxmig exits 2 or 3 only when it refuses before the exec. A checkpoint or restore of CMD\n" +
-			"does not involve ptxmig run.\n" +
+			"ptxmig process stays behind to wait for it or write to its files. A checkpoint or restore of\n" +
+			"CMD does not involve ptxmig run. Flags of ptxmig end at CMD (or at --): everything after it is\n" +
+			"CMD's own command line.\n\n" +
+			"Exit status, as env(1) and timeout(1): CMD's own status, untouched, once it runs. Before the\n" +
+			"exec ptxmig run uses only its own codes, so they never pass for CMD's: 125 ptxmig run itself\n" +
+			"failed (bad flags, no shim, unusable socket directory; nothing started), 126 CMD was found but\n" +
+			"cannot be executed (not executable, bad #! interpreter or ELF loader), 127 CMD was not found.\n\n" +
 			"The shim sees every CUDA module load and kernel launch of CMD and opens a control socket\n" +
 			"<socket-dir>/<pid>.sock on CMD's first CUDA call; `ptxmig kernels PID` and `ptxmig modules PID`\n" +
-			"read it.\n" +
-			"The shim is found at --shim, else $PTXMIG_SHIM, else libptxmig.so next to ptxmig, in ../lib, or\n" +
-			"in /usr/local/lib. Shim settings (environment): PTXMIG_SAMPLE_FIRST (time the first N launches\n" +
-			"of each kernel, default 20), PTXMIG_SAMPLE_EVERY (then 1 in M, default 100; 0 stops),\n" +
-			"PTXMIG_CAPTURE_MAX_MB (module bytes kept, default 2048), PTXMIG_SELF_TIME=1 (measure the\n" +
-			"shim's own time per launch; `ptxmig kernels` reports it), PTXMIG_DEBUG=1 (log to stderr).\n\n" +
+			"read it. The shim is found at --shim, else $PTXMIG_SHIM, else libptxmig.so next to ptxmig, in\n" +
+			"../lib, or in /usr/local/lib. Shim settings (environment): PTXMIG_SAMPLE_FIRST (time the first\n" +
+			"N launches of each kernel, default 20), PTXMIG_SAMPLE_EVERY (then 1 in M, default 100; 0\n" +
+			"stops), PTXMIG_CAPTURE_MAX_MB (module bytes kept, default 2048), PTXMIG_SELF_TIME=1 (measure\n" +
+			"the shim's own time per launch; `ptxmig kernels` reports it), PTXMIG_DEBUG=1 (log to stderr).\n\n" +
+			"Examples:\n" +
 			"   ptxmig run -- python3 train.py --steps 200\n" +
+			"   ptxmig run --preempt always ./longgrid --seconds 30\n" +
 			"   ptxmig run --socket-dir /tmp/ptxmig -- ./app > app.log 2>&1 &   # $! is the app's PID",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "shim", Usage: "path of libptxmig.so", EnvVars: []string{"PTXMIG_SHIM"}},
+			&cli.StringFlag{Name: "shim", Usage: "`PATH` of libptxmig.so", EnvVars: []string{"PTXMIG_SHIM"}},
 			&cli.StringFlag{Name: "preempt", Value: "auto", EnvVars: []string{"PTXMIG_PREEMPT"},
-				Usage: "preemptible kernels: auto (twins for long or untimed kernels), always, or off (launch originals only)"},
+				Usage: "preemptible kernels (`MODE`): auto (twins for long or untimed kernels), always, or off (launch originals only)"},
 			socketDirFlag(),
 		},
 		Action: runAction,
@@ -52,7 +57,7 @@ func init() {
 // socketDirFlag is shared by the commands that reach the shim's control socket.
 func socketDirFlag() cli.Flag {
 	return &cli.StringFlag{Name: "socket-dir", Value: shimctl.DefaultSocketDir, EnvVars: []string{"PTXMIG_SOCKET_DIR"},
-		Usage: "directory of the shim's control sockets"}
+		Usage: "`DIR` of the shim's control sockets"}
 }
 
 // errShimNotFound: no libptxmig.so at any of the places looked at.
@@ -162,19 +167,20 @@ func lookCommand(name string) (string, error) {
 	var ee *exec.Error
 	switch {
 	case errors.Is(err, exec.ErrNotFound):
-		return "", fmt.Errorf("command %q not found in $PATH", name)
+		return "", exitcode.Wrap(exitRunNotFound, fmt.Errorf("command %q not found in $PATH", esc(name)))
 	case errors.As(err, &ee) && errors.Is(ee.Err, fs.ErrNotExist):
-		return "", fmt.Errorf("command %s not found", name)
+		return "", exitcode.Wrap(exitRunNotFound, fmt.Errorf("command %s not found", esc(name)))
 	case errors.As(err, &ee) && errors.Is(ee.Err, fs.ErrPermission):
-		return "", fmt.Errorf("command %s is not an executable file", name)
+		return "", exitcode.Wrap(exitRunNoExec, fmt.Errorf("command %s is not an executable file", esc(name)))
 	}
-	return "", fmt.Errorf("command %s: %w", name, err)
+	return "", exitcode.Wrap(exitRunNoExec, fmt.Errorf("command %s: %w", esc(name), err))
 }
 
 // runAction checks everything that can be checked, then execs CMD in place of ptxmig: CMD keeps
 // ptxmig's PID, parent, session, terminal and file descriptors, and no ptxmig process is left to
 // wait for it, forward signals or write to its files (a wrapper that outlives CMD breaks CRIU's
-// restore of CMD: it writes into the files CMD shares with it). CMD's exit status is its own.
+// restore of CMD: it writes into the files CMD shares with it). CMD's exit status is its own;
+// ptxmig run's own failures exit 125, 126 or 127 (run maps every other status to 125).
 func runAction(c *cli.Context) error {
 	args := c.Args().Slice()
 	if len(args) > 0 && args[0] == "--" {
@@ -182,6 +188,12 @@ func runAction(c *cli.Context) error {
 	}
 	if len(args) == 0 {
 		return exitcode.Usagef("run: no command given: ptxmig run [--shim PATH] [--socket-dir DIR] -- CMD [ARGS...]")
+	}
+	mode := c.String("preempt")
+	switch mode {
+	case "auto", "always", "off":
+	default:
+		return exitcode.Usagef("run: --preempt %q: want auto, always or off", mode)
 	}
 	sockDir := c.String("socket-dir")
 	if err := checkSocketDir(sockDir); err != nil {
@@ -194,17 +206,18 @@ func runAction(c *cli.Context) error {
 	}
 	path, err := lookCommand(args[0])
 	if err != nil {
-		return exitcode.Wrap(exitcode.Refused, fmt.Errorf("run: %w; nothing was started", err))
-	}
-	mode := c.String("preempt")
-	switch mode {
-	case "auto", "always", "off":
-	default:
-		return exitcode.Usagef("run: --preempt %q: want auto, always or off", mode)
+		return exitcode.Wrap(exitcode.Of(err), fmt.Errorf("run: %w; nothing was started", err))
 	}
 	settings := map[string]string{"PTXMIG_SOCKET_DIR": sockDir, "PTXMIG_PREEMPT": mode}
 	if exe != "" {
 		settings["PTXMIG_HELPER"] = exe // the shim instruments PTX with `ptxmig ptx instrument`, outside the app
+	}
+	if os.Geteuid() != 0 && os.Getenv("PTXMIG_PTX_CACHE") == "" {
+		// The shim refuses a cache directory writable by others or owned by another user: a
+		// non-root app gets its own (root's default is /var/cache/ptxmig/ptx).
+		if dir, err := os.UserCacheDir(); err == nil {
+			settings["PTXMIG_PTX_CACHE"] = filepath.Join(dir, "ptxmig", "ptx")
+		}
 	}
 	envv := preloadEnv(os.Environ(), shim, settings)
 	env(c).Log.Debug("run: exec", "path", path, "shim", shim, "socket_dir", sockDir, "cmd", args)
@@ -224,5 +237,5 @@ func runAction(c *cli.Context) error {
 	if errors.Is(err, unix.ENOENT) {
 		err = fmt.Errorf("%w (its #! interpreter or ELF loader is missing)", err)
 	}
-	return exitcode.Wrap(exitcode.Failed, fmt.Errorf("run: exec %s: %w", path, err))
+	return exitcode.Wrap(exitRunNoExec, fmt.Errorf("run: exec %s: %w", esc(path), err))
 }

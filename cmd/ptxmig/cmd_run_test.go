@@ -111,8 +111,11 @@ func TestCheckSocketDir(t *testing.T) {
 
 // TestShimReadersExitCodes: kernels and modules refuse a process without a socket, and bad PIDs.
 func TestShimReadersExitCodes(t *testing.T) {
-	if _, _, code := runCLI(t, "kernels", "--socket-dir", t.TempDir(), "999999"); code != exitcode.Refused {
+	if _, _, code := runCLI(t, "kernels", "--socket-dir", t.TempDir(), strconv.Itoa(os.Getpid())); code != exitcode.Refused {
 		t.Errorf("kernels of a process without a socket: exit %d, want 3", code)
+	}
+	if _, _, code := runCLI(t, "kernels", "4194304"); code != exitNotFound {
+		t.Errorf("kernels of no process: exit %d, want 6", code)
 	}
 	if _, _, code := runCLI(t, "modules", "abc"); code != exitcode.Usage {
 		t.Errorf("modules abc: exit %d, want 2", code)
@@ -248,6 +251,8 @@ func TestRun(t *testing.T) {
 			{`exit 2`, 2, 0, "", ""},
 			{`echo oops >&2; exit 1`, 1, 0, "", "oops\n"},
 			{`kill -TERM $$`, -1, syscall.SIGTERM, "", ""},
+			{`exit 125`, 125, 0, "", ""},
+			{`exit 127`, 127, 0, "", ""},
 		}
 		for _, tt := range tests {
 			c := f.cmd(f.runArgs("sh", "-c", tt.script))
@@ -266,6 +271,15 @@ func TestRun(t *testing.T) {
 				t.Errorf("run sh -c %q: exit %d signal %v stdout %q stderr %q; want %d %v %q %q",
 					tt.script, code, sig, out.String(), errb.String(), tt.code, tt.sig, tt.stdout, tt.stderr)
 			}
+		}
+	})
+
+	t.Run("words after CMD are CMD's", func(t *testing.T) {
+		// No "--": flags of ptxmig end at CMD, like env(1); --json and --help here are the app's.
+		c := f.cmd([]string{"run", "--shim", f.shim, "--socket-dir", f.sock, "sh", "-c", `echo "$1 $2"`, "x", "--json", "--help"})
+		out, err := c.Output()
+		if err != nil || string(out) != "--json --help\n" {
+			t.Errorf("run sh -c ... --json --help: %v, stdout %q", err, out)
 		}
 	})
 
@@ -321,21 +335,26 @@ func TestRun(t *testing.T) {
 			code int
 			msg  string
 		}
+		// ptxmig run's own failures: 125 (run itself), 126 (cannot execute), 127 (not found), as
+		// env(1) and timeout(1); never a status the app could have returned itself.
 		tests := []refusal{
-			{"no command", []string{"run", "--shim", f.shim}, 2, "no command given"},
-			{"no command after --", []string{"run", "--shim", f.shim, "--"}, 2, "no command given"},
-			{"command not in PATH", f.runArgs("ptxmig-no-such-command"), 3, `command "ptxmig-no-such-command" not found in $PATH`},
-			{"missing program", f.runArgs("/no/such/program"), 3, "command /no/such/program not found"},
-			{"not executable", f.runArgs(plain), 3, "is not an executable file"},
-			{"missing --shim", []string{"run", "--shim", "/no/such/libptxmig.so", "--", app[0], app[1], app[2]}, 3, "--shim /no/such/libptxmig.so"},
-			{"relative socket dir", []string{"run", "--shim", f.shim, "--socket-dir", "sock", "--", app[0], app[1], app[2]}, 2, "must be absolute"},
-			{"socket dir without parent", []string{"run", "--shim", f.shim, "--socket-dir", "/no/such/dir", "--", app[0], app[1], app[2]}, 3, "does not exist"},
-			{"socket dir is a file", []string{"run", "--shim", f.shim, "--socket-dir", plain, "--", app[0], app[1], app[2]}, 3, "not a directory"},
-			{"exec fails", f.runArgs(badInterp), 1, "interpreter"},
+			{"no command", []string{"run", "--shim", f.shim}, 125, "no command given"},
+			{"no command after --", []string{"run", "--shim", f.shim, "--"}, 125, "no command given"},
+			{"unknown flag", []string{"run", "--shim", f.shim, "--bogus", "--", app[0], app[1], app[2]}, 125, "flag provided but not defined"},
+			{"bad --preempt", []string{"run", "--shim", f.shim, "--preempt", "sometimes", "--", app[0], app[1], app[2]}, 125, "--preempt"},
+			{"bad global flag", []string{"--log-level", "loud", "run", "--shim", f.shim, "--", app[0], app[1], app[2]}, 125, "--log-level"},
+			{"command not in PATH", f.runArgs("ptxmig-no-such-command"), 127, `command "ptxmig-no-such-command" not found in $PATH`},
+			{"missing program", f.runArgs("/no/such/program"), 127, "command /no/such/program not found"},
+			{"not executable", f.runArgs(plain), 126, "is not an executable file"},
+			{"missing --shim", []string{"run", "--shim", "/no/such/libptxmig.so", "--", app[0], app[1], app[2]}, 125, "--shim /no/such/libptxmig.so"},
+			{"relative socket dir", []string{"run", "--shim", f.shim, "--socket-dir", "sock", "--", app[0], app[1], app[2]}, 125, "must be absolute"},
+			{"socket dir without parent", []string{"run", "--shim", f.shim, "--socket-dir", "/no/such/dir", "--", app[0], app[1], app[2]}, 125, "does not exist"},
+			{"socket dir is a file", []string{"run", "--shim", f.shim, "--socket-dir", plain, "--", app[0], app[1], app[2]}, 125, "not a directory"},
+			{"exec fails", f.runArgs(badInterp), 126, "interpreter"},
 		}
 		if _, err := os.Stat("/usr/local/lib/libptxmig.so"); err != nil {
 			// The binary's own directory and ../lib hold no libptxmig.so.
-			tests = append(tests, refusal{"no shim anywhere", []string{"run", "--", app[0], app[1], app[2]}, 3, "libptxmig.so not found"})
+			tests = append(tests, refusal{"no shim anywhere", []string{"run", "--", app[0], app[1], app[2]}, 125, "libptxmig.so not found"})
 		}
 		for _, tt := range tests {
 			c := f.cmd(tt.args)

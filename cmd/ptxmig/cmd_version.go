@@ -14,8 +14,13 @@ import (
 
 func init() {
 	register(&cli.Command{
-		Name:   "version",
-		Usage:  "print ptxmig's version and the NVIDIA driver, CUDA and CRIU versions found",
+		Name:  "version",
+		Usage: "print ptxmig's version and the NVIDIA driver, CUDA and CRIU versions found",
+		Description: "`ptxmig --version` prints ptxmig's own version only; `ptxmig doctor` checks everything a\n" +
+			"checkpoint needs and says how to fix what is missing.\n\n" +
+			"Examples:\n" +
+			"   ptxmig version\n" +
+			"   ptxmig version --json",
 		Action: versionAction,
 	})
 }
@@ -62,12 +67,12 @@ func versionAction(c *cli.Context) error {
 	w := env(c).Out
 	fmt.Fprintf(w, "ptxmig  %s (%s)\n", v.Ptxmig, v.Go)
 	if v.DriverErr != "" {
-		fmt.Fprintf(w, "driver  not available: %s\n", v.DriverErr)
+		fmt.Fprintf(w, "driver  not available: %s\n", esc(v.DriverErr))
 	} else {
 		fmt.Fprintf(w, "driver  %s (CUDA %s)\n", v.Driver, v.CUDA)
 	}
 	if v.CRIUErr != "" {
-		fmt.Fprintf(w, "criu    not usable: %s\n", v.CRIUErr)
+		fmt.Fprintf(w, "criu    not usable: %s\n", esc(v.CRIUErr))
 	} else {
 		fmt.Fprintf(w, "criu    %s (%s)\n", v.CRIU, v.CRIUPath)
 	}

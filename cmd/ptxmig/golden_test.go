@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/urfave/cli/v2"
+
 	"github.com/ptxmig/ptxmig/internal/golden"
 	"github.com/ptxmig/ptxmig/internal/gpu"
 )
@@ -26,20 +28,37 @@ func checkGolden(t *testing.T, name, got string) {
 	golden.Check(t, filepath.Join("testdata", name), []byte(got))
 }
 
-// TestGoldenHelp pins the help text of the app and every command.
+// TestGoldenHelp pins the help text of the app and of every command and subcommand (hidden ones
+// too), and checks that `ptxmig help PATH...` shows the same text as `ptxmig PATH... --help`.
 func TestGoldenHelp(t *testing.T) {
 	out, _, code := runCLI(t, "--help")
 	if code != 0 {
 		t.Fatalf("--help exit %d", code)
 	}
 	checkGolden(t, "help.golden", out)
-	for _, c := range commands {
-		out, _, code := runCLI(t, c.Name, "--help")
+	forEachCommand(func(path []string, c *cli.Command) {
+		out, _, code := runCLI(t, append(path, "--help")...)
 		if code != 0 {
-			t.Fatalf("%s --help exit %d", c.Name, code)
+			t.Fatalf("%v --help exit %d", path, code)
 		}
-		checkGolden(t, "help-"+c.Name+".golden", out)
+		checkGolden(t, "help-"+strings.Join(path, "-")+".golden", out)
+		if viaHelp, _, code := runCLI(t, append([]string{"help"}, path...)...); code != 0 || viaHelp != out {
+			t.Errorf("ptxmig help %s: exit %d, differs from --help:\n%s", strings.Join(path, " "), code, viaHelp)
+		}
+	})
+}
+
+// forEachCommand calls fn for every registered command and subcommand, parents first.
+func forEachCommand(fn func(path []string, c *cli.Command)) {
+	var walk func(prefix []string, cmds []*cli.Command)
+	walk = func(prefix []string, cmds []*cli.Command) {
+		for _, c := range cmds {
+			p := append(append([]string(nil), prefix...), c.Name)
+			fn(p, c)
+			walk(p, c.Subcommands)
+		}
 	}
+	walk(nil, commands)
 }
 
 func TestGoldenVersion(t *testing.T) {

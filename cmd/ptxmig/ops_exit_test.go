@@ -21,15 +21,17 @@ func TestCheckpointExitCodes(t *testing.T) {
 		want int
 		msg  string
 	}{
-		{[]string{"checkpoint"}, 2, "want 1 argument"},
+		{[]string{"checkpoint"}, 2, "want PID, got 0"},
 		{[]string{"checkpoint", "abc"}, 2, "positive integer"},
-		{[]string{"checkpoint", "42", "--leave-running"}, 2, "put flags first"},
+		{[]string{"checkpoint", "abc", "--leave-running"}, 2, "positive integer"},
+		{[]string{"checkpoint", "4194304", "--bogus"}, 2, "flag provided but not defined: -bogus"},
 		{[]string{"checkpoint", "--lock-timeout", "-1s", "42"}, 2, "--lock-timeout"},
 		{[]string{"migrate", "--lock-timeout", "-1s", "--gpu", "1", "42"}, 2, "--lock-timeout"},
-		{[]string{"--store", store, "checkpoint", "4194304"}, 3, "no running process"},
+		{[]string{"--store", store, "checkpoint", "4194304"}, 6, "no running process"},
+		{[]string{"--store", store, "checkpoint", "4194304", "--name", "abcd"}, 2, "image id"},
 		{[]string{"restore", "--gpu", "x", "img"}, 2, "--gpu"},
 		{[]string{"restore", "--gpu-map", "a", "img"}, 2, "--gpu-map"},
-		{[]string{"--store", store, "restore", "no-such-image"}, 3, "not found"},
+		{[]string{"--store", store, "restore", "no-such-image"}, 6, "does not exist"},
 		{[]string{"migrate", "--gpu", "1", "0"}, 2, "positive integer"},
 	}
 	for _, tt := range tests {

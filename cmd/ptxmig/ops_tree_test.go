@@ -64,13 +64,17 @@ func TestTreeReprosCLI(t *testing.T) {
 	if code != 0 || !strings.Contains(so, "dry run") || !strings.Contains(so, "end every process of the tree") {
 		t.Fatalf("dry run: exit %d\n%s%s", code, so, se)
 	}
-	for _, args := range [][]string{
-		{"checkpoint", "--name", "", strconv.Itoa(pid)},
-		{"checkpoint", "--name", "abcdef12", strconv.Itoa(pid)},
-		{"checkpoint", strconv.Itoa(os.Getppid())},
+	for _, tt := range []struct {
+		args []string
+		code int
+	}{
+		{[]string{"checkpoint", "--name", "", strconv.Itoa(pid)}, 2},
+		{[]string{"checkpoint", "--name", "abcdef12", strconv.Itoa(pid)}, 2},
+		{[]string{"checkpoint", strconv.Itoa(pid), "--name", "../x"}, 2},
+		{[]string{"checkpoint", strconv.Itoa(os.Getppid())}, 3},
 	} {
-		if _, se, code := cli(args...); code != 3 {
-			t.Errorf("ptxmig %q: exit %d (%s), want 3", args, code, se)
+		if _, se, code := cli(tt.args...); code != tt.code {
+			t.Errorf("ptxmig %q: exit %d (%s), want %d", tt.args, code, se, tt.code)
 		}
 	}
 	so, _, code = cli("--json", "checkpoint", "--name", "c1", strconv.Itoa(pid))

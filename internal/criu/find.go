@@ -8,7 +8,9 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"runtime"
 	"strconv"
+	"syscall"
 )
 
 // ErrNotFound means no criu binary was found.
@@ -60,7 +62,7 @@ func ParseVersion(out string) (int, string, error) {
 
 // Version runs `bin --version` and returns the parsed version.
 func Version(ctx context.Context, bin string) (int, string, error) {
-	out, err := exec.CommandContext(ctx, bin, "--version").CombinedOutput()
+	out, err := output(ctx, bin, "--version")
 	if err != nil {
 		return 0, "", fmt.Errorf("%s --version: %w", bin, err)
 	}
@@ -81,4 +83,15 @@ func Check(ctx context.Context) (string, string, error) {
 		return bin, text, fmt.Errorf("%s is %s, need >= 4.0: %w", bin, text, ErrTooOld)
 	}
 	return bin, text, nil
+}
+
+// output runs a short CRIU command and returns its combined output. Like every CRIU ptxmig
+// starts, it gets SIGKILL if ptxmig dies (the goroutine keeps its OS thread meanwhile: the
+// signal follows the thread that forked).
+func output(ctx context.Context, bin string, args ...string) ([]byte, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	return cmd.CombinedOutput()
 }

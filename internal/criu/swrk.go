@@ -22,6 +22,9 @@ import (
 // ErrFailed means CRIU reported a failed dump or restore; the *Error carries its log tail.
 var ErrFailed = errors.New("criu failed")
 
+// ErrStart means CRIU could not be started (nothing was done).
+var ErrStart = errors.New("cannot start criu")
+
 // Error is a failed CRIU request. CRIU's RPC answer rarely says why ("err:0"); the reason is in
 // its log, so the error carries the log's path and last lines.
 type Error struct {
@@ -124,12 +127,21 @@ func LogTail(path string, n int) []string {
 // maxReply bounds one CRIU RPC message; a longer one is reported, not truncated silently.
 const maxReply = 1 << 20
 
+// spawn says how a CRIU process starts.
+type spawn struct {
+	onStart  func(pid int) // called once CRIU runs, before the request is sent
+	cgroupFD int           // > 0: start CRIU in this cgroup v2 directory (CLONE_INTO_CGROUP)
+}
+
 // swrk runs one `criu swrk` process for one request. Unlike go-criu's own loop it creates the
 // socket pair close-on-exec and hands CRIU its end through ExtraFiles (no fd leaks into concurrent
 // forks), reads replies of any size up to maxReply and checks for truncation, and puts CRIU in its
 // own process group so a Ctrl-C aimed at ptxmig does not kill CRIU halfway through: ptxmig lets a
-// started CRIU request finish and rolls back afterwards.
-func swrk(bin string, req *rpc.CriuReq, onNotify func(*rpc.CriuNotify) error) (*rpc.CriuResp, error) {
+// started CRIU request finish and rolls back afterwards. So does the operation's guardian when
+// ptxmig dies: CRIU killed while its parasite code runs inside a process being dumped can kill
+// that process, so the guardian waits for CRIU to finish (it exits once it finds ptxmig's end of
+// the socket closed), then rolls back; the pid OnStart reports is how it finds CRIU.
+func swrk(bin string, req *rpc.CriuReq, onNotify func(*rpc.CriuNotify) error, sp spawn) (*rpc.CriuResp, error) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("socketpair: %w", err)
@@ -144,11 +156,17 @@ func swrk(bin string, req *rpc.CriuReq, onNotify func(*rpc.CriuNotify) error) (*
 	cmd.Stdout = &stderr
 	cmd.Stderr = &stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if sp.cgroupFD > 0 {
+		cmd.SysProcAttr.UseCgroupFD, cmd.SysProcAttr.CgroupFD = true, sp.cgroupFD
+	}
 	if err := cmd.Start(); err != nil {
 		srv.Close()
-		return nil, fmt.Errorf("start %s swrk: %w", bin, err)
+		return nil, fmt.Errorf("%w: %s swrk: %w", ErrStart, bin, err)
 	}
 	srv.Close()
+	if sp.onStart != nil {
+		sp.onStart(cmd.Process.Pid)
+	}
 	resp, err := exchange(cln, req, onNotify)
 	cln.Close() // CRIU exits when its socket closes
 	werr := cmd.Wait()
@@ -224,6 +242,9 @@ type DumpOptions struct {
 	TCPEstablished bool   // dump established TCP connections
 	FileLocks      bool
 	ExtUnixSk      bool
+	// OnStart is called with CRIU's pid once it runs (the operation's journal records it, so
+	// that a guardian can make sure it is gone).
+	OnStart func(pid int)
 }
 
 // RestoreOptions describe one restore. The restored process is detached: it outlives ptxmig.
@@ -235,6 +256,14 @@ type RestoreOptions struct {
 	TCPEstablished bool
 	FileLocks      bool
 	ExtUnixSk      bool
+	// CgroupDir, when set, is a cgroup v2 directory (under the cgroup2 mount) CRIU starts in, so
+	// that every restored process is born there; CRIU is then told to leave cgroups alone (its
+	// own placement would follow paths relative to the restorer's cgroup, or re-create missing
+	// ones). Processes must be placed in the other hierarchies (cgroup v1) by the caller.
+	CgroupDir string
+	// IgnoreCgroups tells CRIU to leave cgroups alone (implied by CgroupDir).
+	IgnoreCgroups bool
+	OnStart       func(pid int) // as DumpOptions.OnStart
 }
 
 // BuildDumpOpts turns DumpOptions into CRIU's RPC options with the images dir as fd imgFD.
@@ -275,6 +304,9 @@ func BuildRestoreOpts(o RestoreOptions, imgFD, workFD int) *rpc.CriuOpts {
 	setBool(&opts.TcpEstablished, o.TCPEstablished)
 	setBool(&opts.FileLocks, o.FileLocks)
 	setBool(&opts.ExtUnixSk, o.ExtUnixSk)
+	if o.IgnoreCgroups || o.CgroupDir != "" {
+		opts.ManageCgroupsMode = rpc.CriuCgMode_IGNORE.Enum()
+	}
 	return opts
 }
 
@@ -328,7 +360,7 @@ func (d *Dumper) Dump(ctx context.Context, o DumpOptions) (*DumpResult, error) {
 	}
 	logPath := filepath.Join(o.ImagesDir, opts.GetLogFile())
 	t0 := time.Now()
-	_, err = swrk(d.Bin, &rpc.CriuReq{Type: rpc.CriuReqType_DUMP.Enum(), Opts: opts}, nil)
+	_, err = swrk(d.Bin, &rpc.CriuReq{Type: rpc.CriuReqType_DUMP.Enum(), Opts: opts}, nil, spawn{onStart: o.OnStart})
 	res := &DumpResult{Duration: time.Since(t0), LogPath: logPath}
 	if err != nil {
 		return res, newError(fmt.Sprintf("dump pid %d", o.PID), err.Error(), logPath)
@@ -366,6 +398,15 @@ func (d *Dumper) Restore(ctx context.Context, o RestoreOptions) (*RestoreResult,
 	}
 	opts := BuildRestoreOpts(o, int(dir.Fd()), workFD)
 	logPath := filepath.Join(logDir, opts.GetLogFile())
+	sp := spawn{onStart: o.OnStart}
+	if o.CgroupDir != "" {
+		cg, err := openDir(o.CgroupDir)
+		if err != nil {
+			return nil, fmt.Errorf("restore: cgroup: %w", err)
+		}
+		defer cg.Close()
+		sp.cgroupFD = int(cg.Fd())
+	}
 	t0 := time.Now()
 	var notifiedPID int32
 	resp, err := swrk(d.Bin, &rpc.CriuReq{Type: rpc.CriuReqType_RESTORE.Enum(), Opts: opts}, func(n *rpc.CriuNotify) error {
@@ -373,8 +414,11 @@ func (d *Dumper) Restore(ctx context.Context, o RestoreOptions) (*RestoreResult,
 			notifiedPID = n.GetPid()
 		}
 		return nil
-	})
+	}, sp)
 	res := &RestoreResult{Duration: time.Since(t0), LogPath: logPath}
+	if errors.Is(err, ErrStart) {
+		return res, err
+	}
 	if err != nil {
 		return res, newError("restore", err.Error(), logPath)
 	}
@@ -399,7 +443,7 @@ func openDir(path string) (*os.File, error) {
 
 // CheckKernel runs `criu check` and returns its output on failure.
 func CheckKernel(ctx context.Context, bin string) error {
-	out, err := exec.CommandContext(ctx, bin, "check").CombinedOutput()
+	out, err := output(ctx, bin, "check")
 	if err != nil {
 		return fmt.Errorf("%s check: %w: %s", bin, err, lastLine(out))
 	}

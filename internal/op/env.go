@@ -59,6 +59,12 @@ type Env struct {
 	// UsesCUDA reports whether a process has the CUDA driver loaded; nil means
 	// gpu.MapsCUDA. Tests with a fake driver make CPU processes count as CUDA ones.
 	UsesCUDA func(pid int) (bool, error)
+	// GuardianExe is the program started as each operation's guardian (see Begin); "" starts
+	// none (the journal is still written, and `ptxmig recover` acts on it). NewEnv sets it in a
+	// program that called EnableGuardian.
+	GuardianExe string
+	// Recovery is what NewEnv's recovery of interrupted operations found and did.
+	Recovery *Report
 }
 
 // IsCUDA applies e.UsesCUDA (or gpu.MapsCUDA) to pid.
@@ -100,12 +106,14 @@ func ReadHostInfo(drv *gpu.DriverInfo) HostInfo {
 // NewEnv opens the real components: the driver (cuInit), NVML, CRIU and the store at storeDir
 // ("" opens no store: migrate needs none). It refuses a non-root caller first, before anything
 // (the store included) is opened or created. Missing GPU components are recorded, not fatal: a
-// CPU process needs only CRIU. The returned func releases what was opened.
+// CPU process needs only CRIU. Then it recovers the operations an earlier ptxmig left
+// interrupted (RecoverInterrupted; Recovery says what it did). The returned func releases what
+// was opened.
 func NewEnv(ctx context.Context, storeDir string, log *slog.Logger) (*Env, func(), error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	env := &Env{Log: log, Euid: os.Geteuid()}
+	env := &Env{Log: log, Euid: os.Geteuid(), GuardianExe: guardianExe}
 	if err := env.RequireRoot("ptxmig"); err != nil {
 		return nil, func() {}, err
 	}
@@ -144,6 +152,7 @@ func NewEnv(ctx context.Context, storeDir string, log *slog.Logger) (*Env, func(
 	} else {
 		env.CRIU, env.CRIUVersion = d, text
 	}
+	env.Recovery = env.RecoverInterrupted(ctx)
 	return env, closeAll, nil
 }
 

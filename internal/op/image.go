@@ -3,6 +3,7 @@ package op
 import (
 	"encoding/json"
 	"fmt"
+	"strings"
 
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/store"
@@ -28,14 +29,21 @@ const (
 	ExtraComm           = "comm"
 	ExtraLeftRunning    = "left_running"
 	ExtraTree           = "tree" // JSON list of TreeProc: the checkpointed process tree
+	// ExtraCgroup is the root process's cgroup v2 path at checkpoint ("/system.slice/job.service").
+	ExtraCgroup = "cgroup"
+	// ExtraCgroupV1 is a JSON object of the root process's cgroup v1 paths at checkpoint, by
+	// hierarchy (its controllers as /proc/PID/cgroup names them: "memory", "cpu,cpuacct",
+	// "name=systemd").
+	ExtraCgroupV1 = "cgroup.v1"
 )
 
 // TreeProc is one process of a checkpointed tree, as recorded in the image.
 type TreeProc struct {
-	PID  int    `json:"pid"`
-	PPID int    `json:"ppid"`
-	Comm string `json:"comm"`
-	CUDA bool   `json:"cuda,omitempty"`
+	PID    int    `json:"pid"`
+	PPID   int    `json:"ppid"`
+	Comm   string `json:"comm"`
+	CUDA   bool   `json:"cuda,omitempty"`
+	Cgroup string `json:"cgroup,omitempty"` // its cgroup v2 path at checkpoint
 }
 
 // maxPID is the kernel's largest pid (PID_MAX_LIMIT).
@@ -69,6 +77,11 @@ func ImageTree(m store.Metadata) ([]TreeProc, error) {
 		if i > 0 && !seen[p.PPID] {
 			return nil, fmt.Errorf("image process tree: pid %d's parent %d is not listed before it", p.PID, p.PPID)
 		}
+		if p.Cgroup != "" {
+			if err := proc.ValidCgroupPath(p.Cgroup); err != nil {
+				return nil, fmt.Errorf("image process tree: pid %d: %w", p.PID, err)
+			}
+		}
 		seen[p.PID] = true
 	}
 	return t, nil
@@ -95,4 +108,53 @@ func TreeOf(stats []proc.Stat, cuda map[int]bool) []TreeProc {
 		out[0].PPID = 0 // the root's parent is outside the image
 	}
 	return out
+}
+
+// EncodeCgroupsV1 renders the cgroup v1 entries of a process for Meta.Extra ("" when it has none).
+func EncodeCgroupsV1(es []proc.CgroupEntry) string {
+	m := map[string]string{}
+	for _, e := range es {
+		if !e.V2() && e.Controllers != "" {
+			m[e.Controllers] = e.Path
+		}
+	}
+	if len(m) == 0 {
+		return ""
+	}
+	b, _ := json.Marshal(m) // cannot fail: strings
+	return string(b)
+}
+
+// maxCgroupsV1 bounds the hierarchies an image may name.
+const maxCgroupsV1 = 64
+
+// ImageCgroups reads and validates the cgroups recorded in m: the root's v2 path ("" when none
+// was recorded) and its v1 paths by hierarchy.
+func ImageCgroups(m store.Metadata) (string, map[string]string, error) {
+	v2 := m.Extra[ExtraCgroup]
+	if v2 != "" {
+		if err := proc.ValidCgroupPath(v2); err != nil {
+			return "", nil, fmt.Errorf("image cgroup: %w", err)
+		}
+	}
+	s, ok := m.Extra[ExtraCgroupV1]
+	if !ok {
+		return v2, nil, nil
+	}
+	var v1 map[string]string
+	if err := json.Unmarshal([]byte(s), &v1); err != nil {
+		return "", nil, fmt.Errorf("image cgroups (v1): %w", err)
+	}
+	if len(v1) > maxCgroupsV1 {
+		return "", nil, fmt.Errorf("image cgroups (v1): %d hierarchies", len(v1))
+	}
+	for k, p := range v1 {
+		if k == "" || len(k) > 256 || strings.ContainsAny(k, ":/\n") {
+			return "", nil, fmt.Errorf("image cgroups (v1): bad hierarchy %q", k)
+		}
+		if err := proc.ValidCgroupPath(p); err != nil {
+			return "", nil, fmt.Errorf("image cgroups (v1): %s: %w", k, err)
+		}
+	}
+	return v2, v1, nil
 }

@@ -177,7 +177,7 @@ func (p *Preemption) resumeAll(ctx context.Context, pids []int, onlyQuiesced boo
 		default:
 			r.Shim, r.Resume = true, res
 			for _, e := range res.Errors {
-				errs = append(errs, fmt.Errorf("resume pid %d: relaunch of %s failed: %s", pid, e.Kernel, e.Error))
+				errs = append(errs, fmt.Errorf("resume pid %d: relaunch of %s failed: CUresult %d", pid, e.Kernel, e.Error))
 			}
 		}
 	}

@@ -1,6 +1,8 @@
 package op
 
 import (
+	"os"
+
 	"golang.org/x/sys/unix"
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
@@ -8,11 +10,19 @@ import (
 	"github.com/ptxmig/ptxmig/internal/proc"
 )
 
-// StagingTmpfs and StagingDisk are the default staging roots.
+// StagingTmpfs and StagingDisk are the default staging roots; $PTXMIG_STAGING_DIR replaces both.
 const (
 	StagingTmpfs = "/dev/shm/ptxmig"
 	StagingDisk  = "/var/tmp/ptxmig"
 )
+
+// StagingRoots are the staging roots in use.
+func StagingRoots() []string {
+	if d := os.Getenv("PTXMIG_STAGING_DIR"); d != "" {
+		return []string{d}
+	}
+	return []string{StagingTmpfs, StagingDisk}
+}
 
 // FreeBytes is the space an unprivileged writer could still use in dir's file system.
 func FreeBytes(dir string) (uint64, error) {
@@ -23,12 +33,15 @@ func FreeBytes(dir string) (uint64, error) {
 	return st.Bavail * uint64(st.Bsize), nil
 }
 
-// ChooseStaging picks where CRIU's images go: an explicit root, else tmpfs when they fit in
+// ChooseStaging picks where CRIU's images go: an explicit root (or $PTXMIG_STAGING_DIR), else tmpfs when they fit in
 // memory with extraMem to spare (a checkpointed process's host memory grows by its GPU memory; a
 // restore holds the image twice), else disk. The root must have need bytes free, and must be a
 // directory private to ptxmig (see oplock.PrivateDir): the defaults lie in world-writable
 // /dev/shm and /var/tmp. Failures are refusals.
 func ChooseStaging(explicit string, need, extraMem uint64) (string, error) {
+	if explicit == "" {
+		explicit = os.Getenv("PTXMIG_STAGING_DIR")
+	}
 	if explicit != "" {
 		return ensureStagingRoot(explicit, need)
 	}

@@ -14,10 +14,15 @@ import (
 // completed step in reverse order, with a fresh context, so a process is never left locked,
 // checkpointed or stopped. An Undo should look at the process's actual state and do only what is
 // still needed: it may run after a step that partly happened.
+//
+// A step marked Commit makes the operation's result final once it completes (the image is
+// stored, the restored tree runs): the steps after it run even if the context is cancelled,
+// and their failure rolls nothing back (the error says the operation committed).
 type Step struct {
-	Name string
-	Do   func(ctx context.Context) error
-	Undo func(ctx context.Context) error // nil: nothing to undo
+	Name   string
+	Do     func(ctx context.Context) error
+	Undo   func(ctx context.Context) error // nil: nothing to undo
+	Commit bool
 }
 
 // Timing is how long one step took.
@@ -47,6 +52,9 @@ type StepError struct {
 	UndoErr   error    // rollback failures (nil: the rollback completed)
 	Touched   bool     // some step had completed, so the process was touched
 	Cancelled bool     // the context was cancelled
+	// Committed: the operation's result was final (a Commit step completed) before this step
+	// failed; nothing was rolled back.
+	Committed bool
 }
 
 func (e *StepError) Error() string {
@@ -58,6 +66,8 @@ func (e *StepError) Error() string {
 	}
 	fmt.Fprintf(&b, ": %v", e.Err)
 	switch {
+	case e.Committed:
+		b.WriteString("; the operation had committed: nothing was rolled back")
 	case e.UndoErr != nil:
 		fmt.Fprintf(&b, "; ROLLBACK FAILED: %v", e.UndoErr)
 	case len(e.Undone) > 0:
@@ -68,8 +78,9 @@ func (e *StepError) Error() string {
 
 func (e *StepError) Unwrap() error { return e.Err }
 
-// RolledBack reports whether the process was touched and the rollback completed.
-func (e *StepError) RolledBack() bool { return e.Touched && e.UndoErr == nil }
+// RolledBack reports whether the process was touched and the rollback completed (never after a
+// commit: then nothing was rolled back).
+func (e *StepError) RolledBack() bool { return e.Touched && e.UndoErr == nil && !e.Committed }
 
 // Hook runs before each step's Do; an error it returns fails that step. Tests use it to inject
 // failures; the GPU tests use it to change the world between steps.
@@ -78,36 +89,72 @@ type Hook func(ctx context.Context, step string) error
 // Execute runs the steps as one transaction (see Step). RollbackTimeout bounds the whole
 // rollback; 0 means 5 minutes.
 func Execute(ctx context.Context, steps []Step, hook Hook, rollbackTimeout time.Duration, log *slog.Logger) (Timings, error) {
+	return execute(ctx, steps, hook, rollbackTimeout, log, nil)
+}
+
+// observer is told of every step as it happens (the operation's journal, see Txn). An error
+// from begin fails the step before its Do runs: an action the journal does not know of could
+// not be rolled back by the guardian.
+type observer interface {
+	begin(step string) error
+	end(step string, err error)
+	undo(step string)
+	undone(step string, err error)
+	commit() error
+}
+
+func execute(ctx context.Context, steps []Step, hook Hook, rollbackTimeout time.Duration, log *slog.Logger, obs observer) (Timings, error) {
 	if log == nil {
 		log = slog.Default()
 	}
 	var done []Step
 	var timings Timings
+	committed := false
 	for _, s := range steps {
-		if err := ctx.Err(); err != nil {
-			return timings, rollback(ctx, done, &StepError{Err: err, Cancelled: true}, rollbackTimeout, log)
+		sctx := ctx
+		if committed {
+			sctx = context.WithoutCancel(ctx) // the result is final: finish it
+		} else if err := ctx.Err(); err != nil {
+			return timings, rollback(ctx, done, &StepError{Err: err, Cancelled: true}, rollbackTimeout, log, obs)
 		}
 		t0 := time.Now()
 		var err error
-		if hook != nil {
-			err = hook(ctx, s.Name)
+		if obs != nil {
+			err = obs.begin(s.Name)
+		}
+		if err == nil && hook != nil {
+			err = hook(sctx, s.Name)
 		}
 		if err == nil {
-			err = s.Do(ctx)
+			err = s.Do(sctx)
+		}
+		if obs != nil {
+			obs.end(s.Name, err)
 		}
 		if err != nil {
 			log.Warn("step failed", "step", s.Name, "err", err)
-			return timings, rollback(ctx, done, &StepError{Step: s.Name, Err: err, Cancelled: ctx.Err() != nil}, rollbackTimeout, log)
+			if committed {
+				return timings, &StepError{Step: s.Name, Err: err, Touched: true, Committed: true}
+			}
+			return timings, rollback(ctx, done, &StepError{Step: s.Name, Err: err, Cancelled: ctx.Err() != nil}, rollbackTimeout, log, obs)
 		}
 		d := time.Since(t0)
 		log.Debug("step done", "step", s.Name, "duration", d)
 		timings = append(timings, Timing{Step: s.Name, Duration: d})
 		done = append(done, s)
+		if s.Commit && !committed {
+			committed = true
+			if obs != nil {
+				if err := obs.commit(); err != nil {
+					log.Warn("cannot record the commit in the journal", "err", err)
+				}
+			}
+		}
 	}
 	return timings, nil
 }
 
-func rollback(ctx context.Context, done []Step, e *StepError, timeout time.Duration, log *slog.Logger) error {
+func rollback(ctx context.Context, done []Step, e *StepError, timeout time.Duration, log *slog.Logger, obs observer) error {
 	e.Touched = len(done) > 0
 	if timeout <= 0 {
 		timeout = 5 * time.Minute
@@ -122,7 +169,14 @@ func rollback(ctx context.Context, done []Step, e *StepError, timeout time.Durat
 			continue
 		}
 		log.Info("rolling back", "step", s.Name)
-		if err := s.Undo(rctx); err != nil {
+		if obs != nil {
+			obs.undo(s.Name)
+		}
+		err := s.Undo(rctx)
+		if obs != nil {
+			obs.undone(s.Name, err)
+		}
+		if err != nil {
 			log.Error("rollback step failed", "step", s.Name, "err", err)
 			errs = append(errs, fmt.Errorf("undo %s: %w", s.Name, err))
 			continue

@@ -112,3 +112,48 @@ func TestExecute(t *testing.T) {
 		})
 	}
 }
+
+// TestExecuteCommit: once a Commit step completed, the operation's result is final: a
+// cancellation (SIGINT during the store) lets the remaining steps run, and a later failure rolls
+// nothing back and does not report a rollback (exit status and --json say "committed").
+func TestExecuteCommit(t *testing.T) {
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	for _, fail := range []bool{false, true} {
+		ctx, cancel := context.WithCancel(context.Background())
+		var ran []string
+		mk := func(name string, commit bool) Step {
+			return Step{Name: name, Commit: commit,
+				Do: func(sctx context.Context) error {
+					ran = append(ran, name)
+					if name == "store" {
+						cancel() // the signal arrives while the image is being committed
+					}
+					if name == "finish" {
+						if sctx.Err() != nil {
+							return errors.New("finish got a cancelled context")
+						}
+						if fail {
+							return errors.New("boom")
+						}
+					}
+					return nil
+				},
+				Undo: func(context.Context) error { ran = append(ran, "undo "+name); return nil }}
+		}
+		_, err := Execute(ctx, []Step{mk("dump", false), mk("store", true), mk("finish", false)}, nil, 0, log)
+		want := []string{"dump", "store", "finish"}
+		if !reflect.DeepEqual(ran, want) {
+			t.Errorf("fail=%v: ran %v, want %v (nothing undone)", fail, ran, want)
+		}
+		if !fail {
+			if err != nil {
+				t.Errorf("a committed operation cancelled after its commit: %v, want success", err)
+			}
+			continue
+		}
+		var se *StepError
+		if !errors.As(err, &se) || !se.Committed || se.RolledBack() || se.Step != "finish" || !strings.Contains(err.Error(), "committed") {
+			t.Errorf("failure after the commit: %v (%+v), want a committed, not rolled back, StepError", err, se)
+		}
+	}
+}

@@ -417,3 +417,70 @@ func Describe(pids []int) string {
 	add("gone", gone)
 	return strings.Join(parts, "; ")
 }
+
+// ClockTicks is USER_HZ, the unit of the start times /proc reports (100 on every Linux ABI).
+const ClockTicks = 100
+
+// SinceBoot is the time since boot on CLOCK_BOOTTIME, the clock /proc start times count on.
+func SinceBoot() time.Duration {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_BOOTTIME, &ts); err != nil {
+		return 0
+	}
+	return time.Duration(ts.Nano())
+}
+
+// StartedAt is when the process started, after boot (to the clock tick).
+func (s Stat) StartedAt() time.Duration {
+	return time.Duration(s.StartTicks) * (time.Second / ClockTicks)
+}
+
+// StartedSince reports whether the process started at or after t (CLOCK_BOOTTIME): its start,
+// rounded down to a clock tick, is no earlier than t rounded down to one. A process that started
+// in the same tick just before t counts as started since: callers compare against a moment taken
+// before anything they may have started.
+func (s Stat) StartedSince(t time.Duration) bool {
+	tick := time.Second / ClockTicks
+	return s.StartedAt() >= t/tick*tick
+}
+
+// Same reports whether pid is still the process that started at start (clock ticks after boot,
+// /proc/PID/stat field 22) and is not a zombie: the pid was not reused by another process.
+func Same(pid int, start uint64) bool {
+	s, err := ReadStat(pid)
+	return err == nil && !s.Zombie() && s.StartTicks == start
+}
+
+// BootID is this boot's random id (/proc/sys/kernel/random/boot_id): pids and start times mean
+// nothing across boots.
+func BootID() (string, error) {
+	b, err := os.ReadFile(filepath.Join(Root, "sys/kernel/random/boot_id"))
+	if err != nil {
+		return "", err
+	}
+	id := strings.TrimSpace(string(b))
+	if len(id) < 16 || len(id) > 64 || strings.Trim(id, "0123456789abcdef-") != "" {
+		return "", fmt.Errorf("malformed boot id %q", id)
+	}
+	return id, nil
+}
+
+// Group lists the live processes of process group pgid (a scan of /proc); pgid 0 lists every
+// live process.
+func Group(pgid int) []Stat {
+	ents, err := os.ReadDir(Root)
+	if err != nil {
+		return nil
+	}
+	var out []Stat
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid <= 0 {
+			continue
+		}
+		if s, err := ReadStat(pid); err == nil && (pgid == 0 || s.PGID == pgid) && !s.Zombie() {
+			out = append(out, s)
+		}
+	}
+	return out
+}

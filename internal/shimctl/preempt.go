@@ -57,11 +57,11 @@ type Resume struct {
 	ElapsedUS  int64         `json:"elapsed_us"`
 }
 
-// ResumeError is a relaunch that failed.
+// ResumeError is a relaunch that failed; Error is the driver's CUresult.
 type ResumeError struct {
 	Launch uint64 `json:"launch"`
 	Kernel string `json:"kernel"`
-	Error  string `json:"error"`
+	Error  int    `json:"error"`
 }
 
 // needPreemption asks for the shim's version when no reply has told it yet.

@@ -18,7 +18,7 @@ mkdir -p "$out"
 # longgrid/hazards (many-block kernels for block-granular twins): explicit -gencode, always sm_90
 # SASS + compute_90 PTX (the shim instruments the PTX), plus the host GPU's own SASS + PTX when
 # ARCH names another sm_XY.
-gencode=(-gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90)
+gencode=(-gencode "arch=compute_90,code=sm_90" -gencode "arch=compute_90,code=compute_90")
 if [[ $ARCH == sm_* && $ARCH != sm_90 ]]; then
   cc=${ARCH#sm_}
   gencode+=(-gencode "arch=compute_$cc,code=sm_$cc" -gencode "arch=compute_$cc,code=compute_$cc")

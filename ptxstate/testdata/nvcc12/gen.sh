@@ -26,4 +26,4 @@ for cu in *.cu; do
   fi
   n=$((n + 1))
 done
-echo "gen.sh: compiled $n sources with $("$NVCC" --version | grep -o 'release [0-9.]*'): $(ls ./*.ptx | wc -l) PTX files"
+echo "gen.sh: compiled $n sources with $("$NVCC" --version | grep -o 'release [0-9.]*'): $(find . -maxdepth 1 -name "*.ptx" | wc -l) PTX files"

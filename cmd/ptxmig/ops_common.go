@@ -1,0 +1,225 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/oplock"
+	"github.com/ptxmig/ptxmig/internal/shimctl"
+	"github.com/ptxmig/ptxmig/store"
+)
+
+// Helpers shared by checkpoint, restore, migrate and rebalance.
+
+// printPlan prints a --dry-run plan: with --json one document {"dry_run": true, "plan": …};
+// else head() then the numbered steps.
+func printPlan(c *cli.Context, plan any, steps []op.PlanStep, head func()) error {
+	if env(c).JSON {
+		return printJSON(c, map[string]any{"dry_run": true, "plan": plan})
+	}
+	head()
+	for i, s := range steps {
+		fmt.Fprintf(env(c).Out, "  %d. %-14s %s\n", i+1, s.Step, escLines(s.Action))
+	}
+	return nil
+}
+
+// printTree lists a process tree, one process a line, indented by depth.
+func printTree(w io.Writer, tree []op.TreeProc) {
+	depth := map[int]int{}
+	for _, p := range tree {
+		d := 0
+		if pd, ok := depth[p.PPID]; ok {
+			d = pd + 1
+		}
+		depth[p.PID] = d
+		cuda := ""
+		if p.CUDA {
+			cuda = " [cuda]"
+		}
+		fmt.Fprintf(w, "  %s%d %s%s\n", strings.Repeat("  ", d), p.PID, esc(p.Comm), cuda)
+	}
+}
+
+func parsePID(s string) (int, error) {
+	pid, err := strconv.Atoi(s)
+	if err != nil || pid <= 0 {
+		return 0, exitcode.Usagef("PID %q: want a positive integer", s)
+	}
+	return pid, nil
+}
+
+// preemptBudgetFlag is --preempt-budget, shared by checkpoint and migrate.
+func preemptBudgetFlag() cli.Flag {
+	return &cli.DurationFlag{Name: "preempt-budget", Value: op.DefaultPreemptBudget,
+		Usage: "processes under the shim: how long (`DURATION`) to wait for preemptible kernels to stop before the driver lock"}
+}
+
+// preemptBudget reads --preempt-budget (1 ms to 60 s).
+func preemptBudget(c *cli.Context) (time.Duration, error) {
+	d := c.Duration("preempt-budget")
+	if d < time.Millisecond || d > time.Minute {
+		return 0, exitcode.Usagef("--preempt-budget %s: want 1ms to 1m", d)
+	}
+	return d, nil
+}
+
+// printPreemption reports, per process under the shim, what the quiesce stopped and what it
+// left to the driver lock, and the resume. Processes without the shim print nothing.
+func printPreemption(w io.Writer, reports []*op.PreemptReport) {
+	for _, r := range reports {
+		if !r.Shim {
+			continue
+		}
+		if r.Note != "" {
+			fmt.Fprintf(w, "pid %d: %s\n", r.PID, esc(r.Note))
+		}
+		if q := r.Quiesce; q != nil {
+			fmt.Fprintf(w, "pid %d: quiesced in %s (%d preempted, %d drained, %d left to the lock)\n", r.PID,
+				usText(q.ElapsedUS), len(q.Preempted), len(q.Drained), len(q.NotStopped)+len(q.Originals))
+			for _, k := range q.Preempted {
+				fmt.Fprintf(w, "  preempted %s: %d of %d blocks done\n", esc(k.Kernel), k.BlocksDone, k.BlocksTotal)
+			}
+			for _, k := range append(append([]shimctl.LaunchNote(nil), q.NotStopped...), q.Originals...) {
+				fmt.Fprintf(w, "  not preempted %s: %s\n", esc(k.Kernel), esc(k.Reason))
+			}
+		}
+		if res := r.Resume; res != nil {
+			fmt.Fprintf(w, "pid %d: resumed (%d relaunched) in %s\n", r.PID, res.Relaunched, usText(res.ElapsedUS))
+		}
+	}
+}
+
+func usText(us int64) string {
+	if us < 10000 {
+		return fmt.Sprintf("%.2f ms", float64(us)/1000)
+	}
+	return ms(time.Duration(us) * time.Microsecond)
+}
+
+// lockTimeoutFlag reads --lock-timeout, shared by checkpoint and migrate; 0 means no limit.
+func lockTimeoutFlag(c *cli.Context) (time.Duration, error) {
+	d := c.Duration("lock-timeout")
+	if d < 0 {
+		return 0, exitcode.Usagef("--lock-timeout %s: want 0 (no limit) or a positive duration", d)
+	}
+	return d, nil
+}
+
+func shortID(id string) string {
+	if len(id) > 12 {
+		return id[:12]
+	}
+	return id
+}
+
+func ms(d time.Duration) string {
+	if d < 10*time.Second {
+		return fmt.Sprintf("%d ms", d.Milliseconds())
+	}
+	return fmt.Sprintf("%.1f s", d.Seconds())
+}
+
+// opError maps checkpoint/restore/migrate failures to exit statuses and prints CRIU's log tail
+// and where the failure's logs were kept.
+func opError(stderr io.Writer, err error) error {
+	if err == nil {
+		return nil
+	}
+	var f *op.Failure
+	if errors.As(err, &f) {
+		if len(f.CRIUTail) > 0 {
+			fmt.Fprintf(stderr, "ptxmig: last lines of CRIU's log:\n  %s\n", escList(f.CRIUTail, "\n  "))
+		}
+		if f.LogDir != "" {
+			fmt.Fprintf(stderr, "ptxmig: logs kept in %s\n", f.LogDir)
+		}
+	}
+	return withOpExitCode(err)
+}
+
+// withOpExitCode attaches the exit status of a checkpoint/restore/migrate failure: refused by
+// preflight 3, busy 5, failed and rolled back 4, anything else 1.
+func withOpExitCode(err error) error {
+	var se *op.StepError
+	switch {
+	case errors.Is(err, op.ErrRefused):
+		return exitcode.Wrap(exitcode.Refused, err)
+	case errors.Is(err, oplock.ErrBusy):
+		return exitcode.Wrap(exitcode.Busy, err)
+	case errors.As(err, &se) && se.RolledBack():
+		return exitcode.Wrap(exitcode.RolledBack, err)
+	}
+	return exitcode.Wrap(exitcode.Failed, err)
+}
+
+// stepLabel is a step's label, or its name when it has none.
+func stepLabel(labels map[string]string, step string) string {
+	if l, ok := labels[step]; ok {
+		return l
+	}
+	return step
+}
+
+// idLike matches names that would read as an image id prefix (checkpoint's own rule).
+var idLike = regexp.MustCompile(`^[0-9a-f]{4,64}$`)
+
+// checkImageName is the usage check (exit 2) of an image name given on the command line.
+func checkImageName(flag, name string) error {
+	if name == "" {
+		return exitcode.Usagef("%s is empty: give a name, or leave %s out for the default", flag, flag)
+	}
+	if err := store.ValidateName(name); err != nil {
+		return exitcode.Usagef("%s: %w", flag, err)
+	}
+	if idLike.MatchString(name) {
+		return exitcode.Usagef("%s %q: a name of 4 to 64 hex digits could be read as an image id; add a letter outside a-f", flag, name)
+	}
+	return nil
+}
+
+// absentStore stands in, in a dry run, for a store that the checkpoint would create: it holds no
+// image, and its Dir is the nearest existing directory (for the free-space check).
+type absentStore struct{ dir string }
+
+func (a absentStore) Put(context.Context, string, store.PutOptions) (*store.Manifest, *store.Stats, error) {
+	return nil, nil, fmt.Errorf("store %s: %w", a.dir, store.ErrNoStore)
+}
+
+func (a absentStore) Prestage(context.Context, string, store.PutOptions) (*store.Prestage, error) {
+	return nil, fmt.Errorf("store %s: %w", a.dir, store.ErrNoStore)
+}
+
+func (a absentStore) Get(ref string) (*store.Manifest, error) {
+	return nil, fmt.Errorf("%w: %s", store.ErrNotFound, ref)
+}
+
+func (a absentStore) Materialize(context.Context, string, string, store.GetOptions) (*store.Stats, error) {
+	return nil, fmt.Errorf("store %s: %w", a.dir, store.ErrNoStore)
+}
+
+func (a absentStore) Dir() string {
+	d := a.dir
+	for {
+		if fi, err := os.Stat(d); err == nil && fi.IsDir() {
+			return d
+		}
+		p := filepath.Dir(d)
+		if p == d {
+			return d
+		}
+		d = p
+	}
+}
