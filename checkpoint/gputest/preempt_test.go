@@ -242,6 +242,7 @@ func shimDiagnostics(t *testing.T, pid int) {
 			err := d.Lock(pid, 5*time.Second)
 			t.Logf("cycle %d: lock %v", i, err)
 			if err != nil {
+				t.Errorf("cycle %d (quiesce, lock, driver checkpoint, restore, unlock, resume): lock failed: %v", i, err)
 				break
 			}
 			t.Logf("cycle %d: checkpoint %v, restore %v, unlock %v", i, d.Checkpoint(pid), d.Restore(pid, nil), d.Unlock(pid))

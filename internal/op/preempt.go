@@ -28,7 +28,8 @@ type PreemptReport struct {
 	Proto      int              `json:"proto,omitempty"`
 	Note       string           `json:"note,omitempty"` // why nothing was quiesced, or what went wrong
 	Quiesce    *shimctl.Quiesce `json:"quiesce,omitempty"`
-	QuiesceDur time.Duration    `json:"quiesce_ns"` // round trip of the quiesce request
+	QuiesceDur time.Duration    `json:"quiesce_ns"`             // round trip of the quiesce request
+	StopWait   time.Duration    `json:"stop_wait_ns,omitempty"` // then, waiting for twins still stopping
 	Resume     *shimctl.Resume  `json:"resume,omitempty"`
 }
 
@@ -115,6 +116,39 @@ func (p *Preemption) quiesce(ctx context.Context, pid int) {
 	}
 	r.Quiesce = q
 	p.leases[pid] = c
+	if len(q.Stopping) > 0 {
+		// Twins still stopping when the budget ran out: the shim keeps raising their flags, but
+		// the driver lock would block its raises, so wait for them to end first (bounded).
+		t1 := time.Now()
+		left, err := waitStopped(ctx, c, stopWaitMax)
+		r.StopWait = time.Since(t1)
+		if err != nil || left > 0 {
+			r.Note = fmt.Sprintf("%d twin(s) still stopping after %s (%v): the driver lock may wait for them", left, r.StopWait.Round(time.Millisecond), err)
+		}
+	}
+}
+
+// stopWaitMax bounds the wait for twins that were still stopping when a quiesce replied.
+const stopWaitMax = 10 * time.Second
+
+// waitStopped polls status until no twin is stopping; it returns how many are left.
+func waitStopped(ctx context.Context, c *shimctl.Client, max time.Duration) (int, error) {
+	deadline := time.Now().Add(max)
+	for {
+		sctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		st, err := c.Status(sctx)
+		cancel()
+		if err != nil {
+			return -1, err
+		}
+		if st.Preempt == nil || st.Preempt.Stopping == 0 {
+			return 0, nil
+		}
+		if time.Now().After(deadline) {
+			return st.Preempt.Stopping, nil
+		}
+		time.Sleep(500 * time.Microsecond)
+	}
 }
 
 // DetachStep keeps every quiesced process quiesced after ptxmig's connections close: it must run

@@ -105,3 +105,24 @@ func TestPreemptionRollback(t *testing.T) {
 	}
 	_ = shimctl.ErrNoShim
 }
+
+// TestPreemptionWaitsForStopping: twins still stopping when the quiesce replied are waited for
+// (through status) before the step ends, so the driver lock does not block the shim's raises.
+func TestPreemptionWaitsForStopping(t *testing.T) {
+	pid := os.Getpid()
+	dir := t.TempDir()
+	t.Setenv("PTXMIG_SOCKET_DIR", dir)
+	shimctltest.Serve(t, filepath.Join(dir, fmt.Sprintf("%d.sock", pid)), map[string]string{
+		"status":  reply("status", fmt.Sprintf(`{"pid":%d,"proto":2,"preempt":{"stopping":0}}`, pid), 2),
+		"quiesce": reply("quiesce", `{"state":"quiesced","elapsed_us":10000,"gate":"closed","stopping":[7],"not_stopped":[{"launch":7,"kernel":"k","reason":"still running after the budget"}]}`, 2),
+	})
+	env := &Env{Log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	p := NewPreemption(env, 0)
+	defer p.Close()
+	if _, err := Execute(context.Background(), []Step{p.QuiesceStep([]int{pid})}, nil, 0, env.Log); err != nil {
+		t.Fatal(err)
+	}
+	if r := p.Reports[0]; r.StopWait <= 0 || r.Note != "" || len(r.Quiesce.Stopping) != 1 {
+		t.Fatalf("report %+v", r)
+	}
+}

@@ -46,6 +46,9 @@ type Quiesce struct {
 	NotStopped []LaunchNote      `json:"not_stopped"`
 	Originals  []LaunchNote      `json:"originals"`
 	Gate       string            `json:"gate"`
+	// Stopping lists the launches still stopping when the reply was sent (preempt raised, not yet
+	// ended): the shim keeps raising; status.preempt.stopping counts those left.
+	Stopping []uint64 `json:"stopping,omitempty"`
 }
 
 // Resume is the reply to "resume".

@@ -24,6 +24,7 @@ type PreemptStatus struct {
 	Mode                string             `json:"mode"`
 	State               string             `json:"state"`
 	TwinsInFlight       int                `json:"twins_in_flight"`
+	Stopping            int                `json:"stopping"` // twins raised after a quiesce that have not ended yet
 	InstrumentedModules int                `json:"instrumented_modules"`
 	Cache               map[string]float64 `json:"cache,omitempty"`
 }

@@ -38,6 +38,8 @@ void config_load(void) {
   const char *pm = getenv("PTXMIG_PREEMPT");
   cfg.preempt = !pm ? PM_OFF : strcmp(pm, "auto") == 0 ? PM_AUTO : strcmp(pm, "always") == 0 ? PM_ALWAYS : PM_OFF;
   cfg.preempt_min_us = env_uint("PTXMIG_PREEMPT_MIN_US", 1000);
+  cfg.preempt_batch_max = env_uint("PTXMIG_PREEMPT_BATCH_MAX", 0);
+  if (cfg.preempt_batch_max > 65536) cfg.preempt_batch_max = 65536;
   const char *ps = getenv("PTXMIG_PREEMPT_SASS");
   cfg.preempt_sass = !(ps && strcmp(ps, "keep") == 0);
   const char *pc = getenv("PTXMIG_PTX_CACHE");

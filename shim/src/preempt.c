@@ -5,6 +5,8 @@
 // counters and the state; it is never taken by fork handlers (the child re-creates it) and never
 // held while waiting for the GPU (driver calls under it are non-blocking queries and async submits).
 #include <errno.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +46,7 @@ static struct {
   CUresult (*stream_ctx)(CUstream, CUcontext *);
   CUresult (*stream_flags)(CUstream, unsigned *);
   CUresult (*stream_create)(CUstream *, unsigned);
+  CUresult (*stream_destroy)(CUstream);
   CUresult (*stream_query)(CUstream);
   CUresult (*stream_sync)(CUstream);
   CUresult (*ev_create)(CUevent *, unsigned);
@@ -74,6 +77,7 @@ static void d_load(void) {
   SYM(stream_ctx, "cuStreamGetCtx");
   SYM(stream_flags, "cuStreamGetFlags");
   SYM(stream_create, "cuStreamCreate");
+  SYM(stream_destroy, "cuStreamDestroy_v2");
   SYM(stream_query, "cuStreamQuery");
   SYM(stream_sync, "cuStreamSynchronize");
   SYM(ev_create, "cuEventCreate");
@@ -338,6 +342,7 @@ typedef struct tl {
   void **argv;
   CUevent done;
   int state, raised, drain, ended, relaunches;
+  int stopping;  // raised, not ended when the quiesce replied: the raiser thread owns it (pre_mu)
 } tl;
 static tl *live;  // pre_mu
 static int nlive;
@@ -493,6 +498,26 @@ static void retire_locked(crec *c, int max) {
     nlive--;
     tl_free(t);
   }
+}
+
+// batch_max_for: the twin's largest claim. PTXMIG_PREEMPT_BATCH_MAX when set; else from the
+// kernel's sampled time per block (per-block time ~ kernel time x resident CTAs / blocks) so that
+// one batch lasts about BATCH_TARGET_US (a CTA runs up to ~2 batches after the flag is raised),
+// 1 to PTXMIG_BATCH_MAX_DEFAULT; the default when the kernel was never timed.
+#define BATCH_TARGET_US 1000.0
+static uint32_t batch_max_for(krec *r, uint64_t resident) {
+  if (cfg.preempt_batch_max) return cfg.preempt_batch_max;
+  uint64_t smp = r ? atomic_load(&r->blk_sample) : 0;
+  uint64_t blocks = smp & 0xffffffffull;
+  if (!smp || !blocks || !resident) return PTXMIG_BATCH_MAX_DEFAULT;
+  uint32_t hi = (uint32_t)(smp >> 32);
+  float per;
+  memcpy(&per, &hi, sizeof per);
+  double block_us = (double)per * (double)(resident < blocks ? resident : blocks);
+  if (!(block_us > 0)) return PTXMIG_BATCH_MAX_DEFAULT;
+  double g = BATCH_TARGET_US / block_us;
+  if (g >= PTXMIG_BATCH_MAX_DEFAULT) return PTXMIG_BATCH_MAX_DEFAULT;
+  return g < 1 ? 1 : (uint32_t)g;
 }
 
 static int attrs_allowed(const CUlaunchConfig *c) {
@@ -662,6 +687,8 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   x->init.grid_x = g[0], x->init.grid_y = g[1], x->init.grid_z = g[2];
   x->init.magic = PTXMIG_CTL_MAGIC;
   x->init.version = PTXMIG_CTL_VERSION;
+  x->init.batch_max = batch_max_for(r, (uint64_t)occ * (uint64_t)c->sms);
+  if (x->init.batch_max < PTXMIG_BATCH_MIN_DEFAULT) x->init.batch_min = x->init.batch_max;
   pthread_mutex_lock(&pre_mu);
   retire_locked(c, 4);
   int got = ctl_slot(c, &x->ctl, &x->slab, &x->slot) == 0;
@@ -850,6 +877,136 @@ static void report_originals(jbuf *b) {
   jb_s(b, "]");
 }
 
+// classify_locked: a raised twin that ended, its control block read back into t->seen. No block
+// left: it is done (it finished before it saw the flag) and nothing waits for it any more;
+// otherwise it is preempted and its remainder is relaunched by resume. Returns 1 when preempted.
+static int classify_locked(tl *t) {
+  if (t->seen.magic == PTXMIG_CTL_MAGIC && t->seen.next_block >= t->seen.total_blocks) {
+    pending_clear_locked(t);
+    t->state = TL_DONE;
+    return 0;
+  }
+  t->state = TL_PREEMPTED;
+  atomic_fetch_add(&st_preempted, 1);
+  return 1;
+}
+
+// read_back copies a stopped twin's control block (ctx pushed; on the side stream, which waits
+// for nothing but the raises).
+static void read_back(CUstream side, CUdeviceptr ctl, struct ptxmig_ctl *seen) {
+  if (!side || d.dtoh_async(seen, ctl, sizeof *seen, side) != CUDA_SUCCESS || d.stream_sync(side) != CUDA_SUCCESS)
+    memset(seen, 0, sizeof *seen);
+}
+
+// ---- the raiser: twins still stopping when a quiesce replied ----
+// A raised twin that has not ended by the budget keeps its flag raised (every RERAISE_NS, since
+// a raise can be overwritten by a preempt = 0 write still queued ahead of the twin on its stream)
+// and is watched until it ends; then its control block is read back and it is classified like
+// the ones that stopped within the budget. The thread never holds pre_mu during a driver call
+// (a driver call can block for the whole time of a checkpoint lock).
+#define RERAISE_NS 500000ull
+static pthread_cond_t raiser_cv = PTHREAD_COND_INITIALIZER;
+static int raiser_started, raiser_busy, nstopping;  // pre_mu
+#define RAISE_BATCH 64
+static void *raiser_main(void *arg) {
+  (void)arg;
+  struct {
+    tl *t;
+    uint64_t id;
+    CUcontext ctx;
+    CUstream side;
+    CUdeviceptr ctl;
+    CUevent done;
+    int ended;
+    struct ptxmig_ctl seen;
+  } *j = calloc(RAISE_BATCH, sizeof *j);
+  uint64_t last_raise = 0;
+  pthread_mutex_lock(&pre_mu);
+  for (;;) {
+    while (!nstopping || !j) {
+      raiser_busy = 0;
+      pthread_cond_broadcast(&pre_cv);
+      pthread_cond_wait(&raiser_cv, &pre_mu);
+    }
+    raiser_busy = 1;
+    int n = 0;
+    for (tl *t = live; t && n < RAISE_BATCH; t = t->next)
+      if (t->stopping) {
+        j[n].t = t, j[n].id = t->id, j[n].ctx = t->cr->ctx, j[n].side = t->cr->side, j[n].ctl = t->ctl;
+        j[n].done = t->done, j[n].ended = 0;
+        n++;
+      }
+    pthread_mutex_unlock(&pre_mu);
+    int raise_now = mono() - last_raise >= RERAISE_NS, nended = 0;
+    for (int i = 0; i < n; i++) {
+      if (d.ctx_push(j[i].ctx) != CUDA_SUCCESS) {
+        j[i].ended = 1;  // its context is gone
+        memset(&j[i].seen, 0, sizeof j[i].seen);
+        nended++;
+        continue;
+      }
+      if (raise_now && (!j[i].side || d.memset32_async(j[i].ctl + PTXMIG_CTL_OFF_PREEMPT, 1, 1, j[i].side) != CUDA_SUCCESS))
+        LOG_ONCE("preemption: raising a preempt flag after the budget failed");
+      if (d.ev_query(j[i].done) != CUDA_ERROR_NOT_READY) {
+        j[i].ended = 1;
+        read_back(j[i].side, j[i].ctl, &j[i].seen);
+        nended++;
+      }
+      CUcontext x;
+      d.ctx_pop(&x);
+    }
+    if (raise_now) last_raise = mono();
+    pthread_mutex_lock(&pre_mu);
+    for (int i = 0; i < n && nended; i++) {
+      if (!j[i].ended) continue;
+      for (tl *t = live; t; t = t->next) {
+        if (t != j[i].t || t->id != j[i].id || !t->stopping) continue;
+        t->stopping = 0;
+        nstopping--;
+        t->ended = 1;
+        t->seen = j[i].seen;
+        int p = classify_locked(t);
+        if (cfg.debug)
+          shim_log("preemption: launch %llu ended after the budget: %s (%llu of %llu blocks done)",
+                   (unsigned long long)t->id, p ? "preempted" : "done", (unsigned long long)t->seen.blocks_done,
+                   (unsigned long long)t->seen.total_blocks);
+        break;
+      }
+    }
+    if (nended) pthread_cond_broadcast(&pre_cv);  // pending cleared (done), or resume waits for the end
+    if (nstopping && !nended) {
+      pthread_mutex_unlock(&pre_mu);
+      nap_us(100);
+      pthread_mutex_lock(&pre_mu);
+    }
+  }
+  return NULL;
+}
+
+// raiser_kick hands the stopping twins to the raiser thread (started once); pre_mu held. Returns
+// 0 when the thread cannot be started (the twins then stay raised, and resume relaunches each
+// behind its still running launch).
+static int raiser_kick(void) {
+  if (!raiser_started) {
+    pthread_attr_t at;
+    pthread_t th;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    raiser_started = pthread_create(&th, &at, raiser_main, NULL) == 0;
+    pthread_attr_destroy(&at);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (!raiser_started) {
+      LOG_ONCE("preemption: cannot start the raiser thread; twins still stopping are not watched");
+      return 0;
+    }
+  }
+  pthread_cond_signal(&raiser_cv);
+  return 1;
+}
+
 int preempt_quiesce(jbuf *b, unsigned budget_ms) {
   uint64_t t0 = mono(), deadline = t0 + (uint64_t)budget_ms * 1000000ull;
   d_ready();
@@ -910,7 +1067,6 @@ int preempt_quiesce(jbuf *b, unsigned budget_ms) {
   // block initialised (preempt = 0) on that stream just before it starts, after a raise made
   // now: the flag is raised again every RERAISE_NS until the twin ends, so it also stops.
   uint64_t last_raise = 0;
-#define RERAISE_NS 500000ull
   for (;;) {
     if (mono() - last_raise >= RERAISE_NS) {
       for (int i = 0; i < nraise; i++) {
@@ -945,37 +1101,31 @@ int preempt_quiesce(jbuf *b, unsigned budget_ms) {
   for (int i = 0; i < nraise; i++) {
     tl *t = raise[i];
     if (!t->ended || d.ctx_push(t->cr->ctx) != CUDA_SUCCESS) continue;
-    CUstream side = side_stream(t->cr);
-    if (!side || d.dtoh_async(&t->seen, t->ctl, sizeof t->seen, side) != CUDA_SUCCESS || d.stream_sync(side) != CUDA_SUCCESS)
-      memset(&t->seen, 0, sizeof t->seen);
+    read_back(side_stream(t->cr), t->ctl, &t->seen);
     CUcontext x;
     d.ctx_pop(&x);
   }
   jbuf r = {0};
   jb_printf(&r, "{\"state\":\"quiesced\",\"gate\":\"closed\",\"elapsed_us\":%llu,\"budget_ms\":%u,\"preempted\":[",
             (unsigned long long)((mono() - t0) / 1000), budget_ms);
-  int fp = 1, fd = 1, fn = 1;
-  jbuf drained = {0}, notst = {0};
+  int fp = 1, fd = 1, fn = 1, fs = 1;
+  jbuf drained = {0}, notst = {0}, stopping = {0};
   pthread_mutex_lock(&pre_mu);
   for (tl *t = live; t; t = t->next) {
     const char *n = kname(t->rec);
-    if (t->raised && t->ended && t->seen.magic == PTXMIG_CTL_MAGIC && t->seen.next_block >= t->seen.total_blocks) {
-      pending_clear_locked(t);  // it finished before it saw the flag
-      t->state = TL_DONE;
+    if (t->raised && t->ended && !classify_locked(t)) {  // it finished before it saw the flag
       jb_printf(&drained, "%s{\"launch\":%llu,\"kernel\":", fd ? "" : ",", (unsigned long long)t->id);
       jb_str(&drained, n, strlen(n));
       jb_s(&drained, "}");
       fd = 0;
     } else if (t->raised && t->ended) {
-      t->state = TL_PREEMPTED;
-      atomic_fetch_add(&st_preempted, 1);
       uint64_t tot = t->seen.magic == PTXMIG_CTL_MAGIC ? t->seen.total_blocks : t->init.total_blocks;
       jb_printf(&r, "%s{\"launch\":%llu,\"kernel\":", fp ? "" : ",", (unsigned long long)t->id);
       jb_str(&r, n, strlen(n));
       jb_s(&r, ",\"stream\":");
       jb_stream(&r, t->stream);
-      jb_printf(&r, ",\"blocks_done\":%llu,\"blocks_total\":%llu}", (unsigned long long)t->seen.blocks_done,
-                (unsigned long long)tot);
+      jb_printf(&r, ",\"blocks_done\":%llu,\"blocks_total\":%llu,\"batch_max\":%u}",
+                (unsigned long long)t->seen.blocks_done, (unsigned long long)tot, t->init.batch_max);
       fp = 0;
     } else if (t->drain && t->ended) {
       t->state = TL_DONE;
@@ -993,22 +1143,36 @@ int preempt_quiesce(jbuf *b, unsigned budget_ms) {
                                   : "not the tail of its stream";
       jb_s(&notst, ",\"reason\":");
       jb_str(&notst, why, strlen(why));
+      if (t->raised) {
+        // Its flag stays raised: the raiser watches it until it ends, then it is preempted (or
+        // done). Until then the driver lock waits for it.
+        t->stopping = 1;
+        nstopping++;
+        jb_printf(&notst, ",\"stopping\":true,\"batch_max\":%u", t->init.batch_max);
+        jb_printf(&stopping, "%s%llu", fs ? "" : ",", (unsigned long long)t->id);
+        fs = 0;
+      }
       jb_s(&notst, "}");
       fn = 0;
     }
   }
+  if (nstopping) raiser_kick();
   pthread_cond_broadcast(&pre_cv);
   pthread_mutex_unlock(&pre_mu);
   jb_s(&r, "],\"drained\":[");
   if (drained.p) jb_s(&r, drained.p);
   jb_s(&r, "],\"not_stopped\":[");
   if (notst.p) jb_s(&r, notst.p);
+  jb_s(&r, "],\"stopping\":[");
+  if (stopping.p) jb_s(&r, stopping.p);
   jb_s(&r, "],\"originals\":");
   report_originals(&r);
   jb_s(&r, "}");
   free(drained.p);
   free(notst.p);
-  if (r.oom || drained.oom || notst.oom) {
+  int soom = stopping.oom;
+  free(stopping.p);
+  if (r.oom || drained.oom || notst.oom || soom) {
     free(r.p);
     r = (jbuf){0};
     jb_s(&r, "{\"state\":\"quiesced\",\"gate\":\"closed\",\"error\":\"out of memory building the reply\"}");
@@ -1053,11 +1217,69 @@ void preempt_resume(jbuf *b) {
     jb_s(b, "{\"state\":\"running\",\"was\":\"running\",\"relaunched\":0,\"errors\":[],\"elapsed_us\":0}");
     return;
   }
+  // Twins still stopping: let them end first (the raiser keeps raising; a twin stops within about
+  // two batches), so that no relaunch queues behind a launch that is still stopping (a later
+  // quiesce's raises could land before that relaunch's preempt = 0). One that does not end in
+  // RESUME_WAIT_NS is relaunched behind its launch: its flag is raised, so it stops first.
+#define RESUME_WAIT_NS 2000000000ull
+  int still = 0;
+  if (nstopping) {
+    uint64_t until = mono() + RESUME_WAIT_NS;
+    while (nstopping && raiser_started && mono() < until) {
+      pthread_mutex_unlock(&pre_mu);
+      nap_us(200);
+      pthread_mutex_lock(&pre_mu);
+    }
+    still = nstopping;
+    for (tl *t = live; t; t = t->next) t->stopping = 0;
+    nstopping = 0;
+    // The raiser may be between its snapshot and its raises: wait for its round to end.
+    uint64_t until2 = mono() + RESUME_WAIT_NS;
+    while (raiser_busy && mono() < until2) {
+      pthread_mutex_unlock(&pre_mu);
+      nap_us(100);
+      pthread_mutex_lock(&pre_mu);
+    }
+    if (still) shim_log("preemption: resume: %d twin(s) still stopping; relaunched behind their launch", still);
+  }
   tl **todo = nlive ? calloc((size_t)nlive, sizeof *todo) : NULL;
-  int n = 0;
+  CUcontext sides_ctx[MAX_CRECS];
+  CUstream sides[MAX_CRECS];
+  int n = 0, nsides = 0;
   for (tl *t = live; t && todo; t = t->next)
     if (t->raised) todo[n++] = t;
+  for (int i = 0; i < MAX_CRECS && n; i++) {
+    crec *c = atomic_load(&crecs[i]);
+    if (!c) break;
+    if (c->side) sides_ctx[nsides] = c->ctx, sides[nsides++] = c->side;
+  }
   pthread_mutex_unlock(&pre_mu);
+  // Every raise has landed before any relaunch's preempt = 0 is queued. Then the side streams are
+  // dropped: after a driver checkpoint and restore (--leave-running, a rollback, a restored process)
+  // the raise written on the old side stream never reached the twin on an H100 (driver 580: the
+  // channel was gone, NVRM "STOP_CHANNEL ... object not found", then Xid 109 at the lock). The next
+  // quiesce creates a fresh one.
+  for (int i = 0; i < nsides; i++) {
+    if (d.ctx_push(sides_ctx[i]) != CUDA_SUCCESS) continue;
+    d.stream_sync(sides[i]);
+    CUcontext x;
+    d.ctx_pop(&x);
+  }
+  nsides = 0;
+  pthread_mutex_lock(&pre_mu);
+  for (int i = 0; i < MAX_CRECS; i++) {
+    crec *c = atomic_load(&crecs[i]);
+    if (!c) break;
+    if (c->side) sides_ctx[nsides] = c->ctx, sides[nsides++] = c->side;
+    c->side = NULL;
+  }
+  pthread_mutex_unlock(&pre_mu);
+  for (int i = 0; i < nsides && d.stream_destroy; i++) {  // driver calls outside pre_mu
+    if (d.ctx_push(sides_ctx[i]) != CUDA_SUCCESS) continue;
+    d.stream_destroy(sides[i]);  // an error here (a channel already gone) changes nothing
+    CUcontext x;
+    d.ctx_pop(&x);
+  }
   if (n > 1) qsort(todo, (size_t)n, sizeof *todo, cmp_seq);
   int relaunched = 0;
   jbuf errs = {0};
@@ -1096,15 +1318,17 @@ void preempt_resume(jbuf *b) {
   pthread_cond_broadcast(&pre_cv);
   pthread_mutex_unlock(&pre_mu);
   free(todo);
-  jb_printf(b, "{\"state\":\"running\",\"was\":\"%s\",\"relaunched\":%d,\"errors\":[%s],\"elapsed_us\":%llu}",
-            pstate_names[was], relaunched, errs.p ? errs.p : "", (unsigned long long)((mono() - t0) / 1000));
+  jb_printf(b,
+            "{\"state\":\"running\",\"was\":\"%s\",\"relaunched\":%d,\"still_stopping\":%d,\"errors\":[%s],"
+            "\"elapsed_us\":%llu}",
+            pstate_names[was], relaunched, still, errs.p ? errs.p : "", (unsigned long long)((mono() - t0) / 1000));
   free(errs.p);
 }
 
 void preempt_report_status(jbuf *b) {
   pthread_mutex_lock(&pre_mu);
   if (d.ok && pstate == P_RUNNING) retire_locked(NULL, 64);  // finished launches leave the count
-  int st = pstate, n = 0, np = 0;
+  int st = pstate, n = 0, np = 0, ns = nstopping;
   for (tl *t = live; t; t = t->next) {
     n += t->state == TL_RUNNING || t->state == TL_PREEMPTING;
     np += t->state == TL_PREEMPTED || t->state == TL_PREEMPTING;
@@ -1112,9 +1336,10 @@ void preempt_report_status(jbuf *b) {
   pthread_mutex_unlock(&pre_mu);
   jb_printf(b,
             "{\"mode\":\"%s\",\"min_us\":%u,\"state\":\"%s\",\"gate\":\"%s\",\"twins_in_flight\":%d,\"preempted_pending\":%d,"
+            "\"stopping\":%d,\"batch_max\":%u,"
             "\"instrumented_modules\":%d,\"twin_launches\":%lu,\"relaunches\":%lu,\"quiesces\":%lu,\"preempted\":%lu,\"cache\":",
             preempt_mode_names[cfg.preempt], cfg.preempt_min_us, pstate_names[st],
-            atomic_load(&gate_closed) ? "closed" : "open", n, np, trk_instrumented_modules(),
+            atomic_load(&gate_closed) ? "closed" : "open", n, np, ns, cfg.preempt_batch_max, trk_instrumented_modules(),
             atomic_load(&st_twin_launches), atomic_load(&st_relaunches), atomic_load(&st_quiesces),
             atomic_load(&st_preempted));
   instr_stats(b);
@@ -1147,6 +1372,7 @@ void preempt_drop_ctx(CUcontext ctx) {
       *pp = t->next;
       nlive--;
       pending_clear_locked(t);
+      if (t->stopping) nstopping--;
       t->slab = -1;
       t->done = NULL;
       tl_free(t);
@@ -1166,6 +1392,8 @@ void preempt_drop_ctx(CUcontext ctx) {
 void preempt_atfork_child(void) {
   pthread_mutex_init(&pre_mu, NULL);
   pthread_cond_init(&pre_cv, NULL);
+  pthread_cond_init(&raiser_cv, NULL);
+  raiser_started = raiser_busy = nstopping = 0;  // the parent's raiser thread is not in the child
   atomic_store(&gate_closed, 0);
   for (int i = 0; i < SHARDS; i++) atomic_store(&inflight[i].n, 0);
   pstate = P_RUNNING;

@@ -29,6 +29,7 @@ typedef struct {
   int self_time;             // PTXMIG_SELF_TIME=1: measure the shim's own time on each launch
   int preempt;               // PTXMIG_PREEMPT: PM_OFF (default), PM_AUTO, PM_ALWAYS
   unsigned preempt_min_us;   // PTXMIG_PREEMPT_MIN_US (default 1000)
+  unsigned preempt_batch_max;  // PTXMIG_PREEMPT_BATCH_MAX: twins' largest claim (0: from the sampled block time)
   int preempt_sass;          // PTXMIG_PREEMPT_SASS: 1 jit (default), 0 keep modules with SASS for the GPU
   char ptx_cache[256];       // PTXMIG_PTX_CACHE, default /var/cache/ptxmig/ptx ("" or "off": no cache)
   char helper[256];          // PTXMIG_HELPER: the ptxmig binary ("" : none)
@@ -131,6 +132,9 @@ typedef struct krec {
   uint64_t nsampled;
   double sum_us;
   atomic_uint mean_us;  // mean sampled GPU time in µs (rounded up), 0 until timed
+  // the sample with the largest time per block: high 32 bits the float µs per block, low 32 bits
+  // that launch's block count (0: none yet); preempt.c derives the twin's batch_max from it
+  _Atomic uint64_t blk_sample;
   // preemption (preempt.c)
   void *_Atomic owner;          // module or library handle the kernel was obtained from
   const kinfo *_Atomic kinfo;   // its twin information (NULL: unknown yet)

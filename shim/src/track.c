@@ -637,6 +637,7 @@ typedef struct sample {
   CUevent start, end;
   CUcontext ctx;
   CUstream stream;
+  uint64_t blocks;  // the launch's grid size
 } sample;
 #define MAX_PENDING 256
 static pthread_mutex_t sample_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -728,6 +729,23 @@ static void ring_add(krec *r, float us) {
   atomic_store(&r->mean_us, mean > 4e9 ? 4000000000u : (unsigned)mean);
 }
 
+// blk_note keeps the sample with the largest time per block (a preempted twin's sample, which
+// covers only part of its blocks, never lowers it).
+static void blk_note(krec *r, float us, uint64_t blocks) {
+  if (!blocks || !(us > 0)) return;
+  if (blocks > 0xffffffffull) blocks = 0xffffffffull;
+  float per = us / (float)blocks;
+  uint64_t old = atomic_load(&r->blk_sample), nw;
+  do {
+    float cur;
+    uint32_t hi = (uint32_t)(old >> 32);
+    memcpy(&cur, &hi, sizeof cur);
+    if (old && cur >= per) return;
+    memcpy(&hi, &per, sizeof hi);
+    nw = (uint64_t)hi << 32 | blocks;
+  } while (!atomic_compare_exchange_weak(&r->blk_sample, &old, nw));
+}
+
 // samples_harvest collects finished samples without ever waiting: cuEventQuery only.
 void samples_harvest(int max, int from_ctl) {
   if (!ev.event_create) return;
@@ -748,7 +766,10 @@ void samples_harvest(int max, int from_ctl) {
     } else {
       float ms = 0;
       CUresult el = q == CUDA_SUCCESS ? ev.event_elapsed(&ms, s->start, s->end) : q;
-      if (el == CUDA_SUCCESS && ms >= 0) ring_add(s->rec, ms * 1000.0f);
+      if (el == CUDA_SUCCESS && ms >= 0) {
+        ring_add(s->rec, ms * 1000.0f);
+        blk_note(s->rec, ms * 1000.0f, s->blocks);
+      }
       if (el == CUDA_SUCCESS) sample_recycle_locked(s);
       else sample_free(s);  // events the driver reports errors for are not reused
     }
@@ -874,6 +895,7 @@ static void launch_pre_track(launch_tok *t, CUfunction f, unsigned gx, unsigned 
   memset(sm, 0, sizeof *sm);
   if (ev.ctx_get(&sm->ctx) != CUDA_SUCCESS || !sm->ctx) return;
   sm->stream = (!s && ptsz) ? CU_STREAM_PER_THREAD : s;
+  sm->blocks = (uint64_t)gx * gy * gz;
   if (event_get(sm->ctx, &sm->start) != CUDA_SUCCESS) return;
   if (event_get(sm->ctx, &sm->end) != CUDA_SUCCESS || ev.event_record(sm->start, sm->stream) != CUDA_SUCCESS) {
     sample_free(sm);

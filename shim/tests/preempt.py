@@ -277,6 +277,102 @@ def t_tail(name):
     ended_ok(name, app)
 
 
+def wait_status(c, cond, secs=5):
+    end = time.time() + secs
+    while True:
+        st = c.req(cmd="status")["result"]["preempt"]
+        if cond(st) or time.time() > end:
+            return st
+        time.sleep(0.02)
+
+
+def t_late_stop(name):
+    # Twins that stop only after the budget: the fake twin claims batches of 16 blocks of 5 ms
+    # (as ptxstate's do) and sees the flag only between claims, ~80 ms after the raise.
+    tmp, app = with_app(name, {"FAKE_CUDA_TWIN_BATCH": "1", "FAKE_CUDA_BLOCK_US": "5000", "PTXMIG_PREEMPT_BATCH_MAX": "16"})
+    c = app.conn()
+    app.cmd("launch s 400")
+    app.cmd("sync s", expect=False)  # a thread inside cuStreamSynchronize behind the twin
+    time.sleep(0.03)
+    r = c.req(cmd="quiesce", budget_ms=2)["result"]
+    ns = r["not_stopped"]
+    check(len(ns) == 1 and ns[0]["reason"] == "still running after the budget" and ns[0].get("stopping") is True
+          and r.get("stopping") == [ns[0]["launch"]] and not r["preempted"], f"{name}: quiesce {r}")
+    # The raiser keeps the flag raised and classifies the twin once it ended: preempted.
+    st = wait_status(c, lambda st: st["stopping"] == 0)
+    check(st["stopping"] == 0 and st["preempted_pending"] == 1 and st["preempted"] == 1 and st["state"] == "quiesced",
+          f"{name}: status after the twin ended {st}")
+    check(app.expect_none(0.4) is None, f"{name}: cuStreamSynchronize returned while the twin awaited its relaunch")
+    check(app.cmd("query s") == "query 600", f"{name}: cuStreamQuery while preempted is not NOT_READY")
+    check(c.req(cmd="status")["result"]["preempt"]["twins_in_flight"] == 0, f"{name}: something relaunched while quiesced")
+    rs = c.req(cmd="resume")["result"]
+    check(rs["relaunched"] == 1 and rs["still_stopping"] == 0, f"{name}: resume {rs}")
+    check(app.line(15) == "synced s", f"{name}: sync after resume")
+    check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks after resume")
+    # A raised twin that ends with no block left (one batch of 16 already claimed): done, and the
+    # thread syncing on it is released although still quiesced; nothing is relaunched.
+    app.cmd("launch s 16")
+    app.cmd("sync s", expect=False)
+    time.sleep(0.03)
+    r = c.req(cmd="quiesce", budget_ms=2)["result"]
+    check(len(r["not_stopped"]) == 1 and len(r["stopping"]) == 1, f"{name}: quiesce (one batch) {r}")
+    check(app.line(5) == "synced s", f"{name}: sync on a twin that completed after the budget")
+    st = wait_status(c, lambda st: st["stopping"] == 0)
+    check(st["stopping"] == 0 and st["preempted_pending"] == 0, f"{name}: status {st}")
+    rs = c.req(cmd="resume")["result"]
+    check(rs["relaunched"] == 0, f"{name}: resume {rs}")
+    check(app.cmd("check", timeout=30) == "check ok 2 launches, 0 bad blocks", f"{name}: blocks")
+    # Resume while the twin is still stopping: it waits for the end, then relaunches the remainder.
+    app.cmd("launch s 400")
+    time.sleep(0.03)
+    r = c.req(cmd="quiesce", budget_ms=2)["result"]
+    check(len(r["stopping"]) == 1, f"{name}: quiesce {r}")
+    rs = c.req(cmd="resume")["result"]
+    check(rs["relaunched"] == 1 and rs["still_stopping"] == 0, f"{name}: resume while stopping {rs}")
+    check(app.cmd("check", timeout=30) == "check ok 3 launches, 0 bad blocks", f"{name}: blocks")
+    c.close()
+    ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def t_batch_max(name):
+    # batch_max from the sampled time per block: the fake's twin runs its blocks one after the
+    # other (300 us each) and has 8 CTAs (occupancy 2 x 4 SMs), so a block is timed at ~2.4 ms
+    # of a real wave: batch_max 1. Untimed: the default 16.
+    tmp, app = with_app(name, {"FAKE_CUDA_BLOCK_US": "300"})
+    c = app.conn()
+    app.cmd("launch s 400")
+    time.sleep(0.02)
+    r = c.req(cmd="quiesce", budget_ms=500)["result"]
+    check(len(r["preempted"]) == 1 and r["preempted"][0]["batch_max"] == 16, f"{name}: untimed kernel {r}")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks")
+    app.cmd("launch s 40")  # timed whole (the first launch's sample covered only its preempted part)
+    check(app.cmd("check", timeout=30) == "check ok 2 launches, 0 bad blocks", f"{name}: blocks")
+    app.cmd("launch s 400")
+    time.sleep(0.02)
+    r = c.req(cmd="quiesce", budget_ms=500)["result"]
+    check(len(r["preempted"]) == 1 and r["preempted"][0]["batch_max"] == 1, f"{name}: timed kernel {r}")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=30) == "check ok 3 launches, 0 bad blocks", f"{name}: blocks")
+    c.close()
+    ended_ok(name, app)
+    # The override.
+    tmp2, app = with_app(name, {"FAKE_CUDA_BLOCK_US": "300", "PTXMIG_PREEMPT_BATCH_MAX": "4"})
+    c = app.conn()
+    check(c.req(cmd="status")["result"]["preempt"]["batch_max"] == 4, f"{name}: status batch_max")
+    app.cmd("launch s 400")
+    time.sleep(0.02)
+    r = c.req(cmd="quiesce", budget_ms=500)["result"]
+    check(len(r["preempted"]) == 1 and r["preempted"][0]["batch_max"] == 4, f"{name}: PTXMIG_PREEMPT_BATCH_MAX=4 {r}")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks")
+    c.close()
+    ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp2, ignore_errors=True)
+
+
 def t_gate(name):
     tmp, app = with_app(name)
     c = app.conn()
@@ -670,6 +766,8 @@ def main():
         ("tail-rule", t_tail, ()),
         ("free-waits-attributes-replayed", t_free_attrs, ()),
         ("sync-honest", t_sync, ()),
+        ("stops-after-budget", t_late_stop, ()),
+        ("batch-max", t_batch_max, ()),
         ("lease", t_lease, ()),
         ("detach-resume", t_detach, ()),
         ("auto-policy", t_auto, ()),

@@ -311,6 +311,15 @@ static void op_exec(op *o) {
     uint64_t *next = (uint64_t *)c, *total = (uint64_t *)(c + 8), *done = (uint64_t *)(c + 16);
     uint32_t *preempt = (uint32_t *)(c + 36), *status = (uint32_t *)(c + 40);
     COUNT(twin_launches);
+    // FAKE_CUDA_TWIN_BATCH=1: claims of batch_max blocks (control block offset 52, 0: 16), the flag
+    // read only between claims, like ptxstate's batched scheduler (so stopping takes a batch).
+    const char *tb = getenv("FAKE_CUDA_TWIN_BATCH");
+    uint32_t g = 1;
+    if (tb && *tb == '1') {
+      g = *(uint32_t *)(c + 52);
+      if (!g) g = 16;
+      if (g < *(uint32_t *)(c + 56)) g = *(uint32_t *)(c + 56);
+    }
     for (;;) {
       uint64_t t = __atomic_load_n(total, __ATOMIC_SEQ_CST);
       if (__atomic_load_n(preempt, __ATOMIC_SEQ_CST)) {
@@ -320,11 +329,13 @@ static void op_exec(op *o) {
         }
         break;
       }
-      uint64_t b = __atomic_fetch_add(next, 1, __ATOMIC_SEQ_CST);
-      if (b >= t) break;
-      if (out) __atomic_add_fetch(&out[b], 1, __ATOMIC_SEQ_CST);
-      nap(us);
-      __atomic_add_fetch(done, 1, __ATOMIC_SEQ_CST);
+      uint64_t b0 = __atomic_fetch_add(next, g, __ATOMIC_SEQ_CST);
+      if (b0 >= t) break;
+      for (uint64_t b = b0; b < b0 + g && b < t; b++) {
+        if (out) __atomic_add_fetch(&out[b], 1, __ATOMIC_SEQ_CST);
+        nap(us);
+        __atomic_add_fetch(done, 1, __ATOMIC_SEQ_CST);
+      }
     }
     break;
   }
