@@ -21,6 +21,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/probe"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/store"
 )
@@ -210,6 +211,9 @@ func usesCUDA(env *op.Env, pid int) (bool, error) {
 	if !cuda {
 		return false, nil
 	}
+	if err := env.DriverTooOld(probe.DriverCheckpoint); err != nil {
+		return false, op.Refusef("pid %d uses CUDA, but %w", pid, err)
+	}
 	if env.Driver == nil {
 		return false, op.Refusef("pid %d uses CUDA but the NVIDIA driver cannot be used: %v", pid, env.DriverErr)
 	}
@@ -268,8 +272,8 @@ func imageName(st op.ImageStore, o Options, comm string, now time.Time) (string,
 			return "", op.Refusef("--name %q: a name of 4 to 64 hex digits could be read as an image id; add a letter outside a-f", name)
 		}
 		if m, err := st.Get(name); err == nil && m.Name == name {
-			return "", op.Refusef("--name %q: an image of that name exists (id %.12s, made %s); pick another name or remove it with `ptxmig image rm %s`",
-				name, m.ID, m.Created.Format(time.RFC3339), name)
+			return "", op.Refusef("--name %q: an image of that name exists (id %.12s, made %s); pick another name or remove it with `%s`",
+				name, m.ID, m.Created.Format(time.RFC3339), op.Command(st.Dir(), "image", "rm", name))
 		}
 		return name, nil
 	}

@@ -19,6 +19,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/internal/placement"
+	"github.com/ptxmig/ptxmig/internal/probe"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/store"
 )
@@ -94,6 +95,9 @@ func Run(ctx context.Context, env *op.Env, o Options) (*Result, error) {
 func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 	if err := env.RequireRoot("ptxmig migrate"); err != nil {
 		return nil, err
+	}
+	if err := env.DriverTooOld(probe.DriverGPURemap); err != nil {
+		return nil, op.Refusef("migrate: %w", err)
 	}
 	if env.Driver == nil {
 		return nil, op.Refusef("no usable NVIDIA driver: %v", env.DriverErr)

@@ -20,6 +20,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/internal/placement"
+	"github.com/ptxmig/ptxmig/internal/probe"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/store"
 )
@@ -167,6 +168,9 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 
 func (p *Plan) planGPUs(env *op.Env, name string) error {
 	meta, o := p.meta, p.opts
+	if err := env.DriverTooOld(probe.DriverCheckpoint); err != nil {
+		return op.Refusef("image %s holds a CUDA process, but %w", name, err)
+	}
 	if env.Driver == nil {
 		return op.Refusef("image %s holds a CUDA process but the NVIDIA driver cannot be used: %v", name, env.DriverErr)
 	}
@@ -190,6 +194,11 @@ func (p *Plan) planGPUs(env *op.Env, name string) error {
 		return op.Refusef("image %s: %w", name, err)
 	}
 	p.Remapped = p.dpairs != nil
+	if p.Remapped {
+		if err := env.DriverTooOld(probe.DriverGPURemap); err != nil {
+			return op.Refusef("image %s: %w", name, err) // a GPU moves: the driver needs the pairs
+		}
+	}
 	if assumed && p.dpairs != nil {
 		env.Logger().Warn("image records no visible-GPU set (made by an older ptxmig): assuming the process saw every GPU "+
 			"of this host; if it ran with CUDA_VISIBLE_DEVICES the driver will refuse the pairs and the restore rolls back",

@@ -21,7 +21,7 @@ import (
 var version = "dev"
 
 // defaultStore is --store's default.
-const defaultStore = "/var/lib/ptxmig"
+const defaultStore = op.DefaultStoreDir
 
 // commands holds every subcommand; each cmd_<verb>.go registers its own in init.
 var commands []*cli.Command
@@ -184,8 +184,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitcode.OK
 	}
 	code := exitStatus(err)
-	if len(p.path) > 0 && p.path[0] == "run" && code != exitRunNoExec && code != exitRunNotFound {
-		code = exitRunFailed // env(1)/timeout(1) style: ptxmig run's own failures never look like the command's
+	if len(p.path) > 0 && p.path[0] == "run" && code != exitcode.RunNoExec && code != exitcode.RunNotFound {
+		code = exitcode.RunFailed // env(1)/timeout(1) style: ptxmig run's own failures never look like the command's
 	}
 	msg := err.Error()
 	if code == exitcode.Usage && strings.Contains(msg, "flag provided but not defined") {
@@ -193,27 +193,39 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		msg = strings.Replace(msg, "`ptxmig  --help`", "`ptxmig --help`", 1)
 	}
 	if p.json || g.JSON {
-		doc := map[string]any{"error": msg, "exit_code": code, "kind": exitKind(code)}
-		var f *op.Failure
-		if errors.As(err, &f) {
-			doc["failed_step"], doc["rolled_back"], doc["undone"] = f.Step, f.RolledBack(), f.Undone
-			if f.State != "" {
-				doc["process_state"] = f.State
-			}
-			if f.LogDir != "" {
-				doc["log_dir"] = f.LogDir
-			}
-		}
 		var result any
 		var re *resultError
 		if errors.As(err, &re) {
 			result = re.result
 		}
-		_ = writeErrorJSON(g.jsonOut, result, doc)
+		_ = writeErrorJSON(g.jsonOut, result, errorDoc(err, msg, code))
 	} else {
 		fmt.Fprintf(stderr, "ptxmig: error: %s\n", escLines(msg))
 	}
 	return code
+}
+
+// errorDoc is the error's part of a failed command's --json document: the message, the exit
+// status and its kind; for an operation that failed after preflight (checkpoint, restore,
+// migrate, a rebalance move) also the failed step, whether it rolled back or had committed
+// (its result was final: nothing was rolled back), the steps undone, and from its Failure the
+// processes' state and the kept logs.
+func errorDoc(err error, msg string, code int) map[string]any {
+	doc := map[string]any{"error": msg, "exit_code": code, "kind": exitcode.Name(code)}
+	var se *op.StepError
+	if errors.As(err, &se) {
+		doc["failed_step"], doc["rolled_back"], doc["committed"], doc["undone"] = se.Step, se.RolledBack(), se.Committed, se.Undone
+	}
+	var f *op.Failure
+	if errors.As(err, &f) {
+		if f.State != "" {
+			doc["process_state"] = f.State
+		}
+		if f.LogDir != "" {
+			doc["log_dir"] = f.LogDir
+		}
+	}
+	return doc
 }
 
 // writeErrorJSON writes the one document of a failed command: the members of its partial result

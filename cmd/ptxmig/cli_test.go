@@ -13,6 +13,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"github.com/ptxmig/ptxmig/internal/exitcode"
 	"github.com/ptxmig/ptxmig/store"
 )
 
@@ -136,11 +137,11 @@ func TestFlagsAnywhere(t *testing.T) {
 		t.Errorf("image export c2 -o FILE: exit %d %s", code, errOut)
 	}
 	// After --, a word that looks like a flag is an argument (here: no such image).
-	if _, errOut, code := cli("image", "rm", "--", "--json"); code != exitNotFound {
+	if _, errOut, code := cli("image", "rm", "--", "--json"); code != exitcode.NotFound {
 		t.Errorf("image rm -- --json: exit %d %s, want 6", code, errOut)
 	}
 	// Several names: every one is checked before any is removed.
-	if _, errOut, code := cli("image", "rm", "c2", "nope", "c3"); code != exitNotFound || !strings.Contains(errOut, "nothing was removed") {
+	if _, errOut, code := cli("image", "rm", "c2", "nope", "c3"); code != exitcode.NotFound || !strings.Contains(errOut, "nothing was removed") {
 		t.Errorf("rm c2 nope c3: exit %d %s", code, errOut)
 	}
 	for _, n := range []string{"c2", "c3"} {
@@ -243,7 +244,7 @@ func TestExitCodeTable(t *testing.T) {
 		}
 		out, _, jcode := runCLI(t, append(args, "--json")...)
 		m := oneJSON(t, strings.Join(tt.args, " ")+" --json", out)
-		if jcode != tt.code || m["exit_code"] != float64(tt.code) || m["kind"] != exitKind(tt.code) {
+		if jcode != tt.code || m["exit_code"] != float64(tt.code) || m["kind"] != exitcode.Name(tt.code) {
 			t.Errorf("ptxmig %v --json: exit %d, document %v", tt.args, jcode, m)
 		}
 	}
@@ -371,7 +372,7 @@ func TestStoreNotConjured(t *testing.T) {
 	}
 	fresh := filepath.Join(base, "fresh")
 	_, errOut, code := runCLI(t, "--store", fresh, "images")
-	if code != exitNotFound || !strings.Contains(errOut, fresh) || !strings.Contains(errOut, "does not exist") {
+	if code != exitcode.NotFound || !strings.Contains(errOut, fresh) || !strings.Contains(errOut, "does not exist") {
 		t.Errorf("images on a missing store: exit %d %q", code, errOut)
 	}
 	out, errOut, code := runCLI(t, "--store", fresh, "image", "add", "x", src)
@@ -385,7 +386,7 @@ func TestStoreNotConjured(t *testing.T) {
 	// A non-empty directory that is no store is not adopted.
 	home := t.TempDir()
 	os.WriteFile(filepath.Join(home, ".profile"), nil, 0o644)
-	if _, errOut, code := runCLI(t, "--store", home, "image", "add", "x", src); code != exitNotFound || !strings.Contains(errOut, "not empty") {
+	if _, errOut, code := runCLI(t, "--store", home, "image", "add", "x", src); code != exitcode.NotFound || !strings.Contains(errOut, "not empty") {
 		t.Errorf("image add into a foreign directory: exit %d %q", code, errOut)
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/probe"
 	"github.com/ptxmig/ptxmig/internal/ptxas"
@@ -32,9 +33,11 @@ func init() {
 			"and its checkpoint API; the GPUs (MIG is not supported) and their persistence mode; the store\n" +
 			"(location, symlink target, owner, mode, read-only, free space; a missing store is fine if its\n" +
 			"parent exists: the first checkpoint creates it); the staging and failure-log directories;\n" +
-			"libptxmig.so (for `ptxmig run`), ptxas and the shim's socket directory. Nothing is created\n" +
-			"or changed. Exits 1 when any check fails, 0 otherwise (warnings included). A host without\n" +
-			"an NVIDIA driver can still checkpoint CPU processes: the GPU lines are warnings there.\n\n" +
+			"libptxmig.so (for `ptxmig run`), ptxas and the shim's socket directory; and operations a\n" +
+			"ptxmig that died left interrupted (their journals, read only: `ptxmig recover` handles them).\n" +
+			"Nothing is created or changed. Exits 1 when any check fails, 0 otherwise (warnings\n" +
+			"included). A host without an NVIDIA driver can still checkpoint CPU processes: the GPU lines\n" +
+			"are warnings there.\n\n" +
 			"Examples:\n" +
 			"   ptxmig doctor\n" +
 			"   ptxmig doctor --json\n" +
@@ -75,6 +78,7 @@ type doctorProbes struct {
 	shim          func() (string, error)
 	ptxas         func() (string, error)
 	socketDir     func(dir string) error
+	pending       func() ([]op.Recovered, error) // op.Pending
 }
 
 var doctorHost = doctorProbes{
@@ -115,6 +119,7 @@ var doctorHost = doctorProbes{
 	},
 	ptxas:     ptxas.Find,
 	socketDir: checkSocketDir,
+	pending:   op.Pending,
 }
 
 func doctorAction(c *cli.Context) error {
@@ -335,6 +340,7 @@ func runDoctor(ctx context.Context, p doctorProbes, storeDir, sockDir string) do
 	} else {
 		add("failure logs", "ok", logDir+" (created on the first failure; $PTXMIG_LOG_DIR overrides)", "")
 	}
+	pendingCheck(p, root, add) // operations a ptxmig that died left behind
 
 	// The shim and its tools.
 	if s, err := p.shim(); err != nil {
@@ -356,6 +362,42 @@ func runDoctor(ctx context.Context, p doctorProbes, storeDir, sockDir string) do
 		add("socket directory", "ok", sd+": the shim can create its control sockets there", "")
 	}
 	return r
+}
+
+// pendingCheck reports operations that a ptxmig which died left interrupted (op.Pending: the
+// journals are only read), which `ptxmig recover` rolls back or finishes.
+func pendingCheck(p doctorProbes, root bool, add func(name, status, msg, fix string)) {
+	const name, fix = "interrupted ops", "ptxmig recover"
+	dir := journal.Dir()
+	if !root {
+		add(name, "warn", "skipped: the operation journals in "+dir+" are root's", "run ptxmig doctor as root")
+		return
+	}
+	ops, err := p.pending()
+	if err != nil {
+		add(name, "warn", "cannot read the operation journals: "+err.Error(), "")
+		return
+	}
+	if len(ops) == 0 {
+		add(name, "ok", "none: no operation was left behind by a ptxmig that died (journals in "+dir+")", "")
+		return
+	}
+	var list []string
+	for _, r := range ops {
+		what := "journal " + r.Journal
+		if r.Op != "" {
+			what = fmt.Sprintf("%s of pid %d (journal %s, started %s)", r.Op, r.PID, r.Journal, r.Started.Local().Format("2006-01-02 15:04:05"))
+		}
+		switch r.Outcome {
+		case op.RecoveredBusy:
+			what += ": its guardian is rolling it back"
+		case op.RecoveredRefused:
+			what += ": invalid (" + r.Error + "); recover keeps it aside and touches no process"
+		}
+		list = append(list, what)
+	}
+	add(name, "warn", fmt.Sprintf("%d operation(s) left by a ptxmig that died: %s. Until recovered, their processes may stay "+
+		"stopped or their GPUs locked, and staging space stays taken", len(ops), strings.Join(list, "; ")), fix)
 }
 
 // storeCheck reports on the store directory with the store's own checks, changing nothing.

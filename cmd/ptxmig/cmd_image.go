@@ -85,7 +85,9 @@ func init() {
 				Usage:     "show an image's manifest: provenance, GPUs, process tree, files and sizes",
 				ArgsUsage: "NAME|ID",
 				Description: "Names, paths, symlink targets, labels and command lines are printed with control\n" +
-					"characters escaped (\\x1b); --json gives the manifest plus logical and stored sizes.\n\n" +
+					"characters escaped (\\x1b); --json gives the manifest plus logical and stored sizes. The\n" +
+					"manifest line says whether the manifest is authenticated: sealed by its id (format 1.1), or\n" +
+					"an older format 1.0 image whose id is merely the hash of whatever bytes were read.\n\n" +
 					"Examples:\n" +
 					"   ptxmig image inspect trainer-1\n" +
 					"   ptxmig image inspect --json trainer-1",
@@ -96,8 +98,10 @@ func init() {
 				Usage:     "re-read images and check every chunk; names each bad file and offset",
 				ArgsUsage: "[NAME|ID...]",
 				Description: "Without arguments every image is verified. Every NAME|ID must exist before any is read\n" +
-					"(else exit 6). Exits 1 if any image is damaged; --json prints one document with every\n" +
-					"report (and the error).\n\n" +
+					"(else exit 6). Each problem names the file and the offset, or the manifest field that was\n" +
+					"edited. A format 1.0 image (its manifest predates sealing) verifies with a warning: its\n" +
+					"chunks are checked, its manifest cannot be. Exits 1 if any image is damaged; --json prints\n" +
+					"one document with every report (and the error).\n\n" +
 					"Examples:\n" +
 					"   ptxmig image verify\n" +
 					"   ptxmig image verify --workers 2 trainer-1 trainer-2",
@@ -147,13 +151,19 @@ func init() {
 				Name:      "import",
 				Usage:     "read an export stream from FILE or stdin, verifying every chunk",
 				ArgsUsage: "[FILE]",
-				Description: "Chunks already in the store are skipped. A truncated or corrupt stream leaves no image.\n\n" +
+				Description: "Chunks already in the store are skipped. A truncated or corrupt stream leaves no image.\n" +
+					"--expect-id pins what the stream must hold: the image's full id, or a prefix of at least 8\n" +
+					"hex digits, as `ptxmig images` on the exporting host shows it. A manifest sealed under another\n" +
+					"id, or one that predates sealing (format 1.0, whose id proves nothing), fails the import\n" +
+					"(exit 1) before any chunk is stored. With --name the id checked is the exported one.\n\n" +
 					"Examples:\n" +
 					"   ssh host1 ptxmig image export job42 | ptxmig image import\n" +
-					"   ptxmig image import --name job42-copy /tmp/job42.ptxmig",
+					"   ptxmig image import --name job42-copy /tmp/job42.ptxmig\n" +
+					"   ptxmig image import --expect-id 3f9a1c0e7b2d4a58 --memory 256MiB /tmp/job42.ptxmig",
 				Flags: []cli.Flag{
 					&cli.StringFlag{Name: "name", Usage: "store under `NAME` instead of the exported one"},
-					workers,
+					&cli.StringFlag{Name: "expect-id", Usage: "refuse a stream unless its sealed manifest has this `ID` (full, or 8+ hex digits)"},
+					workers, memory,
 				},
 				Action: imageImport,
 			},
@@ -327,8 +337,11 @@ func imageExtract(c *cli.Context) error {
 // inspectJSON is the --json form of `image inspect`.
 type inspectJSON struct {
 	*store.Manifest
-	LogicalBytes int64 `json:"logical_bytes"`
-	StoredBytes  int64 `json:"stored_bytes"`
+	// Authenticated: the manifest is sealed by its id (format 1.1 or later); a format 1.0
+	// manifest's id is merely the hash of its bytes.
+	Authenticated bool  `json:"authenticated"`
+	LogicalBytes  int64 `json:"logical_bytes"`
+	StoredBytes   int64 `json:"stored_bytes"`
 }
 
 func imageInspect(c *cli.Context) error {
@@ -344,7 +357,7 @@ func imageInspect(c *cli.Context) error {
 		return err
 	}
 	if env(c).JSON {
-		return printJSON(c, inspectJSON{Manifest: m, LogicalBytes: m.LogicalBytes(), StoredBytes: m.StoredBytes()})
+		return printJSON(c, inspectJSON{Manifest: m, Authenticated: m.Authenticated(), LogicalBytes: m.LogicalBytes(), StoredBytes: m.StoredBytes()})
 	}
 	writeInspect(env(c).Out, m)
 	return nil
@@ -364,6 +377,12 @@ func writeInspect(w io.Writer, m *store.Manifest) {
 	kv("parent", m.Parent)
 	kv("created", m.Created.Format(time.RFC3339))
 	kv("format", m.FormatVersion+", "+m.Hash+", chunks of "+bytesize.Format(int64(m.ChunkSize)))
+	if m.Authenticated() {
+		kv("manifest", "authenticated (sealed by its id)")
+	} else {
+		kv("manifest", "NOT authenticated: format "+m.FormatVersion+" predates sealing, so its id proves nothing; "+
+			"export it and import it with --name to seal a copy")
+	}
 	kv("kind", m.Meta.Kind)
 	kv("host", m.Meta.Host)
 	kv("kernel", m.Meta.Kernel)
@@ -476,13 +495,7 @@ func imageVerify(c *cli.Context) error {
 		} else {
 			fmt.Fprintf(w, "BAD  %s: %d problem(s)\n", esc(r.Name), len(r.Problems))
 			for _, p := range r.Problems {
-				what := esc(p.Path)
-				if p.Field != "" {
-					what += " " + esc(p.Field)
-				} else {
-					what += fmt.Sprintf(" at offset %d", p.Offset)
-				}
-				fmt.Fprintf(w, "     %s: %s\n", what, esc(p.Err))
+				fmt.Fprintf(w, "     %s\n", problemText(p))
 			}
 		}
 		for _, warn := range r.Warnings {
@@ -496,6 +509,18 @@ func imageVerify(c *cli.Context) error {
 		return printJSON(c, res)
 	}
 	return nil
+}
+
+// problemText is one problem of `image verify` for people: the file and offset of a bad chunk,
+// or the manifest's edited field.
+func problemText(p store.Problem) string {
+	switch {
+	case p.Field != "":
+		return fmt.Sprintf("%s field %s: %s", esc(p.Path), esc(p.Field), esc(strings.TrimPrefix(p.Err, p.Field+": ")))
+	case p.Path == "(manifest)":
+		return fmt.Sprintf("%s: %s", esc(p.Path), esc(p.Err))
+	}
+	return fmt.Sprintf("%s at offset %d: %s", esc(p.Path), p.Offset, esc(p.Err))
 }
 
 // checkRefs resolves every image reference before a command acts on any: the first one that does
@@ -645,6 +670,14 @@ func imageImport(c *cli.Context) error {
 			return exitcode.Wrap(exitcode.Usage, err)
 		}
 	}
+	expect := strings.ToLower(c.String("expect-id"))
+	if c.IsSet("expect-id") && (len(expect) < 8 || len(expect) > 64 || strings.Trim(expect, "0123456789abcdef") != "") {
+		return exitcode.Usagef("--expect-id %q: want an image id or a prefix of at least 8 of its hex digits", esc(c.String("expect-id")))
+	}
+	g, bar, err := getOptions(c, "import")
+	if err != nil {
+		return err
+	}
 	var r io.Reader = c.App.Reader
 	if r == nil {
 		r = os.Stdin
@@ -666,8 +699,8 @@ func imageImport(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	bar := progress.New(env(c).Err, "import")
-	m, st, err := s.ImportWith(c.Context, r, store.ImportOptions{Name: c.String("name"), Workers: c.Int("workers"), Progress: bar.Func()})
+	m, st, err := s.ImportWith(c.Context, r, store.ImportOptions{Name: c.String("name"), Workers: g.Workers,
+		MemoryLimit: g.MemoryLimit, ExpectID: expect, Progress: g.Progress})
 	bar.Done()
 	if err != nil {
 		return storeErr(err)

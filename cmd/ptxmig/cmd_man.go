@@ -7,6 +7,8 @@ import (
 	"strings"
 
 	"github.com/urfave/cli/v2"
+
+	"github.com/ptxmig/ptxmig/internal/exitcode"
 )
 
 func init() {
@@ -164,7 +166,7 @@ func writeMan(w io.Writer, app *cli.App) error {
 	}
 	walk("ptxmig", app.Commands)
 	fmt.Fprintf(w, ".SH EXIT STATUS\n")
-	for _, e := range exitCodes {
+	for _, e := range exitcode.Codes {
 		fmt.Fprintf(w, ".TP\n.B %d\n%s\n", e.Code, roff(e.Meaning))
 	}
 	fmt.Fprintf(w, ".PP\n%s\n", roff("ptxmig run passes the command's own status through: only 125-127 are ptxmig's. "+

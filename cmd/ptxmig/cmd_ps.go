@@ -23,8 +23,11 @@ func init() {
 			"(running, locked, checkpointed, failed; \"-\" when the driver does not track it) and whether it\n" +
 			"runs under the ptxmig shim (libptxmig.so mapped, i.e. started with `ptxmig run`). PPID and\n" +
 			"SESSION place it in its process tree: `ptxmig checkpoint` saves the tree below the pid it is\n" +
-			"given, so checkpoint a job's session leader (or its wrapper's pid) to save the whole job.\n\n" +
-			"Names and command lines come from the processes and print with control characters escaped.\n\n" +
+			"given, so checkpoint a job's session leader (or its wrapper's pid) to save the whole job.\n" +
+			"CGROUP is its cgroup v2 path as /proc/PID/cgroup shows it (\"-\" on a host without cgroup v2):\n" +
+			"`ptxmig restore` puts the process back there, or where --cgroup says.\n\n" +
+			"Names, command lines and cgroups come from the processes and print with control characters\n" +
+			"escaped.\n\n" +
 			"Examples:\n" +
 			"   ptxmig ps\n" +
 			"   ptxmig ps --json",
@@ -37,6 +40,7 @@ type PSEntry struct {
 	PID     int      `json:"pid"`
 	PPID    int      `json:"ppid"`
 	Session int      `json:"sid"`
+	Cgroup  string   `json:"cgroup"` // cgroup v2 path; "" without cgroup v2
 	Comm    string   `json:"comm"`
 	Cmdline []string `json:"cmdline"`
 	GPUs    []psGPU  `json:"gpus"`
@@ -64,6 +68,7 @@ var (
 		}
 		return st.String(), nil
 	}
+	procCgroup = proc.Cgroup
 )
 
 func psAction(c *cli.Context) error {
@@ -89,7 +94,7 @@ func psAction(c *cli.Context) error {
 		return printJSON(c, entries)
 	}
 	tw := tabwriter.NewWriter(env(c).Out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "PID\tPPID\tSESSION\tSTATE\tSHIM\tGPU\tMEMORY\tCOMMAND")
+	fmt.Fprintln(tw, "PID\tPPID\tSESSION\tSTATE\tSHIM\tGPU\tMEMORY\tCGROUP\tCOMMAND")
 	for _, e := range entries {
 		g, m := "-", "-"
 		if len(e.GPUs) > 0 {
@@ -111,7 +116,11 @@ func psAction(c *cli.Context) error {
 		if r := []rune(cmd); len(r) > 60 {
 			cmd = string(r[:57]) + "..."
 		}
-		fmt.Fprintf(tw, "%d\t%d\t%d\t%s\t%s\t%s\t%s\t%s\n", e.PID, e.PPID, e.Session, e.State, shim, g, m, cmd)
+		cg := "-"
+		if e.Cgroup != "" {
+			cg = esc(e.Cgroup)
+		}
+		fmt.Fprintf(tw, "%d\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\n", e.PID, e.PPID, e.Session, e.State, shim, g, m, cg, cmd)
 	}
 	return tw.Flush()
 }
@@ -138,6 +147,7 @@ func buildPS(procs []gpu.ProcInfo, devs []gpu.Device, state func(int) (string, e
 		if st, err := proc.ReadStat(e.PID); err == nil {
 			e.PPID, e.Session = st.PPID, st.SID
 		}
+		e.Cgroup, _ = procCgroup(e.PID) // "" without cgroup v2, or once the process is gone
 		e.State = "-"
 		if s, err := state(e.PID); err == nil {
 			e.State = s

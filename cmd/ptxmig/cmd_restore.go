@@ -9,6 +9,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/exitcode"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/placement"
+	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/restore"
 )
 
@@ -31,15 +32,21 @@ func init() {
 			"When a GPU moves, the driver needs a pair for every GPU of the source host (recorded at\n" +
 			"checkpoint, whatever CUDA_VISIBLE_DEVICES was): the ones it did not use keep their GPU or take\n" +
 			"the ones left free, so the host needs at least that many GPUs of the same chip.\n\n" +
+			"Each process goes back to the cgroup (v2) it had at checkpoint when that exists here, else\n" +
+			"where the tree's root goes: its own recorded cgroup, else /ptxmig (created when missing),\n" +
+			"never ptxmig's own. --cgroup puts the whole tree into one cgroup instead, named as\n" +
+			"/proc/PID/cgroup shows it; it must exist, else the restore is refused (exit 3).\n\n" +
 			"Examples:\n" +
 			"   ptxmig restore counter-4242-20261122-101500\n" +
 			"   ptxmig restore --dry-run --gpu 1 trainer-step-900\n" +
 			"   ptxmig restore trainer-step-900 --gpu 1\n" +
 			"   ptxmig restore --gpu-map GPU-5e3a1c2b-0f9d-4e2a-8b7c-1234567890ab=1 trainer-step-900\n" +
+			"   ptxmig restore --cgroup /system.slice/trainer.service trainer-step-900\n" +
 			"   ptxmig --store /mnt/shared/ptxmig restore trainer-step-900",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "gpu", Usage: "target GPU index per checkpointed GPU, in order: `N[,M...]`"},
 			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping `OLD=NEW[,...]` (GPU UUIDs or indexes)"},
+			&cli.StringFlag{Name: "cgroup", Usage: "put the whole tree into the existing cgroup v2 `PATH` (default: where each process was)"},
 			&cli.BoolFlag{Name: "keep-staging", Usage: "keep the materialized image and CRIU's log"},
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
 		},
@@ -59,6 +66,11 @@ func restoreAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
+	if cg := c.String("cgroup"); cg != "" {
+		if err := proc.ValidCgroupPath(cg); err != nil {
+			return exitcode.Usagef("--cgroup: %v", err)
+		}
+	}
 	g := env(c)
 	e, closeEnv, err := op.NewEnv(c.Context, "", g.Log)
 	defer closeEnv()
@@ -71,7 +83,7 @@ func restoreAction(c *cli.Context) error {
 	}
 	e.Store = st
 	ref := c.Args().First()
-	opts := restore.Options{Image: ref, GPUs: gpus, GPUMap: gmap, KeepStaging: c.Bool("keep-staging")}
+	opts := restore.Options{Image: ref, GPUs: gpus, GPUMap: gmap, KeepStaging: c.Bool("keep-staging"), Cgroup: c.String("cgroup")}
 	plan, err := restore.PlanRestore(c.Context, e, opts)
 	if err != nil {
 		return opError(g.Err, err)

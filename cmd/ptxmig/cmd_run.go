@@ -167,13 +167,13 @@ func lookCommand(name string) (string, error) {
 	var ee *exec.Error
 	switch {
 	case errors.Is(err, exec.ErrNotFound):
-		return "", exitcode.Wrap(exitRunNotFound, fmt.Errorf("command %q not found in $PATH", esc(name)))
+		return "", exitcode.Wrap(exitcode.RunNotFound, fmt.Errorf("command %q not found in $PATH", esc(name)))
 	case errors.As(err, &ee) && errors.Is(ee.Err, fs.ErrNotExist):
-		return "", exitcode.Wrap(exitRunNotFound, fmt.Errorf("command %s not found", esc(name)))
+		return "", exitcode.Wrap(exitcode.RunNotFound, fmt.Errorf("command %s not found", esc(name)))
 	case errors.As(err, &ee) && errors.Is(ee.Err, fs.ErrPermission):
-		return "", exitcode.Wrap(exitRunNoExec, fmt.Errorf("command %s is not an executable file", esc(name)))
+		return "", exitcode.Wrap(exitcode.RunNoExec, fmt.Errorf("command %s is not an executable file", esc(name)))
 	}
-	return "", exitcode.Wrap(exitRunNoExec, fmt.Errorf("command %s: %w", esc(name), err))
+	return "", exitcode.Wrap(exitcode.RunNoExec, fmt.Errorf("command %s: %w", esc(name), err))
 }
 
 // runAction checks everything that can be checked, then execs CMD in place of ptxmig: CMD keeps
@@ -237,5 +237,5 @@ func runAction(c *cli.Context) error {
 	if errors.Is(err, unix.ENOENT) {
 		err = fmt.Errorf("%w (its #! interpreter or ELF loader is missing)", err)
 	}
-	return exitcode.Wrap(exitRunNoExec, fmt.Errorf("run: exec %s: %w", esc(path), err))
+	return exitcode.Wrap(exitcode.RunNoExec, fmt.Errorf("run: exec %s: %w", esc(path), err))
 }

@@ -114,7 +114,7 @@ func TestShimReadersExitCodes(t *testing.T) {
 	if _, _, code := runCLI(t, "kernels", "--socket-dir", t.TempDir(), strconv.Itoa(os.Getpid())); code != exitcode.Refused {
 		t.Errorf("kernels of a process without a socket: exit %d, want 3", code)
 	}
-	if _, _, code := runCLI(t, "kernels", "4194304"); code != exitNotFound {
+	if _, _, code := runCLI(t, "kernels", "4194304"); code != exitcode.NotFound {
 		t.Errorf("kernels of no process: exit %d, want 6", code)
 	}
 	if _, _, code := runCLI(t, "modules", "abc"); code != exitcode.Usage {
@@ -227,9 +227,12 @@ func TestRun(t *testing.T) {
 				t.Errorf("the app's environment lacks %s: %q", want, vars)
 			}
 		}
-		if maps, err := os.ReadFile(proc + "/maps"); err != nil || !strings.Contains(string(maps), f.shim) {
-			t.Errorf("the shim %s is not mapped in the app (%v)", f.shim, err)
-		}
+		// /proc/PID/exe names sleep as soon as the exec is done, before the dynamic loader has
+		// mapped the preloaded libraries: wait for them.
+		waitFor(t, "the shim "+f.shim+" mapped in the app", func() bool {
+			maps, err := os.ReadFile(proc + "/maps")
+			return err == nil && strings.Contains(string(maps), f.shim)
+		})
 		// No process of ptxmig's binary is left anywhere.
 		procs, _ := filepath.Glob("/proc/[0-9]*/exe")
 		for _, p := range procs {

@@ -44,6 +44,7 @@ func fakeHost(good bool) doctorProbes {
 		shim:        func() (string, error) { return "/usr/local/lib/libptxmig.so", nil },
 		ptxas:       func() (string, error) { return "/usr/local/cuda/bin/ptxas", nil },
 		socketDir:   func(string) error { return nil },
+		pending:     func() ([]op.Recovered, error) { return nil, nil },
 	}
 	if good {
 		return p
@@ -82,6 +83,7 @@ func TestGoldenDoctor(t *testing.T) {
 	defer func(p doctorProbes) { doctorHost = p }(doctorHost)
 	t.Setenv("PTXMIG_LOG_DIR", "/var/log/ptxmig")
 	t.Setenv("PTXMIG_STAGING_DIR", "")
+	t.Setenv("PTXMIG_JOURNAL_DIR", "")
 	for _, tt := range []struct {
 		name string
 		good bool
@@ -160,6 +162,39 @@ func TestDoctorStates(t *testing.T) {
 	p.criuCheck = func(context.Context, string) error { return errors.New("criu check: exit status 1: Looks bad") }
 	if c := find(runDoctor(context.Background(), p, "/s", ""), "criu check"); c.Status != "fail" {
 		t.Errorf("criu check failing: %+v", c)
+	}
+	// Interrupted operations: a warning whose fix is ptxmig recover; each one named.
+	p = fakeHost(true)
+	started := time.Date(2026, 11, 24, 10, 15, 0, 0, time.Local)
+	p.pending = func() ([]op.Recovered, error) {
+		return []op.Recovered{
+			{Journal: "checkpoint-4242-0123456789abcdef", Op: "checkpoint", PID: 4242, Started: started, Outcome: op.PendingInterrupted},
+			{Journal: "migrate-77-0123456789abcdef", Op: "migrate", PID: 77, Started: started, Outcome: op.RecoveredBusy},
+			{Journal: "restore-9-0123456789abcdef", Outcome: op.RecoveredRefused, Error: "bad boot id"},
+		}, nil
+	}
+	r = runDoctor(context.Background(), p, "/s", "")
+	c := find(r, "interrupted ops")
+	for _, want := range []string{"3 operation(s)", "checkpoint of pid 4242 (journal checkpoint-4242-0123456789abcdef, started 2026-11-24 10:15:00)",
+		"migrate of pid 77", "its guardian is rolling it back", "journal restore-9-0123456789abcdef: invalid (bad boot id)"} {
+		if !strings.Contains(c.Message, want) {
+			t.Errorf("interrupted ops: %q lacks %q", c.Message, want)
+		}
+	}
+	if c.Status != "warn" || c.Fix != "ptxmig recover" || r.Fail != 0 {
+		t.Errorf("interrupted ops: %+v, %d failures", c, r.Fail)
+	}
+	p.pending = func() ([]op.Recovered, error) {
+		return nil, errors.New("journal directory /run/ptxmig/journal: unsafe")
+	}
+	if c := find(runDoctor(context.Background(), p, "/s", ""), "interrupted ops"); c.Status != "warn" || !strings.Contains(c.Message, "unsafe") {
+		t.Errorf("unreadable journals: %+v", c)
+	}
+	p = fakeHost(true)
+	p.euid = func() int { return 1000 }
+	p.pending = func() ([]op.Recovered, error) { t.Error("journals read as non-root"); return nil, nil }
+	if c := find(runDoctor(context.Background(), p, "/s", ""), "interrupted ops"); c.Status != "warn" || !strings.Contains(c.Message, "skipped") {
+		t.Errorf("non-root: %+v", c)
 	}
 }
 

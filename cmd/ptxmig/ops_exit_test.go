@@ -32,6 +32,9 @@ func TestCheckpointExitCodes(t *testing.T) {
 		{[]string{"restore", "--gpu", "x", "img"}, 2, "--gpu"},
 		{[]string{"restore", "--gpu-map", "a", "img"}, 2, "--gpu-map"},
 		{[]string{"--store", store, "restore", "no-such-image"}, 6, "does not exist"},
+		{[]string{"restore", "--cgroup", "system.slice", "img"}, 2, "--cgroup: cgroup path \"system.slice\" is not absolute"},
+		{[]string{"restore", "img", "--cgroup", "/a/../b"}, 2, "not clean"},
+		{[]string{"--store", store, "restore", "--cgroup", "/ptxmig-no-such-cgroup", "no-such-image"}, 6, "does not exist"},
 		{[]string{"migrate", "--gpu", "1", "0"}, 2, "positive integer"},
 	}
 	for _, tt := range tests {

@@ -96,7 +96,8 @@ func TestTreeReprosCLI(t *testing.T) {
 
 	// The name is taken now: refused before the second tree is frozen.
 	pid2 := start()
-	if _, se, code := cli("checkpoint", "--name", "c1", strconv.Itoa(pid2)); code != 3 || !strings.Contains(se, "exists") {
+	if _, se, code := cli("checkpoint", "--name", "c1", strconv.Itoa(pid2)); code != 3 || !strings.Contains(se, "exists") ||
+		!strings.Contains(se, "remove it with: ptxmig --store "+store+" image rm c1") {
 		t.Errorf("taken name: exit %d (%s), want 3", code, se)
 	}
 	if s, err := proc.ReadStat(pid2); err != nil || s.Stopped() {
@@ -106,6 +107,22 @@ func TestTreeReprosCLI(t *testing.T) {
 		_ = proc.Kill(proc.PIDs(tr), 5*time.Second)
 	}
 
+	// --cgroup: a cgroup that does not exist is refused (3); one that does is the plan's target.
+	if _, se, code := cli("restore", "--cgroup", "/ptxmig-test-no-such-cgroup", "c1"); code != 3 || !strings.Contains(se, "does not exist") {
+		t.Errorf("restore --cgroup (missing): exit %d (%s), want 3", code, se)
+	}
+	if own, err := proc.Cgroup(os.Getpid()); err == nil && own != "" {
+		so, se, code := cli("--json", "restore", "--dry-run", "c1", "--cgroup", own)
+		var dry struct {
+			Plan struct {
+				Cgroup       string `json:"cgroup"`
+				CgroupReason string `json:"cgroup_reason"`
+			} `json:"plan"`
+		}
+		if err := json.Unmarshal([]byte(so), &dry); code != 0 || err != nil || dry.Plan.Cgroup != own || dry.Plan.CgroupReason != "as asked" {
+			t.Errorf("restore --dry-run --cgroup %s: exit %d, plan %+v (%v)\n%s%s", own, code, dry.Plan, err, so, se)
+		}
+	}
 	if so, se, code := cli("restore", "c1"); code != 0 {
 		t.Fatalf("restore: exit %d\n%s%s", code, so, se)
 	}

@@ -2,11 +2,11 @@ package main
 
 import (
 	"fmt"
-	"strings"
 
 	"github.com/urfave/cli/v2"
 
 	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/store"
 )
 
@@ -58,9 +58,4 @@ func hint(c *cli.Context, args ...string) string {
 }
 
 // shellQuote quotes a word for sh when it holds anything beyond safe characters.
-func shellQuote(s string) string {
-	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./=:@+,%") == "" {
-		return s
-	}
-	return "'" + strings.ReplaceAll(esc(s), "'", `'\''`) + "'"
-}
+func shellQuote(s string) string { return op.ShellQuote(esc(s)) }

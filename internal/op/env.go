@@ -6,6 +6,7 @@ package op
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"os"
 	"time"
@@ -15,6 +16,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/probe"
 	"github.com/ptxmig/ptxmig/store"
 )
 
@@ -59,6 +61,10 @@ type Env struct {
 	// UsesCUDA reports whether a process has the CUDA driver loaded; nil means
 	// gpu.MapsCUDA. Tests with a fake driver make CPU processes count as CUDA ones.
 	UsesCUDA func(pid int) (bool, error)
+	// DriverVersion reads the NVIDIA driver's version for the preflight's feature checks
+	// (DriverTooOld); nil means probe.DriverVersion. NewEnv gives the version NVML reported;
+	// tests give fake ones.
+	DriverVersion func() (string, error)
 	// GuardianExe is the program started as each operation's guardian (see Begin); "" starts
 	// none (the journal is still written, and `ptxmig recover` acts on it). NewEnv sets it in a
 	// program that called EnableGuardian.
@@ -74,6 +80,26 @@ func (e *Env) IsCUDA(pid int) (bool, error) {
 	}
 	cuda, _, err := gpu.MapsCUDA(pid)
 	return cuda, err
+}
+
+// DriverTooOld returns a *probe.UnsupportedFeatureError ("restore onto another GPU ... needs
+// NVIDIA driver >= 580 (found 575.51.03)") when the driver is known to be too old for f
+// (probe.DriverCheckpoint, probe.DriverGPURemap: the rules probe.HaveDriverCheckpoint and
+// probe.HaveGPURemap apply), else nil. A version that cannot be read or parsed (no driver, no
+// NVML) is nil too: then the driver's own calls decide, as without this check.
+func (e *Env) DriverTooOld(f probe.Feature) error {
+	read := e.DriverVersion
+	if read == nil {
+		read = probe.DriverVersion
+	}
+	v, err := read()
+	if err != nil {
+		return nil
+	}
+	if err := f.Check(v); errors.Is(err, probe.ErrNotSupported) {
+		return err
+	}
+	return nil
 }
 
 // Logger is e.Log, or slog's default when unset.
@@ -144,6 +170,7 @@ func NewEnv(ctx context.Context, storeDir string, log *slog.Logger) (*Env, func(
 		closers = append(closers, func() { _ = inv.Close() })
 		if d, err := inv.Driver(); err == nil {
 			di = &d
+			env.DriverVersion = func() (string, error) { return d.Driver, nil }
 		}
 	}
 	env.Host = ReadHostInfo(di)

@@ -150,6 +150,53 @@ func Recover(ctx context.Context, o RecoverOptions) (*Report, error) {
 	return rep, nil
 }
 
+// PendingInterrupted is the Outcome Pending gives an operation whose ptxmig died before it
+// ended and that nothing is recovering: Recover would roll it back or finish it.
+const PendingInterrupted = "interrupted"
+
+// Pending lists the operations Recover would act on, touching nothing: it reads the journals
+// without taking their locks (a lock, even a shared one for an instant, could fail a starting
+// operation's own), and changes no journal, file or process. Each is a Recovered with no
+// Actions and Outcome PendingInterrupted (its ptxmig is gone), RecoveredBusy (its ptxmig is
+// gone and its guardian, still alive, is at work) or RecoveredRefused (the journal fails
+// validation, in Error: Recover keeps it aside). Live operations are left out, and so are
+// journals cut short while created (their operation touched nothing). It needs root, as
+// Recover does: the journal directory is root's.
+func Pending() ([]Recovered, error) {
+	if os.Geteuid() != 0 {
+		return nil, Refusef("the operation journals in %s are readable by root only (euid %d)", journal.Dir(), os.Geteuid())
+	}
+	paths, err := journal.List(journal.Dir())
+	if err != nil {
+		return nil, fmt.Errorf("journal directory %s: %w", journal.Dir(), err)
+	}
+	boot, _ := proc.BootID()
+	alive := func(p journal.Proc, h journal.Header) bool {
+		return boot != "" && boot == h.Boot && proc.Same(p.PID, p.Start)
+	}
+	out := []Recovered{}
+	for _, p := range paths {
+		r := Recovered{Journal: strings.TrimSuffix(filepath.Base(p), journal.Ext)}
+		st, err := journal.Read(p)
+		switch {
+		case errors.Is(err, os.ErrNotExist), errors.Is(err, journal.ErrNoBegin):
+			continue
+		case err != nil:
+			r.Outcome, r.Error = RecoveredRefused, err.Error()
+		case alive(st.Header.Owner, st.Header):
+			continue
+		default:
+			describe(&r, st)
+			r.Outcome = PendingInterrupted
+			if st.Guardian != nil && alive(*st.Guardian, st.Header) {
+				r.Outcome = RecoveredBusy
+			}
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}
+
 // RecoverJournal recovers the one operation of the journal at path, as its guardian does once
 // ptxmig is gone: it waits (up to o.Wait) for the journal's lock, then rolls back or finishes.
 // It returns nil when the journal is gone (the operation ended).
@@ -498,7 +545,7 @@ func (rb *journalRollback) checkpoint(ctx context.Context) string {
 		rb.shimResume(ctx, cuda)
 	}
 	if st.Began(stepStore) {
-		rb.note("the image was not stored (`ptxmig image gc` removes what the store step left)")
+		rb.note("the image was not stored (`%s` removes what the store step left)", Command(st.Header.Store, "image", "gc"))
 	}
 	return RecoveredRolledBack
 }

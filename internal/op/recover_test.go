@@ -360,3 +360,134 @@ func TestRecoverRefusesInvalidJournals(t *testing.T) {
 	}
 	t.Logf("recover with nothing to do: %s per call", time.Since(t0)/100)
 }
+
+// TestPending lists what Recover would act on without touching anything: an interrupted
+// operation, one whose guardian is still at work, an invalid journal; not a live operation nor
+// a journal cut short while created. Afterwards every journal is as it was, and Recover finds
+// them unlocked.
+func TestPending(t *testing.T) {
+	pid, guard := sleeper(t), sleeper(t)
+	r := newRecoverRig(t)
+	if got, err := Pending(); err != nil || len(got) != 0 {
+		t.Fatalf("Pending with no journal directory: %+v, %v", got, err)
+	}
+	live, err := r.env.Begin(context.Background(), TxnSpec{Op: journal.OpCheckpoint, Root: pid, Tree: []int{pid}, Steps: []string{"dump"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer live.End(nil, false)
+	dead := exec.Command("true")
+	if err := dead.Run(); err != nil {
+		t.Fatal(err)
+	}
+	boot, _ := proc.BootID()
+	ps, _ := proc.ReadStat(pid)
+	gs, _ := proc.ReadStat(guard)
+	write := func(op string, recs ...journal.Record) string {
+		id, _ := journal.NewID(op, dead.Process.Pid)
+		h := journal.Header{V: journal.Version, Op: op, ID: id, Boot: boot, Time: time.Now(), Owner: journal.Proc{PID: dead.Process.Pid, Start: 1},
+			Session: 1, Root: pid, Tree: []journal.Proc{{PID: pid, Start: ps.StartTicks}}, Steps: []string{"dump"}}
+		w, err := journal.Create(journal.Dir(), h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Append(recs...); err != nil {
+			t.Fatal(err)
+		}
+		w.Abandon()
+		return id
+	}
+	step := journal.Record{T: journal.TStep, Step: "dump", Phase: journal.PhaseBegin, At: 1}
+	interrupted := write(journal.OpCheckpoint, step)
+	guarded := write(journal.OpMigrate, journal.Record{T: journal.TGuardian, Proc: &journal.Proc{PID: guard, Start: gs.StartTicks}}, step)
+	dir := journal.Dir()
+	if err := os.WriteFile(filepath.Join(dir, "restore-77-0123456789abcdef"+journal.Ext), []byte(`{"t":"begin","begin":{"v":9}}`+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "checkpoint-78-0123456789abcdef"+journal.Ext), []byte(`{"t":"begin","be`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	snapshot := func() map[string]string {
+		m := map[string]string{}
+		ents, _ := os.ReadDir(dir)
+		for _, e := range ents {
+			b, _ := os.ReadFile(filepath.Join(dir, e.Name()))
+			m[e.Name()] = string(b)
+		}
+		return m
+	}
+	before := snapshot()
+
+	got, err := Pending()
+	if err != nil {
+		t.Fatal(err)
+	}
+	outcomes := map[string]Recovered{}
+	for _, o := range got {
+		outcomes[o.Journal] = o
+	}
+	want := map[string]string{interrupted: PendingInterrupted, guarded: RecoveredBusy, "restore-77-0123456789abcdef": RecoveredRefused}
+	if len(got) != len(want) {
+		t.Errorf("Pending: %+v, want %v", got, want)
+	}
+	for id, o := range want {
+		if outcomes[id].Outcome != o {
+			t.Errorf("%s: %+v, want %q", id, outcomes[id], o)
+		}
+	}
+	if o := outcomes[interrupted]; o.Op != journal.OpCheckpoint || o.PID != pid || o.Started.IsZero() || len(o.Actions) != 0 {
+		t.Errorf("interrupted operation described as %+v", o)
+	}
+	if o := outcomes["restore-77-0123456789abcdef"]; !strings.Contains(o.Error, "version 9") {
+		t.Errorf("invalid journal: %+v", o)
+	}
+	if after := snapshot(); fmt.Sprint(after) != fmt.Sprint(before) {
+		t.Errorf("Pending changed the journal directory:\n%v\nwant\n%v", after, before)
+	}
+	if !proc.Alive(pid) || stopped(pid) || !proc.Alive(guard) {
+		t.Error("Pending touched a process")
+	}
+	// Nothing is left locked: recover handles them all now (the guarded one waits for no lock).
+	rep, err := Recover(context.Background(), r.opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, o := range rep.Operations {
+		if o.Journal == interrupted && o.Outcome != RecoveredRolledBack && o.Outcome != RecoveredCleaned {
+			t.Errorf("recover after Pending: %+v", o)
+		}
+	}
+}
+
+// TestRecoverHintNamesStore: the hint of a checkpoint rolled back after its store step began
+// names the operation's store when it is not the default, so that it works as printed.
+func TestRecoverHintNamesStore(t *testing.T) {
+	pid := sleeper(t)
+	r := newRecoverRig(t)
+	dead := exec.Command("true")
+	if err := dead.Run(); err != nil {
+		t.Fatal(err)
+	}
+	boot, _ := proc.BootID()
+	s, _ := proc.ReadStat(pid)
+	for _, tt := range []struct{ store, want string }{
+		{"/data/other-store", "`ptxmig --store /data/other-store image gc`"},
+		{DefaultStoreDir, "`ptxmig image gc`"},
+	} {
+		id, _ := journal.NewID(journal.OpCheckpoint, dead.Process.Pid)
+		h := journal.Header{V: journal.Version, Op: journal.OpCheckpoint, ID: id, Boot: boot, Time: time.Now(), Owner: journal.Proc{PID: dead.Process.Pid, Start: 1},
+			Session: 1, Root: pid, Tree: []journal.Proc{{PID: pid, Start: s.StartTicks}}, Store: tt.store, Image: "img", Steps: []string{"dump", "store", "finish"}}
+		w, err := journal.Create(journal.Dir(), h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Append(journal.Record{T: journal.TStep, Step: "store", Phase: journal.PhaseBegin, At: 1}); err != nil {
+			t.Fatal(err)
+		}
+		w.Abandon()
+		rep := RecoverJournal(context.Background(), w.Path(), r.opts)
+		if rep == nil || rep.Outcome != RecoveredRolledBack || !slices.ContainsFunc(rep.Actions, func(a string) bool { return strings.Contains(a, tt.want) }) {
+			t.Errorf("store %s: %+v, want an action with %s", tt.store, rep, tt.want)
+		}
+	}
+}

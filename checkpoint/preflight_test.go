@@ -1,0 +1,158 @@
+package checkpoint
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/ptxmig/ptxmig/internal/criu"
+	"github.com/ptxmig/ptxmig/internal/cudackpt/cudackpttest"
+	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/testreq"
+	"github.com/ptxmig/ptxmig/migrate"
+	"github.com/ptxmig/ptxmig/restore"
+	"github.com/ptxmig/ptxmig/store"
+)
+
+// roomyLister is two H200s with room to spare; pid runs on GPU 0.
+type roomyLister struct{ pid int }
+
+func (f roomyLister) Devices() ([]gpu.Device, error) {
+	devs, _ := fakeLister(f).Devices()
+	for i := range devs {
+		devs[i].MemoryTotal = 100 << 30
+	}
+	return devs, nil
+}
+
+// setsidSleeper starts sleep(1) in a session of its own (no controlling terminal).
+func setsidSleeper(t *testing.T) int {
+	t.Helper()
+	sleep, err := exec.LookPath("sleep")
+	if err != nil {
+		testreq.Skip(t, "sleep", "no sleep(1) on this host")
+	}
+	cmd := exec.Command(sleep, "60")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	return cmd.Process.Pid
+}
+
+// TestPreflightDriverVersion: checkpoint, restore and migrate refuse up front, naming the
+// minimum driver version, when the driver is known to be too old for what they would ask of it
+// (>= 570 for a CUDA process, >= 580 when a GPU moves); a supported or unreadable version plans
+// as before.
+func TestPreflightDriverVersion(t *testing.T) {
+	pid := setsidSleeper(t)
+	const u0 = "GPU-00000000-0000-0000-0000-000000000000"
+
+	dir := t.TempDir()
+	t.Setenv("PTXMIG_LOCK_DIR", filepath.Join(dir, "locks"))
+	st, err := store.Open(filepath.Join(dir, "store"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A CUDA image of a pid that is free here, checkpointed on GPU 0 of two.
+	src := filepath.Join(dir, "src")
+	os.MkdirAll(src, 0o700)
+	os.WriteFile(filepath.Join(src, "core-1.img"), []byte("x"), 0o600)
+	const imgPID = 4194303
+	devs, _ := roomyLister{pid}.Devices()
+	var visible []store.GPU
+	for _, d := range devs {
+		visible = append(visible, store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap})
+	}
+	used := visible[0]
+	used.MemoryBytes = 3 << 20
+	meta := store.Metadata{Kind: op.KindCUDA, PID: imgPID, GPUs: []store.GPU{used}, Visible: visible,
+		Extra: map[string]string{op.ExtraTree: op.EncodeTree([]op.TreeProc{{PID: imgPID, PPID: 1, Comm: "app", CUDA: true}})}}
+	if _, _, err := st.Put(context.Background(), src, store.PutOptions{Name: "img", Meta: meta}); err != nil {
+		t.Fatal(err)
+	}
+
+	newEnv := func(version string, verr error) *op.Env {
+		return &op.Env{Driver: cudackpttest.New(u0, nil, pid), GPUs: roomyLister{pid}, CRIU: &criu.Dumper{Bin: "/nonexistent/criu"},
+			Store: st, Euid: 0, Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
+			UsesCUDA:      func(p int) (bool, error) { return p == pid, nil },
+			DriverVersion: func() (string, error) { return version, verr }}
+	}
+	plans := []struct {
+		name string
+		plan func(env *op.Env) error
+	}{
+		{"checkpoint", func(env *op.Env) error {
+			_, err := PlanCheckpoint(env, Options{PID: pid, Name: "ck", StagingRoot: filepath.Join(dir, "staging")})
+			return err
+		}},
+		{"restore onto its GPU", func(env *op.Env) error {
+			_, err := restore.PlanRestore(context.Background(), env, restore.Options{Image: "img", StagingRoot: filepath.Join(dir, "staging")})
+			return err
+		}},
+		{"restore onto another GPU", func(env *op.Env) error {
+			_, err := restore.PlanRestore(context.Background(), env, restore.Options{Image: "img", GPUs: []int{1}, StagingRoot: filepath.Join(dir, "staging")})
+			return err
+		}},
+		{"migrate", func(env *op.Env) error {
+			_, err := migrate.PlanMigrate(env, migrate.Options{PID: pid, GPUs: []int{1}})
+			return err
+		}},
+	}
+	const ok = ""
+	tests := []struct {
+		version string
+		err     error
+		want    [4]string // per plan: "" plans, else the refusal's text
+	}{
+		{"550.54.14", nil, [4]string{"needs NVIDIA driver >= 570 (found 550.54.14)", "needs NVIDIA driver >= 570 (found 550.54.14)",
+			"needs NVIDIA driver >= 570 (found 550.54.14)", "needs NVIDIA driver >= 580 (found 550.54.14)"}},
+		{"575.51.03", nil, [4]string{ok, ok, "image img: restore onto another GPU (GPU pairs: restore --gpu, migrate, rebalance) needs NVIDIA driver >= 580 (found 575.51.03)", "migrate: restore onto another GPU (GPU pairs: restore --gpu, migrate, rebalance) needs NVIDIA driver >= 580 (found 575.51.03)"}},
+		{"580.95.05", nil, [4]string{ok, ok, ok, ok}},
+		{"", gpu.ErrNoDriver, [4]string{ok, ok, ok, ok}}, // cannot tell: the driver's calls decide, as before
+		{"unparsable", nil, [4]string{ok, ok, ok, ok}},
+	}
+	for _, tt := range tests {
+		for i, p := range plans {
+			err := p.plan(newEnv(tt.version, tt.err))
+			switch want := tt.want[i]; {
+			case want == ok && err != nil:
+				t.Errorf("driver %q (%v), %s: %v; want a plan", tt.version, tt.err, p.name, err)
+			case want != ok && (!errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), want)):
+				t.Errorf("driver %q, %s: %v; want a refusal with %q", tt.version, p.name, err, want)
+			}
+		}
+	}
+}
+
+// TestTakenNameHint: the refusal of a taken --name prints the command that removes the image,
+// with --store when the store is not the default one.
+func TestTakenNameHint(t *testing.T) {
+	pid := setsidSleeper(t)
+	dir := t.TempDir()
+	st, err := store.Open(filepath.Join(dir, "store"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := filepath.Join(dir, "src")
+	os.MkdirAll(src, 0o700)
+	if _, _, err := st.Put(context.Background(), src, store.PutOptions{Name: "taken"}); err != nil {
+		t.Fatal(err)
+	}
+	env := &op.Env{CRIU: &criu.Dumper{Bin: "/nonexistent/criu"}, Store: st, Euid: 0, Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		UsesCUDA: func(int) (bool, error) { return false, nil }}
+	_, err = PlanCheckpoint(env, Options{PID: pid, Name: "taken", StagingRoot: filepath.Join(dir, "staging")})
+	want := "remove it with `ptxmig --store " + st.Dir() + " image rm taken`"
+	if !errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), want) {
+		t.Errorf("taken name: %v; want a refusal with %s", err, want)
+	}
+}
