@@ -56,7 +56,7 @@ type Function struct {
 	MinNCTAPerSM       int
 	MaxNReg            int
 	ClusterDirectives  []string // .reqnctapercluster, .explicitcluster, .maxclusterrank
-	nameOff, paramsEnd int      // offsets into Head: the name, and the ")" closing the parameters
+	nameOff, paramsEnd int      // offsets into Head: the name, and the end of the last token before the ")" closing the parameters
 	noParams           bool
 }
 

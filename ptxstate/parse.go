@@ -21,8 +21,23 @@ type parser struct {
 	prev  int   // end offset of the last consumed statement (start of the next Lead)
 }
 
-// Parse parses a PTX module. Errors are *SyntaxError values (errors.Is(err, ErrSyntax)).
+// Limits on untrusted input (docs/PTXSTATE.md, "Limits"). Past them Parse and Analyze/Instrument
+// fail with an error wrapping ErrLimit instead of using time or memory without bound.
+const (
+	MaxSourceBytes      = 64 << 20  // a PTX module
+	MaxBlocksPerKernel  = 50_000    // basic blocks of one function
+	MaxStmtsPerFunction = 1_000_000 // statements of one function body
+)
+
+// ErrLimit is wrapped by the errors for input past a documented limit.
+var ErrLimit = errors.New("ptx input exceeds a ptxstate limit")
+
+// Parse parses a PTX module. Errors are *SyntaxError values (errors.Is(err, ErrSyntax)), or wrap
+// ErrLimit for a module over MaxSourceBytes.
 func Parse(src []byte) (*Module, error) {
+	if len(src) > MaxSourceBytes {
+		return nil, fmt.Errorf("%w: %d bytes of PTX, at most %d", ErrLimit, len(src), MaxSourceBytes)
+	}
 	toks, err := lex(src)
 	if err != nil {
 		return nil, err
@@ -88,6 +103,80 @@ func (p *parser) untilEOL() token {
 	return last
 }
 
+// lineDirective consumes a directive without ';' (.version, .target, .address_size, .file,
+// .loc) and returns its last token. nvcc writes each on one line, but ptxas does not end them at
+// a newline: comments and line breaks may sit between their fields, so they are read by their
+// grammar. A form not known here (a newer .loc field) ends at the end of the line, as before.
+func (p *parser) lineDirective() token {
+	first := p.next()
+	last := first
+	isP := func(t token, s string) bool { return t.Kind == tokPunct && t.Text == s }
+	num := func() bool {
+		if p.peek().Kind == tokNumber {
+			last = p.next()
+			return true
+		}
+		return false
+	}
+	switch spaceName(first.Text) {
+	case ".version", ".address_size":
+		num()
+		return last
+	case ".target":
+		if p.peek().Kind == tokIdent && p.peek().Text[0] != '.' {
+			last = p.next()
+			for isP(p.peek(), ",") && p.peekN(1).Kind == tokIdent && p.peekN(1).Text[0] != '.' {
+				p.next()
+				last = p.next()
+			}
+		}
+		return last
+	case ".file":
+		// .file 1 "name" [, timestamp, size]
+		if num() && p.peek().Kind == tokString {
+			last = p.next()
+			for isP(p.peek(), ",") && p.peekN(1).Kind == tokNumber {
+				p.next()
+				last = p.next()
+			}
+		}
+		return last
+	case ".loc":
+		// .loc file line col [, function_name label [+ off], inlined_at file line col]
+		for k := 0; k < 3 && num(); k++ {
+		}
+		for isP(p.peek(), ",") {
+			kw := p.peekN(1)
+			switch {
+			case kw.Kind == tokIdent && kw.Text == "function_name" && p.peekN(2).Kind == tokIdent:
+				p.next()
+				p.next()
+				last = p.next()
+				if isP(p.peek(), "+") && p.peekN(1).Kind == tokNumber {
+					p.next()
+					last = p.next()
+				}
+			case kw.Kind == tokIdent && kw.Text == "inlined_at":
+				p.next()
+				last = p.next()
+				for k := 0; k < 3 && num(); k++ {
+				}
+			default:
+				// unknown field: the rest of the line
+				for p.peek().Kind != tokEOF && !p.peek().NL {
+					last = p.next()
+				}
+				return last
+			}
+		}
+		return last
+	}
+	for p.peek().Kind != tokEOF && !p.peek().NL {
+		last = p.next()
+	}
+	return last
+}
+
 // untilSemi consumes tokens through the next ";" at brace depth 0 and returns it.
 func (p *parser) untilSemi(first token) (token, error) {
 	depth := 0
@@ -127,10 +216,17 @@ func (p *parser) item(m *Module) (*Item, error) {
 	}
 	switch first.Text {
 	case ".version", ".target", ".address_size", ".file":
-		last := p.untilEOL()
+		i0 := p.i
+		last := p.lineDirective()
 		it.Kind = ItemDirective
 		it.Lead, it.Text = p.take(first.Off, last.End)
-		fields := strings.Fields(strings.ReplaceAll(it.Text, ",", " "))
+		// The fields are the tokens, not the text: comments and line breaks may sit between them.
+		var fields []string
+		for _, t := range p.toks[i0:p.i] {
+			if !(t.Kind == tokPunct && t.Text == ",") {
+				fields = append(fields, t.Text)
+			}
+		}
 		switch first.Text {
 		case ".version":
 			if len(fields) != 2 {
@@ -262,7 +358,10 @@ func (p *parser) function(first token) (*Function, string, error) {
 			return nil, "", err
 		}
 		f.Params = ps
-		f.paramsEnd = closeTok.Off - first.Off
+		_ = closeTok
+		// The twin's extra parameter goes right after the last token of the list (or after "(");
+		// inserted before ")" it could land in a "//" comment ending the last parameter's line.
+		f.paramsEnd = p.toks[p.i-2].End - first.Off
 		f.noParams = false
 	}
 	// Attributes and performance directives up to '{' or ';'.
@@ -474,7 +573,7 @@ func (p *parser) stmt(depth int) (*Stmt, error) {
 		switch spaceName(first.Text) {
 		case ".loc", ".file":
 			s.Kind = StDirective
-			return finish(p.untilEOL()), nil
+			return finish(p.lineDirective()), nil
 		case ".reg", ".local", ".shared", ".param", ".const", ".global", ".tex", ".sreg":
 			s.Kind = StDecl
 		default:

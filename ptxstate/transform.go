@@ -122,14 +122,15 @@ func makeTwin(f *Function, info *kernelInfo) (*Item, *Item, error) {
 	var head string
 	extra := "\t.param .u64 " + CtlParam
 	end := f.paramsEnd
-	for end > 0 && strings.ContainsRune(" \t\r\n", rune(h[end-1])) {
-		end--
-	}
 	sep := ",\n"
 	if len(f.Params) == 0 {
 		sep = "\n"
 	}
-	head = h[:f.nameOff] + twinName + h[f.nameOff+len(f.Name):end] + sep + extra + "\n" + h[f.paramsEnd:]
+	rest := h[end:]
+	if !strings.HasPrefix(rest, "\n") && !strings.HasPrefix(rest, "\r\n") {
+		rest = "\n" + rest
+	}
+	head = h[:f.nameOff] + twinName + h[f.nameOff+len(f.Name):end] + sep + extra + rest
 	tw := &Function{Entry: true, Name: twinName, Head: head, Close: f.Close, Params: append(append([]Param(nil), f.Params...), Param{Space: ".param", Type: ".u64", Name: CtlParam, Bytes: 8}),
 		MaxNTID: f.MaxNTID, ReqNTID: f.ReqNTID, MinNCTAPerSM: f.MinNCTAPerSM, MaxNReg: f.MaxNReg}
 
@@ -336,8 +337,9 @@ func makeTwin(f *Function, info *kernelInfo) (*Item, *Item, error) {
 	)
 	for i, s := range f.Body {
 		ns := *s
-		if i == 0 && !strings.Contains(ns.Lead, "\n") {
-			// "{{" or "{ld..." on one line: keep it off the comment emitted above.
+		if nl := strings.IndexByte(ns.Lead, '\n'); i == 0 && (nl < 0 || strings.Contains(ns.Lead[:nl], "/*")) {
+			// "{{" or "{ld..." on one line, or "{ /* a comment\n over lines */": keep it off
+			// the line comment emitted above.
 			ns.Lead = "\n" + ns.Lead
 		}
 		if s.Kind == StInstr {

@@ -38,6 +38,7 @@ func (g *CFG) uniformity() *uniformity {
 	f := g.Fn
 	u := &uniformity{g: g, divReg: newBitset(len(g.regNames)), divBranch: make([]bool, len(g.Blocks)), divBlock: make([]bool, len(g.Blocks)+1)}
 	ipdom := g.postDominators()
+	var w walker
 	for changed := true; changed; {
 		changed = false
 		for i, s := range f.Body {
@@ -87,11 +88,11 @@ func (g *CFG) uniformity() *uniformity {
 			}
 			u.divBranch[b.ID] = true
 			changed = true
-			for x, in := range g.reachableFrom(b.ID, ipdom[b.ID]) {
-				if in && x < len(g.Blocks) {
+			g.reachableFrom(b.ID, ipdom[b.ID], &w, func(x int) {
+				if x < len(g.Blocks) {
 					u.divBlock[x] = true
 				}
-			}
+			})
 		}
 	}
 	return u
