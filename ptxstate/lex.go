@@ -60,6 +60,9 @@ func isQualChar(c byte) bool {
 // from the gaps between token offsets, which is what makes printing byte exact.
 func lex(src []byte) ([]token, error) {
 	lx := &lexer{src: src}
+	// Token texts are substrings of one copy of the source, not a copy each: a 50 MB module held
+	// about 3 GB of token strings before.
+	text := string(src)
 	nl := true
 	for {
 		// trivia
@@ -174,7 +177,10 @@ func lex(src []byte) ([]token, error) {
 		default:
 			return nil, lx.errAt(start, fmt.Sprintf("unexpected character %q", c))
 		}
-		lx.toks = append(lx.toks, token{Kind: kind, Off: start, End: lx.pos, Text: string(src[start:lx.pos]), NL: nl})
+		if len(lx.toks) >= MaxTokens {
+			return nil, fmt.Errorf("%w: more than %d tokens", ErrLimit, MaxTokens)
+		}
+		lx.toks = append(lx.toks, token{Kind: kind, Off: start, End: lx.pos, Text: text[start:lx.pos], NL: nl})
 		nl = false
 	}
 }

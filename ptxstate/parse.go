@@ -27,6 +27,7 @@ const (
 	MaxSourceBytes      = 64 << 20  // a PTX module
 	MaxBlocksPerKernel  = 50_000    // basic blocks of one function
 	MaxStmtsPerFunction = 1_000_000 // statements of one function body
+	MaxTokens           = 4_000_000 // tokens of a module (about 500,000 typical statements)
 )
 
 // ErrLimit is wrapped by the errors for input past a documented limit.
@@ -447,6 +448,10 @@ func (p *parser) function(first token) (*Function, string, error) {
 		case StClose:
 			depth--
 			s.Depth = depth
+		}
+		if len(f.Body) >= MaxStmtsPerFunction {
+			// Refuse while parsing, not after: a 50 MB body would otherwise be held whole.
+			return nil, "", fmt.Errorf("%w: more than %d statements in %s", ErrLimit, MaxStmtsPerFunction, f.Name)
 		}
 		f.Body = append(f.Body, s)
 	}

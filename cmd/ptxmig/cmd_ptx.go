@@ -78,11 +78,24 @@ func readPTX(c *cli.Context, name string) (*ptxstate.Module, error) {
 		}
 		return nil, fmt.Errorf("read %s: %w", esc(name), err)
 	}
-	m, err := ptxstate.Parse(data)
-	if err != nil {
+	var m *ptxstate.Module
+	if err := interruptible(c, func() (err error) { m, err = ptxstate.Parse(data); return err }); err != nil {
 		return nil, fmt.Errorf("parse %s: %w", name, err)
 	}
 	return m, nil
+}
+
+// interruptible runs f (pure CPU work on untrusted input) and returns early when the command's
+// context is cancelled (SIGINT/SIGTERM): the work is abandoned and ptxmig exits.
+func interruptible(c *cli.Context, f func() error) error {
+	done := make(chan error, 1)
+	go func() { done <- f() }()
+	select {
+	case err := <-done:
+		return err
+	case <-c.Context.Done():
+		return c.Context.Err()
+	}
 }
 
 func ptxAnalyzeAction(c *cli.Context) error {
@@ -93,7 +106,8 @@ func ptxAnalyzeAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	r, err := ptxstate.Analyze(m)
+	var r *ptxstate.Report
+	err = interruptible(c, func() (err error) { r, err = ptxstate.Analyze(m); return err })
 	if err != nil {
 		return fmt.Errorf("analyze %s: %w", c.Args().First(), err)
 	}
@@ -119,7 +133,9 @@ func ptxInstrumentAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	out, r, err := ptxstate.Instrument(m)
+	var out *ptxstate.Module
+	var r *ptxstate.Report
+	err = interruptible(c, func() (err error) { out, r, err = ptxstate.Instrument(m); return err })
 	if err != nil {
 		return fmt.Errorf("instrument %s: %w", in, err)
 	}

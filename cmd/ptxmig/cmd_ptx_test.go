@@ -1,6 +1,8 @@
 package main
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -63,5 +65,24 @@ func TestPtxCommands(t *testing.T) {
 	_, _, code = runCLI(t, "ptx", "analyze", filepath.Join(t.TempDir(), "missing.ptx"))
 	if code != 2 {
 		t.Errorf("missing file: exit %d, want 2 (a bad argument)", code)
+	}
+}
+
+// TestPTXInterruptible: a cancelled context (SIGINT/SIGTERM) stops ptx analyze at once, whatever
+// ptxstate is doing with the input.
+func TestPTXInterruptible(t *testing.T) {
+	dir := t.TempDir()
+	big := filepath.Join(dir, "big.ptx")
+	body := ".version 8.4\n.target sm_80\n.address_size 64\n.visible .entry big(){ .reg .b32 %r<2>; " +
+		strings.Repeat("add.s32 %r1, %r1, 1; ", 400000) + "ret; }\n"
+	if err := os.WriteFile(big, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	var out, errb bytes.Buffer
+	code := run(ctx, []string{"ptxmig", "ptx", "analyze", big}, &out, &errb)
+	if code != 130 || !strings.Contains(errb.String(), "canceled") {
+		t.Fatalf("cancelled analyze: exit %d, stderr %q; want 130", code, errb.String())
 	}
 }
