@@ -5,58 +5,8 @@ Each case ends as PASS, SKIP or FAIL, appended to $SHIM_RESULTS (tests/results.s
 skipped check counts as a skip of its own. PTXMIG_REQUIRE: a skip for a listed requirement fails."""
 import argparse, hashlib, json, os, re, shutil, socket, stat, subprocess, sys, tempfile
 
-failures = []
-tally = {"PASS": 0, "SKIP": 0, "FAIL": 0}
-label = "drive"  # set in main: drive, or drive-san for the sanitized shim
-
-
-def check(cond, msg):
-    if not cond:
-        failures.append(msg)
-        print("FAIL", msg, file=sys.stderr)
-
-
-def result(status, name, detail=""):
-    tally[status] += 1
-    if status != "PASS":
-        print(f"{status} {label}/{name}" + (f": {detail}" if detail else ""))
-    path = os.environ.get("SHIM_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(f"{status}\t{label}/{name}\t{detail}\n")
-
-
-def required(need):
-    reqs = [r.strip() for r in os.environ.get("PTXMIG_REQUIRE", "").split(",")]
-    return need in reqs or "all" in reqs
-
-
-def skip(need, name, reason):
-    """A skipped check: SKIP, or a failure when PTXMIG_REQUIRE lists need (None: no requirement)."""
-    if need and required(need):
-        check(False, f"{name}: required {need} unavailable: {reason} (PTXMIG_REQUIRE)")
-    else:
-        result("SKIP", name, reason)
-
-
-class case:
-    """One test case: PASS unless a check inside it failed or it raised (which ends only it)."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __enter__(self):
-        self.start = len(failures)
-        return self
-
-    def __exit__(self, typ, exc, tb):
-        if typ is not None:
-            check(False, f"{self.name}: {typ.__name__}: {exc}")
-        if len(failures) > self.start:
-            result("FAIL", self.name, "; ".join(failures[self.start:])[:300])
-        else:
-            result("PASS", self.name)
-        return True
+import harness
+from harness import Conn, case, check, failures, required, result, skip
 
 
 class App:
@@ -78,24 +28,6 @@ class App:
         rest = self.p.stdout.read()
         err = self.p.stderr.read()
         return self.p.wait(), rest, err
-
-
-class Conn:
-    def __init__(self, path):
-        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.s.settimeout(10)
-        self.s.connect(path)
-        self.f = self.s.makefile("rb")
-
-    def raw(self, data):
-        self.s.sendall(data)
-        line = self.f.readline()
-        if not line:
-            raise RuntimeError("connection closed without a reply")
-        return json.loads(line)
-
-    def req(self, **kw):
-        return self.raw((json.dumps(kw) + "\n").encode())
 
 
 def kernel(kernels, name):
@@ -242,13 +174,12 @@ def run_app(opts, name, env_extra, expect_kernels, expect_alloc, expect_sources,
 
 
 def main():
-    global label
     ap = argparse.ArgumentParser()
     ap.add_argument("--shim", required=True)
     ap.add_argument("--build", required=True)
     ap.add_argument("--preload-first", default="")
     opts = ap.parse_args()
-    label = "drive-san" if opts.preload_first else "drive"
+    harness.label = "drive-san" if opts.preload_first else "drive"
     # Without and with PTXMIG_SELF_TIME=1: the shim's own time per launch is measured only when asked.
     for self_time in ("", "1"):
         with case(f"app_direct[PTXMIG_SELF_TIME={self_time}]"):
@@ -357,7 +288,7 @@ def main():
                   f"app_unregister with a failed registration: {lib} (want sha256 {want})")
             mb = res[1]["module_bytes"]
             check(mb["borrowed"] == 0 and mb["copied"] == lib["bytes"], f"app_unregister with a failed registration: module_bytes {mb}")
-    summary = f"{tally['PASS']} passed, {tally['SKIP']} skipped, {tally['FAIL']} failed ({os.path.basename(opts.shim)})"
+    summary = harness.summary(opts.shim)
     if failures:
         print(f"drive.py: {summary}", file=sys.stderr)
         sys.exit(1)

@@ -5,58 +5,10 @@ gate, the tail rule, honest synchronisation, the lease, detach/resume, protocol 
 control socket after a CRIU dump+restore. Results go to $SHIM_RESULTS like drive.py's."""
 import argparse, json, os, select, shutil, socket, stat, subprocess, sys, tempfile, time
 
-failures = []
-tally = {"PASS": 0, "SKIP": 0, "FAIL": 0}
-label = "preempt"
+import harness
+from harness import Conn, case, check, failures, required, result, skip
+
 OPTS = None
-
-
-def check(cond, msg):
-    if not cond:
-        failures.append(msg)
-        print("FAIL", msg, file=sys.stderr)
-    return cond
-
-
-def result(status, name, detail=""):
-    tally[status] += 1
-    if status != "PASS":
-        print(f"{status} {label}/{name}" + (f": {detail}" if detail else ""))
-    path = os.environ.get("SHIM_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(f"{status}\t{label}/{name}\t{detail}\n")
-
-
-def required(need):
-    reqs = [r.strip() for r in os.environ.get("PTXMIG_REQUIRE", "").split(",")]
-    return need in reqs or "all" in reqs
-
-
-def skip(need, name, reason):
-    if need and required(need):
-        result("FAIL", name, f"required {need} unavailable: {reason} (PTXMIG_REQUIRE)")
-    else:
-        result("SKIP", name, reason)
-
-
-class case:
-    def __init__(self, name):
-        self.name = name
-
-    def __enter__(self):
-        self.start = len(failures)
-        return self
-
-    def __exit__(self, typ, exc, tb):
-        if typ is not None:
-            check(False, f"{self.name}: {typ.__name__}: {exc}")
-        if len(failures) > self.start:
-            result("FAIL", self.name, "; ".join(failures[self.start:])[:400])
-        else:
-            result("PASS", self.name)
-        return True
-
 
 class App:
     """app_preempt under the shim, driven line by line."""
@@ -116,7 +68,7 @@ class App:
         return self.line(secs)
 
     def conn(self):
-        return Conn(self.path)
+        return Conn(self.path, 20)
 
     def finish(self):
         try:
@@ -131,28 +83,6 @@ class App:
             rc = self.p.wait()
         err = self.p.stderr.read()
         return rc, err
-
-
-class Conn:
-    def __init__(self, path):
-        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.s.settimeout(20)
-        self.s.connect(path)
-        self.f = self.s.makefile("rb")
-
-    def raw(self, data):
-        self.s.sendall(data)
-        line = self.f.readline()
-        if not line:
-            raise RuntimeError("connection closed without a reply")
-        return json.loads(line)
-
-    def req(self, **kw):
-        return self.raw((json.dumps(kw) + "\n").encode())
-
-    def close(self):
-        self.f.close()  # the socket only closes once its file object is closed too
-        self.s.close()
 
 
 def kern(c, name):
@@ -682,7 +612,7 @@ def t_criu(name):
                 break
             time.sleep(0.05)
         path = os.path.join(sockdir, f"{pid}.sock")
-        a = Conn(path)
+        a = Conn(path, 20)
         r = a.req(cmd="quiesce", budget_ms=500)["result"]
         check(len(r["preempted"]) == 1, f"{name}: preempted {r}")
         check(a.req(cmd="detach")["ok"], f"{name}: detach")
@@ -706,7 +636,7 @@ def t_criu(name):
         b = None
         for _ in range(50):
             try:
-                b = Conn(path)
+                b = Conn(path, 20)
                 break
             except OSError:
                 time.sleep(0.1)
@@ -740,14 +670,14 @@ def t_criu(name):
         shutil.rmtree(tmp, ignore_errors=True)
 
 def main():
-    global label, OPTS
+    global OPTS
     ap = argparse.ArgumentParser()
     ap.add_argument("--shim", required=True)
     ap.add_argument("--build", required=True)
     ap.add_argument("--preload-first", default="")
     ap.add_argument("--only", default="")
     OPTS = ap.parse_args()
-    label = "preempt-san" if OPTS.preload_first else "preempt"
+    harness.label = "preempt-san" if OPTS.preload_first else "preempt"
     cases = [
         ("mode-off", t_off, ()),
         ("helper-missing", lambda n: t_fallback(n, None, "cannot run", {"PTXMIG_HELPER": "/nonexistent/ptxmig"}), ()),
@@ -791,7 +721,7 @@ def main():
             continue
         with case(n):
             fn(n)
-    summary = f"{tally['PASS']} passed, {tally['SKIP']} skipped, {tally['FAIL']} failed ({os.path.basename(OPTS.shim)})"
+    summary = harness.summary(OPTS.shim)
     print(f"preempt.py: {summary}")
     sys.exit(1 if failures else 0)
 
