@@ -252,7 +252,7 @@ func (h *Header) Validate() error {
 		return bad("no time")
 	case validProc(h.Owner) != nil || h.Owner.Start == 0:
 		return bad("bad owner %+v", h.Owner)
-	case h.Session <= 0 || h.Session >= maxPID:
+	case h.Session < 0 || h.Session >= maxPID: // 0: the session's leader is outside this PID namespace
 		return bad("bad session %d", h.Session)
 	case !validPID(h.Root):
 		return bad("bad root pid %d", h.Root)

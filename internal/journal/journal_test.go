@@ -70,6 +70,14 @@ func TestParseValid(t *testing.T) {
 	}
 }
 
+// TestParseSessionOutsideNamespace: ptxmig started from a session whose leader lives outside its
+// PID namespace (docker exec, CI runners) sees session 0; its journals are valid.
+func TestParseSessionOutsideNamespace(t *testing.T) {
+	if _, err := Parse([]byte(begin(t, func(h *Header) { h.Session = 0 })), testID+Ext); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestParseRefusesHostileJournals: every malformed, inconsistent or out-of-range journal is
 // refused (ErrInvalid) and names the problem; none is half-applied.
 func TestParseRefusesHostileJournals(t *testing.T) {
@@ -101,7 +109,7 @@ func TestParseRefusesHostileJournals(t *testing.T) {
 		{"no time", begin(t, func(h *Header) { h.Time = time.Time{} }), "no time"},
 		{"owner pid 1", begin(t, func(h *Header) { h.Owner = Proc{PID: 1, Start: 5} }), "bad owner"},
 		{"owner without start", begin(t, func(h *Header) { h.Owner.Start = 0 }), "bad owner"},
-		{"no session", begin(t, func(h *Header) { h.Session = 0 }), "bad session"},
+		{"negative session", begin(t, func(h *Header) { h.Session = -1 }), "bad session"},
 		{"root pid 1", begin(t, func(h *Header) { h.Root = 1; h.Tree[0].PID = 1 }), "bad root"},
 		{"root beyond PID_MAX", begin(t, func(h *Header) { h.Root = 1 << 23; h.Tree[0].PID = 1 << 23 }), "bad root"},
 		{"empty tree", begin(t, func(h *Header) { h.Tree = nil }), "tree of 0"},
