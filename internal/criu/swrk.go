@@ -245,6 +245,10 @@ type DumpOptions struct {
 	// OnStart is called with CRIU's pid once it runs (the operation's journal records it, so
 	// that a guardian can make sure it is gone).
 	OnStart func(pid int)
+	// Stream: CRIU sends its image files to the streamer socket in ImagesDir (package
+	// imgstream), which the caller serves, instead of writing them; only its log (and stats)
+	// land in ImagesDir.
+	Stream bool
 }
 
 // RestoreOptions describe one restore. The restored process is detached: it outlives ptxmig.
@@ -264,6 +268,9 @@ type RestoreOptions struct {
 	// IgnoreCgroups tells CRIU to leave cgroups alone (implied by CgroupDir).
 	IgnoreCgroups bool
 	OnStart       func(pid int) // as DumpOptions.OnStart
+	// Stream: CRIU reads its image files from the streamer socket in ImagesDir, which the caller
+	// serves (package imgstream).
+	Stream bool
 }
 
 // BuildDumpOpts turns DumpOptions into CRIU's RPC options with the images dir as fd imgFD.
@@ -360,7 +367,11 @@ func (d *Dumper) Dump(ctx context.Context, o DumpOptions) (*DumpResult, error) {
 	}
 	logPath := filepath.Join(o.ImagesDir, opts.GetLogFile())
 	t0 := time.Now()
-	_, err = swrk(d.Bin, &rpc.CriuReq{Type: rpc.CriuReqType_DUMP.Enum(), Opts: opts}, nil, spawn{onStart: o.OnStart})
+	if o.Stream {
+		err = d.streamDump(opts, o)
+	} else {
+		_, err = swrk(d.Bin, &rpc.CriuReq{Type: rpc.CriuReqType_DUMP.Enum(), Opts: opts}, nil, spawn{onStart: o.OnStart})
+	}
 	res := &DumpResult{Duration: time.Since(t0), LogPath: logPath}
 	if err != nil {
 		return res, newError(fmt.Sprintf("dump pid %d", o.PID), err.Error(), logPath)
@@ -408,6 +419,17 @@ func (d *Dumper) Restore(ctx context.Context, o RestoreOptions) (*RestoreResult,
 		sp.cgroupFD = int(cg.Fd())
 	}
 	t0 := time.Now()
+	if o.Stream {
+		pid, err := d.streamRestore(opts, o, sp)
+		res := &RestoreResult{PID: pid, Duration: time.Since(t0), LogPath: logPath}
+		if errors.Is(err, ErrStart) {
+			return res, err
+		}
+		if err != nil {
+			return res, newError("restore", err.Error(), logPath)
+		}
+		return res, nil
+	}
 	var notifiedPID int32
 	resp, err := swrk(d.Bin, &rpc.CriuReq{Type: rpc.CriuReqType_RESTORE.Enum(), Opts: opts}, func(n *rpc.CriuNotify) error {
 		if n.GetScript() == "post-restore" {

@@ -3,6 +3,7 @@ package criu
 import (
 	"context"
 	"errors"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ptxmig/ptxmig/internal/imgstream"
 	"github.com/ptxmig/ptxmig/internal/testproc"
 	"github.com/ptxmig/ptxmig/internal/testreq"
 )
@@ -107,8 +109,16 @@ func usableCRIU(t *testing.T) *Dumper {
 }
 
 // TestDumpRestoreRealProcess dumps a running CPU process with the installed CRIU, restores it from
-// the images, and checks that it continues its hash chain exactly under its original PID.
+// the images, and checks that it continues its hash chain exactly under its original PID: through
+// CRIU's RPC with an images directory, and as `criu --stream` commands whose files cross the
+// image-streamer socket (kept in a directory by the test's streamer).
 func TestDumpRestoreRealProcess(t *testing.T) {
+	for _, stream := range []bool{false, true} {
+		t.Run(map[bool]string{false: "rpc", true: "stream"}[stream], func(t *testing.T) { dumpRestoreRealProcess(t, stream) })
+	}
+}
+
+func dumpRestoreRealProcess(t *testing.T, stream bool) {
 	d := usableCRIU(t)
 	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) // reap the restored process too
 	dir := t.TempDir()
@@ -130,18 +140,32 @@ func TestDumpRestoreRealProcess(t *testing.T) {
 	}
 	images := filepath.Join(dir, "images")
 	work := filepath.Join(dir, "work")
-	for _, d := range []string{images, work} {
+	kept := filepath.Join(dir, "kept") // the streamed files
+	for _, d := range []string{images, work, kept} {
 		if err := os.Mkdir(d, 0o700); err != nil {
 			t.Fatal(err)
 		}
 	}
 	ctx := context.Background()
-	if _, err := d.Dump(ctx, DumpOptions{PID: p.PID, ImagesDir: images}); err != nil {
+	var served func() (imgstream.Stats, error)
+	if stream {
+		served = streamer(t, images, imgstream.Capture, dirFiles(kept))
+	}
+	if _, err := d.Dump(ctx, DumpOptions{PID: p.PID, ImagesDir: images, Stream: stream}); err != nil {
 		var ce *Error
 		if errors.As(err, &ce) {
 			t.Logf("criu log tail:\n%s", strings.Join(ce.Tail, "\n"))
 		}
 		t.Fatal(err)
+	}
+	if stream {
+		st, err := served()
+		if err != nil || st.Files < 5 || st.Bytes < 2<<20 {
+			t.Fatalf("capture: %+v, %v", st, err)
+		}
+		if ents, _ := os.ReadDir(images); len(ents) != 2 { // dump.log, stats-dump
+			t.Errorf("streamed dump left %d files in the images directory, want its log and stats", len(ents))
+		}
 	}
 	select {
 	case <-p.Exited():
@@ -157,7 +181,15 @@ func TestDumpRestoreRealProcess(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	res, err := d.Restore(ctx, RestoreOptions{ImagesDir: images, WorkDir: work})
+	rimages := images
+	if stream {
+		rimages = filepath.Join(dir, "rimages")
+		if err := os.Mkdir(rimages, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		served = streamer(t, rimages, imgstream.Serve, dirFiles(kept))
+	}
+	res, err := d.Restore(ctx, RestoreOptions{ImagesDir: rimages, WorkDir: work, Stream: stream})
 	if err != nil {
 		var ce *Error
 		if errors.As(err, &ce) {
@@ -166,6 +198,11 @@ func TestDumpRestoreRealProcess(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer testproc.KillPID(res.PID, 10*time.Second)
+	if stream {
+		if st, err := served(); err != nil || st.Files < 5 {
+			t.Fatalf("serve: %+v, %v", st, err)
+		}
+	}
 	if res.PID != p.PID {
 		t.Fatalf("restored pid %d, want the original %d", res.PID, p.PID)
 	}
@@ -178,6 +215,66 @@ func TestDumpRestoreRealProcess(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(work, "restore.log")); err != nil {
 		t.Errorf("restore log not kept in the work dir: %v", err)
+	}
+}
+
+// dirFiles keeps streamed files in a directory and serves them back.
+type dirFiles string
+
+func (d dirFiles) Has(name string) bool {
+	fi, err := os.Lstat(filepath.Join(string(d), name))
+	return err == nil && fi.Mode().IsRegular()
+}
+
+func (d dirFiles) WriteFile(_ context.Context, name string, w io.Writer) (int64, error) {
+	f, err := os.Open(filepath.Join(string(d), name))
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	return io.Copy(w, f)
+}
+
+func (d dirFiles) sink(name string, r io.Reader) error {
+	f, err := os.OpenFile(filepath.Join(string(d), name), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, r); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// streamer serves dir's streamer socket in mode in the background; the returned function waits
+// for it.
+func streamer(t *testing.T, dir string, mode imgstream.Mode, files dirFiles) func() (imgstream.Stats, error) {
+	t.Helper()
+	srv, err := imgstream.Listen(dir, mode)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	type result struct {
+		st  imgstream.Stats
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		defer srv.Close()
+		var r result
+		if mode == imgstream.Capture {
+			r.st, r.err = srv.Capture(ctx, files.sink)
+		} else {
+			r.st, r.err = srv.Serve(ctx, files)
+		}
+		done <- r
+	}()
+	t.Cleanup(cancel)
+	return func() (imgstream.Stats, error) {
+		r := <-done
+		return r.st, r.err
 	}
 }
 
