@@ -2,7 +2,9 @@ package checkpoint
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"os"
 	"path/filepath"
@@ -10,7 +12,10 @@ import (
 	"slices"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ptxmig/ptxmig/internal/criu"
+	"github.com/ptxmig/ptxmig/internal/imgstream"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
@@ -39,6 +44,9 @@ type Result struct {
 	ShellJob       bool          `json:"shell_job"`
 	ShellJobReason string        `json:"shell_job_reason,omitempty"`
 	LeftRunning    bool          `json:"left_running"`
+	// Stream: CRIU's files went straight into the store; StreamOff says why not.
+	Stream    bool   `json:"stream"`
+	StreamOff string `json:"stream_off,omitempty"`
 	// Preemption is what the shim of each CUDA process reported (quiesce before the lock, resume
 	// after a --leave-running checkpoint).
 	Preemption []*op.PreemptReport `json:"preemption,omitempty"`
@@ -72,7 +80,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	defer releaseAll(locks)
 
 	res := &Result{PID: p.PID, Kind: p.Kind, Tree: p.Tree, GPUs: p.GPUs, Visible: p.Visible, LeftRunning: p.LeaveRunning,
-		ShellJob: p.ShellJob, ShellJobReason: p.ShellJobReason}
+		ShellJob: p.ShellJob, ShellJobReason: p.ShellJobReason, Stream: p.Stream, StreamOff: p.StreamOff}
 	var manifest *store.Manifest
 	var stats *store.Stats
 	tr := &treeTracker{root: p.PID, known: op.TreePIDs(p.Tree, false)}
@@ -178,13 +186,20 @@ func releaseAll(locks []*oplock.Lock) {
 func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Preemption, helper func(int),
 	stored func(*store.Manifest, *store.Stats), t0 time.Time) ([]op.Step, func()) {
 	o := p.opts
-	// The store starts on the dump's files while CRIU still writes them (store.Prestage), so the
-	// store step after the dump only re-reads, re-hashes and commits what is already encoded.
+	// Streamed, CRIU's files go into the store as it writes them (store.Ingest) and the store
+	// step adds CRIU's log and commits. Otherwise the store starts on the dump's files while CRIU
+	// still writes them (store.Prestage), so the store step after the dump only re-reads,
+	// re-hashes and commits what is already encoded.
 	var pre *store.Prestage
-	dropPre := func() {
+	var ing *store.Ingest
+	drop := func() {
 		if pre != nil {
 			pre.Close()
 			pre = nil
+		}
+		if ing != nil {
+			ing.Close()
+			ing = nil
 		}
 	}
 	d := env.Driver
@@ -194,28 +209,23 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 			op.CheckpointStep(d, p.CUDAPIDs), qs.DetachStep())
 	}
 	dump := criu.DumpOptions{PID: p.PID, ImagesDir: images, LeaveRunning: o.LeaveRunning, LeaveStopped: !o.LeaveRunning,
-		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, OnStart: helper}
+		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, OnStart: helper, Stream: p.Stream}
 	steps = append(steps, op.Step{Name: StepDump,
 		Do: func(ctx context.Context) error {
 			var err error
-			if o.PrestageWorkers >= 0 {
-				w := o.PrestageWorkers
-				if w == 0 {
-					w = max(1, runtime.NumCPU()/2) // leave half the CPUs to CRIU
-				}
-				if pre, err = env.Store.Prestage(ctx, images, store.PutOptions{Workers: w}); err != nil {
-					env.Logger().Debug("no prestage; the store runs after the dump", "err", err)
-					pre = nil
-				}
-			}
-			_, err = env.CRIU.Dump(ctx, dump)
-			if pre != nil {
-				if perr := pre.Stop(); perr != nil {
-					env.Logger().Debug("prestage stopped early", "err", perr)
+			if p.Stream {
+				ing, err = streamDump(ctx, env, p, dump)
+			} else {
+				pre = prestage(ctx, env, o, images)
+				_, err = env.CRIU.Dump(ctx, dump)
+				if pre != nil {
+					if perr := pre.Stop(); perr != nil {
+						env.Logger().Debug("prestage stopped early", "err", perr)
+					}
 				}
 			}
 			if err != nil {
-				dropPre()
+				drop()
 				return err
 			}
 			tr.refresh() // the tree as dumped (stopped, unless left running)
@@ -236,8 +246,15 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		meta.Extra = maps.Clone(p.meta.Extra)
 		tr.tree = dumpedTree(p.Tree, tr.known)
 		meta.Extra[op.ExtraTree] = op.EncodeTree(tr.tree)
-		m, s, err := env.Store.Put(ctx, images, store.PutOptions{Name: p.Image, Meta: meta, Progress: o.Progress, Prestaged: pre})
-		dropPre()
+		var m *store.Manifest
+		var s *store.Stats
+		var err error
+		if ing != nil {
+			m, s, err = commitStreamed(ing, images, &meta)
+		} else {
+			m, s, err = env.Store.Put(ctx, images, store.PutOptions{Name: p.Image, Meta: meta, Progress: o.Progress, Prestaged: pre})
+		}
+		drop()
 		if err != nil {
 			// A Put interrupted (by a signal) after it wrote the manifest has stored the image:
 			// the checkpoint happened, and must say so.
@@ -256,7 +273,107 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 			return proc.Kill(tr.pids(), 10*time.Second)
 		}})
 	}
-	return steps, dropPre
+	return steps, drop
+}
+
+// prestage starts storing the dump's files while CRIU writes them (nil when it cannot).
+func prestage(ctx context.Context, env *op.Env, o Options, images string) *store.Prestage {
+	if o.PrestageWorkers < 0 {
+		return nil
+	}
+	w := o.PrestageWorkers
+	if w == 0 {
+		w = max(1, runtime.NumCPU()/2) // leave half the CPUs to CRIU
+	}
+	pre, err := env.Store.Prestage(ctx, images, store.PutOptions{Workers: w})
+	if err != nil {
+		env.Logger().Debug("no prestage; the store runs after the dump", "err", err)
+		return nil
+	}
+	return pre
+}
+
+// streamDump runs CRIU's dump with its image files streamed into a new image of the store: CRIU
+// writes each file into a pipe, ptxmig chunks, hashes, compresses and stages it as it arrives.
+// The image is not committed yet (the store step does that). On failure nothing stays staged and
+// the error says which side failed first: a store failure breaks CRIU's pipes, so CRIU's own
+// error is then only a consequence.
+func streamDump(ctx context.Context, env *op.Env, p *Plan, dump criu.DumpOptions) (*store.Ingest, error) {
+	var progress func(done, total int64)
+	if p.opts.Progress != nil {
+		// The ingest cannot know its total: the estimate (resident + GPU memory) stands in.
+		est := int64(p.Estimate.HostBytes + p.Estimate.GPUBytes)
+		progress = func(done, _ int64) { p.opts.Progress(done, max(est, done)) }
+	}
+	ing, err := env.Store.NewIngest(ctx, store.PutOptions{Name: p.Image, Meta: p.meta, Progress: progress})
+	if err != nil {
+		return nil, fmt.Errorf("store image %q: %w", p.Image, err)
+	}
+	srv, err := imgstream.Listen(dump.ImagesDir, imgstream.Capture)
+	if err != nil {
+		ing.Close()
+		return nil, err
+	}
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		defer srv.Close()
+		_, err := srv.Capture(sctx, func(name string, r io.Reader) error {
+			_, err := ing.AddFile(name, 0o600, r)
+			return err
+		})
+		done <- err
+	}()
+	_, derr := env.CRIU.Dump(ctx, dump)
+	// CRIU has exited: stop listening, so that a CRIU that never connected (it failed early)
+	// ends the capture instead of leaving it waiting; a connection made stays open.
+	srv.Close()
+	serr := <-done
+	switch {
+	case derr != nil && serr != nil && !errors.Is(serr, context.Canceled):
+		ing.Close()
+		return nil, fmt.Errorf("stream the dump into the store: %w (CRIU then failed: %w)", serr, derr)
+	case derr != nil:
+		ing.Close()
+		return nil, derr
+	case serr != nil:
+		ing.Close()
+		return nil, fmt.Errorf("stream the dump into the store: %w", serr)
+	}
+	return ing, nil
+}
+
+// commitStreamed adds what CRIU wrote locally (its log and statistics) to a streamed image and
+// commits it.
+func commitStreamed(ing *store.Ingest, images string, meta *store.Metadata) (*store.Manifest, *store.Stats, error) {
+	ents, err := os.ReadDir(images)
+	if err != nil {
+		return nil, nil, err
+	}
+	for _, e := range ents {
+		if !e.Type().IsRegular() {
+			continue // the streamer's socket, gone already
+		}
+		if err := addLocal(ing, filepath.Join(images, e.Name()), e.Name()); err != nil {
+			return nil, nil, err
+		}
+	}
+	return ing.Commit(meta)
+}
+
+func addLocal(ing *store.Ingest, path, name string) error {
+	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	_, err = ing.AddFile(name, uint32(fi.Mode().Perm()), f)
+	return err
 }
 
 // dumpedTree is the planned tree plus the processes found in it after the dump (forked between

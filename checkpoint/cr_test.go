@@ -1,12 +1,15 @@
 package checkpoint_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -109,15 +112,23 @@ func advancesExactly(t *testing.T, state string, m *testproc.Model, from, n int)
 }
 
 // TestCheckpointKillRestore: checkpoint a running process into the store (which stops it),
-// restore it from the store, and check it continues its hash chain exactly under its PID.
+// restore it from the store, and check it continues its hash chain exactly under its PID: with
+// CRIU's files streamed into and out of the store, and through the staging directory.
 func TestCheckpointKillRestore(t *testing.T) {
+	for _, noStream := range []bool{false, true} {
+		t.Run(map[bool]string{false: "stream", true: "no-stream"}[noStream], func(t *testing.T) { checkpointKillRestore(t, noStream) })
+	}
+}
+
+func checkpointKillRestore(t *testing.T, noStream bool) {
 	f := setup(t)
 	p, m := f.start(t, "state")
-	res, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, Name: "cpu-1", StagingRoot: f.stage})
+	res, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, Name: "cpu-1", StagingRoot: f.stage, NoStream: noStream})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if res.Kind != op.KindCPU || res.Image != "cpu-1" || res.Sizes.Logical < 2<<20 || res.Timings.Of(checkpoint.StepDump) <= 0 {
+	if res.Kind != op.KindCPU || res.Image != "cpu-1" || res.Sizes.Logical < 2<<20 || res.Timings.Of(checkpoint.StepDump) <= 0 ||
+		res.Stream == noStream || (res.StreamOff == "") == noStream {
 		t.Fatalf("result %+v", res)
 	}
 	select {
@@ -142,11 +153,21 @@ func TestCheckpointKillRestore(t *testing.T) {
 	if ents, _ := os.ReadDir(f.stage); len(ents) != 0 {
 		t.Errorf("staging not cleaned: %v", ents)
 	}
-	r := f.restore(t, "cpu-1")
-	if r.PID != p.PID {
-		t.Fatalf("restored as pid %d, want %d", r.PID, p.PID)
+	if !slices.ContainsFunc(man.Files, func(f store.File) bool { return f.Path == "dump.log" }) {
+		t.Error("CRIU's dump log is not in the image")
+	}
+	r, err := restore.Run(context.Background(), f.env, restore.Options{Image: "cpu-1", StagingRoot: f.stage, NoStream: noStream})
+	if err != nil {
+		t.Fatalf("restore: %v", err)
+	}
+	t.Cleanup(func() { _ = testproc.KillPID(r.PID, 10*time.Second) })
+	if r.PID != p.PID || r.Stream == noStream {
+		t.Fatalf("restore result %+v, want pid %d", r, p.PID)
 	}
 	advancesExactly(t, p.StateFile, m, atDump.Step, 10)
+	if ents, _ := os.ReadDir(f.stage); len(ents) != 0 {
+		t.Errorf("staging not cleaned after the restore: %v", ents)
+	}
 }
 
 // TestLeaveRunning: the process keeps running through the checkpoint; the image, restored after
@@ -338,6 +359,119 @@ func TestPreflightRefusals(t *testing.T) {
 	}
 	if ents, _ := os.ReadDir(f.stage); len(ents) != 0 {
 		t.Errorf("refusals left staging: %v", ents)
+	}
+}
+
+// TestStreamedRestoreCorruptPages flips a byte in a chunk of the memory pages, which a streamed
+// restore verifies only as CRIU reads them: CRIU stops before the process runs, the error names
+// the file and offset, nothing is left running, and the image is as it was.
+func TestStreamedRestoreCorruptPages(t *testing.T) {
+	f := setup(t)
+	p, _ := f.startMiB(t, "state", 16)
+	if _, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, Name: "badpages", StagingRoot: f.stage}); err != nil {
+		t.Fatal(err)
+	}
+	<-p.Exited()
+	man, err := f.st.Get("badpages")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pages *store.File
+	for i := range man.Files {
+		if strings.HasPrefix(man.Files[i].Path, "pages-") && len(man.Files[i].Chunks) > 2 {
+			pages = &man.Files[i]
+		}
+	}
+	if pages == nil {
+		t.Fatalf("no pages file of several chunks in %+v", man.Files)
+	}
+	ch := pages.Chunks[2]
+	h := ch.Hash.String()
+	path := filepath.Join(f.st.Dir(), "chunks", h[:2], h)
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b[len(b)-1] ^= 0x55
+	if err := os.WriteFile(path, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, err = restore.Run(context.Background(), f.env, restore.Options{Image: "badpages", StagingRoot: f.stage})
+	want := fmt.Sprintf("file %s at offset %d", pages.Path, ch.Offset)
+	t.Logf("restore: %v", err)
+	if !errors.Is(err, store.ErrCorrupt) || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "CRIU stopped before") {
+		t.Fatalf("restore of corrupt pages: %v, want store.ErrCorrupt naming %q", err, want)
+	}
+	if testproc.Alive(p.PID) {
+		t.Fatal("a process runs after a restore from corrupt pages")
+	}
+	if _, err := f.st.Get("badpages"); err != nil {
+		t.Fatalf("image after the failed restore: %v", err)
+	}
+	if got, _ := os.ReadFile(path); !bytes.Equal(got, b) {
+		t.Error("the failed restore changed the image's chunk")
+	}
+	if ents, _ := os.ReadDir(f.stage); len(ents) != 0 {
+		t.Errorf("staging not cleaned: %v", ents)
+	}
+}
+
+// TestStreamFailureMidDump: the store's disk fills up while CRIU streams into it: CRIU's pipes
+// break, the dump fails naming the store's error, the process runs on exactly, and the store
+// holds no image and no staged chunk.
+func TestStreamFailureMidDump(t *testing.T) {
+	f := setup(t)
+	p, m := f.startMiB(t, "state", 32)
+	small := filepath.Join(f.dir, "small")
+	if err := os.Mkdir(small, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", small, "tmpfs", 0, "size=64m,mode=0700"); err != nil {
+		t.Fatalf("mount a 64 MiB tmpfs for the store (root is required here): %v", err)
+	}
+	defer unix.Unmount(small, unix.MNT_DETACH)
+	st, err := store.Open(filepath.Join(small, "store"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.env.Store = st
+	// The preflight sees room for the image; then, as the dump starts, another writer leaves 4 MiB.
+	f.env.Hook = func(_ context.Context, step string) error {
+		if step != checkpoint.StepDump {
+			return nil
+		}
+		var sfs unix.Statfs_t
+		if err := unix.Statfs(small, &sfs); err != nil {
+			return err
+		}
+		return os.WriteFile(filepath.Join(small, "ballast"), make([]byte, int64(sfs.Bavail)*sfs.Bsize-4<<20), 0o600)
+	}
+	_, err = checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, Name: "full", StagingRoot: f.stage})
+	if err == nil || !strings.Contains(err.Error(), "stream the dump into the store") || !errors.Is(err, unix.ENOSPC) {
+		t.Fatalf("checkpoint into a store that fills up: %v", err)
+	}
+	if !testproc.Alive(p.PID) {
+		t.Fatal("process died")
+	}
+	now, _ := testproc.ReadState(p.StateFile)
+	advancesExactly(t, p.StateFile, m, now.Step, 10)
+	if _, err := st.Get("full"); !errors.Is(err, store.ErrNotFound) {
+		t.Fatalf("image after the failed stream: %v", err)
+	}
+	for _, d := range []string{"tmp", "chunks"} {
+		var files []string
+		filepath.WalkDir(filepath.Join(st.Dir(), d), func(path string, e os.DirEntry, err error) error {
+			if err == nil && e.Type().IsRegular() {
+				files = append(files, path)
+			}
+			return nil
+		})
+		if len(files) != 0 {
+			t.Errorf("%d files left in the store's %s: %v", len(files), d, files[:min(3, len(files))])
+		}
+	}
+	if ents, _ := os.ReadDir(f.stage); len(ents) != 0 {
+		t.Errorf("staging not cleaned: %v", ents)
 	}
 }
 

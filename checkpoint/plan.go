@@ -52,7 +52,10 @@ type Options struct {
 	// PrestageWorkers store the dump's chunks while CRIU writes them (store.Prestage): 0 means
 	// half the CPUs, a negative value stores only after the dump.
 	PrestageWorkers int
-	Progress        func(done, total int64)
+	// NoStream makes CRIU write its images into the staging directory, stored after the dump,
+	// instead of streaming them straight into the store.
+	NoStream bool
+	Progress func(done, total int64)
 }
 
 // Estimate is what a checkpoint is expected to move and how long it may take. The time assumes
@@ -84,8 +87,12 @@ type Plan struct {
 	ShellJobReason string        `json:"shell_job_reason,omitempty"` // why it was turned on by itself
 	LeaveRunning   bool          `json:"left_running"`
 	StagingRoot    string        `json:"staging_root"`
-	Estimate       Estimate      `json:"estimate"`
-	Steps          []op.PlanStep `json:"steps"`
+	// Stream: CRIU's image files go straight into the store as CRIU writes them (no staging
+	// copy); otherwise StreamOff says why not.
+	Stream    bool          `json:"stream"`
+	StreamOff string        `json:"stream_off,omitempty"`
+	Estimate  Estimate      `json:"estimate"`
+	Steps     []op.PlanStep `json:"steps"`
 
 	opts Options
 	meta store.Metadata
@@ -194,11 +201,28 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 	if err := checkWritable(env.Store.Dir(), total); err != nil {
 		return nil, err
 	}
-	if p.StagingRoot, err = op.ChooseStaging(o.StagingRoot, total, p.Estimate.GPUBytes); err != nil {
+	// Streamed, the staging directory holds only CRIU's log and statistics.
+	need := total
+	if p.StreamOff = streamOff(o); p.StreamOff == "" {
+		need = op.StreamStagingBytes
+	}
+	if p.StagingRoot, err = op.ChooseStaging(o.StagingRoot, need, p.Estimate.GPUBytes); err != nil {
 		return nil, err
 	}
+	p.Stream = p.StreamOff == ""
 	p.Steps = p.describe()
 	return p, nil
+}
+
+// streamOff says why options rule out streaming the dump ("" when they do not).
+func streamOff(o Options) string {
+	switch {
+	case o.NoStream:
+		return "--no-stream"
+	case o.KeepStaging:
+		return "--keep-staging keeps CRIU's image files, so they are written to the staging directory"
+	}
+	return ""
 }
 
 // usesCUDA decides whether pid's GPU state must go through the driver: libcuda is loaded and the
@@ -396,13 +420,23 @@ func (p *Plan) describe() []op.PlanStep {
 			sj += " (" + p.ShellJobReason + ")"
 		}
 	}
-	add(StepDump, "CRIU dump of pid %s (%s resident)%s into %s; %s", tree, bytesize.FormatU(p.Estimate.HostBytes), sj, p.StagingRoot, mode)
+	if p.Stream {
+		add(StepDump, "CRIU dump of pid %s (%s resident)%s, its image files streamed into the store as written "+
+			"(chunked, deduplicated, compressed; log in %s); %s", tree, bytesize.FormatU(p.Estimate.HostBytes), sj, p.StagingRoot, mode)
+	} else {
+		add(StepDump, "CRIU dump of pid %s (%s resident)%s into %s (not streamed: %s); %s", tree, bytesize.FormatU(p.Estimate.HostBytes), sj,
+			p.StagingRoot, p.StreamOff, mode)
+	}
 	if p.LeaveRunning && len(p.CUDAPIDs) > 0 {
 		add(StepRestore, "driver restore of pid %s onto the same GPUs", pidList(p.CUDAPIDs))
 		add(StepUnlock, "driver unlock of pid %s", pidList(p.CUDAPIDs))
 		add(op.StepResume, "processes under the shim: relaunch preempted kernels, release held launches")
 	}
-	add(StepStore, "store the image as %q (chunked, deduplicated, compressed)", p.Image)
+	if p.Stream {
+		add(StepStore, "store CRIU's log with the image and commit it as %q", p.Image)
+	} else {
+		add(StepStore, "store the image as %q (chunked, deduplicated, compressed)", p.Image)
+	}
 	if !p.LeaveRunning {
 		add(StepFinish, "end every process of the tree (pid %s)", tree)
 	}

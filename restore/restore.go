@@ -9,13 +9,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/imgstream"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
@@ -46,7 +49,10 @@ type Options struct {
 	PIDWait     time.Duration // how long to wait for a dying process to free a pid; default 10 s
 	// Cgroup is the cgroup v2 path (as /proc/PID/cgroup shows it) the whole tree goes to; it
 	// must exist. "" puts each process back in its recorded cgroup, else DefaultCgroup.
-	Cgroup   string
+	Cgroup string
+	// NoStream materializes the image into the staging directory before CRIU reads it, instead
+	// of streaming it to CRIU straight out of the store.
+	NoStream bool
 	Progress func(done, total int64)
 }
 
@@ -62,6 +68,9 @@ type Plan struct {
 	ShellJob bool             `json:"shell_job"`
 	Bytes    int64            `json:"bytes"` // the image's logical size
 	Staging  string           `json:"staging_root"`
+	// Stream: CRIU reads the image straight out of the store; otherwise StreamOff says why not.
+	Stream    bool   `json:"stream"`
+	StreamOff string `json:"stream_off,omitempty"`
 	// Cgroup is the cgroup v2 path the tree's root goes to ("" on a host without cgroup v2),
 	// CgroupReason why (recorded at checkpoint, the default, as asked).
 	Cgroup       string        `json:"cgroup,omitempty"`
@@ -84,6 +93,8 @@ type Result struct {
 	Tree        []op.TreeProc       `json:"tree"`
 	Pairs       []placement.Pair    `json:"gpu_pairs,omitempty"`
 	Remapped    bool                `json:"remapped"`             // the driver got the pairs (a GPU moved)
+	Stream      bool                `json:"stream"`               // CRIU read the image straight out of the store
+	StreamOff   string              `json:"stream_off,omitempty"` // why it did not
 	Preemption  []*op.PreemptReport `json:"preemption,omitempty"` // resume of preempted kernels, per CUDA process under the shim
 	Materialize time.Duration       `json:"materialize_ns"`
 	Timings     op.Timings          `json:"timings"`
@@ -157,11 +168,21 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	for _, g := range meta.GPUs {
 		gpuBytes += g.MemoryBytes
 	}
-	// The image is materialized (logical bytes on the staging file system) and, on tmpfs, also
-	// read back into the restored processes' memory.
-	if p.Staging, err = op.ChooseStaging(o.StagingRoot, uint64(p.Bytes), uint64(p.Bytes)+gpuBytes); err != nil {
+	// Materialized, the image takes its logical bytes on the staging file system and, on tmpfs,
+	// is also read back into the restored processes' memory. Streamed, staging holds CRIU's log.
+	need := uint64(p.Bytes)
+	switch {
+	case o.NoStream:
+		p.StreamOff = "--no-stream"
+	case o.KeepStaging:
+		p.StreamOff = "--keep-staging keeps the image's files, so they are materialized into the staging directory"
+	default:
+		need = op.StreamStagingBytes
+	}
+	if p.Staging, err = op.ChooseStaging(o.StagingRoot, need, uint64(p.Bytes)+gpuBytes); err != nil {
 		return nil, err
 	}
+	p.Stream = p.StreamOff == ""
 	p.Steps = p.describe()
 	return p, nil
 }
@@ -213,7 +234,12 @@ func (p *Plan) describe() []op.PlanStep {
 		s = append(s, op.PlanStep{Step: step, Action: fmt.Sprintf(format, a...)})
 	}
 	pids := op.TreePIDs(p.Tree, false)
-	add(StepMaterialize, "verify and write the image (%s) into %s", bytesize.Format(p.Bytes), p.Staging)
+	if p.Stream {
+		add(StepMaterialize, "verify the image's metadata files; its memory pages (%s in all) are verified as CRIU reads them "+
+			"straight out of the store", bytesize.Format(p.Bytes))
+	} else {
+		add(StepMaterialize, "verify and write the image (%s) into %s (not streamed: %s)", bytesize.Format(p.Bytes), p.Staging, p.StreamOff)
+	}
 	sj := ""
 	if p.ShellJob {
 		sj = " as a shell job (into ptxmig's session)"
@@ -245,11 +271,20 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	}
 	defer lk.Release()
 
-	res := &Result{Image: p.Image, ImageID: p.ImageID, PID: meta.PID, Kind: meta.Kind, Tree: p.Tree, Pairs: p.Pairs, Remapped: p.Remapped}
+	res := &Result{Image: p.Image, ImageID: p.ImageID, PID: meta.PID, Kind: meta.Kind, Tree: p.Tree, Pairs: p.Pairs, Remapped: p.Remapped,
+		Stream: p.Stream, StreamOff: p.StreamOff}
 	treePIDs := op.TreePIDs(p.Tree, false)
 	var restored bool
 	var txn *op.Txn
-	ropts := criu.RestoreOptions{ShellJob: p.ShellJob, TCPEstablished: meta.Extra[op.ExtraTCPEstablished] == "true", IgnoreCgroups: true}
+	ropts := criu.RestoreOptions{ShellJob: p.ShellJob, TCPEstablished: meta.Extra[op.ExtraTCPEstablished] == "true", IgnoreCgroups: true,
+		Stream: p.Stream}
+	var rd *store.ImageReader // streamed: the image, open in the store
+	criuRestore := func(ctx context.Context) (*criu.RestoreResult, error) {
+		if rd == nil {
+			return env.CRIU.Restore(ctx, ropts)
+		}
+		return streamRestore(ctx, env, p.Image, rd, ropts)
+	}
 	steps := []op.Step{{
 		Name: StepCRIURestore,
 		Do: func(ctx context.Context) error {
@@ -258,13 +293,13 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 				return err
 			}
 			ropts.CgroupDir, ropts.OnStart = dir, txn.Helper
-			r, err := env.CRIU.Restore(ctx, ropts)
+			r, err := criuRestore(ctx)
 			if errors.Is(err, criu.ErrStart) && dir != "" {
 				// CLONE_INTO_CGROUP refused (an old kernel, a cgroup that cannot hold processes):
 				// start CRIU where ptxmig is and move the processes after.
 				env.Logger().Warn("cannot start CRIU in the target cgroup; moving the restored processes after", "cgroup", p.cgroups.target, "err", err)
 				ropts.CgroupDir = ""
-				r, err = env.CRIU.Restore(ctx, ropts)
+				r, err = criuRestore(ctx)
 			}
 			if r != nil && r.PID > 0 {
 				restored = true
@@ -321,8 +356,23 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		txn.End(err, false)
 		return nil, err
 	}
+	if p.Stream {
+		if err := os.Mkdir(images, 0o700); err != nil {
+			err = op.Refusef("staging: %w", err)
+			txn.End(err, false)
+			return nil, err
+		}
+	}
 	tm := time.Now()
-	st, err := env.Store.Materialize(ctx, p.ImageID, images, store.GetOptions{Progress: o.Progress})
+	var st *store.Stats
+	if p.Stream {
+		rd, err = openStreamed(ctx, env, p)
+		if rd != nil {
+			defer rd.Close()
+		}
+	} else {
+		st, err = env.Store.Materialize(ctx, p.ImageID, images, store.GetOptions{Progress: o.Progress})
+	}
 	res.Materialize = time.Since(tm)
 	if err != nil {
 		if errors.Is(err, store.ErrCorrupt) {
@@ -338,6 +388,9 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	}
 
 	res.Timings, err = txn.Execute(ctx, steps, env.Hook, 0)
+	if rd != nil {
+		res.Bytes = p.Bytes
+	}
 	if err != nil {
 		ferr := op.NewFailure(err, "restore", meta.PID, []string{filepath.Join(work, "restore.log")}, treePIDs)
 		txn.End(err, o.KeepStaging)
@@ -350,6 +403,73 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	}
 	res.Total = time.Since(t0)
 	return res, nil
+}
+
+// openStreamed opens the image for a streamed restore and verifies, before anything runs, every
+// file but the memory pages: CRIU may not read all of them, and they are small. The pages are
+// verified chunk by chunk as they are streamed, and whatever CRIU left unread after it.
+func openStreamed(ctx context.Context, env *op.Env, p *Plan) (*store.ImageReader, error) {
+	rd, err := env.Store.OpenImage(ctx, p.ImageID, store.GetOptions{Progress: p.opts.Progress})
+	if err != nil {
+		return nil, err
+	}
+	for _, f := range rd.Manifest().Files {
+		if f.Type != store.TypeFile || isPages(f.Path) {
+			continue
+		}
+		if _, err := rd.WriteFile(ctx, f.Path, io.Discard); err != nil {
+			return rd, err
+		}
+	}
+	return rd, nil
+}
+
+// isPages reports whether an image file holds memory pages (CRIU's pages-N.img).
+func isPages(name string) bool {
+	return strings.HasPrefix(name, "pages-") && strings.HasSuffix(name, ".img")
+}
+
+// streamRestore runs CRIU's restore reading its image files from the store through the streamer
+// socket, then verifies every chunk CRIU did not read. A corrupt chunk CRIU asks for breaks its
+// pipe: CRIU fails before the restored processes run, and the error names the file and offset.
+func streamRestore(ctx context.Context, env *op.Env, image string, rd *store.ImageReader, ropts criu.RestoreOptions) (*criu.RestoreResult, error) {
+	srv, err := imgstream.Listen(ropts.ImagesDir, imgstream.Serve)
+	if err != nil {
+		return nil, err
+	}
+	done := make(chan error, 1)
+	go func() {
+		defer srv.Close()
+		_, err := srv.Serve(ctx, imageSource{rd})
+		done <- err
+	}()
+	r, cerr := env.CRIU.Restore(ctx, ropts)
+	srv.Close() // CRIU has exited: a CRIU that never connected ends the serve
+	serr := <-done
+	corrupt := func(err error) error {
+		return fmt.Errorf("%w; CRIU stopped before the restored processes ran", err)
+	}
+	switch {
+	case cerr != nil && errors.Is(serr, store.ErrCorrupt):
+		return r, fmt.Errorf("%w (CRIU then failed: %w)", corrupt(serr), cerr)
+	case cerr != nil:
+		return r, cerr
+	case serr != nil:
+		return r, fmt.Errorf("stream the image to CRIU: %w", serr)
+	}
+	if err := rd.VerifyRest(ctx); err != nil {
+		return r, fmt.Errorf("image %s: a part CRIU did not read is corrupt: %w", image, err)
+	}
+	return r, nil
+}
+
+// imageSource serves an open image's files to the streamer.
+type imageSource struct{ rd *store.ImageReader }
+
+func (s imageSource) Has(name string) bool { _, ok := s.rd.Lookup(name); return ok }
+
+func (s imageSource) WriteFile(ctx context.Context, name string, w io.Writer) (int64, error) {
+	return s.rd.WriteFile(ctx, name, w)
 }
 
 // restoredTree is every process to kill when a restore rolls back: the recorded pids and whatever

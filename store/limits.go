@@ -80,12 +80,16 @@ func maxChunkOf(m *Manifest) int {
 // more than limit (default DefaultMemoryLimit) allows once the manifest (manifestMem with rawLen)
 // and the fixed costs are taken out.
 func readWorkers(want int, limit int64, m *Manifest, rawLen int) (int, error) {
+	return readWorkersOf(want, limit, m, rawLen, readWorkerMem(maxChunkOf(m)))
+}
+
+// readWorkersOf is readWorkers for workers that need per bytes each.
+func readWorkersOf(want int, limit int64, m *Manifest, rawLen int, per int64) (int, error) {
 	if limit <= 0 {
 		limit = DefaultMemoryLimit
 	}
 	fixed := manifestMem(m, rawLen) + readFixedMem
 	maxChunk := maxChunkOf(m)
-	per := readWorkerMem(maxChunk)
 	if limit-fixed < per {
 		return 0, fmt.Errorf("%w: memory limit %s is below what reading image %s needs: %s for its manifest and %s for one worker (chunks of up to %s); raise the limit",
 			ErrMemoryLimit, bytesize.Format(limit), m.Name, bytesize.Format(fixed), bytesize.Format(per), bytesize.Format(int64(maxChunk)))

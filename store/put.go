@@ -159,34 +159,45 @@ func (s *Store) Put(ctx context.Context, srcDir string, o PutOptions) (*Manifest
 	return m, st, nil
 }
 
-func (s *Store) put(ctx context.Context, srcDir string, o PutOptions, start time.Time) (*Manifest, *Stats, error) {
+// newImage checks the options of a new image (Put's and Ingest's): its name (ErrExists when
+// taken), the chunk size (defaulted in o), the metadata and the parent. It returns the image's
+// manifest without files and the number of workers that storing it may run.
+func (s *Store) newImage(o *PutOptions) (*Manifest, int, error) {
 	if err := ValidateName(o.Name); err != nil {
-		return nil, nil, err
+		return nil, 0, err
 	}
 	if _, err := os.Lstat(s.manifestPath(o.Name)); err == nil {
-		return nil, nil, ErrExists
+		return nil, 0, ErrExists
 	}
 	if o.ChunkSize == 0 {
 		o.ChunkSize = DefaultChunkSize
 	}
 	if o.ChunkSize < MinChunkSize || o.ChunkSize > MaxChunkSize {
-		return nil, nil, fmt.Errorf("chunk size %d outside [%d, %d]", o.ChunkSize, MinChunkSize, MaxChunkSize)
+		return nil, 0, fmt.Errorf("chunk size %d outside [%d, %d]", o.ChunkSize, MinChunkSize, MaxChunkSize)
 	}
 	workers, err := workerCount(o.Workers, o.MemoryLimit, putWorkerMem(o.ChunkSize))
 	if err != nil {
-		return nil, nil, err
+		return nil, 0, err
 	}
 	m := &Manifest{FormatVersion: FormatVersion, Name: o.Name, Created: time.Now().UTC().Truncate(time.Microsecond),
 		Meta: o.Meta, Hash: HashAlgorithm, ChunkSize: o.ChunkSize}
 	if err := m.Meta.validate(); err != nil {
-		return nil, nil, fmt.Errorf("metadata: %w", err)
+		return nil, 0, fmt.Errorf("metadata: %w", err)
 	}
 	if o.Parent != "" {
 		p, err := s.Get(o.Parent)
 		if err != nil {
-			return nil, nil, fmt.Errorf("parent: %w", err)
+			return nil, 0, fmt.Errorf("parent: %w", err)
 		}
 		m.Parent = p.ID
+	}
+	return m, workers, nil
+}
+
+func (s *Store) put(ctx context.Context, srcDir string, o PutOptions, start time.Time) (*Manifest, *Stats, error) {
+	m, workers, err := s.newImage(&o)
+	if err != nil {
+		return nil, nil, err
 	}
 	root, err := filepath.EvalSymlinks(srcDir)
 	if err != nil {
@@ -381,10 +392,9 @@ func (pw *putWork) worker(ctx context.Context, jobs <-chan putJob, chunkSize int
 	return nil
 }
 
-// chunk reads, hashes and stores one chunk; out is the reusable encode buffer.
+// chunk reads and stores one chunk; out is the reusable encode buffer.
 func (pw *putWork) chunk(f *os.File, j putJob, buf, out []byte, enc *encoder) ([]byte, error) {
 	ch, n := j.ch, j.ch.Size
-	pw.c.chunks.Add(1)
 	// A range inside a hole of a sparse file is zero without reading it.
 	if next, err := unix.Seek(int(f.Fd()), ch.Offset, unix.SEEK_DATA); errors.Is(err, unix.ENXIO) || (err == nil && next >= ch.Offset+int64(n)) {
 		pw.zero(ch)
@@ -397,10 +407,20 @@ func (pw *putWork) chunk(f *os.File, j putJob, buf, out []byte, enc *encoder) ([
 		}
 		return out, fmt.Errorf("read %s at %d: %w", j.src.abs, ch.Offset, err)
 	}
+	return pw.store(ch, data, out, enc)
+}
+
+// store records the chunk ch, whose bytes (all ch.Size of them) are data: an all-zero chunk as
+// Zero; any other is hashed and deduplicated against the chunks this writer claimed and those in
+// the store, or else encoded and staged. It updates the counters (not done) and returns the
+// reusable encode buffer out. Put (after reading) and Ingest (for each chunk streamed) call it.
+func (pw *putWork) store(ch *Chunk, data, out []byte, enc *encoder) ([]byte, error) {
+	n := len(data)
 	if isZero(data) {
 		pw.zero(ch)
 		return out, nil
 	}
+	pw.c.chunks.Add(1)
 	ch.Hash = HashChunk(data)
 	pw.mu.Lock()
 	dup := pw.claimed[ch.Hash]
@@ -443,8 +463,10 @@ func (pw *putWork) takePrestaged(id ChunkID) bool {
 	return ok
 }
 
+// zero records ch as an all-zero chunk.
 func (pw *putWork) zero(ch *Chunk) {
 	ch.Zero = true
+	pw.c.chunks.Add(1)
 	pw.c.zero.Add(int64(ch.Size))
 	pw.c.zeroChunks.Add(1)
 }

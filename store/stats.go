@@ -7,10 +7,11 @@ import (
 )
 
 // Progress receives the bytes done so far and the total; the store calls it from one goroutine
-// at most every 100 ms and once at the end. It may be nil.
+// at most every 100 ms and once at the end. The total is 0 when it is not known in advance (an
+// Ingest, whose files arrive as streams). It may be nil.
 type Progress func(doneBytes, totalBytes int64)
 
-// Stats reports what a Put, Materialize, Export or Import did.
+// Stats reports what a Put, Ingest, Materialize, ImageReader, Export or Import did.
 type Stats struct {
 	LogicalBytes int64         `json:"logical_bytes"` // bytes of the files
 	WrittenBytes int64         `json:"written_bytes"` // bytes written to disk (chunk files on put, file data on materialize)

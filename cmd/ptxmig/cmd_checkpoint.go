@@ -35,11 +35,14 @@ func init() {
 			"their preemptible kernels stop between blocks within --preempt-budget and new launches are held,\n" +
 			"so the lock does not wait for long kernels; the output names any kernel left running. Then the\n" +
 			"driver lock (waits for running kernels up to --lock-timeout) → driver checkpoint (GPU memory to\n" +
-			"host memory, GPUs released); then CRIU dump of the tree → store. On a terminal, a status line on\n" +
-			"stderr shows the step, the bytes stored with throughput, and an ETA. The manifest records the\n" +
-			"tree, host, kernel, driver, CUDA, the source GPUs (index, UUID, name, compute capability,\n" +
-			"memory used), every GPU of the host (a restore onto other GPUs must pair each of them; MIG is\n" +
-			"not supported), the pid and the command line.\n\n" +
+			"host memory, GPUs released); then CRIU dump of the tree, its image files streamed straight into\n" +
+			"the store as CRIU writes them (chunked, hashed, compressed in parallel; no staging copy) → store\n" +
+			"(CRIU's log added, the image committed). --no-stream (or --keep-staging) has CRIU write into the\n" +
+			"staging directory and stores that after the dump instead; the output says which way it went and\n" +
+			"why. On a terminal, a status line on stderr shows the step, the bytes stored with throughput,\n" +
+			"and an ETA. The manifest records the tree, host, kernel, driver, CUDA, the source GPUs (index,\n" +
+			"UUID, name, compute capability, memory used), every GPU of the host (a restore onto other GPUs\n" +
+			"must pair each of them; MIG is not supported), the pid and the command line.\n\n" +
 			"Without --leave-running every process of the tree is stopped by the dump and ended once the image\n" +
 			"is stored. Any failure — or SIGINT/SIGTERM to ptxmig — after the first step rolls back: every\n" +
 			"stopped process is resumed, the GPUs restored and unlocked, and the tree runs on as before (exit\n" +
@@ -58,8 +61,9 @@ func init() {
 			preemptBudgetFlag(),
 			&cli.BoolFlag{Name: "tcp-established", Usage: "checkpoint established TCP connections (CRIU --tcp-established)"},
 			&cli.BoolFlag{Name: "shell-job", Usage: "dump as a shell job (CRIU --shell-job); on by itself when the tree needs it"},
-			&cli.BoolFlag{Name: "keep-staging", Usage: "keep CRIU's image directory after storing it"},
-			&cli.IntFlag{Name: "prestage-workers", Usage: "workers that store the dump while CRIU writes it (0: half the CPUs; -1: store only after the dump)"},
+			&cli.BoolFlag{Name: "keep-staging", Usage: "keep CRIU's image directory after storing it (implies --no-stream)"},
+			&cli.BoolFlag{Name: "no-stream", Usage: "have CRIU write its images into the staging directory, stored after the dump, instead of streaming them into the store"},
+			&cli.IntFlag{Name: "prestage-workers", Usage: "without streaming: workers that store the dump while CRIU writes it (0: half the CPUs; -1: store only after the dump)"},
 		},
 		Action: checkpointAction,
 	})
@@ -120,7 +124,7 @@ func checkpointAction(c *cli.Context) error {
 		PID: pid, Name: c.String("name"), NameSet: c.IsSet("name"), LeaveRunning: c.Bool("leave-running"),
 		LockTimeout: lockTimeout, PreemptBudget: budget, TCPEstablished: c.Bool("tcp-established"),
 		ShellJob: c.Bool("shell-job"), KeepStaging: c.Bool("keep-staging"),
-		PrestageWorkers: c.Int("prestage-workers"),
+		PrestageWorkers: c.Int("prestage-workers"), NoStream: c.Bool("no-stream"),
 	}
 	w := g.Out
 	if dry {
@@ -180,6 +184,11 @@ func checkpointAction(c *cli.Context) error {
 		fmt.Fprintf(w, "GPUs visible to it: %s\n", strings.Join(vis, ", "))
 	}
 	fmt.Fprintf(w, "image %s (id %s)\n", esc(res.Image), shortID(res.ImageID))
+	if res.Stream {
+		fmt.Fprintln(w, "CRIU's images were streamed into the store (no staging copy)")
+	} else {
+		fmt.Fprintf(w, "CRIU's images were staged, then stored (not streamed: %s)\n", esc(res.StreamOff))
+	}
 	printPreemption(w, res.Preemption)
 	for _, t := range res.Timings {
 		fmt.Fprintf(w, "  %-15s %s\n", stepLabel(checkpointLabels, t.Step), ms(t.Duration))

@@ -22,12 +22,16 @@ func init() {
 			"only read: a missing store is an error (never created) and a read-only store works. Preflight:\n" +
 			"each checkpointed GPU must map to a present GPU of the same chip type with enough free memory,\n" +
 			"and every pid of the recorded process tree must be free (CRIU restores each process under its\n" +
-			"pid). --dry-run prints the plan and stops there. Then the image is materialized (every chunk\n" +
-			"verified; a corrupt image is refused) → CRIU restore of the tree (detached: it outlives ptxmig;\n" +
-			"a shell job joins ptxmig's session) → driver restore of its CUDA processes with GPU pairs →\n" +
-			"unlock. On a terminal, a status line on stderr shows the step, bytes materialized with\n" +
-			"throughput, and an ETA. A failure after CRIU restored the tree kills it again; the image stays\n" +
-			"intact (exit status 4) and CRIU's log is kept in /var/log/ptxmig.\n\n" +
+			"pid). --dry-run prints the plan and stops there. Then CRIU restores the tree (detached: it\n" +
+			"outlives ptxmig; a shell job joins ptxmig's session), reading the image straight out of the\n" +
+			"store through its image-streamer socket: the image's metadata files are verified first (a\n" +
+			"corrupt one is refused, exit 3), its memory pages chunk by chunk as CRIU reads them (a corrupt\n" +
+			"chunk stops CRIU before the processes run; the error names the file and offset), and whatever\n" +
+			"CRIU did not read after it. --no-stream (or --keep-staging) materializes the whole image into\n" +
+			"the staging directory first instead. Then the driver restores its CUDA processes with GPU\n" +
+			"pairs and unlocks them. On a terminal, a status line on stderr shows the step, bytes read\n" +
+			"with throughput, and an ETA. A failure after CRIU restored the tree kills it again; the image\n" +
+			"stays intact (exit status 4) and CRIU's log is kept in /var/log/ptxmig.\n\n" +
 			"By default each GPU maps to the GPU with the same UUID, else (another host) the same index.\n" +
 			"When a GPU moves, the driver needs a pair for every GPU of the source host (recorded at\n" +
 			"checkpoint, whatever CUDA_VISIBLE_DEVICES was): the ones it did not use keep their GPU or take\n" +
@@ -47,7 +51,8 @@ func init() {
 			&cli.StringFlag{Name: "gpu", Usage: "target GPU index per checkpointed GPU, in order: `N[,M...]`"},
 			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping `OLD=NEW[,...]` (GPU UUIDs or indexes)"},
 			&cli.StringFlag{Name: "cgroup", Usage: "put the whole tree into the existing cgroup v2 `PATH` (default: where each process was)"},
-			&cli.BoolFlag{Name: "keep-staging", Usage: "keep the materialized image and CRIU's log"},
+			&cli.BoolFlag{Name: "keep-staging", Usage: "keep the materialized image and CRIU's log (implies --no-stream)"},
+			&cli.BoolFlag{Name: "no-stream", Usage: "materialize the image into the staging directory before CRIU reads it, instead of streaming it"},
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
 		},
 		Action: restoreAction,
@@ -83,7 +88,8 @@ func restoreAction(c *cli.Context) error {
 	}
 	e.Store = st
 	ref := c.Args().First()
-	opts := restore.Options{Image: ref, GPUs: gpus, GPUMap: gmap, KeepStaging: c.Bool("keep-staging"), Cgroup: c.String("cgroup")}
+	opts := restore.Options{Image: ref, GPUs: gpus, GPUMap: gmap, KeepStaging: c.Bool("keep-staging"), Cgroup: c.String("cgroup"),
+		NoStream: c.Bool("no-stream")}
 	plan, err := restore.PlanRestore(c.Context, e, opts)
 	if err != nil {
 		return opError(g.Err, err)
@@ -122,7 +128,11 @@ func restoreAction(c *cli.Context) error {
 	}
 	printPairs(w, res.Pairs, res.Remapped)
 	printPreemption(w, res.Preemption)
-	fmt.Fprintf(w, "  %-15s %s (%s)\n", "materialize", ms(res.Materialize), bytesize.Format(res.Bytes))
+	if res.Stream {
+		fmt.Fprintf(w, "image streamed to CRIU out of the store (%s; metadata verified in %s)\n", bytesize.Format(res.Bytes), ms(res.Materialize))
+	} else {
+		fmt.Fprintf(w, "  %-15s %s (%s; not streamed: %s)\n", "materialize", ms(res.Materialize), bytesize.Format(res.Bytes), esc(res.StreamOff))
+	}
 	for _, t := range res.Timings {
 		fmt.Fprintf(w, "  %-15s %s\n", stepLabel(restoreLabels, t.Step), ms(t.Duration))
 	}

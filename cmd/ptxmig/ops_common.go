@@ -210,6 +210,14 @@ func (a absentStore) Materialize(context.Context, string, string, store.GetOptio
 	return nil, fmt.Errorf("store %s: %w", a.dir, store.ErrNoStore)
 }
 
+func (a absentStore) NewIngest(context.Context, store.PutOptions) (*store.Ingest, error) {
+	return nil, fmt.Errorf("store %s: %w", a.dir, store.ErrNoStore)
+}
+
+func (a absentStore) OpenImage(context.Context, string, store.GetOptions) (*store.ImageReader, error) {
+	return nil, fmt.Errorf("store %s: %w", a.dir, store.ErrNoStore)
+}
+
 func (a absentStore) Dir() string {
 	d := a.dir
 	for {

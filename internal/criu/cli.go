@@ -13,6 +13,8 @@ import (
 
 	"github.com/checkpoint-restore/go-criu/v7/rpc"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/ptxmig/ptxmig/internal/imgstream"
 )
 
 // CRIU streams its image files (--stream) only when run as a command: its RPC service opens the
@@ -78,13 +80,30 @@ func cliArgs(verb string, opts *rpc.CriuOpts, imagesDir, workDir string) ([]stri
 	return args, nil
 }
 
+// streamDir is the images directory CRIU is given: the directory itself, or, when its streamer
+// socket's path would not fit a Unix socket address, /proc/self/fd/3 with the directory open as
+// CRIU's descriptor 3 (imgstream.Listen binds the same way). The caller closes the file.
+func streamDir(dir string) (string, *os.File, error) {
+	if !imgstream.TooLong(dir) {
+		return dir, nil, nil
+	}
+	f, err := openDir(dir)
+	if err != nil {
+		return "", nil, err
+	}
+	return "/proc/self/fd/3", f, nil
+}
+
 // command runs one CRIU command for a streamed operation, started as swrk starts CRIU (its own
-// process group, the target cgroup, onStart told its pid). CRIU is not killed when ctx ends: like
-// a swrk request, a started dump or restore runs to its end; it fails on its own once the
-// streamer (which watches ctx) closes its socket.
-func command(bin string, args []string, sp spawn) error {
+// process group, the target cgroup, onStart told its pid), with extra as its descriptor 3 when
+// set. CRIU is not killed when ctx ends: like a swrk request, a started dump or restore runs to
+// its end; it fails on its own once the streamer (which watches ctx) closes its socket.
+func command(bin string, args []string, extra *os.File, sp spawn) error {
 	var out bytes.Buffer
 	cmd := exec.Command(bin, args...)
+	if extra != nil {
+		cmd.ExtraFiles = []*os.File{extra}
+	}
 	cmd.Stdout, cmd.Stderr = &out, &out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if sp.cgroupFD > 0 {
@@ -107,11 +126,18 @@ func command(bin string, args []string, sp spawn) error {
 
 // streamDump runs a dump whose images go to the streamer socket in o.ImagesDir.
 func (d *Dumper) streamDump(opts *rpc.CriuOpts, o DumpOptions) error {
-	args, err := cliArgs("dump", opts, o.ImagesDir, "")
+	dir, f, err := streamDir(o.ImagesDir)
 	if err != nil {
 		return err
 	}
-	return command(d.Bin, args, spawn{onStart: o.OnStart})
+	if f != nil {
+		defer f.Close()
+	}
+	args, err := cliArgs("dump", opts, dir, "")
+	if err != nil {
+		return err
+	}
+	return command(d.Bin, args, f, spawn{onStart: o.OnStart})
 }
 
 // streamRestore runs a restore reading its images from the streamer socket in o.ImagesDir and
@@ -121,11 +147,18 @@ func (d *Dumper) streamRestore(opts *rpc.CriuOpts, o RestoreOptions, sp spawn) (
 	if work == "" {
 		work = o.ImagesDir
 	}
-	args, err := cliArgs("restore", opts, o.ImagesDir, o.WorkDir)
+	dir, f, err := streamDir(o.ImagesDir)
 	if err != nil {
 		return 0, err
 	}
-	if err := command(d.Bin, args, sp); err != nil {
+	if f != nil {
+		defer f.Close()
+	}
+	args, err := cliArgs("restore", opts, dir, work)
+	if err != nil {
+		return 0, err
+	}
+	if err := command(d.Bin, args, f, sp); err != nil {
 		return 0, err
 	}
 	b, err := os.ReadFile(filepath.Join(work, pidFile))

@@ -52,9 +52,9 @@ const (
 	sunPathSize = 108     // sizeof(sockaddr_un.sun_path)
 )
 
-// ErrPathTooLong means the socket's path does not fit a Unix socket address: stream elsewhere
-// (a shorter images directory) or not at all.
-var ErrPathTooLong = errors.New("socket path longer than a Unix socket address allows")
+// ErrNoPeer means the socket was closed before CRIU connected (it failed, or was not told to
+// stream).
+var ErrNoPeer = errors.New("no streamer connection")
 
 // ErrProtocol marks anything the peer sent that the protocol does not allow.
 var ErrProtocol = errors.New("image streamer protocol violation")
@@ -87,42 +87,68 @@ type Server struct {
 	mode Mode
 	ln   *net.UnixListener
 	path string
+	once sync.Once
 }
 
 // Listen creates the socket for mode in dir (owner-only). CRIU must be started after Listen
 // returns; the socket is removed by Close.
 func Listen(dir string, mode Mode) (*Server, error) {
 	path := filepath.Join(dir, mode.socket())
-	if len(path) >= sunPathSize {
-		return nil, fmt.Errorf("%w: %s", ErrPathTooLong, path)
+	addr := path
+	if TooLong(dir) {
+		// Bind through the directory's descriptor: /proc/self/fd/N/NAME fits any directory.
+		d, err := os.OpenFile(dir, os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
+		if err != nil {
+			return nil, fmt.Errorf("image streamer socket: %w", err)
+		}
+		defer d.Close()
+		addr = fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), mode.socket())
 	}
 	// The socket is created under a umask that leaves it owner-only from the start.
 	old := syscall.Umask(0o177)
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: addr, Net: "unix"})
 	syscall.Umask(old)
 	if err != nil {
-		return nil, fmt.Errorf("image streamer socket: %w", err)
+		return nil, fmt.Errorf("image streamer socket %s: %w", path, err)
 	}
-	ln.SetUnlinkOnClose(true)
+	// Removed by path on Close (the descriptor used to bind is gone by then).
+	ln.SetUnlinkOnClose(false)
 	return &Server{mode: mode, ln: ln, path: path}, nil
+}
+
+// TooLong reports whether a streamer socket in dir has a path longer than a Unix socket address
+// holds (107 bytes): then it must be reached through a descriptor of dir (/proc/self/fd/N/...),
+// as Listen does and CRIU is told to.
+func TooLong(dir string) bool {
+	return len(filepath.Join(dir, CaptureSocket)) >= sunPathSize || len(filepath.Join(dir, ServeSocket)) >= sunPathSize
 }
 
 // Path is the socket's path.
 func (s *Server) Path() string { return s.path }
 
-// Close stops listening and removes the socket.
-func (s *Server) Close() error { return s.ln.Close() }
+// Close stops listening and removes the socket. A connection already accepted stays open, so
+// closing once CRIU has exited ends a Capture or Serve that is still waiting for it.
+func (s *Server) Close() error {
+	s.once.Do(func() {
+		s.ln.Close()
+		os.Remove(s.path)
+	})
+	return nil
+}
 
 // accept waits for CRIU's connection until ctx ends, then stops listening (one connection per
 // operation) and checks the peer.
 func (s *Server) accept(ctx context.Context) (*net.UnixConn, error) {
-	stop := context.AfterFunc(ctx, func() { s.ln.Close() })
+	stop := context.AfterFunc(ctx, func() { s.Close() })
 	c, err := s.ln.AcceptUnix()
 	stop()
-	s.ln.Close()
+	s.Close()
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, fmt.Errorf("no connection from CRIU: %w", context.Cause(ctx))
+		}
+		if errors.Is(err, net.ErrClosed) {
+			return nil, fmt.Errorf("%w: CRIU never connected to %s", ErrNoPeer, s.path)
 		}
 		return nil, fmt.Errorf("accept on %s: %w", s.path, err)
 	}

@@ -417,13 +417,26 @@ func TestCaptureCancelledBeforeConnect(t *testing.T) {
 	}
 }
 
-func TestListenPathTooLong(t *testing.T) {
+// TestListenLongPath: a directory whose socket path exceeds a Unix socket address still works
+// (bound through a descriptor), and the socket is removed by its real path.
+func TestListenLongPath(t *testing.T) {
 	dir := t.TempDir() + "/" + strings.Repeat("d", 100)
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Listen(dir, Serve); !errors.Is(err, ErrPathTooLong) {
-		t.Fatalf("err = %v", err)
+	if !TooLong(dir) {
+		t.Fatal("TooLong false for a 100-byte directory name")
+	}
+	srv, err := Listen(dir, Capture)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Lstat(srv.Path()); err != nil || fi.Mode().Type() != os.ModeSocket || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("socket at %s: %v %v", srv.Path(), fi, err)
+	}
+	srv.Close()
+	if _, err := os.Lstat(srv.Path()); !os.IsNotExist(err) {
+		t.Fatalf("socket left: %v", err)
 	}
 }
 

@@ -41,6 +41,9 @@ type ImageStore interface {
 	Prestage(ctx context.Context, dir string, o store.PutOptions) (*store.Prestage, error)
 	Get(ref string) (*store.Manifest, error)
 	Materialize(ctx context.Context, ref, dstDir string, o store.GetOptions) (*store.Stats, error)
+	// NewIngest and OpenImage stream an image in (a dump) and out (a restore) of the store.
+	NewIngest(ctx context.Context, o store.PutOptions) (*store.Ingest, error)
+	OpenImage(ctx context.Context, ref string, o store.GetOptions) (*store.ImageReader, error)
 	Dir() string
 }
 

@@ -66,3 +66,7 @@ func ensureStagingRoot(root string, need uint64) (string, error) {
 	}
 	return root, nil
 }
+
+// StreamStagingBytes is the staging space a streamed dump or restore needs: CRIU's log and
+// statistics only, the image files go through the streamer socket.
+const StreamStagingBytes = 64 << 20
