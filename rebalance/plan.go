@@ -236,7 +236,7 @@ func bestMove(obs Observation, pol Policy, s *sim, shares []float64, src []int, 
 		need := p.MemBytes + margin
 		for b := range obs.GPUs {
 			t := obs.GPUs[b]
-			if b == a || !gpu.SameChip(g.Name, g.ComputeCap, t.Name, t.ComputeCap) {
+			if b == a || !gpu.SameModel(g.Name, g.ComputeCap, t.Name, t.ComputeCap) {
 				continue
 			}
 			sameChip++

@@ -220,6 +220,13 @@ func (p *Plan) planGPUs(env *op.Env, name string) error {
 			return op.Refusef("image %s: %w", name, err) // a GPU moves: the driver needs the pairs
 		}
 	}
+	for _, mc := range placement.ModelChanges(pairs) {
+		if !mc.ModelChangeMeasured {
+			env.Logger().Warn("restoring onto another GPU model of the same chip family that was not measured here: "+
+				"if the driver refuses it, the restore rolls back and the image stays", "from", mc.From.Name, "to", mc.To.Name,
+				"compute_cap", mc.To.ComputeCap)
+		}
+	}
 	if assumed && p.dpairs != nil {
 		env.Logger().Warn("image records no visible-GPU set (made by an older ptxmig): assuming the process saw every GPU "+
 			"of this host; if it ran with CUDA_VISIBLE_DEVICES the driver will refuse the pairs and the restore rolls back",

@@ -73,8 +73,9 @@ func newApp(stdout, stderr io.Writer) *cli.App {
 		Name:  "ptxmig",
 		Usage: "checkpoint, restore and migrate running CUDA processes",
 		Description: "ptxmig saves a running CUDA process tree into a verified, deduplicated image store, restores\n" +
-			"it onto any GPU of the same chip type, and moves live processes between GPUs. Flags go\n" +
-			"anywhere on the line; `--` ends them. Start with `ptxmig doctor`, then:\n\n" +
+			"it onto any GPU of the same chip family (even another model: H100 <-> H200), and moves live\n" +
+			"processes between GPUs. Flags go anywhere on the line; `--` ends them. Start with\n" +
+			"`ptxmig doctor`, then:\n\n" +
 			"   ptxmig ps                              # CUDA processes on this host\n" +
 			"   ptxmig checkpoint --name job-1 4242    # save pid 4242's process tree (it ends)\n" +
 			"   ptxmig restore job-1                   # bring it back\n" +

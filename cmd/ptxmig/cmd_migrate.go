@@ -22,7 +22,7 @@ func init() {
 			"--preempt-budget) → driver lock → checkpoint (GPU memory to host memory) → restore with GPU pairs\n" +
 			"onto the targets → unlock → resume (preempted kernels relaunched on the target). The process\n" +
 			"keeps its pid, memory addresses and handles; CUDA device ordinals inside it stay the same while\n" +
-			"the physical GPU changes. Preflight checks the targets (same chip type, enough\n" +
+			"the physical GPU changes. Preflight checks the targets (same chip family, enough\n" +
 			"free memory). The driver needs a pair for every GPU of the host, whatever CUDA_VISIBLE_DEVICES\n" +
 			"the process has (driver 580): the GPUs it uses go where --gpu/--gpu-map say, the others keep\n" +
 			"their GPU or take the ones left free (moving 0 to 1 on two GPUs pairs 0->1 and 1->0); --dry-run\n" +

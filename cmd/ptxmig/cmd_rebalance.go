@@ -24,7 +24,7 @@ func init() {
 		Name:  "rebalance",
 		Usage: "one pass of the GPU rebalancer: sample load, plan moves, migrate (run it from cron)",
 		Description: "Samples every GPU's utilization, memory and power for --window, plans which processes to move\n" +
-			"from GPUs above --busy-threshold to less loaded GPUs of the same chip type, and migrates them\n" +
+			"from GPUs above --busy-threshold to less loaded GPUs of the same model, and migrates them\n" +
 			"live, one at a time, checking each. Processes younger than --min-age, moved within --cooldown,\n" +
 			"pinned (--pin, --pin-name, or PTXMIG_PIN=1 in their environment) or without room on a target\n" +
 			"stay where they are; --dry-run prints the plan and the reason for every process.\n" +

@@ -20,7 +20,8 @@ func init() {
 		ArgsUsage: "IMAGE",
 		Description: "IMAGE is an image name, id or unique id prefix (none: exit 6; ambiguous: exit 2). The store is\n" +
 			"only read: a missing store is an error (never created) and a read-only store works. Preflight:\n" +
-			"each checkpointed GPU must map to a present GPU of the same chip type with enough free memory,\n" +
+			"each checkpointed GPU must map to a present GPU of the same chip family (compute capability;\n" +
+			"another model is allowed and said: H100 <-> H200 was measured) with enough free memory,\n" +
 			"and every pid of the recorded process tree must be free (CRIU restores each process under its\n" +
 			"pid). --dry-run prints the plan and stops there. Then CRIU restores the tree (detached: it\n" +
 			"outlives ptxmig; a shell job joins ptxmig's session), reading the image straight out of the\n" +
@@ -35,7 +36,7 @@ func init() {
 			"By default each GPU maps to the GPU with the same UUID, else (another host) the same index.\n" +
 			"When a GPU moves, the driver needs a pair for every GPU of the source host (recorded at\n" +
 			"checkpoint, whatever CUDA_VISIBLE_DEVICES was): the ones it did not use keep their GPU or take\n" +
-			"the ones left free, so the host needs at least that many GPUs of the same chip.\n\n" +
+			"the ones left free, so the host needs at least that many GPUs of the same chip family.\n\n" +
 			"Each process goes back to the cgroup (v2) it had at checkpoint when that exists here, else\n" +
 			"where the tree's root goes: its own recorded cgroup, else /ptxmig (created when missing),\n" +
 			"never ptxmig's own. --cgroup puts the whole tree into one cgroup instead, named as\n" +

@@ -18,7 +18,7 @@ import (
 
 // Preflight sentinels (each also wraps op.ErrRefused when returned by restore or migrate).
 var (
-	ErrChipMismatch = errors.New("target GPU is a different chip type")
+	ErrChipMismatch = errors.New("target GPU is of another chip family")
 	ErrNoRoom       = errors.New("not enough free GPU memory")
 	ErrBadTarget    = errors.New("bad GPU target")
 	// ErrTooFewGPUs: the process saw more GPUs than the target host has of the same chip, and the
@@ -36,6 +36,30 @@ type Pair struct {
 	From store.GPU  `json:"from"`
 	To   gpu.Device `json:"to"`
 	Used bool       `json:"used"`
+	// ModelChange: the target is another GPU model of the same chip family (gpu.SameChip);
+	// ModelChangeMeasured: that model change was measured to restore exactly.
+	ModelChange         bool `json:"model_change,omitempty"`
+	ModelChangeMeasured bool `json:"model_change_measured,omitempty"`
+}
+
+// newPair pairs s with d, noting a change of GPU model.
+func newPair(s store.GPU, d gpu.Device, used bool) Pair {
+	p := Pair{From: s, To: d, Used: used}
+	if gpu.ModelChange(s.Name, d.Name) {
+		p.ModelChange, p.ModelChangeMeasured = true, gpu.MeasuredModelChange(s.Name, d.Name)
+	}
+	return p
+}
+
+// ModelChanges lists the pairs that carry memory onto another GPU model.
+func ModelChanges(pairs []Pair) []Pair {
+	var out []Pair
+	for _, p := range pairs {
+		if p.Used && p.ModelChange {
+			out = append(out, p)
+		}
+	}
+	return out
 }
 
 // Identity reports whether the pair keeps the GPU.
@@ -47,7 +71,15 @@ func (p Pair) String() string {
 	if p.Used {
 		role = "used"
 	}
-	return fmt.Sprintf("GPU %d (%s) -> GPU %d (%s) [%s]", p.From.Index, p.From.UUID, p.To.Index, p.To.UUID, role)
+	out := fmt.Sprintf("GPU %d (%s) -> GPU %d (%s) [%s]", p.From.Index, p.From.UUID, p.To.Index, p.To.UUID, role)
+	if p.ModelChange {
+		how := "not measured"
+		if p.ModelChangeMeasured {
+			how = "measured"
+		}
+		out += fmt.Sprintf(" [model %s -> %s, same chip family %s, %s]", p.From.Name, p.To.Name, p.To.ComputeCap, how)
+	}
+	return out
 }
 
 // PlanPairs decides where each GPU of the process goes and checks the targets, without side
@@ -60,7 +92,8 @@ func (p Pair) String() string {
 //     error;
 //   - with neither, each GPU maps to the GPU with its UUID, else (another host) the GPU with its
 //     index;
-//   - every target must exist, be the same chip (name and compute capability) and be distinct;
+//   - every target must exist, be of the same chip family (gpu.SameChip: compute capability; the
+//     model may change, which the pair notes) and be distinct;
 //   - each target needs the used GPU's recorded memory free, unless live and unmoved (a live
 //     process already holds that memory).
 //
@@ -169,14 +202,14 @@ func planUsed(src []store.GPU, devs []gpu.Device, targets []int, gpuMap map[stri
 		}
 		if !sameChip(s, to) {
 			return nil, fmt.Errorf("%w: GPU %d was %s (compute %s, %s); target GPU %d is %s (compute %s, %s): "+
-				"the driver restores only onto the same chip type", ErrChipMismatch,
+				"the driver restores only onto a GPU of the same chip family (compute capability)", ErrChipMismatch,
 				s.Index, s.Name, s.ComputeCap, s.UUID, to.Index, to.Name, to.ComputeCap, to.UUID)
 		}
 		if taken[strings.ToLower(to.UUID)] {
 			return nil, fmt.Errorf("%w: GPU %d (%s) is the target of two GPUs", ErrBadTarget, to.Index, to.UUID)
 		}
 		taken[strings.ToLower(to.UUID)] = true
-		pairs = append(pairs, Pair{From: s, To: to, Used: true})
+		pairs = append(pairs, newPair(s, to, true))
 	}
 	return pairs, nil
 }
@@ -219,7 +252,7 @@ func completeVisible(usedPairs []Pair, visible []store.GPU, devs []gpu.Device) (
 	var fill []int // positions in others still without a target
 	for i, s := range others {
 		if d, ok := identityTarget(s, devs); ok && !taken[key(d.UUID)] && sameChip(s, d) {
-			out[i] = Pair{From: s, To: d}
+			out[i] = newPair(s, d, false)
 			taken[key(d.UUID)] = true
 			continue
 		}
@@ -240,7 +273,7 @@ func completeVisible(usedPairs []Pair, visible []store.GPU, devs []gpu.Device) (
 		found := false
 		for _, d := range byIndex {
 			if !taken[key(d.UUID)] && sameChip(s, d) {
-				out[i] = Pair{From: s, To: d}
+				out[i] = newPair(s, d, false)
 				taken[key(d.UUID)] = true
 				found = true
 				break

@@ -26,10 +26,18 @@ func src(i int, uuid string, mem uint64) store.GPU {
 	return store.GPU{Index: i, UUID: uuid, Name: "NVIDIA H200", ComputeCap: "9.0", MemoryBytes: mem}
 }
 
+// a100Dev is a GPU of another chip family (compute capability 8.0).
+func a100Dev(i int, uuid string) gpu.Device {
+	d := dev(i, uuid, "NVIDIA A100-SXM4-80GB", 0)
+	d.ComputeCap = "8.0"
+	return d
+}
+
 // TestPlanPairs covers target choice and preflight refusals over fake inventories.
 func TestPlanPairs(t *testing.T) {
 	twoH200 := []gpu.Device{dev(0, u0, "NVIDIA H200", 1<<30), dev(1, u1, "NVIDIA H200", 2<<30)}
-	mixed := []gpu.Device{dev(0, u0, "NVIDIA H200", 0), dev(1, u1, "NVIDIA H100 80GB HBM3", 0)}
+	mixed := []gpu.Device{dev(0, u0, "NVIDIA H200", 0), a100Dev(1, u1)}
+	h200h100 := []gpu.Device{dev(0, u0, "NVIDIA H200", 0), dev(1, u1, "NVIDIA H100 80GB HBM3", 0)}
 	full := []gpu.Device{dev(0, u0, "NVIDIA H200", 0), dev(1, u1, "NVIDIA H200", 99<<30)}
 	three := append(append([]gpu.Device{}, twoH200...), dev(2, u2, "NVIDIA H200", 0))
 	tests := []struct {
@@ -48,7 +56,8 @@ func TestPlanPairs(t *testing.T) {
 		{"--gpu per GPU", []store.GPU{src(0, u0, 1), src(1, u1, 1)}, twoH200, []int{1, 0}, nil, false, []string{u1, u0}, nil},
 		{"--gpu-map by uuid", []store.GPU{src(0, u0, 1)}, twoH200, nil, map[string]string{u0: u1}, false, []string{u1}, nil},
 		{"--gpu-map by index, partial", []store.GPU{src(0, u0, 1), src(1, u1, 1)}, three, nil, map[string]string{"1": "2"}, false, []string{u0, u2}, nil},
-		{"chip mismatch", []store.GPU{src(0, u0, 1)}, mixed, []int{1}, nil, false, nil, ErrChipMismatch},
+		{"another chip family: refused", []store.GPU{src(0, u0, 1)}, mixed, []int{1}, nil, false, nil, ErrChipMismatch},
+		{"another model of the same chip family (H200 to H100)", []store.GPU{src(0, u0, 1)}, h200h100, []int{1}, nil, false, []string{u1}, nil},
 		{"not enough memory", []store.GPU{src(0, u0, 4<<30)}, full, []int{1}, nil, false, nil, ErrNoRoom},
 		{"restore needs memory on the same GPU too", []store.GPU{src(1, u1, 4<<30)}, full, nil, nil, false, nil, ErrNoRoom},
 		{"live and unmoved needs no room", []store.GPU{src(1, u1, 4<<30)}, full, []int{1}, nil, true, []string{u1}, nil},
@@ -87,8 +96,8 @@ func TestPlanPairs(t *testing.T) {
 }
 
 func TestChipMismatchNamesBoth(t *testing.T) {
-	_, err := PlanPairs([]store.GPU{src(0, u0, 1)}, nil, []gpu.Device{dev(0, u0, "NVIDIA H200", 0), dev(1, u1, "NVIDIA H100 80GB HBM3", 0)}, []int{1}, nil, false)
-	for _, w := range []string{"NVIDIA H200", "NVIDIA H100 80GB HBM3", u0, u1} {
+	_, err := PlanPairs([]store.GPU{src(0, u0, 1)}, nil, []gpu.Device{dev(0, u0, "NVIDIA H200", 0), a100Dev(1, u1)}, []int{1}, nil, false)
+	for _, w := range []string{"NVIDIA H200", "NVIDIA A100-SXM4-80GB", "compute 8.0", u0, u1} {
 		if err == nil || !contains(err.Error(), w) {
 			t.Errorf("error %v does not name %s", err, w)
 		}
@@ -96,6 +105,35 @@ func TestChipMismatchNamesBoth(t *testing.T) {
 }
 
 func contains(s, sub string) bool { return strings.Contains(s, sub) }
+
+// TestModelChangePairs: a move onto another model of the same chip family is allowed and noted
+// on the pair, with whether it was measured.
+func TestModelChangePairs(t *testing.T) {
+	tests := []struct {
+		name           string
+		from, to       string
+		change, measur bool
+	}{
+		{"same model", "NVIDIA H200", "NVIDIA H200", false, false},
+		{"H100 to H200 (measured)", "NVIDIA H100 80GB HBM3", "NVIDIA H200", true, true},
+		{"H200 to H100 (measured)", "NVIDIA H200", "NVIDIA H100 80GB HBM3", true, true},
+		{"H200 to GH200 (same family, not measured)", "NVIDIA H200", "NVIDIA GH200 480GB", true, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := src(0, uX, 1<<30)
+			s.Name = tt.from
+			pairs, err := PlanPairs([]store.GPU{s}, []store.GPU{s}, []gpu.Device{dev(0, u0, tt.to, 0)}, nil, nil, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p := pairs[0]
+			if p.ModelChange != tt.change || p.ModelChangeMeasured != tt.measur || len(ModelChanges(pairs)) != map[bool]int{false: 0, true: 1}[tt.change] {
+				t.Fatalf("pair %+v, want model change %v measured %v", p, tt.change, tt.measur)
+			}
+		})
+	}
+}
 
 func TestDriverPairs(t *testing.T) {
 	same := []Pair{{From: src(0, u0, 1), To: dev(0, u0, "NVIDIA H200", 0)}}
@@ -146,6 +184,8 @@ func gpus(devs ...gpu.Device) []store.GPU { return StoreGPUs(devs, nil) }
 
 func chip(g store.GPU, name string) store.GPU { g.Name = name; return g }
 
+func a100(g store.GPU) store.GPU { g.Name, g.ComputeCap = "NVIDIA A100-SXM4-80GB", "8.0"; return g }
+
 // pairsText renders a plan as "FROM>TO" by index, with "*" on used pairs.
 func pairsText(pairs []Pair) []string {
 	var out []string
@@ -164,7 +204,7 @@ func TestPlanVisiblePairs(t *testing.T) {
 	two := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h200, 0)}
 	four := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h200, 0), dev(2, u2, h200, 0), dev(3, u3, h200, 0)}
 	mixed3 := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h200, 0), dev(2, u2, h100, 0)}
-	h200h100 := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h100, 0)}
+	h200a100 := []gpu.Device{dev(0, u0, h200, 0), a100Dev(1, u1)}
 	gpu0Full := []gpu.Device{dev(0, u0, h200, 100<<30), dev(1, u1, h200, 0)}
 	gpu1Full := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h200, 100<<30)}
 	cvd := func(v string, devs []gpu.Device) []store.GPU {
@@ -207,8 +247,9 @@ func TestPlanVisiblePairs(t *testing.T) {
 		{"other host, used GPU moved by --gpu", []store.GPU{src(1, uA1, 1)}, otherHost2, two, []int{0}, nil, false, []string{"1>0*", "0>1"}, nil, false},
 		{"memory checked only where used memory goes", []store.GPU{src(0, u0, 4<<30)}, gpus(gpu0Full...), gpu0Full, []int{1}, nil, false, []string{"0>1*", "1>0"}, nil, false},
 		{"used target without room refused", []store.GPU{src(0, u0, 4<<30)}, gpus(gpu1Full...), gpu1Full, []int{1}, nil, true, nil, ErrNoRoom, false},
-		{"other chip needed for a visible GPU: refused", []store.GPU{src(0, uA0, 1)}, otherHost2, h200h100, nil, nil, false, nil, ErrChipMismatch, false},
-		{"mixed chips in the visible set, target host all H200", []store.GPU{src(0, u0, 1)}, []store.GPU{src(0, u0, 1), chip(src(1, u1, 1), h100)}, two, []int{1}, nil, false, nil, ErrChipMismatch, false},
+		{"other chip needed for a visible GPU: refused", []store.GPU{src(0, uA0, 1)}, otherHost2, h200a100, nil, nil, false, nil, ErrChipMismatch, false},
+		{"mixed chips in the visible set, target host all H200", []store.GPU{src(0, u0, 1)}, []store.GPU{src(0, u0, 1), a100(src(1, u1, 1))}, two, []int{1}, nil, false, nil, ErrChipMismatch, false},
+		{"H100 in the visible set, target host all H200: same family", []store.GPU{src(0, u0, 1)}, []store.GPU{src(0, u0, 1), chip(src(1, u1, 1), h100)}, two, []int{1}, nil, false, []string{"0>1*", "1>0"}, nil, false},
 		{"fewer target GPUs than visible: refused", []store.GPU{src(0, uA0, 1)}, otherHost4, two, nil, nil, false, nil, ErrTooFewGPUs, false},
 		{"move with visible set unknown: refused", []store.GPU{src(0, u0, 1)}, nil, two, []int{1}, nil, false, nil, ErrVisibleUnknown, false},
 		{"used GPU outside the visible set: refused", []store.GPU{src(1, u1, 1)}, cvd("0", two), two, []int{0}, nil, false, nil, ErrVisibleUnknown, false},
