@@ -207,8 +207,8 @@ for g in "${sizes[@]}"; do
   fi
   kill -9 "$pid"; gone "$pid" || true; pid=""
   rm -rf "$base"
-  rows+=("| $g GiB | baseline | checkpoint | $b_ck ($(grep -v cuInit "$raw/base-ck-$g.txt" | tr '\n' ' ')criu dump $b_dump) | $((b_disk >> 20)) MiB |")
-  rows+=("| $g GiB | baseline | restore | $b_rs (criu restore $b_crest $(grep -v cuInit "$raw/base-rs-$g.txt" | tr '\n' ' ')) | |")
+  rows+=("| $g GiB | baseline | checkpoint | $b_ck ($({ grep -v cuInit "$raw/base-ck-$g.txt" || true; } | tr '\n' ' ')criu dump $b_dump) | $((b_disk >> 20)) MiB |")
+  rows+=("| $g GiB | baseline | restore | $b_rs (criu restore $b_crest $({ grep -v cuInit "$raw/base-rs-$g.txt" || true; } | tr '\n' ' ')) | |")
   rows+=("| $g GiB | **ptxmig / baseline** | | checkpoint **$(ratio "${ck[stream]}" "$b_ck")×** (--no-stream $(ratio "${ck[staged]}" "$b_ck")×), restore **$(ratio "${rs[stream]}" "$b_rs")×** (--no-stream $(ratio "${rs[staged]}" "$b_rs")×) | $(ratio "${disk[stream]}" "$b_disk")× |")
   if two; then
     m=$raw/mig-$g.json
