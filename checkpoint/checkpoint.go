@@ -192,6 +192,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 	// re-hashes and commits what is already encoded.
 	var pre *store.Prestage
 	var ing *store.Ingest
+	rec := &criuRecord{}
 	drop := func() {
 		if pre != nil {
 			pre.Close()
@@ -214,10 +215,13 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		Do: func(ctx context.Context) error {
 			var err error
 			if p.Stream {
-				ing, err = streamDump(ctx, env, p, dump)
+				ing, err = streamDump(ctx, env, p, dump, rec)
 			} else {
 				pre = prestage(ctx, env, o, images)
 				_, err = env.CRIU.Dump(ctx, dump)
+				if err == nil {
+					rec.fromDir(images)
+				}
 				if pre != nil {
 					if perr := pre.Stop(); perr != nil {
 						env.Logger().Debug("prestage stopped early", "err", perr)
@@ -248,7 +252,17 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		meta.Extra[op.ExtraTree] = op.EncodeTree(tr.tree)
 		var m *store.Manifest
 		var s *store.Stats
-		var err error
+		add := func(name string, r io.Reader, mode uint32) error {
+			return writeFile(filepath.Join(images, name), r, mode)
+		}
+		if ing != nil {
+			add = func(name string, r io.Reader, mode uint32) error { _, err := ing.AddFile(name, mode, r); return err }
+		}
+		err := recordHost(env, p, rec, &meta, add)
+		if err != nil {
+			drop()
+			return err
+		}
 		if ing != nil {
 			m, s, err = commitStreamed(ing, images, &meta)
 		} else {
@@ -298,7 +312,7 @@ func prestage(ctx context.Context, env *op.Env, o Options, images string) *store
 // The image is not committed yet (the store step does that). On failure nothing stays staged and
 // the error says which side failed first: a store failure breaks CRIU's pipes, so CRIU's own
 // error is then only a consequence.
-func streamDump(ctx context.Context, env *op.Env, p *Plan, dump criu.DumpOptions) (*store.Ingest, error) {
+func streamDump(ctx context.Context, env *op.Env, p *Plan, dump criu.DumpOptions, rec *criuRecord) (*store.Ingest, error) {
 	var progress func(done, total int64)
 	if p.opts.Progress != nil {
 		// The ingest cannot know its total: the estimate (resident + GPU memory) stands in.
@@ -320,7 +334,7 @@ func streamDump(ctx context.Context, env *op.Env, p *Plan, dump criu.DumpOptions
 	go func() {
 		defer srv.Close()
 		_, err := srv.Capture(sctx, func(name string, r io.Reader) error {
-			_, err := ing.AddFile(name, 0o600, r)
+			_, err := ing.AddFile(name, 0o600, rec.tee(name, r))
 			return err
 		})
 		done <- err
@@ -360,6 +374,19 @@ func commitStreamed(ing *store.Ingest, images string, meta *store.Metadata) (*st
 		}
 	}
 	return ing.Commit(meta)
+}
+
+// writeFile writes r into a new file (a carried file next to CRIU's images, not streamed).
+func writeFile(path string, r io.Reader, mode uint32) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW, os.FileMode(mode&0o777))
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, r); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }
 
 func addLocal(ing *store.Ingest, path, name string) error {

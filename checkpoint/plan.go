@@ -55,7 +55,12 @@ type Options struct {
 	// NoStream makes CRIU write its images into the staging directory, stored after the dump,
 	// instead of streaming them straight into the store.
 	NoStream bool
-	Progress func(done, total int64)
+	// CarryFiles takes the regular files the tree has open for writing (logs, state files) into
+	// the image, up to CarryLimit bytes (default DefaultCarryLimit), for a restore on a host that
+	// lacks them.
+	CarryFiles bool
+	CarryLimit int64
+	Progress   func(done, total int64)
 }
 
 // Estimate is what a checkpoint is expected to move and how long it may take. The time assumes

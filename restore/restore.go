@@ -53,7 +53,10 @@ type Options struct {
 	// NoStream materializes the image into the staging directory before CRIU reads it, instead
 	// of streaming it to CRIU straight out of the store.
 	NoStream bool
-	Progress func(done, total int64)
+	// OverwriteFiles lets a file the image carries replace a different one at its path (moved
+	// aside, not deleted).
+	OverwriteFiles bool
+	Progress       func(done, total int64)
 }
 
 // Plan is a checked restore.
@@ -71,6 +74,11 @@ type Plan struct {
 	// Stream: CRIU reads the image straight out of the store; otherwise StreamOff says why not.
 	Stream    bool   `json:"stream"`
 	StreamOff string `json:"stream_off,omitempty"`
+	// HostFiles is how many files the image needs on this host (all checked); Place the carried
+	// copies restore puts in place first.
+	HostFiles int         `json:"host_files"`
+	Place     []Placement `json:"place_files,omitempty"`
+	Warnings  []string    `json:"warnings,omitempty"` // what differs from the source host without being refused
 	// Cgroup is the cgroup v2 path the tree's root goes to ("" on a host without cgroup v2),
 	// CgroupReason why (recorded at checkpoint, the default, as asked).
 	Cgroup       string        `json:"cgroup,omitempty"`
@@ -101,6 +109,7 @@ type Result struct {
 	Total       time.Duration       `json:"total_ns"`
 	Bytes       int64               `json:"bytes"`
 	Cgroup      string              `json:"cgroup,omitempty"` // the root's cgroup v2 path after the restore
+	Placed      []Placement         `json:"placed_files,omitempty"`
 	StagingDir  string              `json:"staging_dir,omitempty"`
 }
 
@@ -154,6 +163,9 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 		}
 	} else if len(o.GPUs) > 0 || len(o.GPUMap) > 0 {
 		return nil, op.Refusef("image %s is a CPU process: --gpu/--gpu-map do not apply", m.Name)
+	}
+	if err := p.planHost(ctx, env, m); err != nil {
+		return nil, err
 	}
 	if p.cgroups, err = planCgroups(p, o); err != nil {
 		return nil, err
@@ -247,6 +259,15 @@ func (p *Plan) describe() []op.PlanStep {
 	} else {
 		add(StepMaterialize, "verify and write the image (%s) into %s (not streamed: %s)", bytesize.Format(p.Bytes), p.Staging, p.StreamOff)
 	}
+	placed := ""
+	for _, pl := range p.Place {
+		how := "missing here"
+		if pl.Replace {
+			how = "replacing the different file there, moved aside"
+		}
+		placed += fmt.Sprintf("; put the carried %s (%s) in place (%s)", pl.Path, bytesize.Format(pl.Size), how)
+	}
+	add("host", "%d files the processes had open or mapped are here with the size and mode CRIU recorded%s", p.HostFiles-len(p.Place), placed)
 	sj := ""
 	if p.ShellJob {
 		sj = " as a shell job (into ptxmig's session)"
@@ -393,12 +414,20 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	if st != nil {
 		res.Bytes = st.LogicalBytes
 	}
+	unplace, err := placeFiles(ctx, env, p.ImageID, rd, images, p.Place)
+	if err != nil {
+		err = fmt.Errorf("image %s: carried files: %w (nothing else was touched)", p.Image, err)
+		txn.End(err, o.KeepStaging)
+		return nil, err
+	}
+	res.Placed = p.Place
 
 	res.Timings, err = txn.Execute(ctx, steps, env.Hook, 0)
 	if rd != nil {
 		res.Bytes = p.Bytes
 	}
 	if err != nil {
+		unplace() // the host as it was: carried files put in place go again
 		ferr := op.NewFailure(err, "restore", meta.PID, []string{filepath.Join(work, "restore.log")}, treePIDs)
 		txn.End(err, o.KeepStaging)
 		return nil, ferr

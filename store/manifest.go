@@ -35,12 +35,15 @@ const (
 	MaxChunkSize     = 64 << 20
 )
 
+// MaxMetaString bounds each string of an image's metadata (an Extra value included).
+const MaxMetaString = 64 << 10
+
 // Limits on decoded manifests, against hostile input.
 const (
 	maxManifestBytes = 64 << 20 // ≈ 450,000 chunk entries: 1.7 TiB in 4 MiB chunks
 	maxNameLen       = 128
 	maxPathLen       = 4096
-	maxMetaString    = 64 << 10
+	maxMetaString    = MaxMetaString
 )
 
 // File types in a manifest.

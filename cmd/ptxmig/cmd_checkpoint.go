@@ -43,6 +43,10 @@ func init() {
 			"and an ETA. The manifest records the tree, host, kernel, driver, CUDA, the source GPUs (index,\n" +
 			"UUID, name, compute capability, memory used), every GPU of the host (a restore onto other GPUs\n" +
 			"must pair each of them; MIG is not supported), the pid and the command line.\n\n" +
+			"--carry-files takes the regular files the tree has open for writing (logs, state files; up to\n" +
+			"--carry-limit) into the image, so that a restore on a host that lacks them puts them in place;\n" +
+			"the size taken is the one CRIU recorded. The manifest always lists every file a restore needs on\n" +
+			"its host (the executable and libraries included), as CRIU recorded them.\n\n" +
 			"Without --leave-running every process of the tree is stopped by the dump and ended once the image\n" +
 			"is stored. Any failure — or SIGINT/SIGTERM to ptxmig — after the first step rolls back: every\n" +
 			"stopped process is resumed, the GPUs restored and unlocked, and the tree runs on as before (exit\n" +
@@ -52,7 +56,8 @@ func init() {
 			"   ptxmig checkpoint 4242\n" +
 			"   ptxmig checkpoint --dry-run 4242\n" +
 			"   ptxmig checkpoint --name trainer-step-900 --leave-running --lock-timeout 30s 4242\n" +
-			"   ptxmig checkpoint 4242 --name nightly-4242 --json",
+			"   ptxmig checkpoint 4242 --name nightly-4242 --json\n" +
+			"   ptxmig checkpoint --carry-files --name move-4242 4242     # to restore on another host",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "name", Usage: "image `NAME` (default COMM-PID-DATE-TIME)"},
 			&cli.BoolFlag{Name: "leave-running", Usage: "keep the processes running after the checkpoint"},
@@ -62,6 +67,8 @@ func init() {
 			&cli.BoolFlag{Name: "tcp-established", Usage: "checkpoint established TCP connections (CRIU --tcp-established)"},
 			&cli.BoolFlag{Name: "shell-job", Usage: "dump as a shell job (CRIU --shell-job); on by itself when the tree needs it"},
 			&cli.BoolFlag{Name: "keep-staging", Usage: "keep CRIU's image directory after storing it (implies --no-stream)"},
+			&cli.BoolFlag{Name: "carry-files", Usage: "take the regular files the tree has open for writing (logs, state files) into the image, for a restore on a host that lacks them"},
+			&cli.StringFlag{Name: "carry-limit", Value: "64MiB", Usage: "most bytes --carry-files takes along (`SIZE`); more is refused before the image is stored"},
 			&cli.BoolFlag{Name: "no-stream", Usage: "have CRIU write its images into the staging directory, stored after the dump, instead of streaming them into the store"},
 			&cli.IntFlag{Name: "prestage-workers", Usage: "without streaming: workers that store the dump while CRIU writes it (0: half the CPUs; -1: store only after the dump)"},
 		},
@@ -120,11 +127,16 @@ func checkpointAction(c *cli.Context) error {
 				name, m.ID, m.Created.Format(time.RFC3339), hint(c, "image", "rm", name))
 		}
 	}
+	carryLimit, err := parseSize(c.String("carry-limit"))
+	if err != nil {
+		return exitcode.Usagef("--carry-limit: %v", err)
+	}
 	opts := checkpoint.Options{
 		PID: pid, Name: c.String("name"), NameSet: c.IsSet("name"), LeaveRunning: c.Bool("leave-running"),
 		LockTimeout: lockTimeout, PreemptBudget: budget, TCPEstablished: c.Bool("tcp-established"),
 		ShellJob: c.Bool("shell-job"), KeepStaging: c.Bool("keep-staging"),
 		PrestageWorkers: c.Int("prestage-workers"), NoStream: c.Bool("no-stream"),
+		CarryFiles: c.Bool("carry-files"), CarryLimit: carryLimit,
 	}
 	w := g.Out
 	if dry {

@@ -33,6 +33,13 @@ func init() {
 			"pairs and unlocks them. On a terminal, a status line on stderr shows the step, bytes read\n" +
 			"with throughput, and an ETA. A failure after CRIU restored the tree kills it again; the image\n" +
 			"stays intact (exit status 4) and CRIU's log is kept in /var/log/ptxmig.\n\n" +
+			"Preflight also checks every file the processes had open or mapped (executable, libraries,\n" +
+			"logs) as CRIU will: present, with the size and mode CRIU recorded. What is missing or\n" +
+			"different is named with its fix and refused (exit 3) before anything is touched, unless the\n" +
+			"image carries a copy (checkpoint --carry-files): a missing one is then put in place (its\n" +
+			"directory created), a different one only with --overwrite-files (moved aside, not deleted);\n" +
+			"a failed restore removes what it put in place. Another driver, CUDA or CRIU version than the\n" +
+			"image's is a warning. On another host: checkpoint → image export → image import → restore.\n\n" +
 			"By default each GPU maps to the GPU with the same UUID, else (another host) the same index.\n" +
 			"When a GPU moves, the driver needs a pair for every GPU of the source host (recorded at\n" +
 			"checkpoint, whatever CUDA_VISIBLE_DEVICES was): the ones it did not use keep their GPU or take\n" +
@@ -47,12 +54,14 @@ func init() {
 			"   ptxmig restore trainer-step-900 --gpu 1\n" +
 			"   ptxmig restore --gpu-map GPU-5e3a1c2b-0f9d-4e2a-8b7c-1234567890ab=1 trainer-step-900\n" +
 			"   ptxmig restore --cgroup /system.slice/trainer.service trainer-step-900\n" +
-			"   ptxmig --store /mnt/shared/ptxmig restore trainer-step-900",
+			"   ptxmig --store /mnt/shared/ptxmig restore trainer-step-900\n" +
+			"   ptxmig image export job-7 | ssh gpu2 ptxmig image import && ssh gpu2 ptxmig restore job-7",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "gpu", Usage: "target GPU index per checkpointed GPU, in order: `N[,M...]`"},
 			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping `OLD=NEW[,...]` (GPU UUIDs or indexes)"},
 			&cli.StringFlag{Name: "cgroup", Usage: "put the whole tree into the existing cgroup v2 `PATH` (default: where each process was)"},
 			&cli.BoolFlag{Name: "keep-staging", Usage: "keep the materialized image and CRIU's log (implies --no-stream)"},
+			&cli.BoolFlag{Name: "overwrite-files", Usage: "let a file the image carries (checkpoint --carry-files) replace a different one at its path; the one there is moved aside, not deleted"},
 			&cli.BoolFlag{Name: "no-stream", Usage: "materialize the image into the staging directory before CRIU reads it, instead of streaming it"},
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
 		},
@@ -90,10 +99,15 @@ func restoreAction(c *cli.Context) error {
 	e.Store = st
 	ref := c.Args().First()
 	opts := restore.Options{Image: ref, GPUs: gpus, GPUMap: gmap, KeepStaging: c.Bool("keep-staging"), Cgroup: c.String("cgroup"),
-		NoStream: c.Bool("no-stream")}
+		NoStream: c.Bool("no-stream"), OverwriteFiles: c.Bool("overwrite-files")}
 	plan, err := restore.PlanRestore(c.Context, e, opts)
 	if err != nil {
 		return opError(g.Err, err)
+	}
+	if !g.JSON {
+		for _, wn := range plan.Warnings {
+			fmt.Fprintf(g.Err, "ptxmig: warning: %s\n", esc(wn))
+		}
 	}
 	w := g.Out
 	if c.Bool("dry-run") {
@@ -128,6 +142,13 @@ func restoreAction(c *cli.Context) error {
 		printTree(w, res.Tree)
 	}
 	printPairs(w, res.Pairs, res.Remapped)
+	for _, pl := range res.Placed {
+		how := "it was missing"
+		if pl.Replace {
+			how = "the different file there was moved aside to " + esc(pl.Path) + ".ptxmig-replaced-*"
+		}
+		fmt.Fprintf(w, "put the carried %s (%s) in place: %s\n", esc(pl.Path), bytesize.Format(pl.Size), how)
+	}
 	printPreemption(w, res.Preemption)
 	if res.Stream {
 		fmt.Fprintf(w, "image streamed to CRIU out of the store (%s; metadata verified in %s)\n", bytesize.Format(res.Bytes), ms(res.Materialize))

@@ -259,9 +259,57 @@ func fix(f File, missing bool) string {
 	case f.Write && f.Regular():
 		return "the process wrote to it: checkpoint with --carry-files to take it along (restore puts it in place; " +
 			"--overwrite-files replaces a different one), or copy it here from the source host"
+	case f.Mode&unix.S_IFMT == unix.S_IFDIR:
+		return fmt.Sprintf("create the directory with mode %04o (it was the process's working or root directory)", f.Mode&0o7777)
 	case missing:
 		return "install it (the same version as on the source host: CRIU checks size and mode), or copy it here"
 	default:
 		return "install the same version as on the source host (CRIU checks size and mode)"
 	}
+}
+
+// MaxCarried bounds the files one image carries.
+const MaxCarried = 256
+
+// Carried is a file the image carries: a copy of Path, stored in the image as File.
+type Carried struct {
+	Path string `json:"path"`
+	File string `json:"file"` // carried-N
+	Size int64  `json:"size"`
+	Mode uint32 `json:"mode"` // st_mode (a regular file)
+	UID  uint32 `json:"uid"`
+	GID  uint32 `json:"gid"`
+}
+
+// CarriedName is the image file that holds the i-th carried file.
+func CarriedName(i int) string { return fmt.Sprintf("carried-%d", i) }
+
+// EncodeCarried renders carried files for a manifest's metadata.
+func EncodeCarried(c []Carried) string {
+	b, _ := json.Marshal(c) // plain structs: cannot fail
+	return string(b)
+}
+
+// ParseCarried reads carried files recorded by EncodeCarried, validating every field.
+func ParseCarried(s string) ([]Carried, error) {
+	var cs []Carried
+	if err := json.Unmarshal([]byte(s), &cs); err != nil {
+		return nil, fmt.Errorf("%w: carried files: %v", ErrInvalid, err)
+	}
+	if len(cs) > MaxCarried {
+		return nil, fmt.Errorf("%w: %d carried files", ErrInvalid, len(cs))
+	}
+	seen := map[string]bool{}
+	for i, c := range cs {
+		switch err := validPath(c.Path); {
+		case err != nil:
+			return nil, fmt.Errorf("%w: carried file: %v", ErrInvalid, err)
+		case c.File != CarriedName(i):
+			return nil, fmt.Errorf("%w: carried file %s is stored as %q, want %q", ErrInvalid, c.Path, c.File, CarriedName(i))
+		case c.Size < 0 || c.Mode&unix.S_IFMT != unix.S_IFREG || seen[c.Path]:
+			return nil, fmt.Errorf("%w: carried file %s: size %d, mode %o", ErrInvalid, c.Path, c.Size, c.Mode)
+		}
+		seen[c.Path] = true
+	}
+	return cs, nil
 }

@@ -35,6 +35,11 @@ const (
 	// hierarchy (its controllers as /proc/PID/cgroup names them: "memory", "cpu,cpuacct",
 	// "name=systemd").
 	ExtraCgroupV1 = "cgroup.v1"
+	// ExtraHostFiles is a JSON list of hostreq.File: what the target host must provide (absent
+	// when it did not fit: restore then reads CRIU's files.img from the image).
+	ExtraHostFiles = "host.files"
+	// ExtraCarried is a JSON list of hostreq.Carried: files the image carries (--carry-files).
+	ExtraCarried = "host.carried"
 )
 
 // TreeProc is one process of a checkpointed tree, as recorded in the image.

@@ -1,0 +1,233 @@
+package restore
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ptxmig/ptxmig/internal/hostreq"
+	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/store"
+)
+
+// Placement is a carried file restore puts in place before CRIU runs.
+type Placement struct {
+	hostreq.Carried
+	Replace bool `json:"replace,omitempty"` // a different file is there (--overwrite-files): it is moved aside
+}
+
+// planHost checks the files the image needs against this host: those it lacks, or has with
+// another size or mode, are placed from the image's carried copies where it has them (replacing
+// a different file only with OverwriteFiles), else refused, each named with its fix.
+func (p *Plan) planHost(ctx context.Context, env *op.Env, m *store.Manifest) error {
+	// Versions: not refused (restores across them were not measured either way), but said.
+	for _, v := range []struct{ what, img, here string }{
+		{"NVIDIA driver", m.Meta.Driver, env.Host.Driver},
+		{"CUDA driver API", m.Meta.CUDA, env.Host.CUDA},
+		{"CRIU", m.Meta.CRIU, env.CRIUVersion},
+	} {
+		if v.img != "" && v.here != "" && v.img != v.here && (m.Meta.Kind == op.KindCUDA || v.what == "CRIU") {
+			p.Warnings = append(p.Warnings, fmt.Sprintf("the image was made with %s %s, this host has %s: restores across versions "+
+				"were not measured", v.what, v.img, v.here))
+		}
+	}
+	files, err := imageHostFiles(ctx, env, m)
+	if err != nil {
+		return op.Refusef("image %s: the files it needs on this host: %w", m.Name, err)
+	}
+	p.HostFiles = len(files)
+	var carried []hostreq.Carried
+	if s, ok := m.Meta.Extra[op.ExtraCarried]; ok {
+		if carried, err = hostreq.ParseCarried(s); err != nil {
+			return op.Refusef("image %s: %w", m.Name, err)
+		}
+	}
+	byPath := map[string]hostreq.Carried{}
+	for _, c := range carried {
+		byPath[c.Path] = c
+	}
+	var unresolved []string
+	for _, pr := range hostreq.Check(files, nil) {
+		c, ok := byPath[pr.Path]
+		switch {
+		case ok && pr.Have == "no such file":
+			p.Place = append(p.Place, Placement{Carried: c})
+		case ok && p.opts.OverwriteFiles:
+			p.Place = append(p.Place, Placement{Carried: c, Replace: true})
+		case ok:
+			pr.Fix = "the image carries a copy: --overwrite-files puts it in place (the file here is moved aside to " +
+				filepath.Base(pr.Path) + ".ptxmig-replaced-TIME)"
+			unresolved = append(unresolved, pr.String())
+		default:
+			unresolved = append(unresolved, pr.String())
+		}
+	}
+	if len(unresolved) > 0 {
+		const show = 10
+		more := ""
+		if len(unresolved) > show {
+			more = fmt.Sprintf("\n  … and %d more", len(unresolved)-show)
+			unresolved = unresolved[:show]
+		}
+		return op.Refusef("image %s needs files this host lacks or has in another state (CRIU would fail on each; nothing was touched):\n  %s%s",
+			m.Name, strings.Join(unresolved, "\n  "), more)
+	}
+	return nil
+}
+
+// imageHostFiles is the image's list of needed files: recorded in the manifest, else (older
+// images, long lists) read from CRIU's files.img in the image.
+func imageHostFiles(ctx context.Context, env *op.Env, m *store.Manifest) ([]hostreq.File, error) {
+	if s, ok := m.Meta.Extra[op.ExtraHostFiles]; ok {
+		return hostreq.Parse(s)
+	}
+	rd, err := env.Store.OpenImage(ctx, m.ID, store.GetOptions{})
+	if err != nil {
+		return nil, err
+	}
+	defer rd.Close()
+	read := func(name string) ([]byte, error) {
+		if _, ok := rd.Lookup(name); !ok {
+			return nil, nil
+		}
+		var b bytes.Buffer
+		if _, err := rd.WriteFile(ctx, name, &limitWriter{w: &b, n: hostreq.MaxImageBytes}); err != nil {
+			return nil, err
+		}
+		return b.Bytes(), nil
+	}
+	files, err := read(hostreq.FilesImage)
+	if err != nil || files == nil {
+		if err == nil {
+			err = fmt.Errorf("no %s in the image", hostreq.FilesImage)
+		}
+		return nil, err
+	}
+	remaps, err := read(hostreq.RemapImage)
+	if err != nil {
+		return nil, err
+	}
+	return hostreq.Decode(files, remaps)
+}
+
+// limitWriter fails once more than n bytes are written.
+type limitWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (l *limitWriter) Write(p []byte) (int, error) {
+	if int64(len(p)) > l.n {
+		return 0, errors.New("larger than a CRIU record may be")
+	}
+	l.n -= int64(len(p))
+	return l.w.Write(p)
+}
+
+// placeFiles puts the planned carried files in place, reading each from the image (open as rd,
+// else materialized in images). It returns how to undo it: placed files removed, replaced ones
+// moved back, directories it created removed.
+func placeFiles(ctx context.Context, env *op.Env, imageID string, rd *store.ImageReader, images string, place []Placement) (func(), error) {
+	var undo []func()
+	undoAll := func() {
+		for i := len(undo) - 1; i >= 0; i-- {
+			undo[i]()
+		}
+	}
+	if len(place) == 0 {
+		return undoAll, nil
+	}
+	if rd == nil && images == "" {
+		var err error
+		if rd, err = env.Store.OpenImage(ctx, imageID, store.GetOptions{}); err != nil {
+			return undoAll, err
+		}
+		defer rd.Close()
+	}
+	for _, pl := range place {
+		u, err := placeOne(ctx, rd, images, pl)
+		if u != nil {
+			undo = append(undo, u...)
+		}
+		if err != nil {
+			undoAll()
+			return func() {}, fmt.Errorf("put %s in place: %w", pl.Path, err)
+		}
+		env.Logger().Info("put a carried file in place", "path", pl.Path, "bytes", pl.Size, "replaced", pl.Replace)
+	}
+	return undoAll, nil
+}
+
+func placeOne(ctx context.Context, rd *store.ImageReader, images string, pl Placement) ([]func(), error) {
+	var undo []func()
+	dir := filepath.Dir(pl.Path)
+	// Missing parent directories are created (0755), and removed again on undo.
+	var missing []string
+	for d := dir; ; d = filepath.Dir(d) {
+		if _, err := os.Lstat(d); err == nil || d == "/" {
+			break
+		}
+		missing = append(missing, d)
+	}
+	for i := len(missing) - 1; i >= 0; i-- {
+		d := missing[i]
+		if err := os.Mkdir(d, 0o755); err != nil {
+			return undo, err
+		}
+		undo = append(undo, func() { os.Remove(d) })
+	}
+	tmp, err := os.CreateTemp(dir, "."+filepath.Base(pl.Path)+".ptxmig-*")
+	if err != nil {
+		return undo, err
+	}
+	defer os.Remove(tmp.Name()) // gone once renamed
+	var n int64
+	if rd != nil {
+		n, err = rd.WriteFile(ctx, pl.File, tmp)
+	} else {
+		var src *os.File
+		if src, err = os.OpenFile(filepath.Join(images, pl.File), os.O_RDONLY|unix.O_NOFOLLOW, 0); err == nil {
+			n, err = io.Copy(tmp, src)
+			src.Close()
+		}
+	}
+	if err == nil && n != pl.Size {
+		err = fmt.Errorf("the image's copy has %d bytes, its record %d", n, pl.Size)
+	}
+	if err == nil {
+		err = tmp.Chown(int(pl.UID), int(pl.GID)) // first: a chown clears set-id bits
+	}
+	if err == nil {
+		err = unix.Fchmod(int(tmp.Fd()), pl.Mode&0o7777)
+	}
+	if err == nil {
+		err = tmp.Sync()
+	}
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return undo, err
+	}
+	if pl.Replace {
+		aside := fmt.Sprintf("%s.ptxmig-replaced-%s", pl.Path, time.Now().UTC().Format("20060102T150405"))
+		if err := os.Rename(pl.Path, aside); err != nil {
+			return undo, fmt.Errorf("move the file there aside: %w", err)
+		}
+		undo = append(undo, func() { os.Rename(aside, pl.Path) })
+	}
+	// Never over a file that appeared meanwhile: link, then remove the temporary name.
+	if err := os.Link(tmp.Name(), pl.Path); err != nil {
+		return undo, err
+	}
+	undo = append(undo, func() { os.Remove(pl.Path) })
+	return undo, nil
+}
