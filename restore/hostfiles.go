@@ -40,7 +40,10 @@ func (p *Plan) planHost(ctx context.Context, env *op.Env, m *store.Manifest) err
 		}
 	}
 	files, err := imageHostFiles(ctx, env, m)
-	if err != nil {
+	if errors.Is(err, errNoRecord) {
+		p.Warnings = append(p.Warnings, fmt.Sprintf("image %s holds no record of the files it needs (no %s): they are not checked "+
+			"before CRIU runs", m.Name, hostreq.FilesImage))
+	} else if err != nil {
 		return op.Refusef("image %s: the files it needs on this host: %w", m.Name, err)
 	}
 	p.HostFiles = len(files)
@@ -83,6 +86,9 @@ func (p *Plan) planHost(ctx context.Context, env *op.Env, m *store.Manifest) err
 	return nil
 }
 
+// errNoRecord: the image has neither a recorded list nor CRIU's files.img (not a CRIU image).
+var errNoRecord = errors.New("no record of the files the image needs")
+
 // imageHostFiles is the image's list of needed files: recorded in the manifest, else (older
 // images, long lists) read from CRIU's files.img in the image.
 func imageHostFiles(ctx context.Context, env *op.Env, m *store.Manifest) ([]hostreq.File, error) {
@@ -107,7 +113,7 @@ func imageHostFiles(ctx context.Context, env *op.Env, m *store.Manifest) ([]host
 	files, err := read(hostreq.FilesImage)
 	if err != nil || files == nil {
 		if err == nil {
-			err = fmt.Errorf("no %s in the image", hostreq.FilesImage)
+			err = errNoRecord
 		}
 		return nil, err
 	}

@@ -3,6 +3,7 @@ package store
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"math/rand/v2"
 	"os"
@@ -188,5 +189,54 @@ func BenchmarkWriteFile(b *testing.B) {
 		if k, err := io.Copy(io.Discard, pr); err != nil || k != n {
 			b.Fatalf("%d bytes, %v", k, err)
 		}
+	}
+}
+
+// BenchmarkChunkCost prices one 4 MiB chunk by kind of data, to show where compression pays:
+// hashing alone (the floor: every chunk is hashed, a raw one is then written as is), the
+// encoder's sampled choice (what the store does: raw when the sample does not compress, else
+// zstd with the best shuffle), and zstd on everything. The "ratio" metric is raw/stored bytes.
+func BenchmarkChunkCost(b *testing.B) {
+	const n = 4 << 20
+	random := make([]byte, n)
+	r := rand.New(rand.NewPCG(7, 7))
+	for i := range random {
+		random[i] = byte(r.Uint32())
+	}
+	var text bytes.Buffer
+	for i := 0; text.Len() < n; i++ {
+		fmt.Fprintf(&text, "2026-11-25T07:%02d:%02d step %d loss %.6f lr %.2e\n", i/60%60, i%60, i, 2.5/float64(i+1), 3e-4)
+	}
+	kinds := []struct {
+		name string
+		data []byte
+	}{{"random", random}, {"floats", floatData(n, 5)}, {"text", text.Bytes()[:n]}}
+	for _, k := range kinds {
+		b.Run(k.name+"/hash", func(b *testing.B) {
+			b.SetBytes(n)
+			for b.Loop() {
+				HashChunk(k.data)
+			}
+		})
+		b.Run(k.name+"/store-choice", func(b *testing.B) {
+			e, _ := newEncoder(n)
+			var out []byte
+			b.SetBytes(n)
+			for b.Loop() {
+				HashChunk(k.data)
+				out = e.encode(k.data, out)
+			}
+			b.ReportMetric(float64(n)/float64(len(out)), "ratio")
+		})
+		b.Run(k.name+"/zstd-always", func(b *testing.B) {
+			e, _ := newEncoder(n)
+			var out []byte
+			b.SetBytes(n)
+			for b.Loop() {
+				HashChunk(k.data)
+				out = e.zw.EncodeAll(k.data, out[:0])
+			}
+			b.ReportMetric(float64(n)/float64(len(out)), "ratio")
+		})
 	}
 }
