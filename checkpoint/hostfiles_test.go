@@ -11,7 +11,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/hostreq"
@@ -41,33 +40,8 @@ func logCounter(t *testing.T, dir string) (int, string) {
 	}
 	go func() { _ = cmd.Wait() }()
 	t.Cleanup(func() { killTree(cmd.Process.Pid) })
-	waitLog(t, log, 3)
+	waitCount(t, log, 3)
 	return cmd.Process.Pid, log
-}
-
-// lastLine is the log's last count (0 when none).
-func lastLine(path string) int {
-	b, _ := os.ReadFile(path)
-	lines := strings.Fields(string(b))
-	if len(lines) == 0 {
-		return 0
-	}
-	n, _ := strconv.Atoi(lines[len(lines)-1])
-	return n
-}
-
-func waitLog(t *testing.T, path string, n int) int {
-	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		if c := lastLine(path); c >= n {
-			return c
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("log %s stuck at %d, want >= %d", path, lastLine(path), n)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 }
 
 // consecutive checks the log counts 1, 2, 3, … with no gap and no repeat: the restored shell
@@ -102,7 +76,7 @@ func TestAnotherHost(t *testing.T) {
 				t.Fatal(err)
 			}
 			killTree(pid) // ended by the checkpoint already; make sure
-			atCkpt := lastLine(log)
+			atCkpt := readCount(log)
 			m, err := f.st.Get("job")
 			if err != nil {
 				t.Fatal(err)
@@ -155,7 +129,7 @@ func TestAnotherHost(t *testing.T) {
 					t.Fatal(err)
 				}
 				t.Cleanup(func() { killTree(r.PID) })
-				waitLog(t, log, atCkpt+5)
+				waitCount(t, log, atCkpt+5)
 				consecutive(t, log)
 				return
 			}
@@ -165,7 +139,7 @@ func TestAnotherHost(t *testing.T) {
 			// Restored: the log was put in place from the image and the shell counts on in it.
 			killAfter := func(pid int) { t.Cleanup(func() { killTree(pid) }) }
 			killAfter(pid)
-			waitLog(t, log, atCkpt+5)
+			waitCount(t, log, atCkpt+5)
 			consecutive(t, log)
 			killTree(pid)
 
@@ -192,7 +166,7 @@ func TestAnotherHost(t *testing.T) {
 			if len(r.Placed) != 1 || !r.Placed[0].Replace {
 				t.Fatalf("placed %+v", r.Placed)
 			}
-			waitLog(t, log, atCkpt+5)
+			waitCount(t, log, atCkpt+5)
 			consecutive(t, log)
 			aside, _ := filepath.Glob(log + ".ptxmig-replaced-*")
 			if len(aside) != 1 {

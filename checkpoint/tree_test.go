@@ -55,9 +55,14 @@ func killTree(root int) {
 	}
 }
 
+// readCount is the last number in a counter file (one number) or a log (one a line).
 func readCount(path string) int {
 	b, _ := os.ReadFile(path)
-	n, _ := strconv.Atoi(strings.TrimSpace(string(b)))
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return 0
+	}
+	n, _ := strconv.Atoi(f[len(f)-1])
 	return n
 }
 

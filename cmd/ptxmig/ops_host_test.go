@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"encoding/json"
 	"os"
 	"os/exec"
@@ -12,11 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
-	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/proc"
-	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 // TestAnotherHostCLI: the move to another host with ptxmig's commands only, two stores standing
@@ -24,18 +19,7 @@ import (
 // the job's log directory absent "there". The dry run names the file it will put in place; the
 // restored job appends to it, counting on.
 func TestAnotherHostCLI(t *testing.T) {
-	if os.Geteuid() != 0 {
-		testreq.Skip(t, "root", "checkpoint needs root (CRIU)")
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if _, _, err := criu.Check(ctx); err != nil {
-		testreq.Skip(t, "criu", "no usable CRIU: %v", err)
-	}
-	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-	dir := t.TempDir()
-	t.Setenv("PTXMIG_LOCK_DIR", filepath.Join(dir, "locks"))
-	t.Setenv("PTXMIG_LOG_DIR", filepath.Join(dir, "logs"))
+	dir := criuCLITest(t, "checkpoint needs root (CRIU)")
 	log := filepath.Join(dir, "job", "job.log")
 	if err := os.Mkdir(filepath.Dir(log), 0o755); err != nil {
 		t.Fatal(err)

@@ -23,18 +23,7 @@ import (
 // shell-started counter tree checkpoints with no stopped strays and restores counting on; every
 // refusal exits 3 before anything is frozen or written.
 func TestTreeReprosCLI(t *testing.T) {
-	if os.Geteuid() != 0 {
-		testreq.Skip(t, "root", "checkpoint needs root (CRIU)")
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if _, _, err := criu.Check(ctx); err != nil {
-		testreq.Skip(t, "criu", "no usable CRIU: %v", err)
-	}
-	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) // restored trees become ours to reap
-	dir := t.TempDir()
-	t.Setenv("PTXMIG_LOCK_DIR", filepath.Join(dir, "locks"))
-	t.Setenv("PTXMIG_LOG_DIR", filepath.Join(dir, "logs"))
+	dir := criuCLITest(t, "checkpoint needs root (CRIU)")
 	store := filepath.Join(dir, "store")
 	count := filepath.Join(dir, "c")
 	start := func() int {
@@ -132,6 +121,26 @@ func TestTreeReprosCLI(t *testing.T) {
 			t.Errorf("restored pid %d is stopped", p.PID)
 		}
 	}
+}
+
+// criuCLITest prepares a test that runs checkpoints and restores through the CLI with real CRIU
+// (skipping, with why, without root or CRIU): restored trees become the test's to reap, locks
+// and failure logs go to its temporary directory, which it returns.
+func criuCLITest(t *testing.T, why string) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		testreq.Skip(t, "root", "%s", why)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, _, err := criu.Check(ctx); err != nil {
+		testreq.Skip(t, "criu", "no usable CRIU: %v", err)
+	}
+	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+	dir := t.TempDir()
+	t.Setenv("PTXMIG_LOCK_DIR", filepath.Join(dir, "locks"))
+	t.Setenv("PTXMIG_LOG_DIR", filepath.Join(dir, "logs"))
+	return dir
 }
 
 func readInt(path string) int {

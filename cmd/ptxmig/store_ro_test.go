@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -12,9 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/proc"
-	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 // TestReadOnlyStoreCLI: a shared store mounted read-only serves every read — images, inspect,
@@ -22,17 +19,7 @@ import (
 // while writes are refused (exit 3). The real binary runs in a private mount namespace where the
 // store is bind-mounted read-only.
 func TestReadOnlyStoreCLI(t *testing.T) {
-	if os.Geteuid() != 0 {
-		testreq.Skip(t, "root", "a read-only bind mount and a checkpoint need root")
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if _, _, err := criu.Check(ctx); err != nil {
-		testreq.Skip(t, "criu", "no usable CRIU for the checkpoint to restore: %v", err)
-	}
-	dir := t.TempDir()
-	t.Setenv("PTXMIG_LOCK_DIR", filepath.Join(dir, "locks"))
-	t.Setenv("PTXMIG_LOG_DIR", filepath.Join(dir, "logs"))
+	dir := criuCLITest(t, "a read-only bind mount and a checkpoint need root")
 	st := filepath.Join(dir, "store")
 	bin := filepath.Join(dir, "ptxmig")
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {

@@ -266,6 +266,17 @@ func startPeer(t *testing.T, srv *Server, script string) func() error {
 	}
 }
 
+// listen opens a server socket in a fresh directory, closed when the test ends.
+func listen(t *testing.T, mode Mode) *Server {
+	t.Helper()
+	srv, err := Listen(t.TempDir(), mode)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	return srv
+}
+
 type memFiles struct {
 	mu    sync.Mutex
 	files map[string][]byte
@@ -283,11 +294,7 @@ func (m *memFiles) sink(name string, r io.Reader) error {
 }
 
 func TestCapture(t *testing.T) {
-	srv, err := Listen(t.TempDir(), Capture)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
+	srv := listen(t, Capture)
 	if fi, err := os.Stat(srv.Path()); err != nil || fi.Mode().Perm() != 0o600 {
 		t.Fatalf("socket %v, %v: want owner-only", fi.Mode(), err)
 	}
@@ -330,15 +337,11 @@ func TestCaptureRefusesHostilePeers(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.script, func(t *testing.T) {
-			srv, err := Listen(t.TempDir(), Capture)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer srv.Close()
+			srv := listen(t, Capture)
 			fds := openFDs(t)
 			wait := startPeer(t, srv, tt.script)
 			var m memFiles
-			_, err = srv.Capture(context.Background(), m.sink)
+			_, err := srv.Capture(context.Background(), m.sink)
 			_ = wait() // the peer may see its connection cut
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("err = %v, want %q", err, tt.want)
@@ -364,14 +367,10 @@ func openFDs(t *testing.T) int {
 }
 
 func TestCaptureSinkFailureBreaksThePipe(t *testing.T) {
-	srv, err := Listen(t.TempDir(), Capture)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
+	srv := listen(t, Capture)
 	wait := startPeer(t, srv, "sink-fails")
 	boom := errors.New("store full")
-	_, err = srv.Capture(context.Background(), func(name string, r io.Reader) error {
+	_, err := srv.Capture(context.Background(), func(name string, r io.Reader) error {
 		_, _ = io.CopyN(io.Discard, r, 1<<20)
 		return boom
 	})
@@ -385,11 +384,7 @@ func TestCaptureSinkFailureBreaksThePipe(t *testing.T) {
 
 // TestRefusesStrangers: a process the server did not start may not connect.
 func TestRefusesStrangers(t *testing.T) {
-	srv, err := Listen(t.TempDir(), Capture)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
+	srv := listen(t, Capture)
 	go func() {
 		c, err := net.Dial("unix", srv.Path())
 		if err == nil {
@@ -398,18 +393,14 @@ func TestRefusesStrangers(t *testing.T) {
 			time.Sleep(100 * time.Millisecond)
 		}
 	}()
-	_, err = srv.Capture(context.Background(), (&memFiles{}).sink)
+	_, err := srv.Capture(context.Background(), (&memFiles{}).sink)
 	if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "not a process ptxmig started") {
 		t.Fatalf("err = %v", err)
 	}
 }
 
 func TestCaptureCancelledBeforeConnect(t *testing.T) {
-	srv, err := Listen(t.TempDir(), Capture)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
+	srv := listen(t, Capture)
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
 	if _, err := srv.Capture(ctx, (&memFiles{}).sink); !errors.Is(err, context.DeadlineExceeded) {
@@ -470,11 +461,7 @@ func (m memSource) WriteFile(_ context.Context, name string, w io.Writer) (int64
 }
 
 func TestServe(t *testing.T) {
-	srv, err := Listen(t.TempDir(), Serve)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
+	srv := listen(t, Serve)
 	wait := startPeer(t, srv, "serve")
 	st, err := srv.Serve(context.Background(), memSource{files: map[string]string{
 		"pages-1.img": "pages of pages-1.img",
@@ -492,13 +479,9 @@ func TestServe(t *testing.T) {
 }
 
 func TestServeCorruptFileFailsTheRead(t *testing.T) {
-	srv, err := Listen(t.TempDir(), Serve)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
+	srv := listen(t, Serve)
 	wait := startPeer(t, srv, "serve-corrupt")
-	_, err = srv.Serve(context.Background(), memSource{files: map[string]string{"pages-1.img": "12345678"}, corrupt: "pages-1.img"})
+	_, err := srv.Serve(context.Background(), memSource{files: map[string]string{"pages-1.img": "12345678"}, corrupt: "pages-1.img"})
 	if perr := wait(); perr != nil {
 		t.Fatal(perr)
 	}
