@@ -187,3 +187,54 @@ func containsPath(files []hostreq.File, p string) bool {
 	}
 	return false
 }
+
+// TestStreamSparseMemory: a process with a 1 GiB mapping of which 16 pages were written streams
+// into the store and back: the image holds the written pages, not the mapping's size, and the
+// restored process finds every written byte where it was (it checks them each round and counts
+// only while they are intact).
+func TestStreamSparseMemory(t *testing.T) {
+	f := setup(t)
+	python, err := exec.LookPath("python3")
+	if err != nil {
+		t.Fatalf("python3 is needed for this test's process: %v", err)
+	}
+	count := filepath.Join(f.dir, "count")
+	script := `
+import mmap, sys, time
+m = mmap.mmap(-1, 1 << 30)
+offs = [i * (64 << 20) + 123 for i in range(16)]
+for i, o in enumerate(offs):
+    m[o] = 1 + i
+n = 0
+while True:
+    if any(m[o] != 1 + i for i, o in enumerate(offs)):
+        sys.exit(3)
+    n += 1
+    with open(sys.argv[1], "w") as c:
+        c.write(str(n))
+    time.sleep(0.05)
+`
+	cmd := exec.Command(python, "-c", script, count)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = cmd.Wait() }()
+	pid := cmd.Process.Pid
+	t.Cleanup(func() { killTree(pid) })
+	waitCount(t, count, 3)
+	res, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: pid, Name: "sparse", StagingRoot: f.stage})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !res.Stream || res.Sizes.Logical > 256<<20 {
+		t.Fatalf("streamed %v, %d logical bytes for 16 written pages of a 1 GiB mapping", res.Stream, res.Sizes.Logical)
+	}
+	at := readCount(count)
+	r, err := restore.Run(context.Background(), f.env, restore.Options{Image: "sparse", StagingRoot: f.stage})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { killTree(r.PID) })
+	waitCount(t, count, at+5)
+}
