@@ -31,27 +31,30 @@ type BarrierSite struct {
 
 // KernelReport is the analysis of one .entry.
 type KernelReport struct {
-	Name               string        `json:"name"`
-	Line               int           `json:"line"`
-	Eligible           bool          `json:"eligible"`
-	Twin               string        `json:"twin,omitempty"`
-	Refusals           []string      `json:"refusals,omitempty"`
-	Notes              []string      `json:"notes,omitempty"`
-	Params             int           `json:"params"`
-	Blocks             int           `json:"basic_blocks"`
-	Registers          int           `json:"registers"`
-	Barriers           []BarrierSite `json:"barriers"`
-	WarpCollectives    int           `json:"warp_collectives"`
-	SpecialRegs        []string      `json:"special_registers"`
-	Calls              []string      `json:"calls,omitempty"`
-	SharedStaticBytes  int           `json:"shared_static_bytes"`
-	DynamicShared      bool          `json:"dynamic_shared"`
-	LocalBytes         int           `json:"local_bytes"`
-	MaxNTID            []int         `json:"maxntid,omitempty"`
-	ReqNTID            []int         `json:"reqntid,omitempty"`
-	SaveBytesPerThread int           `json:"save_bytes_per_thread"`
-	SaveBytesPerCTA    *int          `json:"save_bytes_per_cta,omitempty"` // when the block size is bounded by .reqntid/.maxntid
-	EarlyExitDivergent bool          `json:"divergent_early_exit"`
+	Name      string        `json:"name"`
+	Line      int           `json:"line"`
+	Eligible  bool          `json:"eligible"`
+	Twin      string        `json:"twin,omitempty"`
+	Refusals  []string      `json:"refusals,omitempty"`
+	Notes     []string      `json:"notes,omitempty"`
+	Params    int           `json:"params"`
+	Blocks    int           `json:"basic_blocks"`
+	Registers int           `json:"registers"`
+	Barriers  []BarrierSite `json:"barriers"`
+	// MidBlockSites are the candidate mid-block safe points (midblock.go), each eligible or
+	// refused with the conditions it fails.
+	MidBlockSites      []MidBlockSite `json:"mid_block_sites"`
+	WarpCollectives    int            `json:"warp_collectives"`
+	SpecialRegs        []string       `json:"special_registers"`
+	Calls              []string       `json:"calls,omitempty"`
+	SharedStaticBytes  int            `json:"shared_static_bytes"`
+	DynamicShared      bool           `json:"dynamic_shared"`
+	LocalBytes         int            `json:"local_bytes"`
+	MaxNTID            []int          `json:"maxntid,omitempty"`
+	ReqNTID            []int          `json:"reqntid,omitempty"`
+	SaveBytesPerThread int            `json:"save_bytes_per_thread"`
+	SaveBytesPerCTA    *int           `json:"save_bytes_per_cta,omitempty"` // when the block size is bounded by .reqntid/.maxntid
+	EarlyExitDivergent bool           `json:"divergent_early_exit"`
 }
 
 // Report is the analysis of a module.
@@ -521,6 +524,16 @@ func (a *analyzer) kernel(f *Function) (*KernelReport, *kernelInfo, error) {
 	kr.Eligible = len(kr.Refusals) == 0
 	if kr.Eligible {
 		kr.Twin = f.Name + TwinSuffix
+	}
+	bodies := [][]*Stmt{f.Body}
+	for _, c := range calls {
+		if cf, ok := a.funcs[c]; ok && !cf.Proto {
+			bodies = append(bodies, cf.Body)
+		}
+	}
+	kr.MidBlockSites = midBlockSites(kr, g, after, uni, bodies, barrierFuncs)
+	if kr.MidBlockSites == nil {
+		kr.MidBlockSites = []MidBlockSite{}
 	}
 	return kr, info, nil
 }

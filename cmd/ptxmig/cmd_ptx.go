@@ -208,6 +208,20 @@ func writeReport(w io.Writer, r *ptxstate.Report, detail bool) error {
 			}
 			fmt.Fprintf(&b, "    line %d %s (%s): %d live register(s), %d bytes/thread: %s\n", s.Line, esc(s.Op), u, len(s.Live), s.LiveBytes, escList(s.Live, " "))
 		}
+		eligible := 0
+		for _, m := range k.MidBlockSites {
+			if m.Eligible {
+				eligible++
+			}
+		}
+		fmt.Fprintf(&b, "  mid-block safe points: %d of %d candidate site(s) usable (analysis only: twins stop between blocks today)\n", eligible, len(k.MidBlockSites))
+		for _, m := range k.MidBlockSites {
+			verdict := "usable"
+			if !m.Eligible {
+				verdict = "refused: " + escList(m.Refusals, "; ")
+			}
+			fmt.Fprintf(&b, "    line %d %s %s, %d bytes/thread to save: %s\n", m.Line, m.Kind, esc(m.Op), m.LiveBytes, verdict)
+		}
 		if k.SaveBytesPerCTA != nil {
 			fmt.Fprintf(&b, "  save area estimate: %d bytes/thread, %d bytes/CTA\n", k.SaveBytesPerThread, *k.SaveBytesPerCTA)
 		} else {

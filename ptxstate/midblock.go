@@ -1,0 +1,264 @@
+package ptxstate
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+)
+
+// Mid-block safe points (../shared/notes/ptx-instrumentation.md §3(b)): places inside a block
+// where a twin could stop the whole CTA, save its live registers and shared memory, and resume
+// there in a later launch. This file finds the candidate sites and checks each against the
+// correctness conditions that can be decided statically; the rewrite comes on top of it.
+//
+// Sites:
+//   - "barrier": bar.sync / barrier.sync[.aligned] with no thread count, in the kernel itself
+//     (not a callee), at scope depth 0, reached by all threads of the CTA or none (C1);
+//   - "loop": the header of a loop with no barrier in it whose exit branches are CTA-uniform (so
+//     every thread runs the same number of iterations and a CTA-wide vote can be taken there).
+//
+// Conditions checked per site (a failed one is a refusal naming it):
+//   - C1 the site is CTA-uniform (above);
+//   - C3 nothing asynchronous can be in flight: no bulk/TMA copies, mbarrier waits, wgmma or
+//     tcgen05 operations in the kernel (plain cp.async is waited for at the site: allowed);
+//   - C4 no live value is bound to where the CTA ran: derived from %smid, %nsmid, %warpid,
+//     %gridid, %clock*, %globaltimer, or a .local address (cvta.local, %SP, %SPL);
+//   - C5 no dynamic stack (alloca); a static .local depot is saved with the registers;
+//   - C6 no cross-CTA waits: the kernel must have a block-granular twin at all (spin-waits on
+//     memory other CTAs write, grid sync and clusters already refuse that);
+//   - C9 the live state fits the budget (MaxMidBlockLiveBytes per thread).
+// C2 (exited threads stay exited), C7 (identical resume launch) and C8 (no replay) are properties
+// of the rewrite and the runtime, not of the kernel.
+
+// MaxMidBlockLiveBytes bounds the registers one thread saves at a site (C9): beyond it the save
+// area and the save/restore time grow past what a preemption should cost.
+const MaxMidBlockLiveBytes = 512
+
+// MidBlockSite is a candidate mid-block safe point and whether it is usable.
+type MidBlockSite struct {
+	Line      int      `json:"line"`
+	Kind      string   `json:"kind"` // "barrier" or "loop"
+	Op        string   `json:"op"`
+	LiveBytes int      `json:"live_bytes"` // registers saved per thread (predicates as 4 bytes)
+	Eligible  bool     `json:"eligible"`
+	Refusals  []string `json:"refusals,omitempty"` // "C4: ..."
+}
+
+// kernelBlockers are the kernel-wide reasons (C3, C5, C6) that rule out every site.
+func midBlockBlockers(kr *KernelReport, bodies [][]*Stmt) []string {
+	var out []string
+	if !kr.Eligible {
+		out = append(out, "C6: the kernel has no block-granular twin ("+strings.Join(kr.Refusals, "; ")+")")
+	}
+	seen := map[string]bool{}
+	add := func(key, msg string) { // one refusal per kind, naming its first occurrence
+		if !seen[key] {
+			seen[key] = true
+			out = append(out, msg)
+		}
+	}
+	for _, body := range bodies {
+		for _, s := range body {
+			if s.Kind != StInstr {
+				continue
+			}
+			switch {
+			case strings.HasPrefix(s.Op, "cp.async.bulk") || strings.HasPrefix(s.Op, "cp.reduce.async.bulk") || s.HasMod("bulk_group"):
+				add("bulk", fmt.Sprintf("C3: bulk/TMA copies (%s, line %d) may be in flight at any site", s.Op, s.Line))
+			case s.Base() == "mbarrier":
+				add("mbarrier", fmt.Sprintf("C3: mbarrier operations (%s, line %d): a transaction may be pending at any site", s.Op, s.Line))
+			case s.Base() == "wgmma":
+				add("wgmma", fmt.Sprintf("C3: wgmma (line %d): asynchronous warpgroup MMAs may be in flight", s.Line))
+			case s.Base() == "tcgen05":
+				add("tcgen05", fmt.Sprintf("C3: tcgen05 (line %d): tensor-memory state cannot be saved", s.Line))
+			case s.Base() == "alloca" || s.Base() == "stacksave" || s.Base() == "stackrestore":
+				add("alloca", fmt.Sprintf("C5: dynamic stack (%s, line %d)", s.Op, s.Line))
+			}
+		}
+	}
+	return out
+}
+
+// locationBound returns the registers whose value may derive from where the CTA ran (C4),
+// flow-insensitively: a register defined anywhere from such a source, or from another such
+// register, counts.
+func locationBound(g *CFG) bitset {
+	f := g.Fn
+	bound := newBitset(len(g.regNames))
+	source := func(s *Stmt) bool {
+		if s.Base() == "cvta" && s.HasMod("local") {
+			return true
+		}
+		for _, o := range s.Args {
+			for _, r := range o.Regs {
+				n := strings.TrimPrefix(r, "%")
+				for _, p := range []string{"smid", "nsmid", "warpid", "gridid", "clock", "globaltimer", "SP", "SPL"} {
+					if n == p || strings.HasPrefix(n, p+".") || (p == "clock" && strings.HasPrefix(n, "clock")) {
+						return true
+					}
+				}
+			}
+		}
+		return false
+	}
+	for changed := true; changed; {
+		changed = false
+		for i, s := range f.Body {
+			if s.Kind != StInstr || len(g.defs[i]) == 0 {
+				continue
+			}
+			tainted := source(s)
+			for _, u := range g.uses[i] {
+				if bound.has(u) {
+					tainted = true
+				}
+			}
+			if !tainted {
+				continue
+			}
+			for _, d := range g.defs[i] {
+				if !bound.has(d) {
+					bound.set(d)
+					changed = true
+				}
+			}
+		}
+	}
+	return bound
+}
+
+// plainCTABarrier reports whether s is a CTA-wide barrier with no thread count.
+func plainCTABarrier(s *Stmt) bool {
+	switch s.Base() {
+	case "bar":
+		return (s.Op == "bar.sync" || s.Op == "bar.sync.aligned") && len(s.Args) == 1
+	case "barrier":
+		return (s.Op == "barrier.sync" || s.Op == "barrier.sync.aligned" || s.Op == "barrier.cta.sync" || s.Op == "barrier.cta.sync.aligned") &&
+			len(s.Args) == 1
+	}
+	return false
+}
+
+// midBlockSites finds and checks the kernel's candidate sites. after is the liveness after each
+// statement, bodies the kernel's and its callees' statements.
+func midBlockSites(kr *KernelReport, g *CFG, after []bitset, uni *uniformity, bodies [][]*Stmt, barrierFuncs map[string]bool) []MidBlockSite {
+	f := g.Fn
+	blockers := midBlockBlockers(kr, bodies)
+	bound := locationBound(g)
+	liveState := func(live bitset) (int, []string) {
+		n := 0
+		var why []string
+		for _, r := range live.members() {
+			n += regSize(g.regTypes[r])
+			if bound.has(r) {
+				why = append(why, regKeyName(g.regNames[r]))
+			}
+		}
+		sort.Strings(why)
+		return n + kr.LocalBytes, why
+	}
+	check := func(site *MidBlockSite, live bitset, uniform bool, extra []string) {
+		site.Refusals = append(site.Refusals, extra...)
+		if !uniform {
+			site.Refusals = append(site.Refusals, "C1: reached divergently (some threads of the CTA may not get here)")
+		}
+		var bound []string
+		site.LiveBytes, bound = liveState(live)
+		if len(bound) > 0 {
+			site.Refusals = append(site.Refusals, "C4: live values bound to where the CTA ran: "+strings.Join(bound, ", "))
+		}
+		if site.LiveBytes > MaxMidBlockLiveBytes {
+			site.Refusals = append(site.Refusals, fmt.Sprintf("C9: %d live bytes per thread, over the budget of %d", site.LiveBytes, MaxMidBlockLiveBytes))
+		}
+		site.Refusals = append(site.Refusals, blockers...)
+		site.Eligible = len(site.Refusals) == 0
+	}
+	var sites []MidBlockSite
+	for i, s := range f.Body {
+		if s.Kind != StInstr {
+			continue
+		}
+		callBar := s.Base() == "call" && barrierFuncs[callee(s)]
+		if !isBarrier(s) && !callBar {
+			continue
+		}
+		site := MidBlockSite{Line: s.Line, Kind: "barrier", Op: s.Op}
+		var why []string
+		switch {
+		case callBar:
+			site.Op = "call " + callee(s)
+			why = append(why, "C1: the barrier is inside the called function "+callee(s)+": the CTA must stop in the kernel itself")
+		case !plainCTABarrier(s):
+			why = append(why, "C1: "+s.Op+" is not a CTA-wide barrier without a thread count")
+		case s.Pred != "":
+			why = append(why, "C1: the barrier is guarded (@"+s.Pred+")")
+		}
+		if s.Depth > 0 {
+			why = append(why, "C1: inside a nested { } scope")
+		}
+		check(&site, after[i], uni.reachedUniformly(g.blockOf[i]), why)
+		sites = append(sites, site)
+	}
+	sites = append(sites, loopSites(g, after, uni, check)...)
+	sort.SliceStable(sites, func(a, b int) bool { return sites[a].Line < sites[b].Line })
+	return sites
+}
+
+// loopSites finds the headers of loops (back edge b → h in layout order) with no barrier, and
+// checks each: every exit branch of the loop must be CTA-uniform (same trip count everywhere).
+func loopSites(g *CFG, after []bitset, uni *uniformity, check func(*MidBlockSite, bitset, bool, []string)) []MidBlockSite {
+	f := g.Fn
+	headers := map[int]int{} // header → its last latch
+	for _, b := range g.Blocks {
+		for _, h := range b.Succs {
+			if h <= b.ID && h < len(g.Blocks) {
+				headers[h] = max(headers[h], b.ID)
+			}
+		}
+	}
+	var out []MidBlockSite
+	for h, latch := range headers {
+		barrier, divergentExit := false, false
+		for x := h; x <= latch; x++ {
+			bl := g.Blocks[x]
+			for k := bl.Start; k < bl.End; k++ {
+				if s := f.Body[k]; s.Kind == StInstr && (isBarrier(s) || s.Base() == "call") {
+					barrier = true
+				}
+			}
+			for _, succ := range bl.Succs {
+				if (succ < h || succ > latch) && uni.divBranch[x] {
+					divergentExit = true
+				}
+			}
+		}
+		if barrier {
+			continue // its barriers are the sites (a call may hide one)
+		}
+		start := g.Blocks[h].Start
+		for start < g.Blocks[h].End && f.Body[start].Kind != StInstr {
+			start++
+		}
+		if start >= g.Blocks[h].End {
+			continue
+		}
+		site := MidBlockSite{Line: f.Body[start].Line, Kind: "loop", Op: "loop header"}
+		var why []string
+		if divergentExit {
+			why = append(why, "C1: the loop's exit depends on per-thread values: threads may run different trip counts")
+		}
+		// Live on entry to the header's first instruction: its uses, and what is live after it
+		// that it does not define.
+		live := newBitset(len(g.regNames))
+		live.copyFrom(after[start])
+		for _, d := range g.defs[start] {
+			live.clear(d)
+		}
+		for _, u := range g.uses[start] {
+			live.set(u)
+		}
+		check(&site, live, uni.reachedUniformly(h), why)
+		out = append(out, site)
+	}
+	return out
+}
