@@ -2,7 +2,6 @@ package checkpoint
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -328,32 +327,28 @@ func streamDump(ctx context.Context, env *op.Env, p *Plan, dump criu.DumpOptions
 		ing.Close()
 		return nil, err
 	}
-	sctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	done := make(chan error, 1)
-	go func() {
-		defer srv.Close()
+	derr, serr := imgstream.With(ctx, srv, func(sctx context.Context) error {
 		_, err := srv.Capture(sctx, func(name string, r io.Reader) error {
 			_, err := ing.AddFile(name, 0o600, rec.tee(name, r))
 			return err
 		})
-		done <- err
-	}()
-	_, derr := env.CRIU.Dump(ctx, dump)
-	// CRIU has exited: stop listening, so that a CRIU that never connected (it failed early)
-	// ends the capture instead of leaving it waiting; a connection made stays open.
-	srv.Close()
-	serr := <-done
+		return err
+	}, func() error {
+		_, err := env.CRIU.Dump(ctx, dump)
+		return err
+	})
 	switch {
-	case derr != nil && serr != nil && !errors.Is(serr, context.Canceled):
+	case derr != nil && serr != nil && !imgstream.Consequence(serr):
 		ing.Close()
 		return nil, fmt.Errorf("stream the dump into the store: %w (CRIU then failed: %w)", serr, derr)
 	case derr != nil:
 		ing.Close()
 		return nil, derr
 	case serr != nil:
-		ing.Close()
-		return nil, fmt.Errorf("stream the dump into the store: %w", serr)
+		// CRIU succeeded: the tree is dumped (and stopped, unless left running), so the dump step
+		// stands and its undo resumes the tree; the failure surfaces at the store step, which
+		// cannot commit a failed ingest, and rolls everything back.
+		ing.Fail(fmt.Errorf("stream the dump into the store: %w", serr))
 	}
 	return ing, nil
 }

@@ -105,6 +105,9 @@ func (c *criuRecord) hostFiles() ([]hostreq.File, error) {
 func recordHost(env *op.Env, p *Plan, rec *criuRecord, meta *store.Metadata, add func(name string, r io.Reader, mode uint32) error) error {
 	files, err := rec.hostFiles()
 	if err != nil {
+		if p.opts.CarryFiles {
+			return fmt.Errorf("--carry-files: cannot tell which files the tree has open: %w", err)
+		}
 		env.Logger().Warn("cannot list the files the image needs on the target host; restore will read them from the image", "err", err)
 		return nil
 	}
@@ -135,8 +138,12 @@ func recordHost(env *op.Env, p *Plan, rec *criuRecord, meta *store.Metadata, add
 			return op.Refusef("--carry-files: the files open for writing exceed %s (or %d files); raise --carry-limit or copy them yourself",
 				bytesize.Format(limit), hostreq.MaxCarried)
 		}
-		err = add(c.File, io.LimitReader(r, c.Size), 0o600)
+		cr := &countReader{r: io.LimitReader(r, c.Size)}
+		err = add(c.File, cr, 0o600)
 		r.Close()
+		if err == nil && cr.n != c.Size {
+			err = fmt.Errorf("read %d of its %d bytes: it shrank while being copied", cr.n, c.Size)
+		}
 		if err != nil {
 			return fmt.Errorf("carry %s: %w", f.Path, err)
 		}
@@ -146,6 +153,17 @@ func recordHost(env *op.Env, p *Plan, rec *criuRecord, meta *store.Metadata, add
 		meta.Extra[op.ExtraCarried] = hostreq.EncodeCarried(carried)
 	}
 	return nil
+}
+
+type countReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *countReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
 }
 
 // openCarried opens a file to carry. Its size is the one CRIU recorded when CRIU checks it (what

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -237,4 +238,39 @@ while True:
 	}
 	t.Cleanup(func() { killTree(r.PID) })
 	waitCount(t, count, at+5)
+}
+
+// TestPlaceRefusesSymlinkedDirectory: where the directory of a carried file is a symbolic link on
+// the target host (a user could point it anywhere), restore does not follow it: it fails before
+// CRIU runs, writes nothing where the link points, and leaves no process behind.
+func TestPlaceRefusesSymlinkedDirectory(t *testing.T) {
+	f := setup(t)
+	pid, log := logCounter(t, f.dir)
+	if _, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: pid, Name: "job", StagingRoot: f.stage, CarryFiles: true}); err != nil {
+		t.Fatal(err)
+	}
+	killTree(pid)
+	logs := filepath.Dir(log)
+	if err := os.RemoveAll(logs); err != nil {
+		t.Fatal(err)
+	}
+	elsewhere := filepath.Join(f.dir, "elsewhere")
+	if err := os.Mkdir(elsewhere, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(elsewhere, logs); err != nil {
+		t.Fatal(err)
+	}
+	_, err := restore.Run(context.Background(), f.env, restore.Options{Image: "job", StagingRoot: f.stage})
+	if err == nil || !strings.Contains(err.Error(), "not a plain directory") {
+		t.Fatalf("restore through a symlinked directory: %v", err)
+	}
+	if ents, _ := os.ReadDir(elsewhere); len(ents) != 0 {
+		t.Fatalf("restore wrote through the symbolic link: %v", ents)
+	}
+	if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); err == nil {
+		if b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); strings.TrimSpace(string(b)) == "bash" {
+			t.Fatal("a process runs after the failed restore")
+		}
+	}
 }

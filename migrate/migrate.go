@@ -34,10 +34,12 @@ const (
 
 // Options of one in-place migration.
 type Options struct {
-	PID         int
-	GPUs        []int             // target index per GPU the process uses (or one, for one GPU)
-	GPUMap      map[string]string // old UUID (or index) → new UUID (or index)
-	LockTimeout time.Duration     // driver lock timeout; 0 waits for running kernels forever
+	PID    int
+	GPUs   []int             // target index per GPU the process uses (or one, for one GPU)
+	GPUMap map[string]string // old UUID (or index) → new UUID (or index)
+	// AllowModelChange: see restore.Options.
+	AllowModelChange bool
+	LockTimeout      time.Duration // driver lock timeout; 0 waits for running kernels forever
 	// PreemptBudget: how long the quiesce of a process under the shim waits for preemptible
 	// kernels to stop (0: op.DefaultPreemptBudget).
 	PreemptBudget time.Duration
@@ -140,6 +142,9 @@ func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 		return nil, op.Refusef("migrate pid %d: %w", pid, err)
 	}
 	pairs, err := placement.PlanPairs(src, placement.StoreGPUs(gpu.DriverSet(devs), mem), devs, o.GPUs, o.GPUMap, true)
+	if err == nil {
+		err = placement.CheckModelChanges(pairs, o.AllowModelChange)
+	}
 	if err != nil {
 		return nil, op.Refusef("migrate pid %d: %w", pid, err)
 	}

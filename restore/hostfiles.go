@@ -61,6 +61,9 @@ func (p *Plan) planHost(ctx context.Context, env *op.Env, m *store.Manifest) err
 	for _, pr := range hostreq.Check(files, nil) {
 		c, ok := byPath[pr.Path]
 		switch {
+		case ok && c.Mode&(unix.S_ISUID|unix.S_ISGID) != 0:
+			pr.Fix = "the image carries a set-user-ID or set-group-ID copy, which ptxmig does not put in place: install it yourself"
+			unresolved = append(unresolved, pr.String())
 		case ok && pr.Have == "no such file":
 			p.Place = append(p.Place, Placement{Carried: c})
 		case ok && p.opts.OverwriteFiles:
@@ -174,27 +177,29 @@ func placeFiles(ctx context.Context, env *op.Env, imageID string, rd *store.Imag
 
 func placeOne(ctx context.Context, rd *store.ImageReader, images string, pl Placement) ([]func(), error) {
 	var undo []func()
-	dir := filepath.Dir(pl.Path)
-	// Missing parent directories are created (0755), and removed again on undo.
-	var missing []string
-	for d := dir; ; d = filepath.Dir(d) {
-		if _, err := os.Lstat(d); err == nil || d == "/" {
-			break
-		}
-		missing = append(missing, d)
+	dir, base := filepath.Dir(pl.Path), filepath.Base(pl.Path)
+	if len(base) > 200 {
+		return undo, fmt.Errorf("file name of %d bytes leaves no room for the temporary and moved-aside names", len(base))
 	}
-	for i := len(missing) - 1; i >= 0; i-- {
-		d := missing[i]
-		if err := os.Mkdir(d, 0o755); err != nil {
-			return undo, err
-		}
-		undo = append(undo, func() { os.Remove(d) })
+	// The directory is reached from / without following a symbolic link (a user who owns a
+	// component of the path must not redirect root's writes), creating what is missing, owned by
+	// the carried file's owner; every later step works relative to it.
+	dfd, created, err := openDirNoFollow(dir, true, int(pl.UID), int(pl.GID))
+	for i := len(created) - 1; i >= 0; i-- {
+		d := created[i]
+		undo = append(undo, func() { removeNoFollow(d, true) })
 	}
-	tmp, err := os.CreateTemp(dir, "."+filepath.Base(pl.Path)+".ptxmig-*")
 	if err != nil {
 		return undo, err
 	}
-	defer os.Remove(tmp.Name()) // gone once renamed
+	defer unix.Close(dfd)
+	tmpName := fmt.Sprintf(".%s.ptxmig-%d", base, time.Now().UnixNano())
+	fd, err := unix.Openat(dfd, tmpName, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return undo, err
+	}
+	tmp := os.NewFile(uintptr(fd), tmpName)
+	defer unix.Unlinkat(dfd, tmpName, 0) // gone once linked into place, or on failure
 	var n int64
 	if rd != nil {
 		n, err = rd.WriteFile(ctx, pl.File, tmp)
@@ -209,10 +214,10 @@ func placeOne(ctx context.Context, rd *store.ImageReader, images string, pl Plac
 		err = fmt.Errorf("the image's copy has %d bytes, its record %d", n, pl.Size)
 	}
 	if err == nil {
-		err = tmp.Chown(int(pl.UID), int(pl.GID)) // first: a chown clears set-id bits
+		err = unix.Fchown(fd, int(pl.UID), int(pl.GID)) // before the mode: a chown clears set-id bits
 	}
 	if err == nil {
-		err = unix.Fchmod(int(tmp.Fd()), pl.Mode&0o7777)
+		err = unix.Fchmod(fd, pl.Mode&0o1777) // set-id bits are refused when planning
 	}
 	if err == nil {
 		err = tmp.Sync()
@@ -224,16 +229,75 @@ func placeOne(ctx context.Context, rd *store.ImageReader, images string, pl Plac
 		return undo, err
 	}
 	if pl.Replace {
-		aside := fmt.Sprintf("%s.ptxmig-replaced-%s", pl.Path, time.Now().UTC().Format("20060102T150405"))
-		if err := os.Rename(pl.Path, aside); err != nil {
+		aside := fmt.Sprintf("%s.ptxmig-replaced-%s", base, time.Now().UTC().Format("20060102T150405"))
+		if err := unix.Renameat2(dfd, base, dfd, aside, unix.RENAME_NOREPLACE); err != nil {
 			return undo, fmt.Errorf("move the file there aside: %w", err)
 		}
-		undo = append(undo, func() { os.Rename(aside, pl.Path) })
+		undo = append(undo, func() {
+			if d, _, err := openDirNoFollow(dir, false, 0, 0); err == nil {
+				_ = unix.Renameat(d, aside, d, base)
+				unix.Close(d)
+			}
+		})
 	}
-	// Never over a file that appeared meanwhile: link, then remove the temporary name.
-	if err := os.Link(tmp.Name(), pl.Path); err != nil {
+	// Never over a file that appeared meanwhile: link (fails if the name exists).
+	if err := unix.Linkat(dfd, tmpName, dfd, base, 0); err != nil {
 		return undo, err
 	}
-	undo = append(undo, func() { os.Remove(pl.Path) })
+	undo = append(undo, func() { removeNoFollow(pl.Path, false) })
 	return undo, nil
+}
+
+// openDirNoFollow opens directory path (absolute, clean) as an O_PATH descriptor without
+// following any symbolic link on the way; with create, missing components are made (mode 0755,
+// owned by uid:gid) and returned in order.
+func openDirNoFollow(path string, create bool, uid, gid int) (int, []string, error) {
+	var created []string
+	fd, err := unix.Open("/", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, nil, err
+	}
+	cur := "/"
+	for _, comp := range strings.Split(strings.TrimPrefix(path, "/"), "/") {
+		if comp == "" {
+			continue
+		}
+		next := filepath.Join(cur, comp)
+		how := &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC, Resolve: unix.RESOLVE_NO_SYMLINKS}
+		nfd, err := unix.Openat2(fd, comp, how)
+		if errors.Is(err, unix.ENOENT) && create {
+			if err = unix.Mkdirat(fd, comp, 0o755); err == nil {
+				created = append(created, next)
+				if err = unix.Fchownat(fd, comp, uid, gid, unix.AT_SYMLINK_NOFOLLOW); err == nil {
+					nfd, err = unix.Openat2(fd, comp, how)
+				}
+			}
+		}
+		unix.Close(fd)
+		switch {
+		case errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR):
+			return -1, created, fmt.Errorf("%s is not a plain directory on this host (a symbolic link or a file): put the file in place yourself", next)
+		case errors.Is(err, unix.ENOSYS):
+			return -1, created, fmt.Errorf("putting files in place needs openat2 (Linux 5.6)")
+		case err != nil:
+			return -1, created, fmt.Errorf("%s: %w", next, err)
+		}
+		fd, cur = nfd, next
+	}
+	return fd, created, nil
+}
+
+// removeNoFollow removes a file (or an empty directory) whose parent is reached without
+// following symbolic links.
+func removeNoFollow(path string, dir bool) {
+	d, _, err := openDirNoFollow(filepath.Dir(path), false, 0, 0)
+	if err != nil {
+		return
+	}
+	defer unix.Close(d)
+	flags := 0
+	if dir {
+		flags = unix.AT_REMOVEDIR
+	}
+	_ = unix.Unlinkat(d, filepath.Base(path), flags)
 }

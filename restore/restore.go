@@ -32,6 +32,7 @@ import (
 const (
 	StepMaterialize   = "materialize"
 	StepCRIURestore   = "criu-restore"
+	StepPlaceFiles    = "place-files" // carried files put in place before CRIU (checkpoint --carry-files)
 	StepDriverRestore = op.StepDriverRestore
 	StepUnlock        = op.StepUnlock
 )
@@ -53,6 +54,9 @@ type Options struct {
 	// NoStream materializes the image into the staging directory before CRIU reads it, instead
 	// of streaming it to CRIU straight out of the store.
 	NoStream bool
+	// AllowModelChange tries a GPU pair that changes the model within one compute capability
+	// although that change was not measured (placement.CheckModelChanges).
+	AllowModelChange bool
 	// OverwriteFiles lets a file the image carries replace a different one at its path (moved
 	// aside, not deleted).
 	OverwriteFiles bool
@@ -232,12 +236,8 @@ func (p *Plan) planGPUs(env *op.Env, name string) error {
 			return op.Refusef("image %s: %w", name, err) // a GPU moves: the driver needs the pairs
 		}
 	}
-	for _, mc := range placement.ModelChanges(pairs) {
-		if !mc.ModelChangeMeasured {
-			env.Logger().Warn("restoring onto another GPU model of the same chip family that was not measured here: "+
-				"if the driver refuses it, the restore rolls back and the image stays", "from", mc.From.Name, "to", mc.To.Name,
-				"compute_cap", mc.To.ComputeCap)
-		}
+	if err := placement.CheckModelChanges(pairs, o.AllowModelChange); err != nil {
+		return op.Refusef("image %s: %w", name, err)
 	}
 	if assumed && p.dpairs != nil {
 		env.Logger().Warn("image records no visible-GPU set (made by an older ptxmig): assuming the process saw every GPU "+
@@ -313,7 +313,27 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		}
 		return streamRestore(ctx, env, p.Image, rd, ropts)
 	}
-	steps := []op.Step{{
+	var images string // staging: CRIU's images (materialized) or its streamer socket
+	var steps []op.Step
+	if len(p.Place) > 0 {
+		var unplace func()
+		steps = append(steps, op.Step{Name: StepPlaceFiles,
+			Do: func(ctx context.Context) error {
+				var err error
+				unplace, err = placeFiles(ctx, env, p.ImageID, rd, images, p.Place)
+				if err != nil {
+					return fmt.Errorf("image %s: carried files: %w", p.Image, err)
+				}
+				res.Placed = p.Place
+				return nil
+			},
+			Undo: func(context.Context) error {
+				unplace() // the host as it was: carried files put in place go again
+				res.Placed = nil
+				return nil
+			}})
+	}
+	steps = append(steps, op.Step{
 		Name: StepCRIURestore,
 		Do: func(ctx context.Context) error {
 			dir, err := p.cgroups.prepare()
@@ -349,7 +369,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 			}
 			return proc.Kill(restoredTree(meta.PID, treePIDs), 10*time.Second)
 		},
-	}}
+	})
 	var pre *op.Preemption
 	if len(p.cudaPIDs) > 0 {
 		recheck := func() error {
@@ -377,7 +397,8 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		return nil, err
 	}
 	staging := txn.Staging()
-	images, work := filepath.Join(staging, "images"), filepath.Join(staging, "work")
+	images = filepath.Join(staging, "images")
+	work := filepath.Join(staging, "work")
 	ropts.ImagesDir, ropts.WorkDir = images, work
 	if err := os.Mkdir(work, 0o700); err != nil {
 		err = op.Refusef("staging: %w", err)
@@ -414,20 +435,11 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	if st != nil {
 		res.Bytes = st.LogicalBytes
 	}
-	unplace, err := placeFiles(ctx, env, p.ImageID, rd, images, p.Place)
-	if err != nil {
-		err = fmt.Errorf("image %s: carried files: %w (nothing else was touched)", p.Image, err)
-		txn.End(err, o.KeepStaging)
-		return nil, err
-	}
-	res.Placed = p.Place
-
 	res.Timings, err = txn.Execute(ctx, steps, env.Hook, 0)
 	if rd != nil {
 		res.Bytes = p.Bytes
 	}
 	if err != nil {
-		unplace() // the host as it was: carried files put in place go again
 		ferr := op.NewFailure(err, "restore", meta.PID, []string{filepath.Join(work, "restore.log")}, treePIDs)
 		txn.End(err, o.KeepStaging)
 		return nil, ferr
@@ -473,21 +485,20 @@ func streamRestore(ctx context.Context, env *op.Env, image string, rd *store.Ima
 	if err != nil {
 		return nil, err
 	}
-	done := make(chan error, 1)
-	go func() {
-		defer srv.Close()
-		_, err := srv.Serve(ctx, imageSource{rd})
-		done <- err
-	}()
-	r, cerr := env.CRIU.Restore(ctx, ropts)
-	srv.Close() // CRIU has exited: a CRIU that never connected ends the serve
-	serr := <-done
-	corrupt := func(err error) error {
-		return fmt.Errorf("%w; CRIU stopped before the restored processes ran", err)
-	}
+	var r *criu.RestoreResult
+	cerr, serr := imgstream.With(ctx, srv, func(sctx context.Context) error {
+		_, err := srv.Serve(sctx, imageSource{rd})
+		return err
+	}, func() error {
+		var err error
+		r, err = env.CRIU.Restore(ctx, ropts)
+		return err
+	})
 	switch {
 	case cerr != nil && errors.Is(serr, store.ErrCorrupt):
-		return r, fmt.Errorf("%w (CRIU then failed: %w)", corrupt(serr), cerr)
+		return r, fmt.Errorf("%w; CRIU stopped before the restored processes ran (CRIU then failed: %w)", serr, cerr)
+	case cerr != nil && serr != nil && !imgstream.Consequence(serr):
+		return r, fmt.Errorf("stream the image to CRIU: %w (CRIU then failed: %w)", serr, cerr)
 	case cerr != nil:
 		return r, cerr
 	case serr != nil:

@@ -37,6 +37,7 @@ func init() {
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "gpu", Usage: "target GPU index per GPU the process uses, in order: `N[,M...]`"},
 			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping `OLD=NEW[,...]` (GPU UUIDs or indexes)"},
+			allowModelChangeFlag(),
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
 			&cli.DurationFlag{Name: "lock-timeout", Value: 10 * time.Second, Usage: "how long the driver lock may wait for running kernels (0: forever)"},
 			preemptBudgetFlag(),
@@ -78,7 +79,8 @@ func migrateAction(c *cli.Context) error {
 	if !proc.Alive(pid) {
 		return fmt.Errorf("migrate: %w: no running process with pid %d", errNoProcess, pid)
 	}
-	plan, err := migrate.PlanMigrate(e, migrate.Options{PID: pid, GPUs: gpus, GPUMap: gmap, LockTimeout: lockTimeout, PreemptBudget: budget})
+	plan, err := migrate.PlanMigrate(e, migrate.Options{PID: pid, GPUs: gpus, GPUMap: gmap, LockTimeout: lockTimeout, PreemptBudget: budget,
+		AllowModelChange: c.Bool("allow-model-change")})
 	if err != nil {
 		return opError(g.Err, err)
 	}

@@ -20,8 +20,9 @@ func init() {
 		ArgsUsage: "IMAGE",
 		Description: "IMAGE is an image name, id or unique id prefix (none: exit 6; ambiguous: exit 2). The store is\n" +
 			"only read: a missing store is an error (never created) and a read-only store works. Preflight:\n" +
-			"each checkpointed GPU must map to a present GPU of the same chip family (compute capability;\n" +
-			"another model is allowed and said: H100 <-> H200 was measured) with enough free memory,\n" +
+			"each checkpointed GPU must map to a present GPU of the same compute capability (another model\n" +
+			"only where that change was measured, H100 <-> H200, or with --allow-model-change; the output\n" +
+			"says when the model changes) with enough free memory,\n" +
 			"and every pid of the recorded process tree must be free (CRIU restores each process under its\n" +
 			"pid). --dry-run prints the plan and stops there. Then CRIU restores the tree (detached: it\n" +
 			"outlives ptxmig; a shell job joins ptxmig's session), reading the image straight out of the\n" +
@@ -59,6 +60,7 @@ func init() {
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "gpu", Usage: "target GPU index per checkpointed GPU, in order: `N[,M...]`"},
 			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping `OLD=NEW[,...]` (GPU UUIDs or indexes)"},
+			allowModelChangeFlag(),
 			&cli.StringFlag{Name: "cgroup", Usage: "put the whole tree into the existing cgroup v2 `PATH` (default: where each process was)"},
 			&cli.BoolFlag{Name: "keep-staging", Usage: "keep the materialized image and CRIU's log (implies --no-stream)"},
 			&cli.BoolFlag{Name: "overwrite-files", Usage: "let a file the image carries (checkpoint --carry-files) replace a different one at its path; the one there is moved aside, not deleted"},
@@ -71,6 +73,7 @@ func init() {
 
 // restoreLabels name the steps of a restore in its output and status line.
 var restoreLabels = map[string]string{restore.StepMaterialize: "materialize", restore.StepCRIURestore: "criu restore",
+	restore.StepPlaceFiles:    "place files",
 	restore.StepDriverRestore: "host->device", restore.StepUnlock: "unlock", op.StepResume: "resume"}
 
 func restoreAction(c *cli.Context) error {
@@ -99,7 +102,7 @@ func restoreAction(c *cli.Context) error {
 	e.Store = st
 	ref := c.Args().First()
 	opts := restore.Options{Image: ref, GPUs: gpus, GPUMap: gmap, KeepStaging: c.Bool("keep-staging"), Cgroup: c.String("cgroup"),
-		NoStream: c.Bool("no-stream"), OverwriteFiles: c.Bool("overwrite-files")}
+		NoStream: c.Bool("no-stream"), OverwriteFiles: c.Bool("overwrite-files"), AllowModelChange: c.Bool("allow-model-change")}
 	plan, err := restore.PlanRestore(c.Context, e, opts)
 	if err != nil {
 		return opError(g.Err, err)
@@ -163,6 +166,11 @@ func restoreAction(c *cli.Context) error {
 		fmt.Fprintf(w, "staging kept in %s\n", esc(res.StagingDir))
 	}
 	return nil
+}
+
+// allowModelChangeFlag is restore's and migrate's --allow-model-change.
+func allowModelChangeFlag() cli.Flag {
+	return &cli.BoolFlag{Name: "allow-model-change", Usage: "try a GPU of another model with the same compute capability although that change was not measured (the driver may refuse: then the operation rolls back)"}
 }
 
 // gpuTargets parses --gpu and --gpu-map, shared by restore and migrate.

@@ -2,13 +2,15 @@ package gpu
 
 import "strings"
 
-// SameChip is ptxmig's one rule for "the driver restores a process onto this GPU": the same
-// compute capability, i.e. the same chip family, whatever the product name. Measured on driver
-// 580.159.04 (docs/PLATFORM.md, "Another GPU model"): a process checkpointed on an H100 80GB
-// HBM3 restored exactly onto an H200 and the reverse (both GH100, compute capability 9.0); the
-// driver's "same chip type" is not the product name. An empty recorded capability (older images)
-// falls back to the name; an empty recorded name matches anything. Restore and migrate use it;
-// the rebalancer, which moves processes unattended, keeps to SameModel.
+// SameChip is ptxmig's one rule for "the driver may restore a process onto this GPU": the same
+// compute capability, whatever the product name. Measured on driver 580.159.04
+// (docs/PLATFORM.md, "Another GPU model"): a process checkpointed on an H100 80GB HBM3 restored
+// exactly onto an H200 and the reverse (both GH100, compute capability 9.0); the driver's "same
+// chip type" is not the product name. One capability can span several chips (8.6: GA102 to
+// GA107), so a change of model that was not measured is refused unless asked for
+// (placement.CheckModelChanges). An empty recorded capability (older images) falls back to the
+// name; an empty recorded name matches anything. The rebalancer, which moves processes
+// unattended, keeps to SameModel.
 func SameChip(name, computeCap, targetName, targetComputeCap string) bool {
 	if computeCap != "" && targetComputeCap != "" {
 		return computeCap == targetComputeCap

@@ -102,7 +102,17 @@ func Decode(files, remaps []byte) ([]File, error) {
 		}
 		f.Write = r.GetFlags()&unix.O_ACCMODE != unix.O_RDONLY
 		if old, ok := byPath[p]; ok {
+			// One file, several descriptors: CRIU checks each entry that records a size or mode
+			// (an appending writer records no size), so keep what any of them recorded.
 			f.Write = f.Write || old.Write
+			if f.Size < 0 {
+				f.Size = old.Size
+			} else if old.Size >= 0 && old.Size != f.Size {
+				return fmt.Errorf("file %s recorded with sizes %d and %d", p, old.Size, f.Size)
+			}
+			if f.Mode == 0 {
+				f.Mode = old.Mode
+			}
 		}
 		byPath[p] = f
 		if len(byPath) > MaxFiles {

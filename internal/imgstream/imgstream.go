@@ -30,6 +30,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
+	"time"
 	"unicode/utf8"
 
 	"golang.org/x/sys/unix"
@@ -104,11 +105,15 @@ func Listen(dir string, mode Mode) (*Server, error) {
 		defer d.Close()
 		addr = fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), mode.socket())
 	}
-	// The socket is created under a umask that leaves it owner-only from the start.
-	old := syscall.Umask(0o177)
+	// dir is private to ptxmig (0700), so nobody reaches the socket before it is made owner-only
+	// (a process-wide umask would race with other goroutines creating files).
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: addr, Net: "unix"})
-	syscall.Umask(old)
 	if err != nil {
+		return nil, fmt.Errorf("image streamer socket %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		os.Remove(path)
 		return nil, fmt.Errorf("image streamer socket %s: %w", path, err)
 	}
 	// Removed by path on Close (the descriptor used to bind is gone by then).
@@ -320,6 +325,11 @@ func (s *Server) run(ctx context.Context, xfer func(context.Context, string, *os
 			break
 		}
 		seen[name] = true
+		if s.mode == Serve && len(r.fds) > 0 {
+			// CRIU sends a pipe only after the reply: descriptors with a request are not allowed.
+			fail(fmt.Errorf("%w: descriptors sent with the request for %q", ErrProtocol, name))
+			break
+		}
 		if s.mode == Serve {
 			exists := src[0].Has(name)
 			if err := r.reply(exists); err != nil {
@@ -560,4 +570,37 @@ func (r *msgReader) closeFDs() {
 		unix.Close(fd)
 	}
 	r.fds = nil
+}
+
+// Grace is how long a stream may take to finish once CRIU has exited (its last pipes drained
+// into the store) before it is cancelled: nothing should hold a pipe or the connection then.
+var Grace = 30 * time.Second
+
+// Consequence reports whether a streamer error only follows from CRIU failing first: it never
+// connected, or its connection ended in the middle of a message, or the stream was cancelled.
+func Consequence(err error) bool {
+	return errors.Is(err, ErrNoPeer) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, context.Canceled)
+}
+
+// With runs criu (a dump or restore told to stream through srv) while serve (srv.Capture or
+// srv.Serve, bound to their arguments) runs in the background, and returns both errors. Once
+// criu returns, srv stops listening (a CRIU that never connected ends the serve) and the stream
+// gets Grace to finish before it is cancelled; srv is closed on return.
+func With(ctx context.Context, srv *Server, serve func(context.Context) error, criu func() error) (criuErr, streamErr error) {
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		defer srv.Close()
+		done <- serve(sctx)
+	}()
+	criuErr = criu()
+	srv.Close()
+	select {
+	case streamErr = <-done:
+	case <-time.After(Grace):
+		cancel()
+		streamErr = fmt.Errorf("the stream did not end %s after CRIU exited: %w", Grace, <-done)
+	}
+	return criuErr, streamErr
 }

@@ -510,6 +510,7 @@ const (
 	stepStore       = "store"
 	stepFinish      = "finish"
 	stepCRIURestore = "criu-restore"
+	stepPlaceFiles  = "place-files"
 )
 
 func (rb *journalRollback) checkpoint(ctx context.Context) string {
@@ -555,6 +556,10 @@ func (rb *journalRollback) restore() string {
 	if st.Committed || st.AllDone() {
 		rb.note("the restore had completed; the tree runs")
 		return RecoveredFinished
+	}
+	if st.Began(stepPlaceFiles) {
+		rb.note("carried files put in place before ptxmig died stay (the processes need them); a file they replaced " +
+			"is next to it as NAME.ptxmig-replaced-TIME")
 	}
 	s := st.Step(stepCRIURestore)
 	if s == nil {

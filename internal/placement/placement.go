@@ -51,6 +51,20 @@ func newPair(s store.GPU, d gpu.Device, used bool) Pair {
 	return p
 }
 
+// CheckModelChanges refuses a pair that changes the GPU model when that change was not measured
+// to restore (gpu.MeasuredModelChange) and allow is false: one compute capability spans several
+// chips (8.6: GA102 to GA107), and whether the driver restores across them is unknown.
+func CheckModelChanges(pairs []Pair, allow bool) error {
+	for _, p := range pairs {
+		if p.ModelChange && !p.ModelChangeMeasured && !allow {
+			return fmt.Errorf("%w: GPU %d (%s) would go to GPU %d (%s), another model of compute capability %s; "+
+				"a restore across these two models was not measured: --allow-model-change tries it (if the driver refuses, "+
+				"the operation rolls back)", ErrChipMismatch, p.From.Index, p.From.Name, p.To.Index, p.To.Name, p.To.ComputeCap)
+		}
+	}
+	return nil
+}
+
 // ModelChanges lists the pairs that carry memory onto another GPU model.
 func ModelChanges(pairs []Pair) []Pair {
 	var out []Pair

@@ -131,6 +131,14 @@ func TestModelChangePairs(t *testing.T) {
 			if p.ModelChange != tt.change || p.ModelChangeMeasured != tt.measur || len(ModelChanges(pairs)) != map[bool]int{false: 0, true: 1}[tt.change] {
 				t.Fatalf("pair %+v, want model change %v measured %v", p, tt.change, tt.measur)
 			}
+			// Unmeasured changes are refused unless allowed.
+			err = CheckModelChanges(pairs, false)
+			if (err != nil) != (tt.change && !tt.measur) || (err != nil && !errors.Is(err, ErrChipMismatch)) {
+				t.Fatalf("CheckModelChanges = %v", err)
+			}
+			if err := CheckModelChanges(pairs, true); err != nil {
+				t.Fatalf("allowed: %v", err)
+			}
 		})
 	}
 }
