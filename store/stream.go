@@ -744,7 +744,15 @@ func (r *ImageReader) wrote(n int64) {
 // for this call's writer). It closes queue when done or when ctx ends.
 func (r *ImageReader) readAhead(ctx context.Context, f *File, queue chan<- *pendingChunk, own chan *readSlot, decoders *sync.WaitGroup) {
 	defer close(queue)
+	next := 0 // first chunk not yet announced to the kernel
 	for i := range f.Chunks {
+		// Ask the kernel to start reading the chunk files ahead of the decoders: their reads are
+		// otherwise only as parallel as the workers, and a cold store waits on each in turn.
+		for ; next < len(f.Chunks) && next <= i+prefetchAhead; next++ {
+			if c := &f.Chunks[next]; !c.Zero {
+				r.s.prefetchChunk(c.Hash)
+			}
+		}
 		ch := &f.Chunks[i]
 		if ch.Zero {
 			continue
