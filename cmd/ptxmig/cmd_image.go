@@ -16,6 +16,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/atomicfile"
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/hostreq"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/progress"
 	"github.com/ptxmig/ptxmig/store"
@@ -411,8 +412,34 @@ func writeInspect(w io.Writer, m *store.Manifest) {
 			kv("process", fmt.Sprintf("%d (parent %d) %s%s", p.PID, p.PPID, p.Comm, cuda))
 		}
 	}
+	if s, ok := m.Meta.Extra[op.ExtraHostFiles]; ok {
+		files, err := hostreq.Parse(s)
+		if err != nil {
+			kv("needs", "unreadable: "+err.Error())
+		}
+		for _, f := range files {
+			size := ""
+			if f.Size >= 0 {
+				size = fmt.Sprintf(", %d bytes", f.Size)
+			}
+			written := ""
+			if f.Write {
+				written = ", written"
+			}
+			kv("needs", fmt.Sprintf("%s (mode %o%s%s)", f.Path, f.Mode, size, written))
+		}
+	}
+	if s, ok := m.Meta.Extra[op.ExtraCarried]; ok {
+		cs, err := hostreq.ParseCarried(s)
+		if err != nil {
+			kv("carries", "unreadable: "+err.Error())
+		}
+		for _, c := range cs {
+			kv("carries", fmt.Sprintf("%s (%s, as %s)", c.Path, bytesize.Format(c.Size), c.File))
+		}
+	}
 	for _, k := range sortedKeys(m.Meta.Extra) {
-		if k != op.ExtraTree {
+		if k != op.ExtraTree && k != op.ExtraHostFiles && k != op.ExtraCarried {
 			kv(k, m.Meta.Extra[k])
 		}
 	}
