@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# bench-anotherhost.sh — a CUDA process moved to another host (and GPU model) with ptxmig's own
+# commands only, in two calls on two machines:
+#
+#   bench/bench-anotherhost.sh source DIR [MIB]   (host A: checkpoint --carry-files, image export to DIR)
+#   bench/bench-anotherhost.sh target DIR         (host B: image import from DIR, restore, check)
+#
+# source starts `counter --mib MIB --steps 60 --interval-ms 100` (default MIB 64) with its output
+# appended to /tmp/ptxmig-anotherhost/counter.log, checkpoints it at step 10 with --carry-files
+# (the log goes along), exports the image to DIR/anotherhost.ptxmig and writes DIR/source.json
+# (GPU, driver, timings). target imports the image into a fresh store, checks that the log's
+# directory is absent (another host), prints the restore plan (model change, files to place),
+# restores, waits for the counter to finish and compares its final checksum with an uninterrupted
+# run of the same counter on this host (the checksum is a pure function of MIB and the steps).
+# Carry DIR between the calls. Results: $PTXMIG_OUT/bench-anotherhost.md (a markdown row) and the
+# raw JSON in DIR. Environment: PTXMIG_BIN, PTXMIG_WORKLOADS (the compiled counter), PTXMIG_OUT.
+set -euo pipefail
+mode=${1:?usage: bench-anotherhost.sh source|target DIR [MIB]}
+dir=${2:?usage: bench-anotherhost.sh source|target DIR [MIB]}
+mib=${3:-64}
+# In a `make gpu-bundle` directory (bench/ beside ptxmig, criu/ and workloads/, the workloads built
+# by `./gpu-e2e.sh --only workloads`) everything is found by itself.
+bundle=$(cd "$(dirname "$0")/.." && pwd)
+[ -x "$bundle/criu/criu" ] && export PTXMIG_CRIU=${PTXMIG_CRIU:-$bundle/criu/criu}
+bin=${PTXMIG_BIN:-$( [ -x "$bundle/ptxmig" ] && echo "$bundle/ptxmig" || command -v ptxmig || echo ./bin/ptxmig)}
+W=${PTXMIG_WORKLOADS:-$bundle/workloads/bin}
+[ -x "$W/counter" ] || { echo "bench-anotherhost: no counter in $W: build the workloads (./gpu-e2e.sh --only workloads) or set PTXMIG_WORKLOADS" >&2; exit 1; }
+OUT=${PTXMIG_OUT:-$PWD/results}
+steps=60
+logdir=/tmp/ptxmig-anotherhost
+[ "$(id -u)" -eq 0 ] || { echo "bench-anotherhost: run as root" >&2; exit 1; }
+mkdir -p "$dir" "$OUT"
+gpu() { nvidia-smi --query-gpu=name,uuid,driver_version --format=csv,noheader -i 0; }
+ms() { echo "$(( ($(date +%s%N) - $1) / 1000000 ))"; }
+final() { sed -n 's/^final checksum \([0-9a-f]*\).*/\1/p' "$1" | tail -1; }
+
+case $mode in
+source)
+  rm -rf "$logdir"; mkdir -p "$logdir"
+  store=$(mktemp -d /var/tmp/ptxmig-anotherhost-src.XXXXXX)
+  setsid "$W/counter" --mib "$mib" --steps "$steps" --interval-ms 100 --device 0 </dev/null >>"$logdir/counter.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do grep -q '^step 10 ' "$logdir/counter.log" && break; sleep 0.1; done
+  grep -q '^step 10 ' "$logdir/counter.log" || { echo "counter did not reach step 10" >&2; cat "$logdir/counter.log" >&2; exit 1; }
+  t=$(date +%s%N)
+  "$bin" --store "$store" --json checkpoint --carry-files --name anotherhost "$pid" >"$dir/checkpoint.json"
+  ck=$(ms "$t")
+  t=$(date +%s%N)
+  "$bin" --store "$store" image export anotherhost -o "$dir/anotherhost.ptxmig"
+  ex=$(ms "$t")
+  rm -rf "$store" "$logdir" # host A keeps nothing: the image and its carried log are all there is
+  python3 - "$dir" "$(gpu)" "$ck" "$ex" "$mib" <<'PY'
+import json, sys
+d, g, ck, ex, mib = sys.argv[1:]
+json.dump({"gpu": g, "checkpoint_ms": int(ck), "export_ms": int(ex), "mib": int(mib)}, open(f"{d}/source.json", "w"))
+PY
+  echo "source: $(gpu); checkpoint $ck ms, export $ex ms, image $(du -h "$dir/anotherhost.ptxmig" | cut -f1)"
+  ;;
+target)
+  [ -e "$logdir" ] && { echo "bench-anotherhost: $logdir exists here: not another host (or a leftover): remove it" >&2; exit 1; }
+  mib=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['mib'])" "$dir/source.json")
+  store=$(mktemp -d /var/tmp/ptxmig-anotherhost-dst.XXXXXX)/store
+  t=$(date +%s%N)
+  "$bin" --store "$store" image import "$dir/anotherhost.ptxmig"
+  im=$(ms "$t")
+  "$bin" --store "$store" restore --dry-run anotherhost | tee "$dir/plan.txt"
+  t=$(date +%s%N)
+  "$bin" --store "$store" --json restore anotherhost >"$dir/restore.json"
+  rs=$(ms "$t")
+  pid=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['pid'])" "$dir/restore.json")
+  for _ in $(seq 1200); do [ -e "/proc/$pid" ] || break; sleep 0.1; done
+  got=$(final "$logdir/counter.log")
+  ref=$(mktemp)
+  "$W/counter" --mib "$mib" --steps "$steps" --interval-ms 0 --device 0 >"$ref" 2>&1
+  want=$(final "$ref"); rm -f "$ref"
+  verdict=FAIL; [ -n "$got" ] && [ "$got" = "$want" ] && verdict="exact ($got)"
+  model=$(python3 -c "
+import json,sys
+d=json.load(open(sys.argv[1]))
+print('; '.join(f\"{p['from'].get('name','?')} -> {p['to'].get('name','?')}\" + (' (model change, measured)' if p.get('model_change_measured') else ' (model change)' if p.get('model_change') else '') for p in d.get('gpu_pairs', []) if p.get('used')) or 'no pairs (same GPU)')
+" "$dir/restore.json")
+  src=$(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['gpu'], '| checkpoint', d['checkpoint_ms'], 'ms, export', d['export_ms'], 'ms')" "$dir/source.json")
+  row="| $(date -u +%F) | $src | $(gpu) | import $im ms, restore $rs ms | $model | $verdict |"
+  { echo "| date | source GPU, driver | source timings | target GPU, driver | target timings | pairs | result |"
+    echo "|---|---|---|---|---|---|---|"
+    echo "$row"; } | tee "$OUT/bench-anotherhost.md"
+  rm -rf "$(dirname "$store")" "$logdir"
+  [ "$verdict" != FAIL ] || { echo "bench-anotherhost: final checksum $got, uninterrupted run $want" >&2; exit 1; }
+  ;;
+*) echo "usage: bench-anotherhost.sh source|target DIR [MIB]" >&2; exit 2 ;;
+esac
