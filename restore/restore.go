@@ -426,6 +426,8 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	if err != nil {
 		if errors.Is(err, store.ErrCorrupt) {
 			err = op.Refusef("image %s is corrupt, nothing was restored: %w", p.Image, err)
+		} else if p.Stream {
+			err = fmt.Errorf("open image %s in the store: %w", p.Image, err)
 		} else {
 			err = fmt.Errorf("materialize image %s: %w", p.Image, err)
 		}
