@@ -163,6 +163,25 @@ two() { cuda && [ "$ngpu" -ge 2 ]; }
 uuid() { nvidia-smi --query-gpu=uuid --format=csv,noheader -i "$1"; }
 if two; then u0=$(uuid 0); u1=$(uuid 1); fi
 
+# Warm-up, untimed: one small checkpoint and restore by each tool, so that the first timed row
+# does not pay for loading CRIU, ptxmig and the driver from a cold page cache.
+warm() {
+  local store=$BENCH_DIR/warmup base=$BENCH_DIR/warmup-base
+  rm -rf "$store" "$base"; mkdir -p "$base"
+  if [ "$kind" = cuda ]; then
+    setsid "$PTXMIG_WORKLOADS/counter" --mib 64 --steps 1000000 --interval-ms 200 --device 0 </dev/null >"$work/counter.log" 2>&1 &
+  else
+    setsid "$work/memhold" 64 </dev/null >"$work/counter.log" 2>&1 &
+  fi
+  pid=$!
+  for _ in $(seq 600); do grep -q '^step 2 ' "$work/counter.log" && break; sleep 0.2; done
+  "$PTXMIG_BIN" --store "$store" checkpoint --name warm "$pid" >/dev/null
+  wait "$pid" 2>/dev/null || true; gone "$pid"
+  "$PTXMIG_BIN" --store "$store" restore warm >/dev/null
+  kill -9 "$pid"; gone "$pid" || true; pid=""
+  rm -rf "$store" "$base"
+}
+warm
 rows=()
 for g in "${sizes[@]}"; do
   echo "== ${g} GiB ($kind)" >&2
