@@ -138,6 +138,14 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 			"the restoring process's own terminal, which ptxmig does not do, so its image could not be restored; "+
 			"run the job without a terminal (setsid, nohup, a service manager or a batch system)", stats[i].PID, stats[i].Comm)
 	}
+	if i := slices.IndexFunc(stats, func(s proc.Stat) bool { return s.SID == 0 }); i >= 0 {
+		// /proc shows session 0 when the session's leader lives outside this PID namespace (a
+		// process started by `docker exec` or a CI runner without a terminal): CRIU refuses to
+		// dump it ("A session leader … is outside of its pid namespace"), after the freeze.
+		return nil, op.Refusef("pid %d (%s) belongs to a session whose leader is outside this PID namespace (session 0 here, "+
+			"as for a process started by `docker exec`): CRIU cannot dump it; start the job as its own session "+
+			"leader (setsid, a service manager or a batch system)", stats[i].PID, stats[i].Comm)
+	}
 	p := &Plan{PID: o.PID, LeaveRunning: o.LeaveRunning, opts: o}
 	if p.Image, err = imageName(env.Store, o, stats[0].Comm, time.Now()); err != nil {
 		return nil, err

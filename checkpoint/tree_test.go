@@ -99,6 +99,17 @@ func TestShellTreeCheckpointRestore(t *testing.T) {
 			f := setup(t)
 			pid, counter := shellCounter(t, f.dir, setsid)
 			res, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: pid, Name: "tree", StagingRoot: f.stage})
+			if self, _ := proc.ReadStat(os.Getpid()); !setsid && self.SID == 0 {
+				// This test runs in a session whose leader is outside its PID namespace (a CI
+				// runner, docker exec), and so does the shell job: CRIU cannot dump it, and the
+				// preflight must refuse it before anything is frozen.
+				if !errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), "outside this PID namespace") {
+					t.Fatalf("shell job in session 0: %v, want a refusal", err)
+				}
+				before := readCount(counter)
+				waitCount(t, counter, before+3)
+				return
+			}
 			if err != nil {
 				t.Fatal(err)
 			}
