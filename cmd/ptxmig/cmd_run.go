@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
 )
 
@@ -25,10 +26,11 @@ func init() {
 		ArgsUsage: "-- CMD [ARGS...]",
 		Description: "Like env or nice, ptxmig run checks what it can (the shim, CMD, the socket directory), puts\n" +
 			"the shim first in LD_PRELOAD (an existing LD_PRELOAD is kept), sets PTXMIG_SOCKET_DIR and\n" +
-			"execs CMD. CMD replaces ptxmig: same PID, parent, session, terminal and open files, and no\n" +
-			"ptxmig process stays behind to wait for it or write to its files. A checkpoint or restore of\n" +
-			"CMD does not involve ptxmig run. Flags of ptxmig end at CMD (or at --): everything after it is\n" +
-			"CMD's own command line.\n\n" +
+			"execs CMD. CMD replaces ptxmig: same PID, parent, session (except when the session's leader is\n" +
+			"outside this PID namespace, as under `docker exec`: CMD then leads a session of its own, which\n" +
+			"CRIU needs), terminal and open files, and no ptxmig process stays behind to wait for it or\n" +
+			"write to its files. A checkpoint or restore of CMD does not involve ptxmig run. Flags of\n" +
+			"ptxmig end at CMD (or at --): everything after it is CMD's own command line.\n\n" +
 			"Exit status, as env(1) and timeout(1): CMD's own status, untouched, once it runs. Before the\n" +
 			"exec ptxmig run uses only its own codes, so they never pass for CMD's: 125 ptxmig run itself\n" +
 			"failed (bad flags, no shim, unusable socket directory; nothing started), 126 CMD was found but\n" +
@@ -231,6 +233,14 @@ func runAction(c *cli.Context) error {
 	signal.Reset()
 	if err := c.Context.Err(); err != nil {
 		return fmt.Errorf("run: %w before %s was started", err, args[0])
+	}
+	// A session whose leader is outside this PID namespace (session 0 here: `docker exec`
+	// without a terminal, CI runners) cannot be checkpointed by CRIU: CMD gets a session of its
+	// own instead. (Elsewhere CMD keeps ptxmig's session; there is no terminal to lose here.)
+	if st, err := proc.ReadStat(os.Getpid()); err == nil && st.SID == 0 {
+		if _, err := unix.Setsid(); err != nil {
+			env(c).Log.Debug("run: cannot start a session for CMD", "err", err)
+		}
 	}
 	err = unix.Exec(path, args, envv)
 	// Still here: the kernel refused the exec (format, permissions, resources); nothing started.
