@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,6 +17,7 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/exitcode"
+	procpkg "github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
@@ -239,6 +241,31 @@ func TestRun(t *testing.T) {
 			if exe, _ := os.Readlink(p); exe == f.bin {
 				t.Errorf("%s still runs ptxmig", filepath.Dir(p))
 			}
+		}
+	})
+
+	t.Run("session", func(t *testing.T) {
+		// The app keeps ptxmig's session, except where that session's leader is outside the PID
+		// namespace (session 0 in /proc: docker exec, CI runners): CRIU cannot dump such a
+		// process, so the app then leads a session of its own.
+		out, err := f.cmd(f.runArgs("sh", "-c", `echo $$ $(cut -d' ' -f6 /proc/$$/stat)`)).Output()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var pid, sid int
+		if _, err := fmt.Sscan(string(out), &pid, &sid); err != nil {
+			t.Fatalf("app printed %q: %v", out, err)
+		}
+		self, err := procpkg.ReadStat(os.Getpid())
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := self.SID
+		if self.SID == 0 {
+			want = pid
+		}
+		if sid != want {
+			t.Errorf("the app's session is %d, want %d (ptxmig's session %d)", sid, want, self.SID)
 		}
 	})
 
