@@ -26,11 +26,12 @@ func init() {
 			"not a valid image name (letters, digits and . _ + @ -) or is 4 to 64 hex digits (it would read\n" +
 			"as an image id). No process PID: exit 6. Preflight refuses (exit 3) before anything is frozen\n" +
 			"or written: not root; the name is taken; PID is ptxmig or one of its ancestors; a process is\n" +
-			"locked by another tool or has a controlling terminal; CRIU is missing; the store is read-only\n" +
-			"or lacks room for the estimate (resident memory + GPU memory). A tree that belongs to a shell's\n" +
-			"session is dumped as a shell job (said in the output) instead of failing in CRIU. --dry-run\n" +
-			"prints the plan and stops there, creating nothing (not even the store). The first checkpoint\n" +
-			"creates the store (stderr says so); its parent directory must exist.\n\n" +
+			"locked by another tool, has a controlling terminal, or belongs to a session whose leader is\n" +
+			"outside this PID namespace (docker exec: CRIU cannot dump it); CRIU is missing; the store is\n" +
+			"read-only or lacks room for the estimate (resident memory + GPU memory). A tree that belongs\n" +
+			"to a shell's session is dumped as a shell job (said in the output) instead of failing in CRIU.\n" +
+			"--dry-run prints the plan and stops there, creating nothing (not even the store). The first\n" +
+			"checkpoint creates the store (stderr says so); its parent directory must exist.\n\n" +
 			"Then, for the CUDA processes of the tree: those under the ptxmig shim (`ptxmig run`) are quiesced:\n" +
 			"their preemptible kernels stop between blocks within --preempt-budget and new launches are held,\n" +
 			"so the lock does not wait for long kernels; the output names any kernel left running. Then the\n" +
