@@ -18,6 +18,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/probe"
+	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/ptxas"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
 	"github.com/ptxmig/ptxmig/store"
@@ -79,10 +80,15 @@ type doctorProbes struct {
 	ptxas         func() (string, error)
 	socketDir     func(dir string) error
 	pending       func() ([]op.Recovered, error) // op.Pending
+	session       func() (int, error)            // ptxmig's session id as /proc shows it
 }
 
 var doctorHost = doctorProbes{
-	euid:        os.Geteuid,
+	euid: os.Geteuid,
+	session: func() (int, error) {
+		st, err := proc.ReadStat(os.Getpid())
+		return st.SID, err
+	},
 	missingCaps: func() ([]probe.Capability, error) { return probe.MissingCapabilities(probe.CRIUCapabilities) },
 	criu:        probe.HaveCRIU,
 	criuCheck:   criu.CheckKernel,
@@ -219,6 +225,18 @@ func runDoctor(ctx context.Context, p doctorProbes, storeDir, sockDir string) do
 			"(other users' files, network namespaces, TCP connections, resource limits)", capFix)
 	default:
 		add("capabilities", "ok", "every capability CRIU uses is effective", "")
+	}
+
+	// Session: /proc shows 0 when its leader is outside this PID namespace (docker exec without a
+	// terminal), and CRIU cannot dump a process of such a session.
+	switch sid, err := p.session(); {
+	case err != nil:
+		add("session", "warn", "cannot read ptxmig's session: "+err.Error(), "")
+	case sid == 0:
+		add("session", "warn", "this session's leader is outside this PID namespace (as under docker exec without -t): "+
+			"CRIU cannot checkpoint a process started plainly from here", "start jobs with `ptxmig run` (it gives them a session of their own) or setsid")
+	default:
+		add("session", "ok", fmt.Sprintf("session %d: processes started from here can be checkpointed", sid), "")
 	}
 
 	// CRIU.

@@ -45,10 +45,12 @@ func fakeHost(good bool) doctorProbes {
 		ptxas:       func() (string, error) { return "/usr/local/cuda/bin/ptxas", nil },
 		socketDir:   func(string) error { return nil },
 		pending:     func() ([]op.Recovered, error) { return nil, nil },
+		session:     func() (int, error) { return 4242, nil },
 	}
 	if good {
 		return p
 	}
+	p.session = func() (int, error) { return 0, nil } // docker exec
 	// A container on an old driver, with no CRIU, a loose store and no shim.
 	p.euid = func() int { return 1000 }
 	p.missingCaps = func() ([]probe.Capability, error) {
