@@ -251,11 +251,11 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		meta.Extra[op.ExtraTree] = op.EncodeTree(tr.tree)
 		var m *store.Manifest
 		var s *store.Stats
-		add := func(name string, r io.Reader, mode uint32) error {
+		add := func(name string, r io.Reader, mode uint32) (int64, error) {
 			return writeFile(filepath.Join(images, name), r, mode)
 		}
 		if ing != nil {
-			add = func(name string, r io.Reader, mode uint32) error { _, err := ing.AddFile(name, mode, r); return err }
+			add = func(name string, r io.Reader, mode uint32) (int64, error) { return ing.AddFile(name, mode, r) }
 		}
 		err := recordHost(env, p, rec, &meta, add)
 		if err != nil {
@@ -371,17 +371,18 @@ func commitStreamed(ing *store.Ingest, images string, meta *store.Metadata) (*st
 	return ing.Commit(meta)
 }
 
-// writeFile writes r into a new file (a carried file next to CRIU's images, not streamed).
-func writeFile(path string, r io.Reader, mode uint32) error {
+// writeFile writes r into a new file (a carried file next to CRIU's images, not streamed) and
+// returns the bytes written.
+func writeFile(path string, r io.Reader, mode uint32) (int64, error) {
 	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW, os.FileMode(mode&0o777))
 	if err != nil {
-		return err
+		return 0, err
 	}
-	if _, err := io.Copy(f, r); err != nil {
-		f.Close()
-		return err
+	n, err := io.Copy(f, r)
+	if cerr := f.Close(); err == nil {
+		err = cerr
 	}
-	return f.Close()
+	return n, err
 }
 
 func addLocal(ing *store.Ingest, path, name string) error {

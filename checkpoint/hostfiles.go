@@ -102,7 +102,7 @@ func (c *criuRecord) hostFiles() ([]hostreq.File, error) {
 // files opened for writing when asked; add stores one carried file in the image. Failing to
 // read CRIU's record is not fatal (restore reads files.img from the image instead), failing to
 // carry a file asked for is.
-func recordHost(env *op.Env, p *Plan, rec *criuRecord, meta *store.Metadata, add func(name string, r io.Reader, mode uint32) error) error {
+func recordHost(env *op.Env, p *Plan, rec *criuRecord, meta *store.Metadata, add func(name string, r io.Reader, mode uint32) (int64, error)) error {
 	files, err := rec.hostFiles()
 	if err != nil {
 		if p.opts.CarryFiles {
@@ -138,11 +138,10 @@ func recordHost(env *op.Env, p *Plan, rec *criuRecord, meta *store.Metadata, add
 			return op.Refusef("--carry-files: the files open for writing exceed %s (or %d files); raise --carry-limit or copy them yourself",
 				bytesize.Format(limit), hostreq.MaxCarried)
 		}
-		cr := &countReader{r: io.LimitReader(r, c.Size)}
-		err = add(c.File, cr, 0o600)
+		n, err := add(c.File, io.LimitReader(r, c.Size), 0o600)
 		r.Close()
-		if err == nil && cr.n != c.Size {
-			err = fmt.Errorf("read %d of its %d bytes: it shrank while being copied", cr.n, c.Size)
+		if err == nil && n != c.Size {
+			err = fmt.Errorf("read %d of its %d bytes: it shrank while being copied", n, c.Size)
 		}
 		if err != nil {
 			return fmt.Errorf("carry %s: %w", f.Path, err)
@@ -153,17 +152,6 @@ func recordHost(env *op.Env, p *Plan, rec *criuRecord, meta *store.Metadata, add
 		meta.Extra[op.ExtraCarried] = hostreq.EncodeCarried(carried)
 	}
 	return nil
-}
-
-type countReader struct {
-	r io.Reader
-	n int64
-}
-
-func (c *countReader) Read(p []byte) (int, error) {
-	n, err := c.r.Read(p)
-	c.n += int64(n)
-	return n, err
 }
 
 // openCarried opens a file to carry. Its size is the one CRIU recorded when CRIU checks it (what
