@@ -32,7 +32,7 @@ case "${1:-}" in
 esac
 want() { [ -z "$only" ] || [[ "$only" == *",$1,"* ]]; }
 
-declare -a rows skips
+rows=() skips=()
 failed=0
 record() { # name status seconds note
   rows+=("| $1 | $2 | $3 | ${4//|/\\|} |")

@@ -51,34 +51,32 @@ func hazardResults(t *testing.T, path string) []string {
 // TestPreemptHazards checkpoints the hazards workload (testdata/workloads/hazards.cu: one long
 // many-block kernel L with the preemption hazards of preemption-runtime.md §4 built around it)
 // while L runs, under `ptxmig run --preempt always`, and compares every part with an
-// uninterrupted run of the same work without the shim.
-//   - only=e: L is the tail of its stream (the helper threads' kernels are on their own streams),
-//     so the quiesce preempts it: a --leave-running checkpoint must not wait for L, and a
-//     checkpoint that ends the process mid-kernel, then restore, finishes L exactly once.
-//   - all hazards: work is queued behind L (the tail rule drains L instead of preempting it), so
-//     a --leave-running checkpoint with a lock timeout longer than L succeeds once L has drained,
-//     and names L as left to the lock; nothing behind L may run early, so every part is exact.
+// uninterrupted run of the same work without the shim. The shim holds every submission that would
+// queue behind a twin in flight (the thread waits in the shim), so L is always its stream's tail:
+//   - only=e: L, and the two helper threads' kernels on their own streams (their folds held);
+//   - all hazards: L, with the fold, copy, event, host function, the second stream's wait and the
+//     legacy-stream work held behind it, and a thread inside cudaStreamSynchronize(s1).
+// Each case: a --leave-running checkpoint mid-kernel (every long kernel preempted within the
+// budget, nothing waits for L), a rollback on purpose (the dump fails after the driver
+// checkpoint: the process resumes), then a checkpoint that ends the process mid-kernel and a
+// restore; every part must equal the uninterrupted run's.
 func TestPreemptHazards(t *testing.T) {
 	need(t, 1)
 	for _, tc := range []struct {
-		name string
-		args []string
+		name      string
+		args      []string
+		preempted int // long kernels in flight at the checkpoint
 	}{
-		{"only e", []string{"--seconds", "20", "--only", "e"}},
-		{"all hazards", []string{"--seconds", "20"}},
+		{"only e", []string{"--seconds", "20", "--only", "e"}, 3},
+		{"all hazards", []string{"--seconds", "20"}, 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := startShimmed(t, "always", "hazards", tc.args...)
 			fixed := hazardParams(t, p)
-			waitLine(t, p.log, "queued", 3*time.Minute)
-			time.Sleep(2 * time.Second)
-			all := tc.name == "all hazards"
-			lockTimeout := "10s"
-			if all {
-				lockTimeout = "120s" // L drains (20 s) before the lock is granted
-			}
+			waitLine(t, p.log, "started", 3*time.Minute)
+			time.Sleep(3 * time.Second)
 			t0 := time.Now()
-			so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--lock-timeout", lockTimeout, "--name", "hz-lr", strconv.Itoa(p.pid))
+			so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--lock-timeout", "10s", "--name", "hz-lr", strconv.Itoa(p.pid))
 			took := time.Since(t0)
 			if code != 0 {
 				t.Fatalf("checkpoint --leave-running: exit %d after %s: %s", code, took, se)
@@ -89,20 +87,28 @@ func TestPreemptHazards(t *testing.T) {
 			}
 			q := r.Preemption[0].Quiesce
 			t.Logf("--leave-running checkpoint: %s, quiesce %d µs, preempted %d, report %+v", took, q.ElapsedUS, len(q.Preempted), q)
-			if !all && (len(q.Preempted) == 0 || took > 10*time.Second) {
-				t.Errorf("only=e: L was not preempted (took %s)", took)
+			if len(q.Preempted) != tc.preempted || len(q.NotStopped) != 0 || took > 10*time.Second {
+				t.Errorf("want %d long kernels preempted and none left to the lock, got %d preempted, %d not stopped, in %s",
+					tc.preempted, len(q.Preempted), len(q.NotStopped), took)
 			}
-			if !all {
-				// Checkpoint mid-kernel (the process ends), then restore: L's remainder runs once.
-				time.Sleep(time.Second)
-				so, se, code = ptxmig(t, "--json", "checkpoint", "--name", "hz-mid", strconv.Itoa(p.pid))
-				if code != 0 {
-					t.Fatalf("checkpoint mid-kernel: exit %d: %s", code, se)
+			// Rollback on purpose: the dump fails after the driver checkpoint; the process resumes.
+			time.Sleep(time.Second)
+			rollbackOnPurpose(t, p.pid, "hz-rollback")
+			// Checkpoint mid-kernel (the process ends), then restore: each remainder runs once.
+			time.Sleep(time.Second)
+			so, se, code = ptxmig(t, "--json", "checkpoint", "--name", "hz-mid", strconv.Itoa(p.pid))
+			if code != 0 {
+				t.Fatalf("checkpoint mid-kernel: exit %d: %s", code, se)
+			}
+			if err := json.Unmarshal([]byte(so), &r); err == nil && len(r.Preemption) == 1 && r.Preemption[0].Quiesce != nil {
+				t.Logf("mid-kernel checkpoint: preempted %+v", r.Preemption[0].Quiesce.Preempted)
+				if len(r.Preemption[0].Quiesce.Preempted) == 0 {
+					t.Errorf("the checkpoint that ends the process preempted nothing (L finished too early?)")
 				}
-				<-p.done
-				if so, se, code = ptxmig(t, "--json", "restore", "hz-mid"); code != 0 {
-					t.Fatalf("restore: exit %d: %s\n%s", code, se, so)
-				}
+			}
+			<-p.done
+			if so, se, code = ptxmig(t, "--json", "restore", "hz-mid"); code != 0 {
+				t.Fatalf("restore: exit %d: %s\n%s", code, se, so)
 			}
 			waitExit(t, p.pid, 3*time.Minute)
 			// The reference runs after the shimmed process, not beside it (see TestPreemptLongKernel).

@@ -129,25 +129,7 @@ func TestPreemptLongKernel(t *testing.T) {
 		writeP1(t, quiesce, toLock)
 
 		// (2) Rollback on purpose: the dump fails after the driver checkpoint.
-		env, closeEnv, err := op.NewEnv(context.Background(), filepath.Join(out, "gputest", "store"), slog.Default())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer closeEnv()
-		injected := errors.New("injected dump failure")
-		env.Hook = func(_ context.Context, step string) error {
-			if step == checkpoint.StepDump {
-				return injected
-			}
-			return nil
-		}
-		bd, _ := time.ParseDuration(budget)
-		_, err = checkpoint.Run(context.Background(), env, checkpoint.Options{PID: p.pid, Name: "pre-rollback", LeaveRunning: true, LockTimeout: 10 * time.Second, PreemptBudget: bd})
-		var fl *op.Failure
-		if !errors.As(err, &fl) || !fl.RolledBack() {
-			t.Fatalf("injected failure: %v, want a rolled-back failure", err)
-		}
-		t.Logf("rolled back: %v", err)
+		rollbackOnPurpose(t, p.pid, "pre-rollback")
 
 	}
 
@@ -299,4 +281,29 @@ func writeP1(t *testing.T, quiesce, toLock []time.Duration) {
 		pct(quiesce, .5), pct(quiesce, .99), pct(quiesce, 1), pct(toLock, .5), pct(toLock, .99), pct(toLock, 1), quiesce, toLock)
 	t.Log(text)
 	_ = os.WriteFile(filepath.Join(out, "preempt-p1.txt"), []byte(text), 0o644)
+}
+
+// rollbackOnPurpose checkpoints pid with --leave-running semantics through the checkpoint package
+// with the CRIU dump failing on purpose after the driver checkpoint: the operation must roll back
+// (driver restore and unlock, the shim's resume), leaving the process running.
+func rollbackOnPurpose(t *testing.T, pid int, name string) {
+	t.Helper()
+	env, closeEnv, err := op.NewEnv(context.Background(), filepath.Join(out, "gputest", "store"), slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeEnv()
+	injected := errors.New("injected dump failure")
+	env.Hook = func(_ context.Context, step string) error {
+		if step == checkpoint.StepDump {
+			return injected
+		}
+		return nil
+	}
+	_, err = checkpoint.Run(context.Background(), env, checkpoint.Options{PID: pid, Name: name, LeaveRunning: true, LockTimeout: 10 * time.Second, PreemptBudget: op.DefaultPreemptBudget})
+	var fl *op.Failure
+	if !errors.As(err, &fl) || !fl.RolledBack() {
+		t.Fatalf("injected failure: %v, want a rolled-back failure", err)
+	}
+	t.Logf("rolled back: %v", err)
 }

@@ -39,6 +39,7 @@ void config_load(void) {
   cfg.preempt = !pm ? PM_OFF : strcmp(pm, "auto") == 0 ? PM_AUTO : strcmp(pm, "always") == 0 ? PM_ALWAYS : PM_OFF;
   cfg.preempt_min_us = env_uint("PTXMIG_PREEMPT_MIN_US", 1000);
   cfg.preempt_batch_max = env_uint("PTXMIG_PREEMPT_BATCH_MAX", 0);
+  cfg.preempt_hold = env_uint("PTXMIG_PREEMPT_HOLD", 1) != 0;
   if (cfg.preempt_batch_max > 65536) cfg.preempt_batch_max = 65536;
   const char *ps = getenv("PTXMIG_PREEMPT_SASS");
   cfg.preempt_sass = !(ps && strcmp(ps, "keep") == 0);
@@ -784,6 +785,7 @@ EXPORT CUresult cuMemFreeHost(void *p) {
     LOG_ONCE("%s: real function not found in %s", #fn, cfg.libcuda); \
     return 999;                        \
   }                                    \
+  sub_hold(s, ptsz);                   \
   sub_enter();                         \
   sub_mark(s, ptsz);                   \
   CUresult r_ = real_(__VA_ARGS__);    \
@@ -849,6 +851,7 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
       LOG_ONCE("%s: real function not found in %s", #fn, cfg.libcuda);                              \
       return 999;                                                                                     \
     }                                                                                                 \
+    sub_hold(s, ptsz);                                                                                \
     sub_enter();                                                                                      \
     uint64_t seq = sub_mark(s, ptsz);                                                                 \
     launch_tok t;                                                                                     \
@@ -874,6 +877,7 @@ LAUNCH(cuLaunchKernel_ptsz, 1)
                      unsigned bz, unsigned shmem, CUstream s, void **params) {                        \
     __typeof__(&fn) real_ = REAL(fn);                                                                 \
     if (!real_) return 999;                                                                           \
+    sub_hold(s, ptsz);                                                                                \
     sub_enter();                                                                                      \
     sub_mark(s, ptsz);                                                                                \
     launch_tok t;                                                                                     \
@@ -891,6 +895,7 @@ LAUNCH_COOP(cuLaunchCooperativeKernel_ptsz, 1)
   EXPORT CUresult fn(const CUlaunchConfig *c, CUfunction f, void **params, void **extra) {         \
     __typeof__(&fn) real_ = REAL(fn);                                                              \
     if (!real_) return 999;                                                                        \
+    if (c) sub_hold(c->hStream, ptsz);                                                             \
     sub_enter();                                                                                   \
     uint64_t seq = c ? sub_mark(c->hStream, ptsz) : 0;                                             \
     launch_tok t = {0};                                                                            \
@@ -925,6 +930,7 @@ EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *lp, uns
   if (!real) return 999;
   launch_tok t[16];
   unsigned k = n < 16 ? n : 16;
+  for (unsigned i = 0; lp && i < n; i++) sub_hold(lp[i].hStream, 0);
   sub_enter();
   for (unsigned i = 0; lp && i < n; i++) sub_mark(lp[i].hStream, 0);
   for (unsigned i = 0; lp && i < k; i++)
@@ -958,14 +964,15 @@ GRAPH_LAUNCH(cuGraphLaunch_ptsz, 1)
       LOG_ONCE("%s: real function not found in %s", #fn, cfg.libcuda); \
       return 999;                                                     \
     }                                                                 \
+    sub_hold(S, ptsz);                                                \
     sub_enter();                                                      \
     sub_mark(S, ptsz);                                                \
     CUresult r_ = real_ ARGS;                                         \
     sub_exit();                                                       \
     return r_;                                                        \
   }
-// SUBMIT_SYNC: a synchronous copy (legacy stream, or the per-thread one for _ptds): first waits in
-// the shim for the twins it would queue behind, so that a checkpoint can still preempt them.
+// SUBMIT_SYNC: a synchronous copy (legacy stream, or the per-thread one for _ptds); like every
+// submission, held first while it would queue behind a twin (sub_hold).
 #define SUBMIT_SYNC(fn, ptsz, PARAMS, ARGS)                           \
   EXPORT CUresult fn PARAMS {                                         \
     __typeof__(&fn) real_ = REAL(fn);                                 \
@@ -973,7 +980,7 @@ GRAPH_LAUNCH(cuGraphLaunch_ptsz, 1)
       LOG_ONCE("%s: real function not found in %s", #fn, cfg.libcuda); \
       return 999;                                                     \
     }                                                                 \
-    sync_prewait();                                                   \
+    sub_hold(NULL, ptsz);                                             \
     sub_enter();                                                      \
     sub_mark(NULL, ptsz);                                             \
     CUresult r_ = real_ ARGS;                                         \

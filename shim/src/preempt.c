@@ -345,9 +345,9 @@ typedef struct tl {
   int stopping;  // raised, not ended when the quiesce replied: the raiser thread owns it (pre_mu)
 } tl;
 static tl *live;  // pre_mu
-static int nlive;
+static atomic_int nlive;  // changed under pre_mu; read without it by sub_hold
 static uint64_t next_launch_id = 1;
-static atomic_ulong st_twin_launches, st_relaunches, st_quiesces, st_preempted;
+static atomic_ulong st_twin_launches, st_relaunches, st_quiesces, st_preempted, st_holds, st_hold_ns;
 
 typedef struct layout {
   int n;
@@ -777,26 +777,61 @@ int honest_again(const sync_scope *sc, uint64_t g) {
   return again;
 }
 
-// sync_prewait: before a synchronous copy or memset (a submission to the legacy or per-thread
-// stream that waits), wait in the shim for the twins it would queue behind, so that the copy never
-// sits behind a running twin (which would then be drained instead of preempted).
-void sync_prewait(void) {
-  if (!atomic_load(&twins_ever)) return;
-  crec *c = crec_cur();
-  if (!c) return;
-  for (int round = 0; round < 8; round++) {
-    CUevent evs[16];
-    int n = 0;
-    pthread_mutex_lock(&pre_mu);
-    for (tl *t = live; t && n < 16; t = t->next)
-      if (t->cr == c && t->state == TL_RUNNING && (!t->sr || !t->sr->nonblocking)) evs[n++] = t->done;
-    pthread_mutex_unlock(&pre_mu);
-    for (int i = 0; i < n; i++) d.ev_sync(evs[i]);
-    sync_scope sc = {c, NULL};
-    uint64_t g;
-    honest_wait(&sc, &g);
-    if (!n) return;
+// ---- holding submissions behind a twin (deferral) ----
+// A submission that would queue behind a twin still in flight waits here, before the gate, until
+// that twin has finished; a preempted twin counts as finished only once its remainder has run. So
+// a twin is the last work of its stream when a quiesce comes and can be preempted instead of
+// drained, and no later work (a copy, an event, a host function, another launch) can run before
+// it: the thread that submits it is held instead, in the shim, not in the driver. "Behind" follows
+// CUDA's ordering: the same stream; the legacy stream behind every blocking stream of its context
+// and every blocking stream (the per-thread default stream included) behind the legacy stream.
+// The tail rule stays as the fallback for a submission that races a twin's launch from another
+// thread. PTXMIG_PREEMPT_HOLD=0 turns holding off (tail rule only).
+static int behind(const tl *t, const crec *c, const srec *sr, int legacy, int blocking) {
+  if (t->cr != c) return 0;
+  if (sr && t->sr == sr) return 1;
+  if (legacy) return !t->sr || !t->sr->nonblocking;
+  return blocking && !t->sr;
+}
+void sub_hold(CUstream s, int ptsz) {
+  if (sub_depth || !cfg.preempt_hold || !atomic_load(&twins_ever) || !atomic_load(&nlive)) return;
+  int legacy = is_legacy(s, ptsz), blocking = 1;
+  srec *sr = NULL;
+  crec *c;
+  if (legacy || is_ptds(s, ptsz)) {
+    c = crec_cur();
+  } else {
+    sr = srec_get(s);
+    c = sr ? sr->cr : crec_cur();
+    if (sr) blocking = !sr->nonblocking;
   }
+  if (!c) return;
+  uint64_t t0 = 0;
+  pthread_mutex_lock(&pre_mu);
+  for (;;) {
+    retire_locked(c, 64);
+    CUevent ev = NULL;
+    int pending = 0;
+    for (tl *t = live; t; t = t->next) {
+      if (t->state == TL_DONE || !behind(t, c, sr, legacy, blocking)) continue;
+      if (t->state == TL_RUNNING) ev = t->done;
+      else pending = 1;  // preempted or stopping: its remainder runs after the resume
+      break;
+    }
+    if (!ev && !pending) break;
+    if (!t0) t0 = mono(), atomic_fetch_add(&st_holds, 1);
+    if (pending) {
+      pthread_cond_wait(&pre_cv, &pre_mu);
+      continue;
+    }
+    pthread_mutex_unlock(&pre_mu);
+    // Should the launch retire meanwhile and its event serve a later twin, this waits for that one
+    // too: longer, never wrong.
+    d.ev_sync(ev);
+    pthread_mutex_lock(&pre_mu);
+  }
+  pthread_mutex_unlock(&pre_mu);
+  if (t0) atomic_fetch_add(&st_hold_ns, mono() - t0);
 }
 
 void preempt_wait_clean(void) {
@@ -1337,11 +1372,12 @@ void preempt_report_status(jbuf *b) {
   jb_printf(b,
             "{\"mode\":\"%s\",\"min_us\":%u,\"state\":\"%s\",\"gate\":\"%s\",\"twins_in_flight\":%d,\"preempted_pending\":%d,"
             "\"stopping\":%d,\"batch_max\":%u,"
-            "\"instrumented_modules\":%d,\"twin_launches\":%lu,\"relaunches\":%lu,\"quiesces\":%lu,\"preempted\":%lu,\"cache\":",
+            "\"instrumented_modules\":%d,\"twin_launches\":%lu,\"relaunches\":%lu,\"quiesces\":%lu,\"preempted\":%lu,\"hold\":%s,\"holds\":%lu,\"hold_ms\":%.3f,\"cache\":",
             preempt_mode_names[cfg.preempt], cfg.preempt_min_us, pstate_names[st],
             atomic_load(&gate_closed) ? "closed" : "open", n, np, ns, cfg.preempt_batch_max, trk_instrumented_modules(),
             atomic_load(&st_twin_launches), atomic_load(&st_relaunches), atomic_load(&st_quiesces),
-            atomic_load(&st_preempted));
+            atomic_load(&st_preempted), cfg.preempt_hold ? "true" : "false", atomic_load(&st_holds),
+            (double)atomic_load(&st_hold_ns) / 1e6);
   instr_stats(b);
   jb_printf(b, ",\"helper\":");
   jb_str(b, cfg.helper, strlen(cfg.helper));

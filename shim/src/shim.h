@@ -29,6 +29,7 @@ typedef struct {
   int self_time;             // PTXMIG_SELF_TIME=1: measure the shim's own time on each launch
   int preempt;               // PTXMIG_PREEMPT: PM_OFF (default), PM_AUTO, PM_ALWAYS
   unsigned preempt_min_us;   // PTXMIG_PREEMPT_MIN_US (default 1000)
+  int preempt_hold;            // PTXMIG_PREEMPT_HOLD (default 1): hold submissions behind twins in flight
   unsigned preempt_batch_max;  // PTXMIG_PREEMPT_BATCH_MAX: twins' largest claim (0: from the sampled block time)
   int preempt_sass;          // PTXMIG_PREEMPT_SASS: 1 jit (default), 0 keep modules with SASS for the GPU
   char ptx_cache[256];       // PTXMIG_PTX_CACHE, default /var/cache/ptxmig/ptx ("" or "off": no cache)
@@ -170,6 +171,8 @@ int trk_capture_open(void);
 // ---- preemption (preempt.c) ----
 // Every wrapper that submits GPU work brackets its driver call with sub_enter/sub_exit (the gate:
 // sub_enter blocks while the process is quiesced) and records the submission with sub_mark.
+// sub_hold, before sub_enter: waits while the submission would queue behind a twin in flight.
+void sub_hold(CUstream s, int ptsz);
 void sub_enter(void);
 void sub_exit(void);
 uint64_t sub_mark(CUstream s, int ptsz);
@@ -191,7 +194,6 @@ void scope_ctx(sync_scope *sc);
 void honest_wait(const sync_scope *sc, uint64_t *gen);
 int honest_again(const sync_scope *sc, uint64_t gen);
 int honest_pending(const sync_scope *sc);
-void sync_prewait(void);
 int preempt_quiesce(struct jbuf *b, unsigned budget_ms);  // 1: this call quiesced (the lease is the caller's)
 int preempt_detach(struct jbuf *b);
 void preempt_resume(struct jbuf *b);

@@ -170,7 +170,8 @@ def t_legacy_extra(name):
 
 
 def t_tail(name):
-    tmp, app = with_app(name)
+    # The fallback: with holding off, work submitted behind a twin makes it undrainable.
+    tmp, app = with_app(name, {"PTXMIG_PREEMPT_HOLD": "0"})
     c = app.conn()
     app.cmd("launch s 100")  # 0.2 s: drained
     app.cmd("launch s 300")  # the stream's tail: preempted
@@ -203,6 +204,48 @@ def t_tail(name):
     check(app.line(5) == "hostfn ran", f"{name}: host function")
     c.req(cmd="resume")
     check(app.cmd("check", timeout=30) == "check ok 5 launches, 0 bad blocks", f"{name}: blocks")
+    c.close()
+    ended_ok(name, app)
+
+
+def t_hold(name):
+    # Holding (the default): a submission that would queue behind a twin in flight waits in the shim
+    # until the twin has finished, so the twin stays its stream's tail and a quiesce preempts it;
+    # the held call returns only after the twin's remainder ran (after resume), in order.
+    tmp, app = with_app(name)
+    c = app.conn()
+    app.cmd("launch s 100")  # 0.2 s
+    t0 = time.time()
+    check(app.cmd("launch s 300") == "launched s", f"{name}: second launch")  # held until the first ends
+    check(time.time() - t0 >= 0.1, f"{name}: a launch behind a twin on its stream was not held ({time.time() - t0:.3f} s)")
+    r = c.req(cmd="quiesce", budget_ms=1000)["result"]
+    check([p["launch"] for p in r["preempted"]] == [2] and not r["drained"] and not r["not_stopped"],
+          f"{name}: the second twin, its stream's tail, preempted: {r}")
+    c.req(cmd="resume")
+    # Each kind of submission behind a twin is held: an event, a host function, legacy-stream work
+    # behind a blocking stream's twin, a launch on a blocking stream behind a legacy twin; each time
+    # the twin is preempted, the held call stays blocked while quiesced and completes after resume.
+    for launch_on, then, reply in [("n", "event n", "recorded n"), ("s", "hostfn s", "queued s"),
+                                   ("s", "refused l", "launched l"), ("l", "launch s 10", "launched s")]:
+        check(app.cmd("check", timeout=30).startswith("check ok"), f"{name}: blocks before {then}")
+        app.cmd(f"launch {launch_on} 300")
+        app.cmd(then, expect=False)
+        time.sleep(0.05)
+        r = c.req(cmd="quiesce", budget_ms=1000)["result"]
+        check(len(r["preempted"]) == 1 and not r["not_stopped"] and not r["drained"],
+              f"{name}: {then} behind a twin on {launch_on}: the twin is preempted: {r}")
+        check(app.expect_none(0.3) is None, f"{name}: {then} returned while its twin was preempted")
+        c.req(cmd="resume")
+        got = [app.line(15)]
+        if then.startswith("hostfn"):  # the host function's line may come first
+            got = sorted(got + [app.line(10)])
+            reply = sorted([reply, "hostfn ran"])
+        else:
+            got, reply = got[0], reply
+        check(got == reply, f"{name}: {then} after resume: {got}")
+    check(app.cmd("check", timeout=30).startswith("check ok") , f"{name}: blocks")
+    st = c.req(cmd="status")["result"]["preempt"]
+    check(st["hold"] is True and st["holds"] >= 5 and st["hold_ms"] > 0, f"{name}: status {st}")
     c.close()
     ended_ok(name, app)
 
@@ -694,6 +737,7 @@ def main():
         ("driver-rejects-twins", lambda n: t_fallback(n, None, "the driver refused the instrumented PTX", {"FAKE_CUDA_REJECT_TWINS": "1", "PTXMIG_HELPER": os.path.abspath(os.path.join(OPTS.build, "ptxmig"))}), ()),
         ("cache", t_cache, ()),
         ("tail-rule", t_tail, ()),
+        ("hold", t_hold, ()),
         ("free-waits-attributes-replayed", t_free_attrs, ()),
         ("sync-honest", t_sync, ()),
         ("stops-after-budget", t_late_stop, ()),
