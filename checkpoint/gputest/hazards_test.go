@@ -56,6 +56,7 @@ func hazardResults(t *testing.T, path string) []string {
 //   - only=e: L, and the two helper threads' kernels on their own streams (their folds held);
 //   - all hazards: L, with the fold, copy, event, host function, the second stream's wait and the
 //     legacy-stream work held behind it, and a thread inside cudaStreamSynchronize(s1).
+//
 // Each case: a --leave-running checkpoint mid-kernel (every long kernel preempted within the
 // budget, nothing waits for L), a rollback on purpose (the dump fails after the driver
 // checkpoint: the process resumes), then a checkpoint that ends the process mid-kernel and a
