@@ -13,6 +13,9 @@
 #                               (PTXMIG_BUNDLE_CU12=0 skips it on purpose)
 #   gputest/<area>/             script-driven GPU suites (ptxstate, shim, ...) with their sources
 #   bench/                      benchmark scripts
+#   samples/                    with PTXMIG_CUDA_SAMPLES=DIR (a checkout of NVIDIA/cuda-samples):
+#                               the sources of the public samples bench-p2.sh builds and runs
+#                               (copied from that checkout at bundle time, not kept in this repo)
 #   gpu-e2e.sh                  the runner
 # With --tar FILE, also packs DIR into FILE (xz) for carrying to a remote GPU host.
 set -euo pipefail
@@ -64,6 +67,18 @@ if [ -d "$dist/gputest/ptxstate" ]; then
 fi
 for b in scripts/bench-*.sh; do [ -e "$b" ] && cp "$b" "$dist/bench/"; done
 cp scripts/gpu-e2e.sh "$dist/"
+if [ -n "${PTXMIG_CUDA_SAMPLES:-}" ]; then
+  cs=$PTXMIG_CUDA_SAMPLES
+  [ -f "$cs/Common/helper_cuda.h" ] || { echo "gpu-bundle: PTXMIG_CUDA_SAMPLES=$cs is not a cuda-samples checkout" >&2; exit 1; }
+  mkdir -p "$dist/samples/Common"
+  cp "$cs"/Common/helper_*.h "$cs"/Common/exception.h "$dist/samples/Common/"
+  for s in $(scripts/bench-p2.sh --list-samples); do
+    d=$(find "$cs/Samples" -mindepth 2 -maxdepth 2 -type d -name "$s" | head -n1)
+    [ -n "$d" ] || { echo "gpu-bundle: sample $s not found in $cs" >&2; exit 1; }
+    mkdir -p "$dist/samples/$s"
+    find "$d" -maxdepth 1 -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h' \) -exec cp {} "$dist/samples/$s/" \;
+  done
+fi
 echo "gpu-bundle: $(du -sh "$dist" | cut -f1) in $dist ($(find "$dist/tests" -mindepth 1 -maxdepth 1 | wc -l) test binaries)"
 if [ -n "$tarfile" ]; then
   mkdir -p "$(dirname "$tarfile")"
