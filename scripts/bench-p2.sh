@@ -7,7 +7,7 @@
 #   bench/bench-p2.sh [ROUNDS]          (default 4; run as root on a GPU host)
 #   bench/bench-p2.sh --list-samples    (the cuda-samples it builds; gpu-bundle.sh copies them)
 #
-# Apps: the workloads (longgrid with fixed work: one ~3 s many-block hashgrid kernel, twin under
+# Apps: the workloads (longgrid with fixed work: one ~3.5 s many-block hashgrid kernel, twin under
 # auto; counter; train.py, CPU-bound PyTorch) and public NVIDIA/cuda-samples programs built here
 # with nvcc for sm_90 *with PTX* (so that the shim can instrument them), from the bundle's
 # samples/ (gpu-bundle.sh with PTXMIG_CUDA_SAMPLES=DIR). BENCH_APPS="a b ..." picks some.
@@ -19,7 +19,7 @@
 # within the 3 % target when the whole interval is. Every run's result must equal the plain
 # run's: the samples' verdict lines ("Test passed", "Result = PASS", ...) and exit status, the
 # workloads' checksum or final-loss lines.
-# Module load: train.py --steps 1 and matrixMul at its default size, plain / auto with an empty
+# Module load: train.py --steps 1, counter --steps 1 and matrixMul at its default size, plain / auto with an empty
 # cache / auto with the cache filled, 3 runs each (median wall time); the shim's helper runs
 # and time for the cold case come from its PTXMIG_DEBUG log.
 # Output: $PTXMIG_OUT/bench-p2.md (tables), bench-p2.raw (one line per run), bench-p2-logs/.
@@ -57,7 +57,7 @@ if [ -d "$here/samples/Common" ]; then
 else
   echo "bench-p2: no samples/ in the bundle (gpu-bundle.sh with PTXMIG_CUDA_SAMPLES): workloads only" >&2
 fi
-cmd[longgrid]="$W/longgrid --blocks 12000000 --work 16384"
+cmd[longgrid]="$W/longgrid --blocks 2000000 --work 16384"
 cmd[counter]="$W/counter --mib 1024 --steps 200 --interval-ms 0"
 cmd[train]="python3 $W/train.py --steps 1500 --log-every 500"
 if [ -n "${BENCH_APPS:-}" ]; then read -ra apps <<<"$BENCH_APPS"; else apps=(longgrid counter train "${samples[@]}"); fi
@@ -88,10 +88,11 @@ for r in $(seq 0 "$rounds"); do
   done
   echo "bench-p2: round $r of $rounds done" >&2
 done
-# Module load: train.py --steps 1 and matrixMul (default size), plain / cold / warm.
+# Module load: train.py --steps 1, counter --steps 1 and matrixMul (default size), plain / cold / warm.
 cmd[train1]="python3 $W/train.py --steps 1 --log-every 1"
+cmd[counter1]="$W/counter --mib 64 --steps 1 --interval-ms 0"
 [ -n "${cmd[matrixMul]:-}" ] && cmd[mm1]="$work/samples/matrixMul"
-for app in train1 mm1; do
+for app in train1 counter1 mm1; do
   [ -n "${cmd[$app]:-}" ] || continue
   for r in 1 2 3; do for way in plain cold auto; do run1 "$app" "$way" "l$r"; done; done
 done
@@ -146,7 +147,7 @@ for way in ("off", "auto"):
         g = statistics.geometric_mean(rs)
         lines.append(f"\nAll apps, {way} / plain: geometric mean {g:.3f} over {len(rs)} runs")
 lines += ["", "Module load (wall s, median of 3):", "", "| app | plain | auto, empty cache | auto, cache filled | files the cold run cached |", "|---|---|---|---|---|"]
-for app in ("train1", "mm1"):
+for app in ("train1", "counter1", "mm1"):
     tags = [t for a, t in runs if a == app]
     if not tags: continue
     med = {w: statistics.median(runs[(app, t)][w][0] / 1000 for t in tags) for w in ("plain", "cold", "auto")}

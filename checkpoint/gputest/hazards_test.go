@@ -63,7 +63,7 @@ func hazardResults(t *testing.T, path string) []string {
 // restore; every part must equal the uninterrupted run's.
 func TestPreemptHazards(t *testing.T) {
 	need(t, 1)
-	for _, tc := range []struct {
+	for i, tc := range []struct {
 		name      string
 		args      []string
 		preempted int // long kernels in flight at the checkpoint
@@ -77,7 +77,7 @@ func TestPreemptHazards(t *testing.T) {
 			waitLine(t, p.log, "started", 3*time.Minute)
 			time.Sleep(3 * time.Second)
 			t0 := time.Now()
-			so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--lock-timeout", "10s", "--name", "hz-lr", strconv.Itoa(p.pid))
+			so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--lock-timeout", "10s", "--name", fmt.Sprintf("hz-lr-%d", i), strconv.Itoa(p.pid))
 			took := time.Since(t0)
 			if code != 0 {
 				t.Fatalf("checkpoint --leave-running: exit %d after %s: %s", code, took, se)
@@ -94,10 +94,10 @@ func TestPreemptHazards(t *testing.T) {
 			}
 			// Rollback on purpose: the dump fails after the driver checkpoint; the process resumes.
 			time.Sleep(time.Second)
-			rollbackOnPurpose(t, p.pid, "hz-rollback")
+			rollbackOnPurpose(t, p.pid, fmt.Sprintf("hz-rollback-%d", i))
 			// Checkpoint mid-kernel (the process ends), then restore: each remainder runs once.
 			time.Sleep(time.Second)
-			so, se, code = ptxmig(t, "--json", "checkpoint", "--name", "hz-mid", strconv.Itoa(p.pid))
+			so, se, code = ptxmig(t, "--json", "checkpoint", "--name", fmt.Sprintf("hz-mid-%d", i), strconv.Itoa(p.pid))
 			if code != 0 {
 				t.Fatalf("checkpoint mid-kernel: exit %d: %s", code, se)
 			}
@@ -108,7 +108,7 @@ func TestPreemptHazards(t *testing.T) {
 				}
 			}
 			<-p.done
-			if so, se, code = ptxmig(t, "--json", "restore", "hz-mid"); code != 0 {
+			if so, se, code = ptxmig(t, "--json", "restore", fmt.Sprintf("hz-mid-%d", i)); code != 0 {
 				t.Fatalf("restore: exit %d: %s\n%s", code, se, so)
 			}
 			waitExit(t, p.pid, 3*time.Minute)

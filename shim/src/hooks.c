@@ -40,6 +40,7 @@ void config_load(void) {
   cfg.preempt_min_us = env_uint("PTXMIG_PREEMPT_MIN_US", 1000);
   cfg.preempt_batch_max = env_uint("PTXMIG_PREEMPT_BATCH_MAX", 0);
   cfg.preempt_hold = env_uint("PTXMIG_PREEMPT_HOLD", 1) != 0;
+  cfg.preempt_long_us = env_uint("PTXMIG_PREEMPT_LONG_US", 10000);
   if (cfg.preempt_batch_max > 65536) cfg.preempt_batch_max = 65536;
   const char *ps = getenv("PTXMIG_PREEMPT_SASS");
   cfg.preempt_sass = !(ps && strcmp(ps, "keep") == 0);

@@ -533,7 +533,6 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
                 CUstream s, int ptsz, void **params, void **extra, launch_fn lf, const CUlaunchConfig *ex,
                 launch_ex_fn lef, uint64_t seq, CUresult *res, const char **why) {
   *why = NULL;
-  (void)f;
   if (cfg.preempt == PM_OFF) return 0;
   krec *r = t->rec;
   if (!r || !d_ready()) {
@@ -624,6 +623,18 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   if (!c->sms || d.occupancy(&occ, twin, (int)threads, shmem) != CUDA_SUCCESS || occ <= 0) {
     *why = "twin occupancy is zero";
     return 0;
+  }
+  // auto: a twin that fits fewer CTAs per SM than its original (more registers, e.g. 40 against
+  // 32 at 1024 threads: half the CTAs) runs markedly slower; a kernel sampled shorter than
+  // PTXMIG_PREEMPT_LONG_US drains within about the budget anyway, so it launches as the original.
+  if (cfg.preempt == PM_AUTO) {
+    unsigned m = atomic_load(&r->mean_us);
+    int occ_orig = 0;
+    if (m && m < cfg.preempt_long_us && d.occupancy(&occ_orig, f, (int)threads, shmem) == CUDA_SUCCESS &&
+        occ_orig > occ) {
+      *why = "twin fits fewer CTAs per SM than the original (auto: short enough to drain)";
+      return 0;
+    }
   }
   uint64_t total = (uint64_t)g[0] * g[1] * g[2];
   uint64_t w = (uint64_t)occ * (uint64_t)c->sms;

@@ -579,6 +579,34 @@ def t_auto(name):
     ended_ok(name, app)
 
 
+def t_auto_occupancy(name):
+    # auto: a twin that fits fewer CTAs per SM than its original launches only for kernels sampled
+    # at or above PTXMIG_PREEMPT_LONG_US; shorter ones launch as originals, with the reason.
+    for long_us, want_twins in (("100000000", False), ("1", True)):
+        tmp, app = with_app(name, {"PTXMIG_PREEMPT": "auto", "PTXMIG_PREEMPT_MIN_US": "1", "FAKE_CUDA_TWIN_OCC": "1",
+                                   "FAKE_CUDA_BLOCK_US": "2000", "PTXMIG_PREEMPT_LONG_US": long_us})
+        c = app.conn()
+        for _ in range(5):
+            app.cmd("launch s 8")
+            app.cmd("check", timeout=30)
+            c.req(cmd="kernels")  # harvests the samples
+        k = kern(c, "k_count")
+        if want_twins:
+            check(k and k["twin_launches"] == 5, f"{name}: long kernels keep their twins: {k}")
+        else:
+            # the first launch (untimed) is a twin; once timed, the slower twin is not used
+            check(k and 1 <= k["twin_launches"] < 5 and k["timed"] >= 1, f"{name}: short kernel, slower twin: {k}")
+            app.cmd("launch s 300")
+            time.sleep(0.05)
+            r = c.req(cmd="quiesce", budget_ms=2000)["result"]
+            why = [o.get("reason", "") for o in r.get("originals", [])]
+            check(any("fewer CTAs per SM" in w for w in why), f"{name}: the reason is reported: {r}")
+            c.req(cmd="resume")
+        check(app.cmd("check", timeout=30).startswith("check ok"), f"{name}: blocks")
+        c.close()
+        ended_ok(name, app)
+
+
 def t_off(name):
     tmp, app = with_app(name, {"PTXMIG_PREEMPT": None})
     c = app.conn()
@@ -745,6 +773,7 @@ def main():
         ("lease", t_lease, ()),
         ("detach-resume", t_detach, ()),
         ("auto-policy", t_auto, ()),
+        ("auto-occupancy", t_auto_occupancy, ()),
         ("runtime-fatbin", t_runtime, ()),
         ("runtime-fatbin-sass-keep", t_sass_keep, ()),
         ("criu", t_criu, ()),
