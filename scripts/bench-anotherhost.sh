@@ -28,6 +28,11 @@ W=${PTXMIG_WORKLOADS:-$bundle/workloads/bin}
 OUT=${PTXMIG_OUT:-$PWD/results}
 steps=60
 logdir=/tmp/ptxmig-anotherhost
+# The application is installed at the same path on both hosts (as an operator would deploy it),
+# built from the same source by the same nvcc, and runs there: the image records its executable
+# and working directory, which restore's preflight requires on the target.
+app=/opt/ptxmig-anotherhost
+install_app() { install -D -m 0755 "$W/counter" "$app/counter"; }
 [ "$(id -u)" -eq 0 ] || { echo "bench-anotherhost: run as root" >&2; exit 1; }
 mkdir -p "$dir" "$OUT"
 gpu() { nvidia-smi --query-gpu=name,uuid,driver_version --format=csv,noheader -i 0; }
@@ -36,9 +41,9 @@ final() { sed -n 's/^final checksum \([0-9a-f]*\).*/\1/p' "$1" | tail -1; }
 
 case $mode in
 source)
-  rm -rf "$logdir"; mkdir -p "$logdir"
+  rm -rf "$logdir"; mkdir -p "$logdir"; install_app
   store=$(mktemp -d /var/tmp/ptxmig-anotherhost-src.XXXXXX)
-  setsid "$W/counter" --mib "$mib" --steps "$steps" --interval-ms 100 --device 0 </dev/null >>"$logdir/counter.log" 2>&1 &
+  (cd "$app" && exec setsid ./counter --mib "$mib" --steps "$steps" --interval-ms 100 --device 0 </dev/null >>"$logdir/counter.log" 2>&1) &
   pid=$!
   for _ in $(seq 600); do grep -q '^step 10 ' "$logdir/counter.log" && break; sleep 0.1; done
   grep -q '^step 10 ' "$logdir/counter.log" || { echo "counter did not reach step 10" >&2; cat "$logdir/counter.log" >&2; exit 1; }
@@ -48,7 +53,7 @@ source)
   t=$(date +%s%N)
   "$bin" --store "$store" image export anotherhost -o "$dir/anotherhost.ptxmig"
   ex=$(ms "$t")
-  rm -rf "$store" "$logdir" # host A keeps nothing: the image and its carried log are all there is
+  rm -rf "$store" "$logdir" "$app" # host A keeps nothing: the image and its carried log are all there is
   python3 - "$dir" "$(gpu)" "$ck" "$ex" "$mib" <<'PY'
 import json, sys
 d, g, ck, ex, mib = sys.argv[1:]
@@ -59,6 +64,7 @@ PY
 target)
   [ -e "$logdir" ] && { echo "bench-anotherhost: $logdir exists here: not another host (or a leftover): remove it" >&2; exit 1; }
   mib=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['mib'])" "$dir/source.json")
+  install_app
   store=$(mktemp -d /var/tmp/ptxmig-anotherhost-dst.XXXXXX)/store
   t=$(date +%s%N)
   "$bin" --store "$store" image import "$dir/anotherhost.ptxmig"
@@ -71,7 +77,7 @@ target)
   for _ in $(seq 1200); do [ -e "/proc/$pid" ] || break; sleep 0.1; done
   got=$(final "$logdir/counter.log")
   ref=$(mktemp)
-  "$W/counter" --mib "$mib" --steps "$steps" --interval-ms 0 --device 0 >"$ref" 2>&1
+  "$app/counter" --mib "$mib" --steps "$steps" --interval-ms 0 --device 0 >"$ref" 2>&1
   want=$(final "$ref"); rm -f "$ref"
   verdict=FAIL; [ -n "$got" ] && [ "$got" = "$want" ] && verdict="exact ($got)"
   model=$(python3 -c "
@@ -84,7 +90,7 @@ print('; '.join(f\"{p['from'].get('name','?')} -> {p['to'].get('name','?')}\" + 
   { echo "| date | source GPU, driver | source timings | target GPU, driver | target timings | pairs | result |"
     echo "|---|---|---|---|---|---|---|"
     echo "$row"; } | tee "$OUT/bench-anotherhost.md"
-  rm -rf "$(dirname "$store")" "$logdir"
+  rm -rf "$(dirname "$store")" "$logdir" "$app"
   [ "$verdict" != FAIL ] || { echo "bench-anotherhost: final checksum $got, uninterrupted run $want" >&2; exit 1; }
   ;;
 *) echo "usage: bench-anotherhost.sh source|target DIR [MIB]" >&2; exit 2 ;;
