@@ -18,7 +18,8 @@
 # (each round's ratio uses that round's plain run) with a 90 % bootstrap interval; a way is
 # within the 3 % target when the whole interval is. Every run's result must equal the plain
 # run's: the samples' verdict lines ("Test passed", "Result = PASS", ...) and exit status, the
-# workloads' checksum or final-loss lines.
+# workloads' checksum or final-loss lines; the script exits 1 when one differs (after a bisect:
+# such an app runs again under always, always without holding, always with one-block claims).
 # Module load: train.py --steps 1, counter --steps 1 and matrixMul at its default size, plain / auto with an empty
 # cache / auto with the cache filled, 3 runs each (median wall time); the shim's helper runs
 # and time for the cold case come from its PTXMIG_DEBUG log.
@@ -69,6 +70,10 @@ run1() {
     plain) ;;
     off) pre=(env PTXMIG_PTX_CACHE="$cache" "$PTXMIG_BIN" run --shim "$PTXMIG_SHIM" --socket-dir "$sock" --preempt off --) ;;
     auto) pre=(env PTXMIG_PTX_CACHE="$cache" "$PTXMIG_BIN" run --shim "$PTXMIG_SHIM" --socket-dir "$sock" --) ;;
+    always|nohold|batch1) local v=(PTXMIG_PREEMPT=always)
+      [ "$way" = nohold ] && v=(PTXMIG_PREEMPT=always PTXMIG_PREEMPT_HOLD=0)
+      [ "$way" = batch1 ] && v=(PTXMIG_PREEMPT=always PTXMIG_PREEMPT_BATCH_MAX=1)
+      pre=(env PTXMIG_PTX_CACHE="$cache" "${v[@]}" "$PTXMIG_BIN" run --shim "$PTXMIG_SHIM" --socket-dir "$sock" --preempt always --) ;;
     cold) pre=(env PTXMIG_PTX_CACHE="$work/cold" "$PTXMIG_BIN" run --shim "$PTXMIG_SHIM" --socket-dir "$sock" --) ;;
   esac
   [ "$way" = cold ] && rm -rf "$work/cold" && mkdir -p "$work/cold"
@@ -87,6 +92,18 @@ for r in $(seq 0 "$rounds"); do
     for i in 0 1 2; do run1 "$app" "${ways[$(( (i + r) % 3 ))]}" "r$r"; done
   done
   echo "bench-p2: round $r of $rounds done" >&2
+done
+# An app whose result differed under auto in the first round is run again, to narrow the cause:
+# plain, then every kernel with a twin (always), always without holding, always with one-block
+# claims; the verdicts go to the "bisect" table.
+bisect=()
+for app in "${apps[@]}"; do
+  [ -n "${cmd[$app]:-}" ] || continue
+  ref=$(grep -aE 'Test passed|Test failed|PASS|FAIL|checksum|final' "$logs/$app.plain.r0.log" | grep -avE 'time|GFlop|GB/s' || true)
+  got=$(grep -aE 'Test passed|Test failed|PASS|FAIL|checksum|final' "$logs/$app.auto.r0.log" | grep -avE 'time|GFlop|GB/s' || true)
+  [ "$ref" = "$got" ] && continue
+  bisect+=("$app")
+  for way in plain always nohold batch1; do run1 "$app" "$way" b1; done
 done
 # Module load: train.py --steps 1, counter --steps 1 and matrixMul (default size), plain / cold / warm.
 cmd[train1]="python3 $W/train.py --steps 1 --log-every 1"
@@ -119,6 +136,7 @@ def ci(rs):
     meds = sorted(statistics.median(rnd.choices(rs, k=len(rs))) for _ in range(5000))
     return meds[int(0.05 * len(meds))], meds[int(0.95 * len(meds))]
 apps = sorted({a for a, t in runs if t.startswith("r")}, key=lambda a: list(runs).index((a, "r0")))
+differ = False
 allr = {"off": [], "auto": []}
 for app in apps:
     tags = [f"r{r}" for r in range(1, rounds + 1) if (app, f"r{r}") in runs]
@@ -140,6 +158,7 @@ for app in apps:
             if rc != 0 or verdict(app, way, t) != ref:
                 bad.append(f"{way}/{t} rc {rc}")
     row.append("identical, exit 0" if not bad else "DIFFER: " + ", ".join(bad))
+    differ = differ or bool(bad)
     lines.append("| " + " | ".join(row) + " |")
 for way in ("off", "auto"):
     rs = allr[way]
@@ -152,6 +171,15 @@ for app in ("train1", "counter1", "mm1"):
     if not tags: continue
     med = {w: statistics.median(runs[(app, t)][w][0] / 1000 for t in tags) for w in ("plain", "cold", "auto")}
     lines.append(f"| {app} | {med['plain']:.2f} | {med['cold']:.2f} | {med['auto']:.2f} | {cold.get(app, '?')} |")
+bis = sorted({a for a, t in runs if t == "b1"})
+if bis:
+    lines += ["", "Bisect of apps whose result differed under auto (same result as plain?):", "",
+              "| app | always | always, holding off | always, one-block claims |", "|---|---|---|---|"]
+    for app in bis:
+        ref = verdict(app, "plain", "b1")
+        cells = [("same" if verdict(app, w, "b1") == ref and runs[(app, "b1")][w][1] == 0 else "DIFFERS") for w in ("always", "nohold", "batch1")]
+        lines.append(f"| {app} | " + " | ".join(cells) + " |")
 open(md, "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
+sys.exit(1 if differ else 0)
 PY

@@ -567,14 +567,19 @@ def t_auto(name):
     tmp, app = with_app(name, {"PTXMIG_PREEMPT": "auto", "PTXMIG_PREEMPT_MIN_US": "100000000", "FAKE_CUDA_BLOCK_US": "0"})
     c = app.conn()
     for _ in range(6):
-        app.cmd("launch s 8")
+        app.cmd("launch s 40")
         app.cmd("check", timeout=30)
         c.req(cmd="kernels")  # harvests the samples
     k = kern(c, "k_count")
     check(k and 1 <= k["twin_launches"] < k["launches"] == 6 and k["timed"] >= 1, f"{name}: auto policy {k}")
+    # A grid that fits in one wave (4 SMs x 2 CTAs in the fake driver) never gets a twin under auto.
+    app.cmd("launch s 8")
+    check(app.cmd("check", timeout=30).startswith("check ok"), f"{name}: one-wave blocks")
+    k2 = kern(c, "k_count")
+    check(k2["twin_launches"] == k["twin_launches"] and k2["launches"] == 7, f"{name}: a one-wave grid got a twin: {k2}")
     r = c.req(cmd="quiesce", budget_ms=50)["result"]
     c.req(cmd="resume")
-    check(app.cmd("check", timeout=30) == "check ok 6 launches, 0 bad blocks", f"{name}: blocks")
+    check(app.cmd("check", timeout=30) == "check ok 7 launches, 0 bad blocks", f"{name}: blocks")
     c.close()
     ended_ok(name, app)
 
