@@ -207,6 +207,45 @@ func TestLeaveRunning(t *testing.T) {
 	}
 }
 
+// TestLeaveRunningBusy: a process that writes its memory flat out while it is checkpointed with
+// --leave-running (streamed, the default, and staged) must be restored exactly as it was when it
+// was dumped: the image must not mix pages from before and after CRIU resumes it (as it would if
+// a streamed dump's pipes still referred to the live pages when the process ran on).
+func TestLeaveRunningBusy(t *testing.T) {
+	for _, noStream := range []bool{false, true} {
+		t.Run(map[bool]string{false: "stream", true: "no-stream"}[noStream], func(t *testing.T) {
+			f := setup(t)
+			const mib, steps = 64, 10_000_000
+			p, err := testproc.Start(f.bin, filepath.Join(f.dir, "busy"), testproc.Options{MiB: mib, IntervalMs: -1, Steps: steps})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = p.Kill() })
+			if _, err := testproc.WaitState(p.StateFile, func(s testproc.State) bool { return s.Step >= 1000 }, 20*time.Second); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, Name: "busy", LeaveRunning: true, StagingRoot: f.stage, NoStream: noStream}); err != nil {
+				t.Fatal(err)
+			}
+			if err := p.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			r, err := restore.Run(context.Background(), f.env, restore.Options{Image: "busy", StagingRoot: f.stage, NoStream: noStream})
+			if err != nil {
+				t.Fatalf("restore: %v", err)
+			}
+			t.Cleanup(func() { _ = testproc.KillPID(r.PID, 10*time.Second) })
+			s, err := testproc.WaitState(p.StateFile, func(s testproc.State) bool { return s.Done }, 60*time.Second)
+			if err != nil {
+				t.Fatalf("restored process did not finish: %v", err)
+			}
+			if err := testproc.NewModel(mib).Check(s); err != nil {
+				t.Fatalf("restored pid %d: %v", r.PID, err)
+			}
+		})
+	}
+}
+
 // TestRollbackOnStoreFailure injects a failure (and, separately, a cancellation like SIGINT) at
 // the store step: the dumped and stopped process must be resumed and continue exactly, and no
 // image may be left behind.

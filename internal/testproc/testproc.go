@@ -5,6 +5,7 @@
 package testproc
 
 import (
+	"bytes"
 	_ "embed"
 	"errors"
 	"fmt"
@@ -48,7 +49,7 @@ func Build(dir string) (string, error) {
 // Options of one test process.
 type Options struct {
 	MiB        int  // heap size (default 4)
-	IntervalMs int  // pause between steps (default 50)
+	IntervalMs int  // pause between steps (default 50; negative: none, the process runs flat out)
 	Steps      int  // stop after this many steps (0: run until killed)
 	Log        bool // also print each step to Stdout
 	Stdout     string
@@ -61,6 +62,8 @@ func (o Options) args(state string) []string {
 	}
 	if o.IntervalMs > 0 {
 		a = append(a, "--interval-ms", strconv.Itoa(o.IntervalMs))
+	} else if o.IntervalMs < 0 {
+		a = append(a, "--interval-ms", "0")
 	}
 	if o.Steps > 0 {
 		a = append(a, "--steps", strconv.Itoa(o.Steps))
@@ -160,15 +163,26 @@ func ParseState(b []byte) (State, error) {
 }
 
 // ReadState reads the state file.
+//
+// A read that overlaps the process's pwrite of the record can see part of the old record and part
+// of the new one (reads of a regular file do not serialise with writes), so the record is read
+// until two reads in a row agree.
 func ReadState(path string) (State, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return State{}, err
+	var prev []byte
+	for try := 0; try < 10; try++ {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return State{}, err
+		}
+		if len(b) != 128 {
+			return State{}, fmt.Errorf("state file %s: %d bytes, want 128", path, len(b))
+		}
+		if prev != nil && bytes.Equal(prev, b) {
+			return ParseState(b)
+		}
+		prev = b
 	}
-	if len(b) != 128 {
-		return State{}, fmt.Errorf("state file %s: %d bytes, want 128", path, len(b))
-	}
-	return ParseState(b)
+	return State{}, fmt.Errorf("state file %s: no two reads in a row agreed", path)
 }
 
 // WaitState polls the state file until ok(state) or the timeout.
