@@ -55,6 +55,8 @@ type KernelReport struct {
 	SaveBytesPerThread int            `json:"save_bytes_per_thread"`
 	SaveBytesPerCTA    *int           `json:"save_bytes_per_cta,omitempty"` // when the block size is bounded by .reqntid/.maxntid
 	EarlyExitDivergent bool           `json:"divergent_early_exit"`
+	// TwinMaxNReg is the .maxnreg given to the twin (Options.MaxNReg), 0 when none.
+	TwinMaxNReg int `json:"twin_maxnreg,omitempty"`
 }
 
 // Report is the analysis of a module.
@@ -62,6 +64,7 @@ type Report struct {
 	Version string         `json:"version"`
 	Target  []string       `json:"target"`
 	Kernels []KernelReport `json:"kernels"`
+	Notes   []string       `json:"notes,omitempty"` // about the whole module (e.g. registers not matched)
 }
 
 // moduleVar is a module-scope variable.

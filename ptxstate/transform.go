@@ -8,7 +8,21 @@ import (
 // Instrument adds a preemptible persistent-thread twin after every eligible kernel and returns
 // the new module and the analysis (with refusals for the kernels left alone). The input module
 // is not modified.
-func Instrument(m *Module) (*Module, *Report, error) {
+func Instrument(m *Module) (*Module, *Report, error) { return InstrumentWith(m, Options{}) }
+
+// Options tune Instrument.
+type Options struct {
+	// MaxNReg caps the registers of a kernel's twin (by the kernel's name) with .maxnreg, for
+	// kernels without a .maxnreg or .minnctapersm of their own: the twin's scheduler adds a few live values, and
+	// ptxas, free to use more registers, can make the twin fit fewer CTAs per SM than its original
+	// (matrixMul's 32x32 kernel: 40 registers against 32 at 1024 threads, half the CTAs). Given
+	// the most registers that keep the original's occupancy (ptxas -v on the original,
+	// internal/ptxas.Registers and SameOccupancyRegs), the twin keeps it; ptxas spills if it must.
+	MaxNReg map[string]int
+}
+
+// InstrumentWith is Instrument with options.
+func InstrumentWith(m *Module, o Options) (*Module, *Report, error) {
 	out := &Module{Trailer: m.Trailer, Version: m.Version, Target: m.Target, AddressSize: m.AddressSize, src: m.src}
 	r := &Report{Version: m.Version, Target: m.Target}
 	a := newAnalyzer(m)
@@ -26,7 +40,12 @@ func Instrument(m *Module) (*Module, *Report, error) {
 			kr.Refusals = append(kr.Refusals, fmt.Sprintf(".address_size %d: the control block needs 64-bit addresses", m.AddressSize))
 		}
 		if kr.Eligible {
-			slot, twin, err := makeTwin(it.Func, info)
+			maxnreg := 0
+			if n := o.MaxNReg[it.Func.Name]; n > 0 && it.Func.MaxNReg == 0 && it.Func.MinNCTAPerSM == 0 {
+				maxnreg = max(n, minTwinRegs)
+				kr.TwinMaxNReg = maxnreg
+			}
+			slot, twin, err := makeTwin(it.Func, info, maxnreg)
 			if err != nil {
 				return nil, nil, fmt.Errorf("kernel %s: %w", it.Func.Name, err)
 			}
@@ -111,7 +130,11 @@ var virtualSpecial = map[string]string{
 // bar.sync (an aligned barrier) and warp-synchronous instructions (shfl.sync, vote) need that:
 // a leader lane still in scheduler code while its warp's other lanes run the body is undefined
 // behaviour, and on H200 it faulted (CUDA_ERROR_INVALID_ADDRESS_SPACE in transpose2d).
-func makeTwin(f *Function, info *kernelInfo) (*Item, *Item, error) {
+// minTwinRegs is the least .maxnreg given to a twin: below it the scheduler's own live values
+// would only move to local memory (the hardware allocates registers in groups of 8 anyway).
+const minTwinRegs = 24
+
+func makeTwin(f *Function, info *kernelInfo, maxnreg int) (*Item, *Item, error) {
 	twinName := f.Name + TwinSuffix
 	slotName := slotPrefix + f.Name
 	slot := &Item{Kind: ItemVar, Lead: "\n\n// ptxmig: scheduler state of " + twinName + " (two parity slots, leader state)\n",
@@ -130,9 +153,20 @@ func makeTwin(f *Function, info *kernelInfo) (*Item, *Item, error) {
 	if !strings.HasPrefix(rest, "\n") && !strings.HasPrefix(rest, "\r\n") {
 		rest = "\n" + rest
 	}
+	if maxnreg > 0 {
+		// Before the body's opening brace (the last "{" of the header).
+		i := strings.LastIndex(rest, "{")
+		if i < 0 {
+			return nil, nil, fmt.Errorf("header of %s has no opening brace", f.Name)
+		}
+		rest = rest[:i] + fmt.Sprintf(".maxnreg %d\n", maxnreg) + rest[i:]
+	}
 	head = h[:f.nameOff] + twinName + h[f.nameOff+len(f.Name):end] + sep + extra + rest
 	tw := &Function{Entry: true, Name: twinName, Head: head, Close: f.Close, Params: append(append([]Param(nil), f.Params...), Param{Space: ".param", Type: ".u64", Name: CtlParam, Bytes: 8}),
 		MaxNTID: f.MaxNTID, ReqNTID: f.ReqNTID, MinNCTAPerSM: f.MinNCTAPerSM, MaxNReg: f.MaxNReg}
+	if maxnreg > 0 {
+		tw.MaxNReg = maxnreg
+	}
 
 	var body []*Stmt
 	emit := func(lines ...string) {

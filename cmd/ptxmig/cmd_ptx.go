@@ -1,17 +1,21 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
 	"io/fs"
 	"os"
+	"regexp"
 	"strings"
+	"time"
 
 	"github.com/urfave/cli/v2"
 
 	"github.com/ptxmig/ptxmig/internal/atomicfile"
 	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/ptxas"
 	"github.com/ptxmig/ptxmig/ptxstate"
 )
 
@@ -50,12 +54,19 @@ func init() {
 				Description: "OUT (-o, required) is written atomically and may be FILE itself; - writes to stdout. Kernels\n" +
 					"left without a twin are logged at --log-level info, or listed by --report (on stderr when OUT\n" +
 					"is -). With --json the report is the command's JSON document (on stderr when OUT is -).\n\n" +
+					"With --match-registers ARCH (e.g. sm_90), ptxas (found as for `ptxmig doctor`: $PTXAS, PATH,\n" +
+					"$CUDA_HOME/bin, /usr/local/cuda/bin) assembles FILE for ARCH first, and each twin gets the\n" +
+					"largest .maxnreg that fits as many CTAs per SM as its original does; without\n" +
+					"a usable ptxas the twins are written without it and the report says why (the shim passes\n" +
+					"the GPU's ARCH when it runs ptxmig as its helper).\n\n" +
 					"Examples:\n" +
 					"   ptxmig ptx instrument -o kernels.twins.ptx kernels.ptx\n" +
+					"   ptxmig ptx instrument --match-registers sm_90 -o kernels.twins.ptx kernels.ptx\n" +
 					"   ptxmig ptx instrument --report -o - kernels.ptx > out.ptx",
 				Flags: []cli.Flag{
 					&cli.StringFlag{Name: "output", Aliases: []string{"o"}, Usage: "output PTX `FILE`, or - for stdout (required)"},
 					&cli.BoolFlag{Name: "report", Usage: "also print the per-kernel report (to stderr when OUT is -)"},
+					&cli.StringFlag{Name: "match-registers", Usage: "cap each twin's registers so that it fits as many CTAs per SM as its original, as ptxas assembles FILE for `ARCH` (sm_XX)"},
 				},
 				Action: ptxInstrumentAction,
 			},
@@ -133,9 +144,10 @@ func ptxInstrumentAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
+	opts, note := matchRegisters(c, m)
 	var out *ptxstate.Module
 	var r *ptxstate.Report
-	err = interruptible(c, func() (err error) { out, r, err = ptxstate.Instrument(m); return err })
+	err = interruptible(c, func() (err error) { out, r, err = ptxstate.InstrumentWith(m, opts); return err })
 	if err != nil {
 		return fmt.Errorf("instrument %s: %w", in, err)
 	}
@@ -152,6 +164,10 @@ func ptxInstrumentAction(c *cli.Context) error {
 	if outName == "-" {
 		w = env(c).Err
 	}
+	if note != "" {
+		env(c).Log.Warn(note)
+		r.Notes = append(r.Notes, note)
+	}
 	if env(c).JSON {
 		return writeJSON(w, r)
 	}
@@ -166,13 +182,56 @@ func ptxInstrumentAction(c *cli.Context) error {
 	return writeReport(w, r, false)
 }
 
+var archRE = regexp.MustCompile(`^sm_[0-9]{2,3}[af]?$`)
+
+const maxMatchBytes = 8 << 20
+
+// matchRegisters runs ptxas -v on the module for --match-registers ARCH and returns the twins'
+// register caps, or a note saying why there are none (the instrumentation goes on without them).
+func matchRegisters(c *cli.Context, m *ptxstate.Module) (ptxstate.Options, string) {
+	arch := c.String("match-registers")
+	if arch == "" {
+		return ptxstate.Options{}, ""
+	}
+	if !archRE.MatchString(arch) {
+		return ptxstate.Options{}, fmt.Sprintf("registers not matched: --match-registers %s is not an sm_XX architecture", esc(arch))
+	}
+	bin, err := ptxas.Find()
+	if err != nil {
+		return ptxstate.Options{}, fmt.Sprintf("registers not matched: %v", err)
+	}
+	// The shim waits for its helper 60 s by default: ptxas on a very large module would outlast
+	// that and cost the module all its twins, so such modules go uncapped.
+	src := m.Bytes()
+	if len(src) > maxMatchBytes {
+		return ptxstate.Options{}, fmt.Sprintf("registers not matched: %d MiB of PTX is over the %d MiB ptxas is run on", len(src)>>20, maxMatchBytes>>20)
+	}
+	ctx, cancel := context.WithTimeout(c.Context, 30*time.Second)
+	defer cancel()
+	regs, err := ptxas.Registers(ctx, bin, src, arch)
+	if err != nil {
+		first, _, _ := strings.Cut(strings.TrimSpace(err.Error()), "\n")
+		return ptxstate.Options{}, fmt.Sprintf("registers not matched: %s", esc(first))
+	}
+	caps := make(map[string]int, len(regs))
+	for k, n := range regs {
+		caps[k] = ptxas.SameOccupancyRegs(n, arch)
+	}
+	return ptxstate.Options{MaxNReg: caps}, ""
+}
+
 // writeReport prints the human form of a report; detail adds barrier sites and live registers.
 func writeReport(w io.Writer, r *ptxstate.Report, detail bool) error {
 	var b strings.Builder
 	fmt.Fprintf(&b, "PTX %s, target %s: %d kernel(s)\n", esc(r.Version), escList(r.Target, ","), len(r.Kernels))
+	for _, n := range r.Notes {
+		fmt.Fprintf(&b, "note: %s\n", esc(n))
+	}
 	for _, k := range r.Kernels {
 		b.WriteString("\n")
-		if k.Eligible {
+		if k.Eligible && k.TwinMaxNReg > 0 {
+			fmt.Fprintf(&b, "%s (line %d): eligible, twin %s (.maxnreg %d: as many CTAs per SM as its original)\n", esc(k.Name), k.Line, esc(k.Twin), k.TwinMaxNReg)
+		} else if k.Eligible {
 			fmt.Fprintf(&b, "%s (line %d): eligible, twin %s\n", esc(k.Name), k.Line, esc(k.Twin))
 		} else {
 			fmt.Fprintf(&b, "%s (line %d): refused\n", esc(k.Name), k.Line)

@@ -8,6 +8,9 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/ptxmig/ptxmig/internal/ptxas"
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 func TestPtxCommands(t *testing.T) {
@@ -85,4 +88,45 @@ func TestPTXInterruptible(t *testing.T) {
 	if code != 130 || !strings.Contains(errb.String(), "canceled") {
 		t.Fatalf("cancelled analyze: exit %d, stderr %q; want 130", code, errb.String())
 	}
+}
+
+// TestPtxInstrumentMatchRegisters: --match-registers caps the twins with a real ptxas, and says
+// why it did not where no ptxas can be used (the instrumentation goes on without the caps).
+func TestPtxInstrumentMatchRegisters(t *testing.T) {
+	src := filepath.Join("..", "..", "internal", "ptxas", "testdata", "saxpy.ptx")
+	dst := filepath.Join(t.TempDir(), "out.ptx")
+	t.Run("no ptxas", func(t *testing.T) {
+		t.Setenv("PTXAS", filepath.Join(t.TempDir(), "missing-ptxas"))
+		out, stderr, code := runCLI(t, "--json", "ptx", "instrument", "--match-registers", "sm_90", "-o", dst, src)
+		if code != 0 {
+			t.Fatalf("exit %d: %s", code, stderr)
+		}
+		var r struct{ Notes []string }
+		if err := json.Unmarshal([]byte(out), &r); err != nil || len(r.Notes) != 1 || !strings.Contains(r.Notes[0], "registers not matched") {
+			t.Errorf("notes %v (%v)\n%s", r.Notes, err, out)
+		}
+		data, _ := os.ReadFile(dst)
+		if !strings.Contains(string(data), "__ptxmig(") || strings.Contains(string(data), ".maxnreg") {
+			t.Error("without ptxas the twins must be written, uncapped")
+		}
+	})
+	t.Run("bad arch", func(t *testing.T) {
+		out, _, code := runCLI(t, "--json", "ptx", "instrument", "--match-registers", "sm_9x;rm", "-o", dst, src)
+		if code != 0 || !strings.Contains(out, "not an sm_XX architecture") {
+			t.Errorf("exit %d: %s", code, out)
+		}
+	})
+	t.Run("ptxas", func(t *testing.T) {
+		if _, err := ptxas.Find(); err != nil {
+			testreq.Skip(t, "ptxas", "%v", err)
+		}
+		out, stderr, code := runCLI(t, "ptx", "instrument", "--report", "--match-registers", "sm_90", "-o", dst, src)
+		if code != 0 {
+			t.Fatalf("exit %d: %s", code, stderr)
+		}
+		data, _ := os.ReadFile(dst)
+		if !strings.Contains(out, ".maxnreg") || !strings.Contains(string(data), ".maxnreg") {
+			t.Errorf("no cap:\n%s", out)
+		}
+	})
 }

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
 )
 
 // ErrNotFound means no ptxas was found (scripts/install-ptxas.sh installs one).
@@ -94,4 +95,80 @@ func Assemble(ctx context.Context, bin string, ptx []byte, arch string) ([]byte,
 		return nil, &Error{Arch: arch, Output: diag.String(), Err: err}
 	}
 	return os.ReadFile(out)
+}
+
+// Registers assembles ptx for arch with ptxas -v and returns the registers each entry function
+// uses, by name: what the twin of a kernel may use without fitting fewer CTAs per SM than it.
+func Registers(ctx context.Context, bin string, ptx []byte, arch string) (map[string]int, error) {
+	dir, err := os.MkdirTemp("", "ptxas-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dir)
+	in := filepath.Join(dir, "in.ptx")
+	if err := os.WriteFile(in, ptx, 0o600); err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(ctx, bin, "-arch="+arch, "-v", "-o", filepath.Join(dir, "out.cubin"), in)
+	var diag bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &diag, &diag
+	if err := cmd.Run(); err != nil {
+		return nil, &Error{Arch: arch, Output: diag.String(), Err: err}
+	}
+	return ParseRegisters(diag.String()), nil
+}
+
+var (
+	entryRE = regexp.MustCompile(`Compiling entry function '([^']+)'`)
+	usedRE  = regexp.MustCompile(`Used (\d+) registers`)
+)
+
+// ParseRegisters reads ptxas -v's report: each "Compiling entry function 'K'" line is followed by
+// a "Used N registers" line for K (device functions, reported as "Function properties for", are
+// not entries and are skipped).
+func ParseRegisters(out string) map[string]int {
+	regs := map[string]int{}
+	cur := ""
+	for _, l := range strings.Split(out, "\n") {
+		if m := entryRE.FindStringSubmatch(l); m != nil {
+			cur = m[1]
+			continue
+		}
+		if m := usedRE.FindStringSubmatch(l); m != nil && cur != "" {
+			if n, err := strconv.Atoi(m[1]); err == nil {
+				regs[cur] = n
+			}
+			cur = ""
+		}
+	}
+	return regs
+}
+
+// SameOccupancyRegs returns the most registers per thread a kernel may use while fitting as many
+// warps per SM as one that uses regs, on arch: registers are allocated per warp in units of 8 per
+// thread from 64 Ki per SM, and an SM holds at most 64 warps (48 on sm_86, sm_87, sm_89 and sm_12x,
+// 32 on sm_75). So a twin capped at this keeps its original's occupancy for every block size, and
+// is not made to spill below what occupancy needs (a 20-register kernel's twin may use 32).
+func SameOccupancyRegs(regs int, arch string) int {
+	if regs <= 0 {
+		return 0
+	}
+	maxWarps := 64
+	switch {
+	case arch == "sm_75":
+		maxWarps = 32
+	case strings.HasPrefix(arch, "sm_86"), strings.HasPrefix(arch, "sm_87"), strings.HasPrefix(arch, "sm_89"), strings.HasPrefix(arch, "sm_12"):
+		maxWarps = 48
+	}
+	const regsPerSM, unit, maxRegs = 65536, 8, 255
+	warpsOf := func(r int) int { return min(maxWarps, regsPerSM/(32*((r+unit-1)/unit*unit))) }
+	want := warpsOf(regs)
+	best := regs
+	for r := (regs + unit - 1) / unit * unit; r <= maxRegs; r += unit {
+		if warpsOf(r) < want {
+			break
+		}
+		best = r
+	}
+	return min(best, maxRegs)
 }

@@ -480,7 +480,10 @@ static int obuf_read(int fd, obuf *b) {
 }
 
 // run_helper feeds ptx to the helper; 0 with *out/*rep filled, or -1 with ks->reason.
-static int run_helper(const char *ptx, size_t len, obuf *out, obuf *rep, kinfo_set *ks) {
+// cc (the device's compute capability, 0 if unknown) makes the helper cap each twin's registers
+// so that it fits as many CTAs per SM as its original (--match-registers sm_NN; needs ptxas where
+// the helper runs, and instruments without the caps otherwise).
+static int run_helper(const char *ptx, size_t len, obuf *out, obuf *rep, kinfo_set *ks, int cc) {
   if (!cfg.helper[0]) {
     instr_failed(ks, "instrumentation failed: no helper (PTXMIG_HELPER unset) and not in the cache");
     return -1;
@@ -524,7 +527,11 @@ static int run_helper(const char *ptx, size_t len, obuf *out, obuf *rep, kinfo_s
   size_t k = 0;
   for (size_t i = 0; env && i < ne; i++)
     if (strncmp(environ[i], "LD_PRELOAD=", 11) != 0) env[k++] = environ[i];
-  char *argv[] = {cfg.helper, "ptx", "instrument", "--report", "--json", "-o", "-", "-", NULL};
+  char arch[16];
+  snprintf(arch, sizeof arch, "sm_%d", cc);
+  char *with_arch[] = {cfg.helper, "ptx", "instrument", "--report", "--json", "--match-registers", arch, "-o", "-", "-", NULL};
+  char *without[] = {cfg.helper, "ptx", "instrument", "--report", "--json", "-o", "-", "-", NULL};
+  char **argv = cc > 0 ? with_arch : without;
   pid_t pid = -1;
   int e = env ? posix_spawn(&pid, cfg.helper, &fa, &at, argv, env) : ENOMEM;
   free(env);
@@ -686,10 +693,12 @@ int instr_prepare(const void *image, size_t known, const char *path, char **ptx_
     instr_failed(ks, "module has no kernels");
     return 0;
   }
-  char sha[65], name[96], why[96];
+  char sha[65], name[112], why[112];
   sha256_hex(ptx, plen, sha);
-  snprintf(name, sizeof name, "%s-v%d.ptx", sha, PTXMIG_TRANSFORM_VERSION);
-  snprintf(why, sizeof why, "%s-v%d.why", sha, PTXMIG_TRANSFORM_VERSION);
+  // Per device architecture: the twins' register caps depend on it.
+  int cc = device_cc();
+  snprintf(name, sizeof name, "%s-v%d-sm%d.ptx", sha, PTXMIG_TRANSFORM_VERSION, cc);
+  snprintf(why, sizeof why, "%s-v%d-sm%d.why", sha, PTXMIG_TRANSFORM_VERSION, cc);
   int dfd = cache_dir();
   size_t outlen = 0, wlen = 0;
   char *out = dfd >= 0 ? cache_read(dfd, name, cfg.helper_max_bytes, &outlen) : NULL;
@@ -715,7 +724,7 @@ int instr_prepare(const void *image, size_t known, const char *path, char **ptx_
     atomic_fetch_add(&st_misses, 1);
     obuf o = {.max = cfg.helper_max_bytes}, r = {.max = 16u << 20};
     uint64_t t0 = mono_ns();
-    int rc = run_helper(ptx, plen, &o, &r, ks);
+    int rc = run_helper(ptx, plen, &o, &r, ks, cc);
     atomic_fetch_add(&st_helper_ns, mono_ns() - t0);
     if (rc == 0 && !entries_kept(ks, o.p, o.len)) {
       instr_failed(ks, "instrumentation failed: helper output lacks the original kernels");
