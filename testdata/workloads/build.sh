@@ -26,6 +26,7 @@ fi
 "$NVCC" -O2 "${gencode[@]}" -o "$out/longgrid" "$here/longgrid.cu"
 "$NVCC" -O2 "${gencode[@]}" -o "$out/hazards" "$here/hazards.cu" -lpthread
 "$NVCC" -O2 -o "$out/ptxload" "$here/ptxload.c" -lcuda
+"$NVCC" -O2 -arch="$ARCH" -o "$out/vmmhold" "$here/vmmhold.cu" -lcuda
 "$NVCC" -ptx -arch=sm_90 -o "$out/vecadd.ptx" "$here/vecadd_kernel.cu"
 cp "$here/train.py" "$out/train.py"
 echo "workloads built in $out"
