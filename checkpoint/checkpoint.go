@@ -210,11 +210,28 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 	}
 	dump := criu.DumpOptions{PID: p.PID, ImagesDir: images, LeaveRunning: o.LeaveRunning, LeaveStopped: !o.LeaveRunning,
 		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, OnStart: helper, Stream: p.Stream}
+	// Streamed, CRIU splices the tree's pages into the store's pipes: the pipes hold references to
+	// the live pages, not copies, until the store has read them. A tree CRIU resumed at the end
+	// of its dump (--leave-running) would write into pages still waiting in a pipe, and the image
+	// would mix memory from before and after (TestLeaveRunningBusy caught it). So CRIU leaves the
+	// tree stopped, and it is resumed here once the stream has been read to the end.
+	resumeAfterStream := p.Stream && o.LeaveRunning
+	if resumeAfterStream {
+		dump.LeaveRunning, dump.LeaveStopped = false, true
+	}
 	steps = append(steps, op.Step{Name: StepDump,
 		Do: func(ctx context.Context) error {
 			var err error
 			if p.Stream {
 				ing, err = streamDump(ctx, env, p, dump, rec)
+				if resumeAfterStream {
+					// CRIU resumes the tree itself when its dump fails; SIGCONT then changes nothing.
+					tr.refresh()
+					if cerr := proc.Continue(tr.pids(), 5*time.Second); cerr != nil && err == nil {
+						drop()
+						return fmt.Errorf("resume the tree after the dump: %w", cerr)
+					}
+				}
 			} else {
 				pre = prestage(ctx, env, o, images)
 				_, err = env.CRIU.Dump(ctx, dump)

@@ -423,7 +423,10 @@ func (p *Plan) describe() []op.PlanStep {
 		add(StepCheckpoint, "driver checkpoint: copy %s of GPU memory to host memory, release the GPUs", bytesize.FormatU(p.Estimate.GPUBytes))
 	}
 	mode := "leave the tree stopped"
-	if p.LeaveRunning {
+	switch {
+	case p.LeaveRunning && p.Stream:
+		mode = "then resume the tree once the store has read every page (not before: the stream holds references to the live pages)"
+	case p.LeaveRunning:
 		mode = "then resume the tree"
 	}
 	sj := ""
