@@ -813,6 +813,9 @@ static int behind(const tl *t, const crec *c, const srec *sr, int legacy, int bl
 }
 void sub_hold(CUstream s, int ptsz) {
   if (sub_depth || !cfg.preempt_hold || !atomic_load(&twins_ever) || !atomic_load(&nlive)) return;
+  // While a stream capture is open, waiting on an event can be an error that invalidates the
+  // capture (global capture mode): no holding then (the tail rule still applies).
+  if (trk_capture_open()) return;
   int legacy = is_legacy(s, ptsz), blocking = 1;
   srec *sr = NULL;
   crec *c;
