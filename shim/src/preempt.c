@@ -341,13 +341,14 @@ typedef struct tl {
   uint8_t *args;
   void **argv;
   CUevent done;
+  CUevent go;  // recorded right before the twin's control-block copy: complete once the twin is at its stream's head
   int state, raised, drain, ended, relaunches;
   int stopping;  // raised, not ended when the quiesce replied: the raiser thread owns it (pre_mu)
 } tl;
 static tl *live;  // pre_mu
 static atomic_int nlive;  // changed under pre_mu; read without it by sub_hold
 static uint64_t next_launch_id = 1;
-static atomic_ulong st_twin_launches, st_relaunches, st_quiesces, st_preempted, st_holds, st_hold_ns;
+static atomic_ulong st_twin_launches, st_relaunches, st_quiesces, st_preempted, st_holds, st_hold_ns, st_hold_gaveup;
 
 typedef struct layout {
   int n;
@@ -456,10 +457,10 @@ static int ctl_slot(crec *c, CUdeviceptr *p, int *slab, int *slot) {
 
 static void tl_free(tl *t) {  // pre_mu held
   if (t->slab >= 0) t->cr->used[t->slab] &= ~(1ull << t->slot);
-  if (t->done) {
-    if (t->cr->nfree_ev < 32) t->cr->free_ev[t->cr->nfree_ev++] = t->done;
-    // else: leaked rather than destroyed under the lock; the pool rarely overflows
-  }
+  CUevent evs[2] = {t->done, t->go};
+  for (int i = 0; i < 2; i++)
+    if (evs[i] && t->cr->nfree_ev < 32) t->cr->free_ev[t->cr->nfree_ev++] = evs[i];
+  // else: leaked rather than destroyed under the lock; the pool rarely overflows
   free(t->args);
   free(t->argv);
   free(t);
@@ -711,14 +712,22 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   retire_locked(c, 4);
   int got = ctl_slot(c, &x->ctl, &x->slab, &x->slot) == 0;
   if (got && c->nfree_ev) x->done = c->free_ev[--c->nfree_ev];
+  if (got && c->nfree_ev) x->go = c->free_ev[--c->nfree_ev];
   pthread_mutex_unlock(&pre_mu);
   if (got && !x->done && d.ev_create(&x->done, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) x->done = NULL;
+  if (got && !x->go && d.ev_create(&x->go, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) x->go = NULL;
   if (!got || !x->done) {
     pthread_mutex_lock(&pre_mu);
     tl_free(x);
     pthread_mutex_unlock(&pre_mu);
     *why = "no control block (device memory)";
     return 0;
+  }
+  if (x->go && d.ev_record(x->go, s) != CUDA_SUCCESS) {  // optional: without it, holding cannot tell
+    pthread_mutex_lock(&pre_mu);
+    if (c->nfree_ev < 32) c->free_ev[c->nfree_ev++] = x->go;
+    pthread_mutex_unlock(&pre_mu);
+    x->go = NULL;
   }
   CUresult rr = d.htod_async(x->ctl, &x->init, sizeof x->init, s);
   if (rr == CUDA_SUCCESS) {
@@ -811,6 +820,7 @@ static int behind(const tl *t, const crec *c, const srec *sr, int legacy, int bl
   if (legacy) return !t->sr || !t->sr->nonblocking;
   return blocking && !t->sr;
 }
+#define HOLD_START_NS 50000000ull
 void sub_hold(CUstream s, int ptsz) {
   if (sub_depth || !cfg.preempt_hold || !atomic_load(&twins_ever) || !atomic_load(&nlive)) return;
   // While a stream capture is open, waiting on an event can be an error that invalidates the
@@ -831,11 +841,11 @@ void sub_hold(CUstream s, int ptsz) {
   pthread_mutex_lock(&pre_mu);
   for (;;) {
     retire_locked(c, 64);
-    CUevent ev = NULL;
+    CUevent ev = NULL, go = NULL;
     int pending = 0;
     for (tl *t = live; t; t = t->next) {
       if (t->state == TL_DONE || !behind(t, c, sr, legacy, blocking)) continue;
-      if (t->state == TL_RUNNING) ev = t->done;
+      if (t->state == TL_RUNNING) ev = t->done, go = t->relaunches ? NULL : t->go;
       else pending = 1;  // preempted or stopping: its remainder runs after the resume
       break;
     }
@@ -846,8 +856,22 @@ void sub_hold(CUstream s, int ptsz) {
       continue;
     }
     pthread_mutex_unlock(&pre_mu);
-    // Should the launch retire meanwhile and its event serve a later twin, this waits for that one
-    // too: longer, never wrong.
+    // A twin still queued behind other work of its stream after HOLD_START_NS may be waiting for
+    // something only this thread would do next (a host function or a stream wait on a value the
+    // app writes later): holding could then deadlock, so the submission goes ahead instead (the
+    // twin is no longer its stream's tail: a quiesce drains it). A twin at the head of its stream
+    // runs on the GPU alone and ends, so waiting for it is safe. (Should the launch retire
+    // meanwhile and its events serve a later twin, this waits for that one: longer, never wrong.)
+    if (go) {
+      uint64_t until = mono() + HOLD_START_NS;
+      CUresult q;
+      while ((q = d.ev_query(go)) == CUDA_ERROR_NOT_READY && mono() < until) nap_us(200);
+      if (q == CUDA_ERROR_NOT_READY) {
+        atomic_fetch_add(&st_hold_gaveup, 1);
+        pthread_mutex_lock(&pre_mu);
+        break;
+      }
+    }
     d.ev_sync(ev);
     pthread_mutex_lock(&pre_mu);
   }
@@ -1393,12 +1417,12 @@ void preempt_report_status(jbuf *b) {
   jb_printf(b,
             "{\"mode\":\"%s\",\"min_us\":%u,\"state\":\"%s\",\"gate\":\"%s\",\"twins_in_flight\":%d,\"preempted_pending\":%d,"
             "\"stopping\":%d,\"batch_max\":%u,"
-            "\"instrumented_modules\":%d,\"twin_launches\":%lu,\"relaunches\":%lu,\"quiesces\":%lu,\"preempted\":%lu,\"hold\":%s,\"holds\":%lu,\"hold_ms\":%.3f,\"cache\":",
+            "\"instrumented_modules\":%d,\"twin_launches\":%lu,\"relaunches\":%lu,\"quiesces\":%lu,\"preempted\":%lu,\"hold\":%s,\"holds\":%lu,\"hold_ms\":%.3f,\"hold_not_started\":%lu,\"cache\":",
             preempt_mode_names[cfg.preempt], cfg.preempt_min_us, pstate_names[st],
             atomic_load(&gate_closed) ? "closed" : "open", n, np, ns, cfg.preempt_batch_max, trk_instrumented_modules(),
             atomic_load(&st_twin_launches), atomic_load(&st_relaunches), atomic_load(&st_quiesces),
             atomic_load(&st_preempted), cfg.preempt_hold ? "true" : "false", atomic_load(&st_holds),
-            (double)atomic_load(&st_hold_ns) / 1e6);
+            (double)atomic_load(&st_hold_ns) / 1e6, atomic_load(&st_hold_gaveup));
   instr_stats(b);
   jb_printf(b, ",\"helper\":");
   jb_str(b, cfg.helper, strlen(cfg.helper));

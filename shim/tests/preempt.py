@@ -250,6 +250,24 @@ def t_hold(name):
     ended_ok(name, app)
 
 
+def t_hold_not_started(name):
+    # A twin still queued behind other work after 50 ms may wait for something only the held
+    # thread would do next: the submission behind it goes ahead instead of waiting (no deadlock).
+    tmp, app = with_app(name, {"PTXMIG_PREEMPT": "auto", "FAKE_CUDA_BLOCK_US": "50000"})
+    c = app.conn()
+    app.cmd("launch s 8")   # one wave: the original, 8 x 50 ms on stream s
+    app.cmd("launch s 40")  # a twin, queued behind it
+    t0 = time.time()
+    check(app.cmd("event s") == "recorded s", f"{name}: event behind a queued twin")
+    took = time.time() - t0
+    check(took < 0.3, f"{name}: the event waited {took:.3f} s for a twin that had not started")
+    st = c.req(cmd="status")["result"]["preempt"]
+    check(st["hold_not_started"] >= 1, f"{name}: status {st}")
+    check(app.cmd("check", timeout=60).startswith("check ok"), f"{name}: blocks")
+    c.close()
+    ended_ok(name, app)
+
+
 def wait_status(c, cond, secs=5):
     end = time.time() + secs
     while True:
@@ -771,6 +789,7 @@ def main():
         ("cache", t_cache, ()),
         ("tail-rule", t_tail, ()),
         ("hold", t_hold, ()),
+        ("hold-not-started", t_hold_not_started, ()),
         ("free-waits-attributes-replayed", t_free_attrs, ()),
         ("sync-honest", t_sync, ()),
         ("stops-after-budget", t_late_stop, ()),
