@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -223,13 +224,23 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		Do: func(ctx context.Context) error {
 			var err error
 			if p.Stream {
+				var was map[int]bool
+				if resumeAfterStream {
+					was = stoppedNow(tr.pids())
+				}
 				ing, err = streamDump(ctx, env, p, dump, rec)
 				if resumeAfterStream {
-					// CRIU resumes the tree itself when its dump fails; SIGCONT then changes nothing.
-					tr.refresh()
-					if cerr := proc.Continue(tr.pids(), 5*time.Second); cerr != nil && err == nil {
-						drop()
-						return fmt.Errorf("resume the tree after the dump: %w", cerr)
+					// Resumed as CRIU's --leave-running would: every process but those that were
+					// stopped already. (CRIU resumes the tree itself when its dump fails; SIGCONT
+					// then changes nothing, and a failure to resume is reported either way.)
+					var run []int
+					for _, pid := range tr.pids() {
+						if !was[pid] {
+							run = append(run, pid)
+						}
+					}
+					if cerr := proc.Continue(run, 5*time.Second); cerr != nil {
+						err = errors.Join(err, fmt.Errorf("resume the tree after the dump: %w", cerr))
 					}
 				}
 			} else {
@@ -304,6 +315,17 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		}})
 	}
 	return steps, drop
+}
+
+// stoppedNow returns the processes among pids that are stopped (job control, a debugger).
+func stoppedNow(pids []int) map[int]bool {
+	m := map[int]bool{}
+	for _, pid := range pids {
+		if s, err := proc.ReadStat(pid); err == nil && s.Stopped() {
+			m[pid] = true
+		}
+	}
+	return m
 }
 
 // prestage starts storing the dump's files while CRIU writes them (nil when it cannot).

@@ -5,10 +5,10 @@
 package testproc
 
 import (
-	"bytes"
 	_ "embed"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -144,8 +144,17 @@ type State struct {
 // ParseState parses a 128-byte record.
 func ParseState(b []byte) (State, error) {
 	f := strings.Fields(string(b))
-	if len(f) != 8 || f[0] != "pid" || f[2] != "step" || f[4] != "hash" || f[6] != "done" {
+	if (len(f) != 8 && len(f) != 10) || f[0] != "pid" || f[2] != "step" || f[4] != "hash" || f[6] != "done" {
 		return State{}, fmt.Errorf("bad state record %q", strings.TrimSpace(string(b)))
+	}
+	if len(f) == 10 {
+		// "crc C": FNV-1a of the text before " crc"; a read torn by a concurrent write fails it.
+		text := strings.Join(f[:8], " ")
+		h := fnv.New32a()
+		h.Write([]byte(text))
+		if f[8] != "crc" || f[9] != fmt.Sprintf("%08x", h.Sum32()) {
+			return State{}, fmt.Errorf("%w: %q", errTorn, strings.TrimSpace(string(b)))
+		}
 	}
 	var s State
 	var err error
@@ -162,14 +171,12 @@ func ParseState(b []byte) (State, error) {
 	return s, nil
 }
 
-// ReadState reads the state file.
-//
-// A read that overlaps the process's pwrite of the record can see part of the old record and part
-// of the new one (reads of a regular file do not serialise with writes), so the record is read
-// until two reads in a row agree.
+// ReadState reads the state file. A read that overlaps the process's pwrite of the record can
+// see part of the old record and part of the new one (reads of a regular file do not serialise
+// with writes); the record's checksum tells, and such a read is retried.
 func ReadState(path string) (State, error) {
-	var prev []byte
-	for try := 0; try < 10; try++ {
+	deadline := time.Now().Add(2 * time.Second)
+	for {
 		b, err := os.ReadFile(path)
 		if err != nil {
 			return State{}, err
@@ -177,13 +184,15 @@ func ReadState(path string) (State, error) {
 		if len(b) != 128 {
 			return State{}, fmt.Errorf("state file %s: %d bytes, want 128", path, len(b))
 		}
-		if prev != nil && bytes.Equal(prev, b) {
-			return ParseState(b)
+		s, err := ParseState(b)
+		if !errors.Is(err, errTorn) || time.Now().After(deadline) {
+			return s, err
 		}
-		prev = b
 	}
-	return State{}, fmt.Errorf("state file %s: no two reads in a row agreed", path)
 }
+
+// errTorn is a record whose checksum does not match: read while being written.
+var errTorn = errors.New("torn state record")
 
 // WaitState polls the state file until ok(state) or the timeout.
 func WaitState(path string, ok func(State) bool, timeout time.Duration) (State, error) {

@@ -20,6 +20,9 @@ func TestParseState(t *testing.T) {
 		{"pid x step 7 hash 00 done 0", State{}, true},
 		{"", State{}, true},
 		{"pid 1 step 2 hash zz done 0", State{}, true},
+		{"pid 42 step 7 hash 00000000deadbeef done 0 crc 3044100d", State{PID: 42, Step: 7, Hash: 0xdeadbeef}, false},
+		{"pid 42 step 8 hash 00000000deadbeef done 0 crc 3044100d", State{}, true}, // torn: step from another write
+		{"pid 42 step 7 hash 00000000deadbeef done 0 crc", State{}, true},
 	}
 	for _, tt := range tests {
 		got, err := ParseState([]byte(tt.in))

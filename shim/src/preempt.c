@@ -119,7 +119,7 @@ typedef struct crec {
   CUdeviceptr slab[MAX_SLABS];
   uint64_t used[MAX_SLABS];
   int nslab;
-  CUevent free_ev[32];
+  CUevent free_ev[64];  // two per twin launch (done, go)
   int nfree_ev;
   struct krec *_Atomic orig;  // the last original launched on the legacy stream
   const char *_Atomic orig_why;
@@ -343,6 +343,7 @@ typedef struct tl {
   CUevent done;
   CUevent go;  // recorded right before the twin's control-block copy: complete once the twin is at its stream's head
   int state, raised, drain, ended, relaunches;
+  int started, nohold;  // sub_hold (pre_mu): go seen complete; a hold gave up on this launch
   int stopping;  // raised, not ended when the quiesce replied: the raiser thread owns it (pre_mu)
 } tl;
 static tl *live;  // pre_mu
@@ -459,7 +460,7 @@ static void tl_free(tl *t) {  // pre_mu held
   if (t->slab >= 0) t->cr->used[t->slab] &= ~(1ull << t->slot);
   CUevent evs[2] = {t->done, t->go};
   for (int i = 0; i < 2; i++)
-    if (evs[i] && t->cr->nfree_ev < 32) t->cr->free_ev[t->cr->nfree_ev++] = evs[i];
+    if (evs[i] && t->cr->nfree_ev < 64) t->cr->free_ev[t->cr->nfree_ev++] = evs[i];
   // else: leaked rather than destroyed under the lock; the pool rarely overflows
   free(t->args);
   free(t->argv);
@@ -725,7 +726,7 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   }
   if (x->go && d.ev_record(x->go, s) != CUDA_SUCCESS) {  // optional: without it, holding cannot tell
     pthread_mutex_lock(&pre_mu);
-    if (c->nfree_ev < 32) c->free_ev[c->nfree_ev++] = x->go;
+    if (c->nfree_ev < 64) c->free_ev[c->nfree_ev++] = x->go;
     pthread_mutex_unlock(&pre_mu);
     x->go = NULL;
   }
@@ -840,40 +841,63 @@ void sub_hold(CUstream s, int ptsz) {
   uint64_t t0 = 0;
   pthread_mutex_lock(&pre_mu);
   for (;;) {
+    // Quiesced or detached, the driver lock may be held: no driver call here (least of all under
+    // pre_mu, which detach needs); the thread waits for the resume, as it would at the gate.
+    while (atomic_load(&gate_closed)) pthread_cond_wait(&pre_cv, &pre_mu);
     retire_locked(c, 64);
-    CUevent ev = NULL, go = NULL;
+    tl *w = NULL;
     int pending = 0;
     for (tl *t = live; t; t = t->next) {
       if (t->state == TL_DONE || !behind(t, c, sr, legacy, blocking)) continue;
-      if (t->state == TL_RUNNING) ev = t->done, go = t->relaunches ? NULL : t->go;
-      else pending = 1;  // preempted or stopping: its remainder runs after the resume
+      if (t->state != TL_RUNNING) pending = 1;  // preempted or stopping: its remainder runs after the resume
+      else if (t->go && !t->nohold) w = t;       // else: not held (no start event, or a hold gave up on it)
       break;
     }
-    if (!ev && !pending) break;
+    if (!w && !pending) break;
     if (!t0) t0 = mono(), atomic_fetch_add(&st_holds, 1);
     if (pending) {
       pthread_cond_wait(&pre_cv, &pre_mu);
       continue;
     }
+    uint64_t id = w->id;
+    CUevent ev = w->started ? w->done : w->go;
+    int started = w->started;
     pthread_mutex_unlock(&pre_mu);
-    // A twin still queued behind other work of its stream after HOLD_START_NS may be waiting for
-    // something only this thread would do next (a host function or a stream wait on a value the
-    // app writes later): holding could then deadlock, so the submission goes ahead instead (the
-    // twin is no longer its stream's tail: a quiesce drains it). A twin at the head of its stream
-    // runs on the GPU alone and ends, so waiting for it is safe. (Should the launch retire
-    // meanwhile and its events serve a later twin, this waits for that one: longer, never wrong.)
-    if (go) {
-      uint64_t until = mono() + HOLD_START_NS;
-      CUresult q;
-      while ((q = d.ev_query(go)) == CUDA_ERROR_NOT_READY && mono() < until) nap_us(200);
-      if (q == CUDA_ERROR_NOT_READY) {
+    // Poll, never block: the events are pooled and may serve another launch once this one
+    // retires, so the launch is looked up again by id between polls. A twin still queued behind
+    // other work of its stream after HOLD_START_NS may wait for something only this thread would
+    // do next (a host function, a stream wait on a value the app writes later): holding could
+    // deadlock, so the submission goes ahead and later ones are not held behind it (the twin is
+    // then no longer its stream's tail: a quiesce drains it). A twin at the head of its stream
+    // runs on the GPU alone and ends.
+    uint64_t since = mono();
+    unsigned nap = 20;
+    CUresult q;
+    while ((q = d.ev_query(ev)) == CUDA_ERROR_NOT_READY && !atomic_load(&gate_closed) &&
+           (started || mono() - since < HOLD_START_NS)) {
+      nap_us(nap);
+      if (nap < 1000) nap *= 2;
+      pthread_mutex_lock(&pre_mu);
+      tl *t = live;
+      while (t && t->id != id) t = t->next;
+      int same = t && t->state == TL_RUNNING;
+      pthread_mutex_unlock(&pre_mu);
+      if (!same) break;
+    }
+    pthread_mutex_lock(&pre_mu);
+    if (!started && q == CUDA_ERROR_NOT_READY && !atomic_load(&gate_closed)) {
+      tl *t = live;
+      while (t && t->id != id) t = t->next;
+      if (t && t->state == TL_RUNNING && mono() - since >= HOLD_START_NS) {
+        t->nohold = 1;
         atomic_fetch_add(&st_hold_gaveup, 1);
-        pthread_mutex_lock(&pre_mu);
         break;
       }
+    } else if (!started && q != CUDA_ERROR_NOT_READY) {
+      tl *t = live;
+      while (t && t->id != id) t = t->next;
+      if (t) t->started = 1;
     }
-    d.ev_sync(ev);
-    pthread_mutex_lock(&pre_mu);
   }
   pthread_mutex_unlock(&pre_mu);
   if (t0) atomic_fetch_add(&st_hold_ns, mono() - t0);
@@ -1368,6 +1392,9 @@ void preempt_resume(jbuf *b) {
     tl *t = todo[i];
     CUresult rr = d.ctx_push(t->cr->ctx);
     if (rr == CUDA_SUCCESS) {
+      // The start event again, for sub_hold: the remainder is queued at its stream's head.
+      t->started = t->nohold = 0;
+      if (t->go && d.ev_record(t->go, t->stream) != CUDA_SUCCESS) t->nohold = 1;
       rr = d.memset32_async(t->ctl + PTXMIG_CTL_OFF_PREEMPT, 0, 1, t->stream);
       if (rr == CUDA_SUCCESS)
         rr = d.launch(t->twin, t->W, 1, 1, t->block[0], t->block[1], t->block[2], t->shmem, t->stream, t->argv, NULL);

@@ -6,7 +6,8 @@
  * Holds N MiB (default 4) of heap words seeded with mix(j). Every M ms (default 50) it runs step i:
  *   idx = h % nwords;  h = mix(h ^ buf[idx] ^ i);  buf[idx] ^= h
  * starting from h = 0x5054584d4947 ("PTXMIG"), and pwrite()s one fixed 128-byte record at offset 0
- * of STATEFILE:  "pid P step I hash H16 done D" padded with spaces, ending in '\n'. The file's size
+ * of STATEFILE:  "pid P step I hash H16 done D crc C8" padded with spaces, ending in '\n' (C8: FNV-1a
+ * of the text before " crc", so that a reader can tell a record torn by a concurrent write). The file's size
  * never changes, so CRIU can restore it after the process ran on. The hash after step i depends on
  * the whole history and the heap, so a restored process that continues the chain exactly proves
  * its memory came back bit for bit. With --steps K it stops after step K (done 1) and exits 0.
@@ -28,10 +29,17 @@ static uint64_t mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+static uint32_t fnv1a(const char *p, int n) {
+  uint32_t x = 2166136261u;
+  for (int i = 0; i < n; i++) x = (x ^ (uint8_t)p[i]) * 16777619u;
+  return x;
+}
+
 static void record(int fd, long step, uint64_t h, int done) {
   char rec[128];
   memset(rec, ' ', sizeof rec);
   int n = snprintf(rec, sizeof rec, "pid %d step %ld hash %016" PRIx64 " done %d", (int)getpid(), step, h, done);
+  if (n > 0 && n < (int)sizeof rec) n += snprintf(rec + n, sizeof rec - (size_t)n, " crc %08" PRIx32, fnv1a(rec, n));
   if (n > 0 && n < (int)sizeof rec) rec[n] = ' ';
   rec[sizeof rec - 1] = '\n';
   if (pwrite(fd, rec, sizeof rec, 0) != (ssize_t)sizeof rec) {
