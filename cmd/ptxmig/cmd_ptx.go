@@ -196,6 +196,12 @@ func matchRegisters(c *cli.Context, m *ptxstate.Module) (ptxstate.Options, strin
 	if !archRE.MatchString(arch) {
 		return ptxstate.Options{}, fmt.Sprintf("registers not matched: --match-registers %s is not an sm_XX architecture", esc(arch))
 	}
+	// A module for the architecture-specific variant (.target sm_90a) assembles only as such.
+	for _, t := range m.Target {
+		if strings.HasPrefix(t, arch) && archRE.MatchString(t) {
+			arch = t
+		}
+	}
 	bin, err := ptxas.Find()
 	if err != nil {
 		return ptxstate.Options{}, fmt.Sprintf("registers not matched: %v", err)
