@@ -37,7 +37,7 @@ void config_load(void) {
   cfg.self_time = st && st[0] == '1';
   const char *pm = getenv("PTXMIG_PREEMPT");
   cfg.preempt = !pm ? PM_OFF : strcmp(pm, "auto") == 0 ? PM_AUTO : strcmp(pm, "always") == 0 ? PM_ALWAYS : PM_OFF;
-  cfg.preempt_min_us = env_uint("PTXMIG_PREEMPT_MIN_US", 1000);
+  cfg.preempt_min_us = env_uint("PTXMIG_PREEMPT_MIN_US", 5000);
   cfg.preempt_batch_max = env_uint("PTXMIG_PREEMPT_BATCH_MAX", 0);
   cfg.preempt_hold = env_uint("PTXMIG_PREEMPT_HOLD", 1) != 0;
   cfg.preempt_long_us = env_uint("PTXMIG_PREEMPT_LONG_US", 10000);

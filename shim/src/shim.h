@@ -28,7 +28,7 @@ typedef struct {
   char libcuda[256];         // PTXMIG_LIBCUDA: the real driver library
   int self_time;             // PTXMIG_SELF_TIME=1: measure the shim's own time on each launch
   int preempt;               // PTXMIG_PREEMPT: PM_OFF (default), PM_AUTO, PM_ALWAYS
-  unsigned preempt_min_us;   // PTXMIG_PREEMPT_MIN_US (default 1000)
+  unsigned preempt_min_us;   // PTXMIG_PREEMPT_MIN_US (default 5000)
   unsigned preempt_long_us;   // PTXMIG_PREEMPT_LONG_US (default 10000): auto keeps twins at or above it even when slower
   int preempt_hold;            // PTXMIG_PREEMPT_HOLD (default 1): hold submissions behind twins in flight
   unsigned preempt_batch_max;  // PTXMIG_PREEMPT_BATCH_MAX: twins' largest claim (0: from the sampled block time)
