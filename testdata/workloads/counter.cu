@@ -12,26 +12,11 @@
 #include <unistd.h>
 #include <time.h>
 #include "common.h"
+#include "words.h"
 
 __global__ void seed(uint32_t *a, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
     a[i] = (uint32_t)(i * 2654435761u) ^ 0x9e3779b9u;
-}
-
-__global__ void advance(uint32_t *a, size_t n, uint32_t step) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    a[i] = a[i] * 1664525u + 1013904223u + step;
-}
-
-// Order-independent checksum: sum of a position-mixed 64-bit value per word (wraps mod 2^64).
-__global__ void checksum(const uint32_t *a, size_t n, unsigned long long *out) {
-  unsigned long long s = 0;
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    unsigned long long v = ((unsigned long long)a[i] << 32 | (unsigned long long)(i & 0xffffffffu));
-    v ^= v >> 29; v *= 0xbf58476d1ce4e5b9ull; v ^= v >> 32;
-    s += v;
-  }
-  atomicAdd(out, s);
 }
 
 __global__ void spin(float *x, int n) {

@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 #include "common.h"
+#include "words.h"
 
 #define CK(call)                                                                    \
   do {                                                                              \
@@ -47,22 +48,6 @@ __global__ void seed(uint32_t *a, size_t n, uint32_t salt) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
     a[i] = (uint32_t)(i * 2654435761u) ^ salt;
 }
-__global__ void advance(uint32_t *a, size_t n, uint32_t step) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    a[i] = a[i] * 1664525u + 1013904223u + step;
-}
-__global__ void checksum(const uint32_t *a, size_t n, unsigned long long *out) {
-  unsigned long long s = 0;
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    unsigned long long v = ((unsigned long long)a[i] << 32 | (unsigned long long)(i & 0xffffffffu));
-    v ^= v >> 29;
-    v *= 0xbf58476d1ce4e5b9ull;
-    v ^= v >> 32;
-    s += v;
-  }
-  atomicAdd(out, s);
-}
-
 struct Vmm {
   CUdeviceptr va = 0;
   size_t size = 0;
