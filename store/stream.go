@@ -32,6 +32,7 @@ const ingestFirstBuf = 64 << 10
 // An Ingest holds the store lock shared from NewIngest to Close, like a Put. Its memory is the
 // workers' (as a Put's) plus, for every file being added, a buffer of up to one chunk.
 type Ingest struct {
+	ctx       context.Context // the operation's: a cancelled ingest does not commit
 	s         *Store
 	m         *Manifest // all but Files, set by NewIngest
 	pw        *putWork
@@ -147,6 +148,7 @@ func (s *Store) startIngest(ctx context.Context, o PutOptions, m *Manifest, lk *
 	}
 	in.stopProgress = sync.OnceFunc(reportProgress(ctx, o.Progress, &c.done, 0))
 	in.stopCtx = context.AfterFunc(ctx, func() { in.fail(context.Cause(ctx)) })
+	in.ctx = ctx
 	return in
 }
 
@@ -388,6 +390,11 @@ func (in *Ingest) commit(meta *Metadata) (*Manifest, *Stats, error) {
 	in.stopProgress()
 	if err := in.failure(); err != nil {
 		return nil, nil, err
+	}
+	// The AfterFunc that fails the ingest on cancellation runs in a goroutine of its own and may
+	// not have run yet: a cancelled ingest never commits.
+	if in.ctx.Err() != nil {
+		return nil, nil, context.Cause(in.ctx)
 	}
 	m := in.m
 	if meta != nil {
