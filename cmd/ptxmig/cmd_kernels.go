@@ -114,6 +114,14 @@ func kernelsAction(c *cli.Context) error {
 			}
 			fmt.Fprintf(env(c).Out, "no twin: %s: %s\n", name, esc(x.TwinReason))
 		}
+		if x.Twin && x.OriginalReason != "" && x.Launches > x.TwinLaunches {
+			name := "?"
+			if x.Name != nil {
+				name = esc(*x.Name)
+			}
+			fmt.Fprintf(env(c).Out, "ran as the original: %s: %d of %d launches, the last because: %s\n", name,
+				x.Launches-x.TwinLaunches, x.Launches, esc(x.OriginalReason))
+		}
 	}
 	if st := k.SelfTime; st != nil && st.Enabled && st.Launches > 0 {
 		fmt.Fprintf(env(c).Out, "shim bookkeeping: %.0f ns per launch (%d launches, %.3f ms in all; "+

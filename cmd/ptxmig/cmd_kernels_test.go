@@ -20,20 +20,25 @@ func serveKernels(t *testing.T, reply string) string {
 }
 
 func TestKernelsOutput(t *testing.T) {
-	const kernels = `"kernels":[{"name":"k","handle":"0x1","module":1,"launches":5,"shapes":[{"grid":[2,1,1],"block":[128,1,1],"launches":5}],"timed":2,"time_us":{"p50":1.5,"p99":2,"mean":1.7,"max":2}}],"graphs":[],"total_launches":5`
+	kernels := func(extra string) string {
+		return `"kernels":[{"name":"k","handle":"0x1","module":1,"launches":5,"shapes":[{"grid":[2,1,1],"block":[128,1,1],"launches":5}],"timed":2,"time_us":{"p50":1.5,"p99":2,"mean":1.7,"max":2}` + extra + `}],"graphs":[],"total_launches":5`
+	}
 	tests := []struct {
-		name, selfTime string
-		want, notWant  []string
+		name, selfTime, kernel string
+		want, notWant          []string
 	}{
 		{name: "no self time (older shim)", want: []string{"1 kernels, 5 launches"}, notWant: []string{"bookkeeping"}},
 		{name: "self time off", selfTime: `,"self_time":{"enabled":false,"launches":0,"ns":0,"clock_ns":0}`,
 			want: []string{"1 kernels, 5 launches"}, notWant: []string{"bookkeeping"}},
+		{name: "twin launched as the original", selfTime: `,"self_time":null`,
+			kernel: `,"twin":true,"twin_reason":null,"twin_launches":2,"original_reason":"grid fits in one wave (auto: its twin could not stop sooner)"`,
+			want:   []string{"yes (2)", "ran as the original: k: 3 of 5 launches, the last because: grid fits in one wave"}},
 		{name: "self time on", selfTime: `,"self_time":{"enabled":true,"launches":5,"ns":1500,"clock_ns":25}`,
 			want: []string{"2x1x1/128x1x1", "shim bookkeeping: 300 ns per launch (5 launches, 0.002 ms in all; includes 2 clock reads of 25 ns each)"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			dir := serveKernels(t, `{"ok":true,"proto":1,"cmd":"kernels","result":{`+kernels+tt.selfTime+`}}`)
+			dir := serveKernels(t, `{"ok":true,"proto":1,"cmd":"kernels","result":{`+kernels(tt.kernel)+tt.selfTime+`}}`)
 			out, errOut, code := runCLI(t, "kernels", "--socket-dir", dir, strconv.Itoa(os.Getpid()))
 			if code != 0 {
 				t.Fatalf("exit %d: %s", code, errOut)

@@ -103,6 +103,9 @@ type Kernel struct {
 	Twin         bool   `json:"twin"`
 	TwinReason   string `json:"twin_reason,omitempty"`
 	TwinLaunches uint64 `json:"twin_launches"`
+	// OriginalReason: for a kernel with a twin, why its last launch that ran as the original did
+	// (the auto policy: short kernel, one-wave grid, lower occupancy; or a stream capture...).
+	OriginalReason string `json:"original_reason,omitempty"`
 }
 
 // Shape is a grid/block configuration and how often it was launched.

@@ -308,6 +308,7 @@ uint64_t sub_mark(CUstream s, int ptsz) {
 
 void note_original(CUstream s, int ptsz, struct krec *r, const char *why) {
   if (cfg.preempt == PM_OFF || !r || !d.ok) return;
+  if (why) atomic_store(&r->original_why, why);
   if (is_legacy(s, ptsz) || is_ptds(s, ptsz)) {
     crec *c = crec_cur();
     if (c) {

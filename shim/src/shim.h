@@ -144,6 +144,7 @@ typedef struct krec {
   void *_Atomic twin_fn;        // K__ptxmig's handle in the same module (looked up once)
   atomic_int twin_fn_state;     // 0 not looked up, 1 found, -1 not found
   atomic_ulong twin_launches, twin_fallbacks;
+  const char *_Atomic original_why;  // why its last launch ran as the original (a static string)
   atomic_int param_src;         // 0 unknown, 1 cuFuncGetParamInfo, 2 PTX
   void *_Atomic layout;         // the parameter layout (preempt.c), reset with the twin information
   const char *_Atomic no_twin_why;  // why the kernel has no twin, once settled (launch fast path)

@@ -1292,6 +1292,11 @@ void report_kernels(jbuf *b) {
       else jb_s(b, "null");
       jb_printf(b, ",\"twin_launches\":%lu,\"twin_fallbacks\":%lu", atomic_load(&r->twin_launches),
                 atomic_load(&r->twin_fallbacks));
+      const char *ow = atomic_load(&r->original_why);
+      if (twin && ow) {  // a kernel with a twin whose last original launch had this reason (auto)
+        jb_s(b, ",\"original_reason\":");
+        jb_str(b, ow, strlen(ow));
+      }
     }
     if (nr) {
       qsort(ring, nr, sizeof ring[0], cmp_float);

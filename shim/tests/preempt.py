@@ -619,6 +619,7 @@ def t_auto_occupancy(name):
         else:
             # the first launch (untimed) is a twin; once timed, the slower twin is not used
             check(k and 1 <= k["twin_launches"] < 5 and k["timed"] >= 1, f"{name}: short kernel, slower twin: {k}")
+            check("fewer CTAs per SM" in (k.get("original_reason") or ""), f"{name}: kernels' original_reason: {k}")
             app.cmd("launch s 300")
             time.sleep(0.05)
             r = c.req(cmd="quiesce", budget_ms=2000)["result"]
