@@ -63,6 +63,11 @@ cmd[counter]="$W/counter --mib 1024 --steps 200 --interval-ms 0"
 cmd[train]="python3 $W/train.py --steps 1500 --log-every 500"
 if [ -n "${BENCH_APPS:-}" ]; then read -ra apps <<<"$BENCH_APPS"; else apps=(longgrid counter train "${samples[@]}"); fi
 
+# verdict FILE: the lines of a run's output that must not change between ways (results, not
+# timings); the report below applies the same two patterns.
+export VERDICT_KEEP='^(final|checksum|result|part )|Test passed|Test failed|PASS|FAIL|[Pp]assed|[Ff]ailed|[Ee]rror'
+export VERDICT_DROP='time|[Tt]hroughput|GFlop|GB/s|[0-9]+\.[0-9]+ *(ms|s|sec)\b|msec|MOptions|Gops'
+verdict() { { grep -aE "$VERDICT_KEEP" "$1" || true; } | { grep -avE "$VERDICT_DROP" || true; } | sed 's/^pid [0-9]*//'; }
 # run1 APP WAY TAG: one run; appends "APP WAY TAG seconds rc" to the raw file.
 run1() {
   local app=$1 way=$2 tag=$3 pre=() log="$logs/$1.$2.$3.log" a b rc=0
@@ -99,9 +104,7 @@ done
 bisect=()
 for app in "${apps[@]}"; do
   [ -n "${cmd[$app]:-}" ] || continue
-  ref=$(grep -aE 'Test passed|Test failed|PASS|FAIL|checksum|final' "$logs/$app.plain.r0.log" | grep -avE 'time|GFlop|GB/s' || true)
-  got=$(grep -aE 'Test passed|Test failed|PASS|FAIL|checksum|final' "$logs/$app.auto.r0.log" | grep -avE 'time|GFlop|GB/s' || true)
-  [ "$ref" = "$got" ] && continue
+  [ "$(verdict "$logs/$app.plain.r0.log")" = "$(verdict "$logs/$app.auto.r0.log")" ] && continue
   bisect+=("$app")
   for way in plain always nohold batch1; do run1 "$app" "$way" b1; done
 done
@@ -116,7 +119,7 @@ done
 
 touch "$work/cold-entries"
 python3 - "$raw" "$logs" "$OUT/bench-p2.md" "$rounds" "$work/cold-entries" <<'PY'
-import collections, random, statistics, subprocess, sys
+import collections, os, random, re, statistics, sys
 raw, logs, md, rounds, coldf = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 cold = {}
 for l in open(coldf):
@@ -126,9 +129,10 @@ runs = collections.defaultdict(dict)
 for l in open(raw):
     app, way, tag, ms, rc = l.split()
     runs[(app, tag)][way] = (int(ms), int(rc))
-def verdict(app, way, tag):
-    out = subprocess.run(["bash", "-c", f'grep -aE "^(final|checksum|result|part )|Test passed|Test failed|PASS|FAIL|[Pp]assed|[Ff]ailed|[Ee]rror" "$1" | grep -avE "time|[Tt]hroughput|GFlop|GB/s|[0-9]+\\.[0-9]+ *(ms|s|sec)\\b|msec|MOptions|Gops" | sed "s/^pid [0-9]*//"', "-", f"{logs}/{app}.{way}.{tag}.log"], capture_output=True, text=True).stdout
-    return out
+def verdict(app, way, tag):  # as the script's verdict(): the same two patterns
+    keep, drop = re.compile(os.environ["VERDICT_KEEP"]), re.compile(os.environ["VERDICT_DROP"])
+    lines = open(f"{logs}/{app}.{way}.{tag}.log", errors="replace").read().splitlines()
+    return "\n".join(re.sub(r"^pid [0-9]*", "", l) for l in lines if keep.search(l) and not drop.search(l))
 lines = ["| app | plain s (median) | off / plain | 90 % CI | auto / plain | 90 % CI | auto within 3 % | results |", "|---|---|---|---|---|---|---|---|"]
 rnd = random.Random(1)
 def ci(rs):

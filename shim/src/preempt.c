@@ -822,6 +822,13 @@ static int behind(const tl *t, const crec *c, const srec *sr, int legacy, int bl
   if (legacy) return !t->sr || !t->sr->nonblocking;
   return blocking && !t->sr;
 }
+// tl_live finds the launch with this id among those still listed (pre_mu held).
+static tl *tl_live(uint64_t id) {
+  tl *t = live;
+  while (t && t->id != id) t = t->next;
+  return t;
+}
+
 #define HOLD_START_NS 50000000ull
 void sub_hold(CUstream s, int ptsz) {
   if (sub_depth || !cfg.preempt_hold || !atomic_load(&twins_ever) || !atomic_load(&nlive)) return;
@@ -879,25 +886,21 @@ void sub_hold(CUstream s, int ptsz) {
       nap_us(nap);
       if (nap < 1000) nap *= 2;
       pthread_mutex_lock(&pre_mu);
-      tl *t = live;
-      while (t && t->id != id) t = t->next;
+      tl *t = tl_live(id);
       int same = t && t->state == TL_RUNNING;
       pthread_mutex_unlock(&pre_mu);
       if (!same) break;
     }
     pthread_mutex_lock(&pre_mu);
-    if (!started && q == CUDA_ERROR_NOT_READY && !atomic_load(&gate_closed)) {
-      tl *t = live;
-      while (t && t->id != id) t = t->next;
-      if (t && t->state == TL_RUNNING && mono() - since >= HOLD_START_NS) {
+    tl *t = started ? NULL : tl_live(id);
+    if (t && q == CUDA_ERROR_NOT_READY && !atomic_load(&gate_closed)) {
+      if (t->state == TL_RUNNING && mono() - since >= HOLD_START_NS) {
         t->nohold = 1;
         atomic_fetch_add(&st_hold_gaveup, 1);
         break;
       }
-    } else if (!started && q != CUDA_ERROR_NOT_READY) {
-      tl *t = live;
-      while (t && t->id != id) t = t->next;
-      if (t) t->started = 1;
+    } else if (t && q != CUDA_ERROR_NOT_READY) {
+      t->started = 1;
     }
   }
   pthread_mutex_unlock(&pre_mu);

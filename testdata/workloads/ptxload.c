@@ -4,21 +4,9 @@
 //
 // NAME(const float *a, const float *b, float *c, int n) must compute c = a + b (vecadd_kernel.cu).
 // Prints "ptxload ok kernel=NAME n=N iters=K" after checking every element on the CPU.
-#include <cuda.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
-#define CK(call)                                                              \
-  do {                                                                        \
-    CUresult r_ = (call);                                                     \
-    if (r_ != CUDA_SUCCESS) {                                                 \
-      const char *s_ = "?";                                                   \
-      cuGetErrorString(r_, &s_);                                              \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, s_);      \
-      exit(2);                                                                \
-    }                                                                         \
-  } while (0)
+#include "drvcheck.h"
 
 static const char *flag(int argc, char **argv, const char *name, const char *def) {
   for (int i = 2; i + 1 < argc; i++)

@@ -16,23 +16,12 @@
 //   SIGUSR2: re-create and map the physical memory at the same address, copy the data back the
 //            same way, print "reacquired MS GBPS" (or "reacquire FAILED: ..." and exit 3), go on.
 // Everything but timings is deterministic. CUDA errors exit 2.
-#include <cuda.h>
 #include <signal.h>
 #include <time.h>
 #include <unistd.h>
 #include "common.h"
 #include "words.h"
-
-#define CK(call)                                                                    \
-  do {                                                                              \
-    CUresult r_ = (call);                                                           \
-    if (r_ != CUDA_SUCCESS) {                                                       \
-      const char *s_ = "?";                                                         \
-      cuGetErrorString(r_, &s_);                                                    \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, s_);       \
-      std::exit(2);                                                                 \
-    }                                                                               \
-  } while (0)
+#include "drvcheck.h"
 
 static volatile sig_atomic_t want_release, want_reacquire;
 static void on_usr1(int) { want_release = 1; }
