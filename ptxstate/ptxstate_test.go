@@ -40,7 +40,7 @@ func corpus(t testing.TB) []string {
 func committedCorpus(t testing.TB) []string {
 	t.Helper()
 	var files []string
-	for _, pat := range []string{"testdata/corpus/*.ptx", "testdata/nvcc12/*.ptx", "testdata/edge/*.ptx"} {
+	for _, pat := range []string{"testdata/corpus/*.ptx", "testdata/nvcc12/*.ptx", "testdata/public/*.ptx", "testdata/edge/*.ptx"} {
 		m, err := filepath.Glob(pat)
 		if err != nil {
 			t.Fatal(err)
@@ -547,7 +547,88 @@ func TestTwinConvergence(t *testing.T) {
 				if line, ok := leaderReachesBody(g); !ok {
 					t.Errorf("the leader-only branch at line %d reaches the original body without a bar.sync", line)
 				}
+				if orig := findFunc(m2, strings.TrimSuffix(it.Func.Name, TwinSuffix)); orig != nil {
+					if want, got := schedulerBarrier(orig.Body), twinBarriers(it.Func); len(got) != 2 || got[0] != want || got[1] != want {
+						t.Errorf("scheduler barriers %q, want two %q (the body's barrier flavour)", got, want)
+					}
+				}
 			})
+		}
+	}
+}
+
+func findFunc(m *Module, name string) *Function {
+	for _, it := range m.Items {
+		if it.Kind == ItemFunc && it.Func.Name == name {
+			return it.Func
+		}
+	}
+	return nil
+}
+
+// twinBarriers returns the scheduler's barrier instructions of a twin (those outside the original
+// body: before $__ptxmig_body and after $__ptxmig_next), as printed by schedulerBarrier.
+func twinBarriers(f *Function) []string {
+	var out []string
+	inBody := false
+	for _, s := range f.Body {
+		if s.Kind == StLabel {
+			switch s.Name {
+			case labelPrefix + "body":
+				inBody = true
+			case labelPrefix + "next":
+				inBody = false
+			}
+			continue
+		}
+		if s.Kind == StInstr && !inBody && (s.Op == "bar.sync" || s.Op == "barrier.sync") {
+			args := make([]string, len(s.Args))
+			for i, a := range s.Args {
+				args[i] = a.Text
+			}
+			out = append(out, s.Op+" \t"+strings.Join(args, ", ")+";")
+		}
+	}
+	return out
+}
+
+// TestSchedulerBarrierFlavour: the twin's own barriers are non-aligned exactly when the body has a
+// non-aligned CTA barrier (mixing the two computed wrong blocks on an H100).
+func TestSchedulerBarrierFlavour(t *testing.T) {
+	for _, tt := range []struct{ body, want string }{
+		{"bar.sync 0;", "bar.sync \t0;"},
+		{"bar.sync 1, 64;", "bar.sync \t0;"},
+		{"barrier.sync.aligned 0;", "bar.sync \t0;"},
+		{"barrier.cta.sync.aligned 0;", "bar.sync \t0;"},
+		{"bar.warp.sync -1;", "bar.sync \t0;"},
+		{"barrier.sync 0;", "barrier.sync \t0;"},
+		{"barrier.cta.sync 0;", "barrier.sync \t0;"},
+		{"barrier.sync 1, 64;", "barrier.sync \t0;"},
+		{"barrier.red.popc.u32 %r2, 0, %p1;", "barrier.sync \t0;"},
+		{"", "bar.sync \t0;"},
+	} {
+		src := ".version 9.0\n.target sm_90\n.address_size 64\n.visible .entry k(.param .u64 p)\n{\n" +
+			"\t.reg .pred %p<2>;\n\t.reg .b32 %r<3>;\n\t.reg .b64 %rd<3>;\n" +
+			"\tld.param.u64 %rd1, [p];\n\tcvta.to.global.u64 %rd2, %rd1;\n\tmov.u32 %r1, %ctaid.x;\n" +
+			"\tsetp.eq.u32 %p1, %r1, 0;\n\t" + tt.body + "\n\tst.global.u32 [%rd2], %r1;\n\tret;\n}\n"
+		m, err := Parse([]byte(src))
+		if err != nil {
+			t.Fatalf("%q: %v", tt.body, err)
+		}
+		out, rep, err := Instrument(m)
+		if err != nil {
+			t.Fatalf("%q: %v", tt.body, err)
+		}
+		if len(rep.Kernels) != 1 || !rep.Kernels[0].Eligible {
+			t.Fatalf("%q: kernel not eligible: %+v", tt.body, rep.Kernels)
+		}
+		m2, err := Parse(out.Bytes())
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := twinBarriers(findFunc(m2, "k"+TwinSuffix))
+		if len(got) != 2 || got[0] != tt.want || got[1] != tt.want {
+			t.Errorf("body %q: scheduler barriers %q, want two %q", tt.body, got, tt.want)
 		}
 	}
 }

@@ -130,6 +130,14 @@ var virtualSpecial = map[string]string{
 // bar.sync (an aligned barrier) and warp-synchronous instructions (shfl.sync, vote) need that:
 // a leader lane still in scheduler code while its warp's other lanes run the body is undefined
 // behaviour, and on H200 it faulted (CUDA_ERROR_INVALID_ADDRESS_SPACE in transpose2d).
+//
+// Barrier flavour (schedulerBarrier): the scheduler's two barriers are aligned (bar.sync) unless
+// the body uses a non-aligned CTA barrier (barrier.sync without .aligned: nvcc 13 emits it for
+// cooperative groups' cta.sync()); then they are non-aligned too. Mixing the two computed wrong
+// blocks on an H100 (driver 580): the twin of cuda-samples' fwtBatch1Kernel built by nvcc 13 gave
+// wrong results with the scheduler on bar.sync 0, and also on bar.sync 15 (another barrier), and
+// exact ones with barrier.sync 0; the same kernel from nvcc 12.4 (bar.sync in the body) was exact
+// (docs/BENCHMARKS.md, 2026-11-25 fourth session).
 // minTwinRegs is the least .maxnreg given to a twin: below it the scheduler's own live values
 // would only move to local memory (the hardware allocates registers in groups of 8 anyway).
 const minTwinRegs = 24
@@ -168,6 +176,7 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int) (*Item, *Item, error) 
 		tw.MaxNReg = maxnreg
 	}
 
+	bar := schedulerBarrier(f.Body)
 	var body []*Stmt
 	emit := func(lines ...string) {
 		for _, l := range lines {
@@ -349,7 +358,7 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int) (*Item, *Item, error) 
 	emit(
 		"// every leader-only path ends at this barrier: the warp enters the body converged",
 		L("wait")+":",
-		"bar.sync \t0;",
+		bar,
 		"add.u32 \t"+rAddr+", "+rSlot+", "+rPar+";",
 		"ld.shared.v2.u64 \t{"+rVB+", "+rT64a+"}, ["+rAddr+"];",
 		"ld.shared.v2.u32 \t{"+rCX+", "+rCY+"}, ["+rAddr+"+16];",
@@ -425,7 +434,7 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int) (*Item, *Item, error) 
 		"setp.eq.and.u32 \t"+pT+", "+rCY+", "+rGY+", "+pT+";",
 		"@"+pT+" mov.u32 \t"+rCY+", 0;",
 		"@"+pT+" add.u32 \t"+rCZ+", "+rCZ+", 1;",
-		"bar.sync \t0;",
+		bar,
 		"bra \t"+L("block")+";",
 		L("exit")+":",
 		"@!"+pLead+" bra \t"+L("ret")+";",
@@ -442,4 +451,22 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int) (*Item, *Item, error) 
 	tw.Body = body
 	twin := &Item{Kind: ItemFunc, Lead: "\n\n// ptxmig: preemptible twin of " + f.Name + "\n", Func: tw}
 	return slot, twin, nil
+}
+
+// schedulerBarrier is the instruction of the twin's own barriers: "barrier.sync 0" (non-aligned)
+// when the body uses a non-aligned CTA barrier, else "bar.sync 0" (see makeTwin).
+func schedulerBarrier(body []*Stmt) string {
+	for _, s := range body {
+		if s.Kind == StInstr && ctaBarrierUnaligned(s) {
+			return "barrier.sync \t0;"
+		}
+	}
+	return "bar.sync \t0;"
+}
+
+// ctaBarrierUnaligned reports whether s is a CTA-wide barrier instruction without .aligned
+// (barrier{.cta}.sync/.arrive/.red); bar.* is always aligned and bar.warp.sync is warp-level.
+func ctaBarrierUnaligned(s *Stmt) bool {
+	return s.Base() == "barrier" && !s.HasMod("aligned") && !s.HasMod("cluster") &&
+		(s.HasMod("sync") || s.HasMod("arrive") || s.HasMod("red"))
 }

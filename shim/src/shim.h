@@ -16,7 +16,7 @@ struct krec;
 #define PTXMIG_SHIM_VERSION "ptxmig-shim 2"
 #define PTXMIG_PROTO_VERSION 2
 // Cache key of instrumented PTX: <sha256 of the PTX>-v<this>.ptx. Bump when ptxstate's output changes.
-#define PTXMIG_TRANSFORM_VERSION 2
+#define PTXMIG_TRANSFORM_VERSION 3
 
 // ---- configuration (read once from the environment, see docs/SHIM-PROTOCOL.md) ----
 typedef struct {

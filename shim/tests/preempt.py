@@ -537,7 +537,7 @@ def t_cache(name):
     cdir = os.path.join(tmp, "cache")
     check(stat.S_IMODE(os.stat(cdir).st_mode) == 0o700, f"{name}: cache dir mode")
     files = sorted(os.listdir(cdir))
-    check(len(files) == 2 and files[0].endswith("-v2-sm90.ptx") and files[1].endswith("-v2-sm90.why"), f"{name}: cache files {files}")
+    check(len(files) == 2 and files[0].endswith("-v3-sm90.ptx") and files[1].endswith("-v3-sm90.why"), f"{name}: cache files {files}")
     for f in files:
         check(stat.S_IMODE(os.stat(os.path.join(cdir, f)).st_mode) == 0o600, f"{name}: {f} mode")
     # Second run: from the cache only (no helper at all), reasons kept.
