@@ -267,7 +267,7 @@ func (p *Plan) describe() []op.PlanStep {
 		}
 		placed += fmt.Sprintf("; put the carried %s (%s) in place (%s)", pl.Path, bytesize.Format(pl.Size), how)
 	}
-	add("host", "%d files the processes had open or mapped are here with the size and mode CRIU recorded%s", p.HostFiles-len(p.Place), placed)
+	add("host", "%d files the processes had open or mapped are here with the size, mode and build-ID CRIU recorded%s", p.HostFiles-len(p.Place), placed)
 	sj := ""
 	if p.ShellJob {
 		sj = " as a shell job (into ptxmig's session)"

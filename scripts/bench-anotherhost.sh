@@ -28,11 +28,13 @@ W=${PTXMIG_WORKLOADS:-$bundle/workloads/bin}
 OUT=${PTXMIG_OUT:-$PWD/results}
 steps=60
 logdir=/tmp/ptxmig-anotherhost
-# The application is installed at the same path on both hosts (as an operator would deploy it),
-# built from the same source by the same nvcc, and runs there: the image records its executable
-# and working directory, which restore's preflight requires on the target.
+# The application is installed at the same path on both hosts, as an operator deploys one build
+# everywhere: source copies its counter binary into DIR and target installs that very file (the
+# image records the executable, its working directory and the executable's build-ID, which
+# restore's preflight and CRIU require). Before that, target installs its own build of the same
+# source and checks that preflight refuses it by its build-ID (nvcc's output differs per build).
 app=/opt/ptxmig-anotherhost
-install_app() { install -D -m 0755 "$W/counter" "$app/counter"; }
+install_app() { install -D -m 0755 "$1" "$app/counter"; }
 [ "$(id -u)" -eq 0 ] || { echo "bench-anotherhost: run as root" >&2; exit 1; }
 mkdir -p "$dir" "$OUT"
 gpu() { nvidia-smi --query-gpu=name,uuid,driver_version --format=csv,noheader -i 0; }
@@ -41,7 +43,7 @@ final() { sed -n 's/^final checksum \([0-9a-f]*\).*/\1/p' "$1" | tail -1; }
 
 case $mode in
 source)
-  rm -rf "$logdir"; mkdir -p "$logdir"; install_app
+  rm -rf "$logdir"; mkdir -p "$logdir"; install_app "$W/counter"; cp "$W/counter" "$dir/counter"
   store=$(mktemp -d /var/tmp/ptxmig-anotherhost-src.XXXXXX)
   (cd "$app" && exec setsid ./counter --mib "$mib" --steps "$steps" --interval-ms 100 --device 0 </dev/null >>"$logdir/counter.log" 2>&1) &
   pid=$!
@@ -64,11 +66,29 @@ PY
 target)
   [ -e "$logdir" ] && { echo "bench-anotherhost: $logdir exists here: not another host (or a leftover): remove it" >&2; exit 1; }
   mib=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['mib'])" "$dir/source.json")
-  install_app
+  [ -f "$dir/counter" ] || { echo "bench-anotherhost: no $dir/counter (the source's build): run source first" >&2; exit 1; }
   store=$(mktemp -d /var/tmp/ptxmig-anotherhost-dst.XXXXXX)/store
   t=$(date +%s%N)
   "$bin" --store "$store" image import "$dir/anotherhost.ptxmig"
   im=$(ms "$t")
+  # This host's own build of the same source: preflight must refuse it (exit 3), naming the build-ID.
+  rebuilt=refused
+  if cmp -s "$W/counter" "$dir/counter"; then
+    rebuilt="same bytes as the source's build (not checked)"
+  else
+    install_app "$W/counter"
+    set +e
+    "$bin" --store "$store" restore --dry-run anotherhost >"$dir/plan-rebuilt.txt" 2>&1
+    rc=$?
+    set -e
+    if [ $rc -ne 3 ] || ! grep -q 'build-ID' "$dir/plan-rebuilt.txt"; then
+      echo "bench-anotherhost: preflight did not refuse this host's rebuild of counter (exit $rc):" >&2
+      cat "$dir/plan-rebuilt.txt" >&2
+      exit 1
+    fi
+    grep -m1 'build-ID' "$dir/plan-rebuilt.txt"
+  fi
+  install_app "$dir/counter"
   "$bin" --store "$store" restore --dry-run anotherhost | tee "$dir/plan.txt"
   t=$(date +%s%N)
   "$bin" --store "$store" --json restore anotherhost >"$dir/restore.json"
@@ -86,9 +106,9 @@ d=json.load(open(sys.argv[1]))
 print('; '.join(f\"{p['from'].get('name','?')} -> {p['to'].get('name','?')}\" + (' (model change, measured)' if p.get('model_change_measured') else ' (model change)' if p.get('model_change') else '') for p in d.get('gpu_pairs', []) if p.get('used')) or 'no pairs (same GPU)')
 " "$dir/restore.json")
   src=$(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['gpu'], '| checkpoint', d['checkpoint_ms'], 'ms, export', d['export_ms'], 'ms')" "$dir/source.json")
-  row="| $(date -u +%F) | $src | $(gpu) | import $im ms, restore $rs ms | $model | $verdict |"
-  { echo "| date | source GPU, driver | source timings | target GPU, driver | target timings | pairs | result |"
-    echo "|---|---|---|---|---|---|---|"
+  row="| $(date -u +%F) | $src | $(gpu) | import $im ms, restore $rs ms | $model | $verdict | $rebuilt |"
+  { echo "| date | source GPU, driver | source timings | target GPU, driver | target timings | pairs | result | this host's rebuild of counter |"
+    echo "|---|---|---|---|---|---|---|---|"
     echo "$row"; } | tee "$OUT/bench-anotherhost.md"
   rm -rf "$(dirname "$store")" "$logdir" "$app"
   [ "$verdict" != FAIL ] || { echo "bench-anotherhost: final checksum $got, uninterrupted run $want" >&2; exit 1; }

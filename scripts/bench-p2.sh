@@ -10,7 +10,8 @@
 # Apps: the workloads (longgrid with fixed work: one ~3.5 s many-block hashgrid kernel, twin under
 # auto; counter; train.py, CPU-bound PyTorch) and public NVIDIA/cuda-samples programs built here
 # with nvcc for sm_90 *with PTX* (so that the shim can instrument them), from the bundle's
-# samples/ (gpu-bundle.sh with PTXMIG_CUDA_SAMPLES=DIR). BENCH_APPS="a b ..." picks some.
+# samples/ (gpu-bundle.sh with PTXMIG_CUDA_SAMPLES=DIR). BENCH_APPS="a b ..." picks some;
+# BENCH_LOAD=0 skips the module-load part.
 # Method: an untimed round first (it also fills the instrumentation cache), then ROUNDS rounds;
 # each round runs every app three ways back to back in an order that rotates between rounds:
 # plain, `ptxmig run --preempt off` (interception alone) and `ptxmig run` (auto). The metric is
@@ -113,7 +114,7 @@ cmd[train1]="python3 $W/train.py --steps 1 --log-every 1"
 cmd[counter1]="$W/counter --mib 64 --steps 1 --interval-ms 0"
 [ -n "${cmd[matrixMul]:-}" ] && cmd[mm1]="$work/samples/matrixMul"
 for app in train1 counter1 mm1; do
-  [ -n "${cmd[$app]:-}" ] || continue
+  [ -n "${cmd[$app]:-}" ] && [ "${BENCH_LOAD:-1}" != 0 ] || continue
   for r in 1 2 3; do for way in plain cold auto; do run1 "$app" "$way" "l$r"; done; done
 done
 

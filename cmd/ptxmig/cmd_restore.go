@@ -35,7 +35,8 @@ func init() {
 			"with throughput, and an ETA. A failure after CRIU restored the tree kills it again; the image\n" +
 			"stays intact (exit status 4) and CRIU's log is kept in /var/log/ptxmig.\n\n" +
 			"Preflight also checks every file the processes had open or mapped (executable, libraries,\n" +
-			"logs) as CRIU will: present, with the size and mode CRIU recorded. What is missing or\n" +
+			"logs) as CRIU will: present, with the size, mode and ELF build-ID CRIU recorded (a rebuild\n" +
+			"of the same program has another build-ID). What is missing or\n" +
 			"different is named with its fix and refused (exit 3) before anything is touched, unless the\n" +
 			"image carries a copy (checkpoint --carry-files): a missing one is then put in place (its\n" +
 			"directory created), a different one only with --overwrite-files (moved aside, not deleted);\n" +

@@ -9,6 +9,7 @@ package hostreq
 
 import (
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -51,6 +52,9 @@ type File struct {
 	Mode  uint32 `json:"mode,omitempty"`  // st_mode (type and permission bits); 0: not checked
 	Size  int64  `json:"size"`            // -1: not checked
 	Write bool   `json:"write,omitempty"` // the process had it open for writing
+	// BuildID is the GNU build-ID CRIU recorded for an ELF file (hex of its zero-padded words),
+	// which its restore compares; empty when it recorded none.
+	BuildID string `json:"build_id,omitempty"`
 }
 
 // Regular reports whether the file was a regular file (only those can be carried).
@@ -100,6 +104,11 @@ func Decode(files, remaps []byte) ([]File, error) {
 		if r.Mode != nil {
 			f.Mode = r.GetMode()
 		}
+		bid, err := buildIDWords(r.GetBuildId())
+		if err != nil {
+			return fmt.Errorf("file %s: %v", p, err)
+		}
+		f.BuildID = hex.EncodeToString(bid)
 		f.Write = r.GetFlags()&unix.O_ACCMODE != unix.O_RDONLY
 		if old, ok := byPath[p]; ok {
 			// One file, several descriptors: CRIU checks each entry that records a size or mode
@@ -112,6 +121,9 @@ func Decode(files, remaps []byte) ([]File, error) {
 			}
 			if f.Mode == 0 {
 				f.Mode = old.Mode
+			}
+			if f.BuildID == "" {
+				f.BuildID = old.BuildID
 			}
 		}
 		byPath[p] = f
@@ -191,6 +203,9 @@ func Parse(s string) ([]File, error) {
 		if f.Size < -1 {
 			return nil, fmt.Errorf("%w: file %s: size %d", ErrInvalid, f.Path, f.Size)
 		}
+		if err := validBuildIDHex(f.BuildID); err != nil {
+			return nil, fmt.Errorf("%w: file %s: %v", ErrInvalid, f.Path, err)
+		}
 	}
 	return files, nil
 }
@@ -211,8 +226,8 @@ func (p Problem) String() string {
 type Stat func(path string, st *unix.Stat_t) error
 
 // Check compares each file with this host (stat: unix.Stat when nil), as CRIU's restore will:
-// the file must exist, and where CRIU recorded them, have the same size and the same mode (file
-// type and permission bits).
+// the file must exist, and where CRIU recorded them, have the same size, the same mode (file
+// type and permission bits) and, for an ELF file, the same build-ID.
 func Check(files []File, stat Stat) []Problem {
 	if stat == nil {
 		stat = unix.Stat
@@ -233,6 +248,24 @@ func Check(files []File, stat Stat) []Problem {
 		modeOK := f.Mode == 0 || st.Mode == f.Mode
 		if !sizeOK || !modeOK {
 			out = append(out, Problem{Path: f.Path, Want: want, Have: describe(st.Mode, st.Size), Fix: fix(f, false)})
+			continue
+		}
+		if f.BuildID != "" && st.Mode&unix.S_IFMT == unix.S_IFREG {
+			rec, _ := hex.DecodeString(f.BuildID) // validated by Parse/Decode
+			have, err := readBuildID(f.Path)
+			if err == nil && sameBuildID(have, rec) {
+				continue
+			}
+			h := "another build (build-ID " + hex.EncodeToString(have) + ")"
+			switch {
+			case errors.Is(err, errNoBuildID):
+				h = "a file without a build-ID"
+			case err != nil:
+				h = "a file it cannot read (" + err.Error() + ")"
+			}
+			out = append(out, Problem{Path: f.Path, Want: want + " with build-ID " + f.BuildID, Have: h,
+				Fix: "install the very build the source host ran (CRIU compares ELF build-IDs, and a rebuild of the same source " +
+					"differs), e.g. copy it from the source host"})
 		}
 	}
 	return out

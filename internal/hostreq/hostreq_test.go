@@ -3,6 +3,7 @@ package hostreq
 import (
 	"context"
 	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"os"
 	"os/exec"
@@ -93,6 +94,12 @@ func TestDecodeRealDump(t *testing.T) {
 	sh, _ := filepath.EvalSymlinks("/bin/sh")
 	if !slices.ContainsFunc(got, func(f File) bool { return f.Path == sh && !f.Write }) {
 		t.Errorf("the shell's executable %s is not listed: %+v", sh, got)
+	}
+	// CRIU recorded the shell's build-ID (its default file validation), as this host reads it.
+	if id, err := readBuildID(sh); err != nil {
+		t.Errorf("build-ID of %s: %v", sh, err)
+	} else if i := slices.IndexFunc(got, func(f File) bool { return f.Path == sh }); i >= 0 && got[i].BuildID != hex.EncodeToString(padded(id)) {
+		t.Errorf("recorded build-ID %q, the file has %x", got[i].BuildID, id)
 	}
 	// This host has them all as they were: no problem.
 	if p := Check(got, nil); len(p) != 0 {
