@@ -114,7 +114,7 @@ cmd[train1]="python3 $W/train.py --steps 1 --log-every 1"
 cmd[counter1]="$W/counter --mib 64 --steps 1 --interval-ms 0"
 [ -n "${cmd[matrixMul]:-}" ] && cmd[mm1]="$work/samples/matrixMul"
 for app in train1 counter1 mm1; do
-  [ -n "${cmd[$app]:-}" ] && [ "${BENCH_LOAD:-1}" != 0 ] || continue
+  if [ -z "${cmd[$app]:-}" ] || [ "${BENCH_LOAD:-1}" = 0 ]; then continue; fi
   for r in 1 2 3; do for way in plain cold auto; do run1 "$app" "$way" "l$r"; done; done
 done
 

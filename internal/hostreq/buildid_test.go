@@ -34,7 +34,9 @@ func realELF(t *testing.T) (string, []byte) {
 }
 
 // padded is the build-ID as CRIU records it: zero-padded to whole 32-bit words.
-func padded(id []byte) []byte { return append(append([]byte(nil), id...), make([]byte, (4-len(id)%4)%4)...) }
+func padded(id []byte) []byte {
+	return append(append([]byte(nil), id...), make([]byte, (4-len(id)%4)%4)...)
+}
 
 // TestCheckBuildID: a file with the recorded size and mode but another build-ID (a rebuild of the
 // same source, here the same binary with one byte of its build-ID note changed) is named before
