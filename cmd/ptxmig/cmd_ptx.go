@@ -59,14 +59,19 @@ func init() {
 					"largest .maxnreg that fits as many CTAs per SM as its original does; without\n" +
 					"a usable ptxas the twins are written without it and the report says why (the shim passes\n" +
 					"the GPU's ARCH when it runs ptxmig as its helper).\n\n" +
+					"With --cubin as well, ptxas assembles the instrumented module for that ARCH and OUT is the\n" +
+					"cubin (the driver loads it without compiling PTX at every start); when that cannot be done\n" +
+					"(no ptxas, a PTX ISA newer than it, a failure) OUT is the PTX and the report says why.\n\n" +
 					"Examples:\n" +
 					"   ptxmig ptx instrument -o kernels.twins.ptx kernels.ptx\n" +
 					"   ptxmig ptx instrument --match-registers sm_90 -o kernels.twins.ptx kernels.ptx\n" +
+					"   ptxmig ptx instrument --match-registers sm_90 --cubin -o kernels.twins.cubin kernels.ptx\n" +
 					"   ptxmig ptx instrument --report -o - kernels.ptx > out.ptx",
 				Flags: []cli.Flag{
 					&cli.StringFlag{Name: "output", Aliases: []string{"o"}, Usage: "output PTX `FILE`, or - for stdout (required)"},
 					&cli.BoolFlag{Name: "report", Usage: "also print the per-kernel report (to stderr when OUT is -)"},
 					&cli.StringFlag{Name: "match-registers", Usage: "cap each twin's registers so that it fits as many CTAs per SM as its original, as ptxas assembles FILE for `ARCH` (sm_XX)"},
+					&cli.BoolFlag{Name: "cubin", Usage: "write the instrumented module assembled by ptxas for the --match-registers ARCH (a cubin) instead of PTX, where ptxas can"},
 				},
 				Action: ptxInstrumentAction,
 			},
@@ -136,6 +141,9 @@ func ptxInstrumentAction(c *cli.Context) error {
 	if outName == "" {
 		return exitcode.Usagef("ptx instrument: -o OUT is required (a file, or - for stdout)")
 	}
+	if c.Bool("cubin") && c.String("match-registers") == "" {
+		return exitcode.Usagef("ptx instrument: --cubin needs --match-registers ARCH (the architecture to assemble for)")
+	}
 	if outName == "-" {
 		// stdout carries the PTX: the --json document, the error's too, goes to stderr.
 		env(c).jsonOut = env(c).Err
@@ -151,11 +159,20 @@ func ptxInstrumentAction(c *cli.Context) error {
 	if err != nil {
 		return fmt.Errorf("instrument %s: %w", in, err)
 	}
+	data := out.Bytes()
+	if c.Bool("cubin") {
+		var cubinNote string
+		data, cubinNote = assembleCubin(c, data, m)
+		if cubinNote != "" {
+			env(c).Log.Warn(cubinNote)
+			r.Notes = append(r.Notes, cubinNote)
+		}
+	}
 	if outName == "-" {
-		if err := out.Print(env(c).Out); err != nil {
+		if _, err := env(c).Out.Write(data); err != nil {
 			return fmt.Errorf("write stdout: %w", err)
 		}
-	} else if err := atomicfile.WriteFile(outName, out.Bytes(), 0o644); err != nil {
+	} else if err := atomicfile.WriteFile(outName, data, 0o644); err != nil {
 		// Written next to OUT and renamed into place: a failed write never leaves a truncated
 		// file (and OUT may be the input file).
 		return err
@@ -224,6 +241,38 @@ func matchRegisters(c *cli.Context, m *ptxstate.Module) (ptxstate.Options, strin
 		caps[k] = ptxas.SameOccupancyRegs(n, arch)
 	}
 	return ptxstate.Options{MaxNReg: caps}, ""
+}
+
+// assembleCubin assembles the instrumented PTX for the --match-registers architecture and returns
+// the cubin, or the PTX unchanged and a note saying why not.
+func assembleCubin(c *cli.Context, ptx []byte, m *ptxstate.Module) ([]byte, string) {
+	arch := c.String("match-registers")
+	if !archRE.MatchString(arch) {
+		return ptx, fmt.Sprintf("PTX written, not a cubin: --match-registers %s is not an sm_XX architecture", esc(arch))
+	}
+	for _, t := range m.Target {
+		if strings.HasPrefix(t, arch) && archRE.MatchString(t) {
+			arch = t
+		}
+	}
+	bin, err := ptxas.Find()
+	if err != nil {
+		return ptx, fmt.Sprintf("PTX written, not a cubin: %v", err)
+	}
+	if len(ptx) > maxMatchBytes {
+		return ptx, fmt.Sprintf("PTX written, not a cubin: %d MiB of PTX is over the %d MiB ptxas is run on", len(ptx)>>20, maxMatchBytes>>20)
+	}
+	ctx, cancel := context.WithTimeout(c.Context, 30*time.Second)
+	defer cancel()
+	cubin, err := ptxas.Assemble(ctx, bin, ptx, arch)
+	if err != nil {
+		first, _, _ := strings.Cut(strings.TrimSpace(err.Error()), "\n")
+		return ptx, fmt.Sprintf("PTX written, not a cubin: %s", esc(first))
+	}
+	if len(cubin) < 4 || string(cubin[:4]) != "\x7fELF" {
+		return ptx, "PTX written, not a cubin: ptxas wrote no ELF file"
+	}
+	return cubin, ""
 }
 
 // writeReport prints the human form of a report; detail adds barrier sites and live registers.

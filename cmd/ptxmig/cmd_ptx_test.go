@@ -130,3 +130,48 @@ func TestPtxInstrumentMatchRegisters(t *testing.T) {
 		}
 	})
 }
+
+// TestPtxInstrumentCubin: --cubin writes the instrumented module assembled by the real ptxas (an
+// ELF file with both the original and the twin), falls back to PTX with a note where ptxas
+// cannot be used, and needs --match-registers.
+func TestPtxInstrumentCubin(t *testing.T) {
+	src := filepath.Join("..", "..", "internal", "ptxas", "testdata", "saxpy.ptx")
+	dst := filepath.Join(t.TempDir(), "out.cubin")
+	t.Run("needs an arch", func(t *testing.T) {
+		_, stderr, code := runCLI(t, "ptx", "instrument", "--cubin", "-o", dst, src)
+		if code != 2 || !strings.Contains(stderr, "--cubin needs --match-registers") {
+			t.Errorf("exit %d: %s", code, stderr)
+		}
+	})
+	t.Run("no ptxas", func(t *testing.T) {
+		t.Setenv("PTXAS", filepath.Join(t.TempDir(), "missing-ptxas"))
+		out, stderr, code := runCLI(t, "--json", "ptx", "instrument", "--match-registers", "sm_90", "--cubin", "-o", dst, src)
+		if code != 0 {
+			t.Fatalf("exit %d: %s", code, stderr)
+		}
+		if !strings.Contains(out, "PTX written, not a cubin") {
+			t.Errorf("no note:\n%s", out)
+		}
+		if data, _ := os.ReadFile(dst); !strings.Contains(string(data), "__ptxmig(") {
+			t.Error("the fallback must be the instrumented PTX")
+		}
+	})
+	t.Run("ptxas", func(t *testing.T) {
+		if _, err := ptxas.Find(); err != nil {
+			testreq.Skip(t, "ptxas", "%v", err)
+		}
+		_, stderr, code := runCLI(t, "ptx", "instrument", "--match-registers", "sm_90", "--cubin", "-o", dst, src)
+		if code != 0 {
+			t.Fatalf("exit %d: %s", code, stderr)
+		}
+		data, _ := os.ReadFile(dst)
+		if !bytes.HasPrefix(data, []byte("\x7fELF")) {
+			t.Fatalf("not an ELF file: %.40q", data)
+		}
+		for _, sec := range []string{"\x00.text.saxpy\x00", "\x00.text.saxpy__ptxmig\x00"} {
+			if !bytes.Contains(data, []byte(sec)) {
+				t.Errorf("no section %q in the cubin", sec)
+			}
+		}
+	})
+}

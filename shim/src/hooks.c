@@ -44,6 +44,7 @@ void config_load(void) {
   if (cfg.preempt_batch_max > 65536) cfg.preempt_batch_max = 65536;
   const char *ps = getenv("PTXMIG_PREEMPT_SASS");
   cfg.preempt_sass = !(ps && strcmp(ps, "keep") == 0);
+  cfg.ptx_cubin = env_uint("PTXMIG_PTX_CUBIN", 1) != 0;
   const char *pc = getenv("PTXMIG_PTX_CACHE");
   snprintf(cfg.ptx_cache, sizeof cfg.ptx_cache, "%s", pc ? pc : "/var/cache/ptxmig/ptx");
   const char *hp = getenv("PTXMIG_HELPER");

@@ -367,7 +367,27 @@ static void set_reason(void *arg, const char *name, int eligible, const char *re
     }
 }
 
-// mark_twins sets kinfo.twin from the instrumented text and the reasons from the report (or the
+// is_elf: the helper's output (or a cached entry) is a cubin rather than PTX text.
+static int is_elf(const char *b, size_t n) { return n >= 4 && memcmp(b, "\x7f" "ELF", 4) == 0; }
+
+// has_entry reports whether the instrumented module (PTX text or a cubin) defines kernel name: in
+// PTX an ".entry name", in a cubin its code section ".text.name" (a NUL-terminated section name).
+static int has_entry(const char *out, size_t outlen, const char *name, size_t nlen) {
+  if (is_elf(out, outlen)) {
+    char pat[620];
+    if (nlen + 8 > sizeof pat) return 0;
+    pat[0] = 0;
+    memcpy(pat + 1, ".text.", 6);
+    memcpy(pat + 7, name, nlen);
+    pat[7 + nlen] = 0;
+    return memmem(out, outlen, pat, nlen + 8) != NULL;
+  }
+  twin_find f = {NULL, name, nlen, 0};
+  each_entry(out, outlen, find_twin, &f);
+  return f.found;
+}
+
+// mark_twins sets kinfo.twin from the instrumented module and the reasons from the report (or the
 // cache's .why file, same format).
 static int mark_twins(kinfo_set *ks, const char *out, size_t outlen, const char *report, size_t replen) {
   int twins = 0;
@@ -375,10 +395,8 @@ static int mark_twins(kinfo_set *ks, const char *out, size_t outlen, const char 
     char tn[600];
     int l = snprintf(tn, sizeof tn, "%s" PTXMIG_TWIN_SUFFIX, ks->k[i].name);
     if (l < 0 || (size_t)l >= sizeof tn) continue;
-    twin_find f = {ks, tn, (size_t)l, 0};
-    each_entry(out, outlen, find_twin, &f);
-    ks->k[i].twin = f.found;
-    twins += f.found;
+    ks->k[i].twin = has_entry(out, outlen, tn, (size_t)l);
+    twins += ks->k[i].twin;
   }
   if (report && replen) json_kernel_report(report, replen, set_reason, ks);
   for (int i = 0; i < ks->n; i++)
@@ -386,13 +404,10 @@ static int mark_twins(kinfo_set *ks, const char *out, size_t outlen, const char 
   return twins;
 }
 
-// every original entry must still be in the instrumented text (a sanity check on helper or cache)
+// every original entry must still be in the instrumented module (a sanity check on helper or cache)
 static int entries_kept(const kinfo_set *ks, const char *out, size_t outlen) {
-  for (int i = 0; i < ks->n; i++) {
-    twin_find f = {NULL, ks->k[i].name, strlen(ks->k[i].name), 0};
-    each_entry(out, outlen, find_twin, &f);
-    if (!f.found) return 0;
-  }
+  for (int i = 0; i < ks->n; i++)
+    if (!has_entry(out, outlen, ks->k[i].name, strlen(ks->k[i].name))) return 0;
   return 1;
 }
 
@@ -530,8 +545,9 @@ static int run_helper(const char *ptx, size_t len, obuf *out, obuf *rep, kinfo_s
   char arch[16];
   snprintf(arch, sizeof arch, "sm_%d", cc);
   char *with_arch[] = {cfg.helper, "ptx", "instrument", "--report", "--json", "--match-registers", arch, "-o", "-", "-", NULL};
+  char *cubin[] = {cfg.helper, "ptx", "instrument", "--report", "--json", "--match-registers", arch, "--cubin", "-o", "-", "-", NULL};
   char *without[] = {cfg.helper, "ptx", "instrument", "--report", "--json", "-o", "-", "-", NULL};
-  char **argv = cc > 0 ? with_arch : without;
+  char **argv = cc <= 0 ? without : cfg.ptx_cubin ? cubin : with_arch;
   pid_t pid = -1;
   int e = env ? posix_spawn(&pid, cfg.helper, &fa, &at, argv, env) : ENOMEM;
   free(env);
@@ -693,15 +709,28 @@ int instr_prepare(const void *image, size_t known, const char *path, char **ptx_
     instr_failed(ks, "module has no kernels");
     return 0;
   }
-  char sha[65], name[112], why[112];
+  char sha[65], name[112], cname[112], why[112];
   sha256_hex(ptx, plen, sha);
-  // Per device architecture: the twins' register caps depend on it.
+  // Per device architecture: the twins' register caps (and a cubin's code) depend on it. The
+  // entry is a cubin where the helper could assemble one, else the instrumented PTX.
   int cc = device_cc();
   snprintf(name, sizeof name, "%s-v%d-sm%d.ptx", sha, PTXMIG_TRANSFORM_VERSION, cc);
+  snprintf(cname, sizeof cname, "%s-v%d-sm%d.cubin", sha, PTXMIG_TRANSFORM_VERSION, cc);
   snprintf(why, sizeof why, "%s-v%d-sm%d.why", sha, PTXMIG_TRANSFORM_VERSION, cc);
   int dfd = cache_dir();
   size_t outlen = 0, wlen = 0;
-  char *out = dfd >= 0 ? cache_read(dfd, name, cfg.helper_max_bytes, &outlen) : NULL;
+  char *out = dfd >= 0 && cfg.ptx_cubin && cc > 0 ? cache_read(dfd, cname, cfg.helper_max_bytes, &outlen) : NULL;
+  if (out && !is_elf(out, outlen)) {  // a .cubin entry must be one
+    free(out);
+    out = NULL;
+  }
+  if (!out && dfd >= 0) {
+    out = cache_read(dfd, name, cfg.helper_max_bytes, &outlen);
+    if (out && is_elf(out, outlen)) {  // and a .ptx entry must not be one
+      free(out);
+      out = NULL;
+    }
+  }
   char *w = out ? cache_read(dfd, why, 16u << 20, &wlen) : NULL;
   if (out && cfg.helper[0]) {
     // With a helper configured, only entries that same helper binary wrote are used.
@@ -752,9 +781,9 @@ int instr_prepare(const void *image, size_t known, const char *path, char **ptx_
     mark_twins(ks, out, outlen, r.over ? NULL : r.p, r.over ? 0 : r.len);
     if (dfd >= 0) {
       char *wt = why_text(ks, &wlen);
-      if (wt) cache_write(dfd, why, wt, wlen);  // the .why first: the .ptx is the commit
+      if (wt) cache_write(dfd, why, wt, wlen);  // the .why first: the .ptx or .cubin is the commit
       free(wt);
-      cache_write(dfd, name, out, outlen);
+      cache_write(dfd, is_elf(out, outlen) ? cname : name, out, outlen);
     }
     free(r.p);
   }

@@ -33,6 +33,7 @@ typedef struct {
   int preempt_hold;            // PTXMIG_PREEMPT_HOLD (default 1): hold submissions behind twins in flight
   unsigned preempt_batch_max;  // PTXMIG_PREEMPT_BATCH_MAX: twins' largest claim (0: from the sampled block time)
   int preempt_sass;          // PTXMIG_PREEMPT_SASS: 1 jit (default), 0 keep modules with SASS for the GPU
+  int ptx_cubin;             // PTXMIG_PTX_CUBIN (default 1): ask the helper for a cubin (ptxas) instead of PTX to JIT
   char ptx_cache[256];       // PTXMIG_PTX_CACHE, default /var/cache/ptxmig/ptx ("" or "off": no cache)
   char helper[256];          // PTXMIG_HELPER: the ptxmig binary ("" : none)
   unsigned helper_timeout_ms;  // PTXMIG_HELPER_TIMEOUT_MS (default 60000)

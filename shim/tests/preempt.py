@@ -17,7 +17,10 @@ class App:
         self.tmp = tmp
         self.sockdir = os.path.join(tmp, "sock")
         env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(OPTS.build, "fake"), PTXMIG_SOCKET_DIR=self.sockdir,
-                   PTXMIG_PTX_CACHE=os.path.join(tmp, "cache"), PTXMIG_PREEMPT="always", FAKE_CUDA_BLOCK_US="2000")
+                   PTXMIG_PTX_CACHE=os.path.join(tmp, "cache"), PTXMIG_PREEMPT="always", FAKE_CUDA_BLOCK_US="2000",
+                   # The fake driver runs twins from PTX only (it reads their parameters there); t_cubin
+                   # covers the cubin the shim asks its helper for by default.
+                   PTXMIG_PTX_CUBIN="0")
         if os.path.exists(os.path.join(OPTS.build, "ptxmig")):
             env["PTXMIG_HELPER"] = os.path.abspath(os.path.join(OPTS.build, "ptxmig"))
         if shim:
@@ -499,6 +502,48 @@ HELPER_FAIL = "#!/bin/sh\ncat >/dev/null\necho 'instrument: broken on purpose' >
 HELPER_GARBAGE = "#!/bin/sh\ncat >/dev/null\necho 'not ptx at all'\n"
 
 
+def t_cubin(name):
+    """PTXMIG_PTX_CUBIN=1 (the default): the helper assembles the instrumented module with ptxas and
+    the shim loads that cubin (no PTX JIT at start-up), cached as .cubin; the twins are found in its
+    sections; a later run uses the cached cubin without the helper; with cubins off the .cubin
+    entry is not used."""
+    if not os.path.exists(os.path.join(OPTS.build, "ptxmig")):
+        skip(None, name, "no ptxmig helper in the build directory")
+        return
+    if not (shutil.which("ptxas") or os.environ.get("PTXAS") or os.path.exists("/usr/local/cuda/bin/ptxas")):
+        skip("ptxas", name, "no ptxas for the helper (scripts/install-ptxas.sh)")
+        return
+    tmp = tempfile.mkdtemp(prefix="ptxmig-preempt-")
+    cdir = os.path.join(tmp, "cache")
+    for run, extra in (("helper", {}), ("cached", {"PTXMIG_HELPER": None})):
+        app = App(tmp, dict(extra, PTXMIG_PTX_CUBIN="1"))
+        c = app.conn()
+        st = c.req(cmd="status")["result"]["preempt"]
+        want = (1, 0) if run == "helper" else (0, 1)
+        check(st["instrumented_modules"] == 1 and (st["cache"]["helper_runs"], st["cache"]["hits"]) == want,
+              f"{name}: {run}: status {st}")
+        k = kern(c, "k_count")
+        check(k and k["twin"] is True and k["twin_reason"] is None, f"{name}: {run}: k_count {k}")
+        kr = kern(c, "k_refused")
+        check(kr and kr["twin"] is False and kr["twin_reason"].startswith("refused by ptxstate: reads %envreg1"),
+              f"{name}: {run}: k_refused {kr}")
+        c.close()
+        ended_ok(name, app)
+        files = sorted(os.listdir(cdir))
+        check(len(files) == 2 and files[0].endswith("-v3-sm90.cubin") and files[1].endswith("-v3-sm90.why"),
+              f"{name}: {run}: cache files {files}")
+    with open(os.path.join(cdir, files[0]), "rb") as f:
+        check(f.read(4) == b"\x7fELF", f"{name}: the .cubin entry is not an ELF file")
+    app = App(tmp, {})  # PTXMIG_PTX_CUBIN=0: the PTX entry, from the helper
+    c = app.conn()
+    st = c.req(cmd="status")["result"]["preempt"]["cache"]
+    check(st["helper_runs"] == 1 and st["hits"] == 0, f"{name}: cubins off used the .cubin entry: {st}")
+    c.close()
+    ended_ok(name, app)
+    check(any(f.endswith("-v3-sm90.ptx") for f in os.listdir(cdir)), f"{name}: no .ptx entry with cubins off")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def t_fallback(name, helper_script, want_reason, env=None):
     tmp = tempfile.mkdtemp(prefix="ptxmig-preempt-")
     extra = dict(env or {})
@@ -693,7 +738,7 @@ def t_criu(name):
     outp = os.path.join(tmp, "app.out")
     env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(OPTS.build, "fake"), PTXMIG_SOCKET_DIR=sockdir,
                PTXMIG_PTX_CACHE=os.path.join(tmp, "cache"), PTXMIG_PREEMPT="always", FAKE_CUDA_BLOCK_US="2000",
-               LD_PRELOAD=" ".join(x for x in [OPTS.preload_first, OPTS.shim] if x), APP_GO_FILE=go,
+               LD_PRELOAD=" ".join(x for x in [OPTS.preload_first, OPTS.shim] if x), APP_GO_FILE=go, PTXMIG_PTX_CUBIN="0",
                PTXMIG_HELPER=os.path.abspath(os.path.join(OPTS.build, "ptxmig")))
     # stdio are regular files and the app has its own session: CRIU dumps it alone.
     log = open(outp, "w")
@@ -788,6 +833,7 @@ def main():
         ("legacy-stream-extra-args-no-paraminfo", t_legacy_extra, ()),
         ("driver-rejects-twins", lambda n: t_fallback(n, None, "the driver refused the instrumented PTX", {"FAKE_CUDA_REJECT_TWINS": "1", "PTXMIG_HELPER": os.path.abspath(os.path.join(OPTS.build, "ptxmig"))}), ()),
         ("cache", t_cache, ()),
+        ("cubin", t_cubin, ()),
         ("tail-rule", t_tail, ()),
         ("hold", t_hold, ()),
         ("hold-not-started", t_hold_not_started, ()),
