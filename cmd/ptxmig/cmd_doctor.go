@@ -368,7 +368,7 @@ func runDoctor(ctx context.Context, p doctorProbes, storeDir, sockDir string) do
 		add("shim", "ok", s, "")
 	}
 	if s, err := p.ptxas(); err != nil {
-		add("ptxas", "warn", err.Error()+": checkpoints do not need it; without it the preemptible twins `ptxmig run` loads keep no register cap (some then fit fewer CTAs per SM and launch as originals) and the test suite cannot check instrumented PTX",
+		add("ptxas", "warn", err.Error()+": checkpoints do not need it; without it the preemptible twins `ptxmig run` loads keep no register cap (some then fit fewer CTAs per SM and launch as originals), instrumented modules load as PTX the driver compiles at every start, and the test suite cannot check instrumented PTX",
 			"scripts/install-ptxas.sh (or set PTXAS)")
 	} else {
 		add("ptxas", "ok", s, "")
