@@ -206,35 +206,17 @@ const maxMatchBytes = 8 << 20
 // matchRegisters runs ptxas -v on the module for --match-registers ARCH and returns the twins'
 // register caps, or a note saying why there are none (the instrumentation goes on without them).
 func matchRegisters(c *cli.Context, m *ptxstate.Module) (ptxstate.Options, string) {
-	arch := c.String("match-registers")
-	if arch == "" {
+	if c.String("match-registers") == "" {
 		return ptxstate.Options{}, ""
 	}
-	if !archRE.MatchString(arch) {
-		return ptxstate.Options{}, fmt.Sprintf("registers not matched: --match-registers %s is not an sm_XX architecture", esc(arch))
-	}
-	// A module for the architecture-specific variant (.target sm_90a) assembles only as such.
-	for _, t := range m.Target {
-		if strings.HasPrefix(t, arch) && archRE.MatchString(t) {
-			arch = t
-		}
-	}
-	bin, err := ptxas.Find()
-	if err != nil {
-		return ptxstate.Options{}, fmt.Sprintf("registers not matched: %v", err)
-	}
-	// The shim waits for its helper 60 s by default: ptxas on a very large module would outlast
-	// that and cost the module all its twins, so such modules go uncapped.
 	src := m.Bytes()
-	if len(src) > maxMatchBytes {
-		return ptxstate.Options{}, fmt.Sprintf("registers not matched: %d MiB of PTX is over the %d MiB ptxas is run on", len(src)>>20, maxMatchBytes>>20)
-	}
-	ctx, cancel := context.WithTimeout(c.Context, 30*time.Second)
-	defer cancel()
-	regs, err := ptxas.Registers(ctx, bin, src, arch)
-	if err != nil {
-		first, _, _ := strings.Cut(strings.TrimSpace(err.Error()), "\n")
-		return ptxstate.Options{}, fmt.Sprintf("registers not matched: %s", esc(first))
+	var regs map[string]int
+	arch, note := runPTXAS(c, m, src, "registers not matched", func(ctx context.Context, bin, arch string) (err error) {
+		regs, err = ptxas.Registers(ctx, bin, src, arch)
+		return err
+	})
+	if note != "" {
+		return ptxstate.Options{}, note
 	}
 	caps := make(map[string]int, len(regs))
 	for k, n := range regs {
@@ -246,9 +228,27 @@ func matchRegisters(c *cli.Context, m *ptxstate.Module) (ptxstate.Options, strin
 // assembleCubin assembles the instrumented PTX for the --match-registers architecture and returns
 // the cubin, or the PTX unchanged and a note saying why not.
 func assembleCubin(c *cli.Context, ptx []byte, m *ptxstate.Module) ([]byte, string) {
+	var cubin []byte
+	_, note := runPTXAS(c, m, ptx, "PTX written, not a cubin", func(ctx context.Context, bin, arch string) (err error) {
+		cubin, err = ptxas.Assemble(ctx, bin, ptx, arch)
+		if err == nil && (len(cubin) < 4 || string(cubin[:4]) != "\x7fELF") {
+			err = errors.New("ptxas wrote no ELF file")
+		}
+		return err
+	})
+	if note != "" {
+		return ptx, note
+	}
+	return cubin, ""
+}
+
+// runPTXAS runs f with ptxas (found as for `ptxmig doctor`) and the --match-registers
+// architecture (its "a"/"f" variant where the module targets one: such PTX assembles only as
+// that), bounded in input size and time; on any failure it returns a note starting with what.
+func runPTXAS(c *cli.Context, m *ptxstate.Module, src []byte, what string, f func(ctx context.Context, bin, arch string) error) (string, string) {
 	arch := c.String("match-registers")
 	if !archRE.MatchString(arch) {
-		return ptx, fmt.Sprintf("PTX written, not a cubin: --match-registers %s is not an sm_XX architecture", esc(arch))
+		return "", fmt.Sprintf("%s: --match-registers %s is not an sm_XX architecture", what, esc(arch))
 	}
 	for _, t := range m.Target {
 		if strings.HasPrefix(t, arch) && archRE.MatchString(t) {
@@ -257,22 +257,20 @@ func assembleCubin(c *cli.Context, ptx []byte, m *ptxstate.Module) ([]byte, stri
 	}
 	bin, err := ptxas.Find()
 	if err != nil {
-		return ptx, fmt.Sprintf("PTX written, not a cubin: %v", err)
+		return "", fmt.Sprintf("%s: %v", what, err)
 	}
-	if len(ptx) > maxMatchBytes {
-		return ptx, fmt.Sprintf("PTX written, not a cubin: %d MiB of PTX is over the %d MiB ptxas is run on", len(ptx)>>20, maxMatchBytes>>20)
+	// The shim waits for its helper 60 s by default: ptxas on a very large module would outlast
+	// that and cost the module all its twins, so such modules are left to the driver.
+	if len(src) > maxMatchBytes {
+		return "", fmt.Sprintf("%s: %d MiB of PTX is over the %d MiB ptxas is run on", what, len(src)>>20, maxMatchBytes>>20)
 	}
 	ctx, cancel := context.WithTimeout(c.Context, 30*time.Second)
 	defer cancel()
-	cubin, err := ptxas.Assemble(ctx, bin, ptx, arch)
-	if err != nil {
+	if err := f(ctx, bin, arch); err != nil {
 		first, _, _ := strings.Cut(strings.TrimSpace(err.Error()), "\n")
-		return ptx, fmt.Sprintf("PTX written, not a cubin: %s", esc(first))
+		return "", fmt.Sprintf("%s: %s", what, esc(first))
 	}
-	if len(cubin) < 4 || string(cubin[:4]) != "\x7fELF" {
-		return ptx, "PTX written, not a cubin: ptxas wrote no ELF file"
-	}
-	return cubin, ""
+	return arch, ""
 }
 
 // writeReport prints the human form of a report; detail adds barrier sites and live registers.
