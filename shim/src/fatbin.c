@@ -103,6 +103,24 @@ int fb_walk(const uint8_t *buf, size_t len, fb_visit_fn visit, void *arg, size_t
   return (int)n;
 }
 
+int fb_elf_has_text(const uint8_t *p, size_t avail, const char *name, size_t nlen) {
+  static const uint8_t ident[] = {0x7f, 'E', 'L', 'F', 2 /*64-bit*/, 1 /*LE*/};
+  if (avail < 64 || memcmp(p, ident, sizeof ident) != 0) return 0;
+  uint64_t shoff = rd64(p + 0x28);
+  uint16_t shes = rd16(p + 0x3a), shn = rd16(p + 0x3c), shstrndx = rd16(p + 0x3e);
+  if (shes < 0x40 || shstrndx >= shn || shoff > avail || (uint64_t)shn * shes > avail - shoff) return 0;
+  const uint8_t *strh = p + shoff + (uint64_t)shstrndx * shes;
+  uint64_t stroff = rd64(strh + 0x18), strsize = rd64(strh + 0x20);
+  if (stroff > avail || strsize > avail - stroff) return 0;
+  for (uint16_t i = 0; i < shn; i++) {
+    uint64_t off = rd32(p + shoff + (uint64_t)i * shes);
+    if (off >= strsize || strsize - off <= 6 + (uint64_t)nlen) continue;
+    const uint8_t *nm = p + stroff + off;
+    if (memcmp(nm, ".text.", 6) == 0 && memcmp(nm + 6, name, nlen) == 0 && nm[6 + nlen] == 0) return 1;
+  }
+  return 0;
+}
+
 size_t fb_elf_size(const uint8_t *p, size_t avail) {
   static const uint8_t ident[] = {0x7f, 'E', 'L', 'F', 2 /*64-bit*/, 1 /*LE*/};
   if (avail < 64 || memcmp(p, ident, sizeof ident) != 0) return 0;

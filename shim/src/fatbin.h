@@ -63,6 +63,11 @@ size_t fb_container_size(const uint8_t *p, size_t avail);
 // or 0 when it is not one; avail bounds the read (SIZE_MAX: unknown, trust the headers).
 size_t fb_elf_size(const uint8_t *p, size_t avail);
 
+// fb_elf_has_text reports whether the 64-bit little-endian ELF at p (a cubin) has the section
+// ".text.<name>" (a kernel's code): section names are read through the section headers and
+// compared whole, since string tables may share tails. Anything malformed is "no" (0).
+int fb_elf_has_text(const uint8_t *p, size_t avail, const char *name, size_t nlen);
+
 // lz4_block_decode decodes one LZ4 block (no frame) into dst; returns the bytes produced or -1.
 long lz4_block_decode(const uint8_t *src, size_t srclen, uint8_t *dst, size_t dstcap);
 

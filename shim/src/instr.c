@@ -371,17 +371,9 @@ static void set_reason(void *arg, const char *name, int eligible, const char *re
 static int is_elf(const char *b, size_t n) { return n >= 4 && memcmp(b, "\x7f" "ELF", 4) == 0; }
 
 // has_entry reports whether the instrumented module (PTX text or a cubin) defines kernel name: in
-// PTX an ".entry name", in a cubin its code section ".text.name" (a NUL-terminated section name).
+// PTX an ".entry name", in a cubin its code section ".text.name".
 static int has_entry(const char *out, size_t outlen, const char *name, size_t nlen) {
-  if (is_elf(out, outlen)) {
-    char pat[620];
-    if (nlen + 8 > sizeof pat) return 0;
-    pat[0] = 0;
-    memcpy(pat + 1, ".text.", 6);
-    memcpy(pat + 7, name, nlen);
-    pat[7 + nlen] = 0;
-    return memmem(out, outlen, pat, nlen + 8) != NULL;
-  }
+  if (is_elf(out, outlen)) return fb_elf_has_text((const uint8_t *)out, outlen, name, nlen);
   twin_find f = {NULL, name, nlen, 0};
   each_entry(out, outlen, find_twin, &f);
   return f.found;

@@ -205,6 +205,43 @@ static void test_synthetic(void) {
   free(b.p);
 }
 
+// fb_elf_has_text: kernel code sections found by whole names, also through a string table whose
+// names share tails (".text.k" inside ".rel.text.k"); a longer or shorter name is not a match;
+// truncated or mutated ELF files are answered without reading out of bounds (ASan build).
+static void test_elf_has_text(void) {
+  static const char strtab[] = "\0.rel.text.k\0.text.kk\0.shstrtab";  // offsets 1, 13, 22
+  enum { NSEC = 4, SHOFF = 64, STROFF = SHOFF + NSEC * 64 };
+  size_t len = STROFF + sizeof strtab;
+  uint8_t *e = calloc(1, len);
+  memcpy(e, "\x7f" "ELF\x02\x01\x01", 7);
+  uint64_t shoff = SHOFF;
+  memcpy(e + 0x28, &shoff, 8);
+  uint16_t shes = 64, shn = NSEC, shstrndx = 1;
+  memcpy(e + 0x3a, &shes, 2), memcpy(e + 0x3c, &shn, 2), memcpy(e + 0x3e, &shstrndx, 2);
+  uint32_t names[NSEC] = {0, 22, 5 /* ".text.k", the tail of ".rel.text.k" */, 13};
+  for (int i = 0; i < NSEC; i++) memcpy(e + SHOFF + i * 64, &names[i], 4);
+  uint64_t so = STROFF, ss = sizeof strtab;
+  memcpy(e + SHOFF + 64 + 0x18, &so, 8), memcpy(e + SHOFF + 64 + 0x20, &ss, 8);
+  memcpy(e + STROFF, strtab, sizeof strtab);
+  CHECK(fb_elf_has_text(e, len, "k", 1) == 1, "elf: .text.k through a shared tail");
+  CHECK(fb_elf_has_text(e, len, "kk", 2) == 1, "elf: .text.kk");
+  CHECK(fb_elf_has_text(e, len, "kkk", 3) == 0 && fb_elf_has_text(e, len, "x", 1) == 0, "elf: absent names");
+  CHECK(fb_elf_has_text(e, len - sizeof strtab + 3, "k", 1) == 0, "elf: string table past the end");
+  CHECK(fb_elf_has_text(e, 63, "k", 1) == 0, "elf: truncated header");
+  uint32_t seed = 777;
+  uint8_t *m = malloc(len);
+  for (int iter = 0; iter < 20000; iter++) {
+    memcpy(m, e, len);
+    for (int k = 0; k < 1 + iter % 3; k++) {
+      seed = seed * 1103515245u + 12345u;
+      m[(seed >> 8) % len] ^= (uint8_t)(seed >> 24 | 1);
+    }
+    (void)fb_elf_has_text(m, len, "kk", 2);
+  }
+  free(m);
+  free(e);
+}
+
 // Round trips through the system's compressors when present (liblz4 / libzstd are not required).
 static void test_system_codecs(void) {
   static char text[20000];
@@ -470,6 +507,7 @@ int main(int argc, char **argv) {
   begin("json"); test_json(); end();
   test_report();
   begin("synthetic"); test_synthetic(); end();
+  begin("elf-text"); test_elf_has_text(); end();
   test_system_codecs();
   if (argc < 2) run_fixtures("testdata/fatbin");
   for (int i = 1; i < argc; i++) run_fixtures(argv[i]);
