@@ -79,43 +79,39 @@ func (e *Error) Unwrap() error { return e.Err }
 
 // Assemble assembles ptx for arch (e.g. "sm_90") and returns the cubin bytes.
 func Assemble(ctx context.Context, bin string, ptx []byte, arch string) ([]byte, error) {
-	dir, err := os.MkdirTemp("", "ptxas-")
-	if err != nil {
-		return nil, err
-	}
-	defer os.RemoveAll(dir)
-	in, out := filepath.Join(dir, "in.ptx"), filepath.Join(dir, "out.cubin")
-	if err := os.WriteFile(in, ptx, 0o600); err != nil {
-		return nil, err
-	}
-	cmd := exec.CommandContext(ctx, bin, "-arch="+arch, "-o", out, in)
-	var diag bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &diag, &diag
-	if err := cmd.Run(); err != nil {
-		return nil, &Error{Arch: arch, Output: diag.String(), Err: err}
-	}
-	return os.ReadFile(out)
+	cubin, _, err := run(ctx, bin, ptx, arch)
+	return cubin, err
 }
 
 // Registers assembles ptx for arch with ptxas -v and returns the registers each entry function
 // uses, by name: what the twin of a kernel may use without fitting fewer CTAs per SM than it.
 func Registers(ctx context.Context, bin string, ptx []byte, arch string) (map[string]int, error) {
-	dir, err := os.MkdirTemp("", "ptxas-")
+	_, diag, err := run(ctx, bin, ptx, arch, "-v")
 	if err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(dir)
-	in := filepath.Join(dir, "in.ptx")
-	if err := os.WriteFile(in, ptx, 0o600); err != nil {
-		return nil, err
+	return ParseRegisters(diag), nil
+}
+
+// run assembles ptx for arch in a temporary directory and returns the cubin and ptxas's output.
+func run(ctx context.Context, bin string, ptx []byte, arch string, flags ...string) ([]byte, string, error) {
+	dir, err := os.MkdirTemp("", "ptxas-")
+	if err != nil {
+		return nil, "", err
 	}
-	cmd := exec.CommandContext(ctx, bin, "-arch="+arch, "-v", "-o", filepath.Join(dir, "out.cubin"), in)
+	defer os.RemoveAll(dir)
+	in, out := filepath.Join(dir, "in.ptx"), filepath.Join(dir, "out.cubin")
+	if err := os.WriteFile(in, ptx, 0o600); err != nil {
+		return nil, "", err
+	}
+	cmd := exec.CommandContext(ctx, bin, append(append([]string{"-arch=" + arch}, flags...), "-o", out, in)...)
 	var diag bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &diag, &diag
 	if err := cmd.Run(); err != nil {
-		return nil, &Error{Arch: arch, Output: diag.String(), Err: err}
+		return nil, "", &Error{Arch: arch, Output: diag.String(), Err: err}
 	}
-	return ParseRegisters(diag.String()), nil
+	cubin, err := os.ReadFile(out)
+	return cubin, diag.String(), err
 }
 
 var (

@@ -118,6 +118,9 @@ static uint8_t *slurp_fd(int fd, size_t max, size_t *len) {
   return b;
 }
 
+// is_elf: an image (the app's, the helper's output or a cached entry) is an ELF file (a cubin).
+static int is_elf(const char *b, size_t n) { return n >= 4 && memcmp(b, "\x7f" "ELF", 4) == 0; }
+
 // extract_ptx returns the PTX text to instrument (malloc'd) or NULL with ks->reason.
 static char *extract_ptx(const void *image, size_t known, const char *path, kinfo_set *ks, size_t *plen) {
   uint8_t *file = NULL;
@@ -147,7 +150,7 @@ static char *extract_ptx(const void *image, size_t known, const char *path, kinf
   } else if (magic == FATBIN_CONTAINER_MAGIC) {
     fb = p;
     fblen = fb_container_size(p, known ? known : SIZE_MAX);
-  } else if (p[0] == 0x7f && p[1] == 'E' && p[2] == 'L' && p[3] == 'F') {
+  } else if (is_elf((const char *)p, 4)) {
     free(file);
     instr_failed(ks, "module has no PTX");
     return NULL;
@@ -367,9 +370,6 @@ static void set_reason(void *arg, const char *name, int eligible, const char *re
     }
 }
 
-// is_elf: the helper's output (or a cached entry) is a cubin rather than PTX text.
-static int is_elf(const char *b, size_t n) { return n >= 4 && memcmp(b, "\x7f" "ELF", 4) == 0; }
-
 // has_entry reports whether the instrumented module (PTX text or a cubin) defines kernel name: in
 // PTX an ".entry name", in a cubin its code section ".text.name".
 static int has_entry(const char *out, size_t outlen, const char *name, size_t nlen) {
@@ -536,10 +536,16 @@ static int run_helper(const char *ptx, size_t len, obuf *out, obuf *rep, kinfo_s
     if (strncmp(environ[i], "LD_PRELOAD=", 11) != 0) env[k++] = environ[i];
   char arch[16];
   snprintf(arch, sizeof arch, "sm_%d", cc);
-  char *with_arch[] = {cfg.helper, "ptx", "instrument", "--report", "--json", "--match-registers", arch, "-o", "-", "-", NULL};
-  char *cubin[] = {cfg.helper, "ptx", "instrument", "--report", "--json", "--match-registers", arch, "--cubin", "-o", "-", "-", NULL};
-  char *without[] = {cfg.helper, "ptx", "instrument", "--report", "--json", "-o", "-", "-", NULL};
-  char **argv = cc <= 0 ? without : cfg.ptx_cubin ? cubin : with_arch;
+  char *argv[12] = {cfg.helper, "ptx", "instrument", "--report", "--json"};
+  int na = 5;
+  if (cc > 0) {
+    argv[na++] = "--match-registers";
+    argv[na++] = arch;
+    if (cfg.ptx_cubin) argv[na++] = "--cubin";
+  }
+  argv[na++] = "-o";
+  argv[na++] = "-";
+  argv[na++] = "-";  // flags before the file argument; argv[na] stays NULL
   pid_t pid = -1;
   int e = env ? posix_spawn(&pid, cfg.helper, &fa, &at, argv, env) : ENOMEM;
   free(env);
@@ -650,6 +656,17 @@ static void helper_id(char out[64]) {
     snprintf(out, 64, "%lld-%lld.%09ld", (long long)st.st_size, (long long)st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
 }
 
+// cache_read_kind reads a cached module that must be a cubin (elf) or PTX text (!elf): an entry of
+// the other kind under that name is a miss.
+static char *cache_read_kind(int dfd, const char *name, int elf, size_t *len) {
+  char *b = cache_read(dfd, name, cfg.helper_max_bytes, len);
+  if (b && is_elf(b, *len) != elf) {
+    free(b);
+    b = NULL;
+  }
+  return b;
+}
+
 // why_text renders the refusals as a report the cache keeps beside the PTX (same JSON shape, plus
 // "helper": the helper_id that produced it).
 static char *why_text(const kinfo_set *ks, size_t *len) {
@@ -711,18 +728,8 @@ int instr_prepare(const void *image, size_t known, const char *path, char **ptx_
   snprintf(why, sizeof why, "%s-v%d-sm%d.why", sha, PTXMIG_TRANSFORM_VERSION, cc);
   int dfd = cache_dir();
   size_t outlen = 0, wlen = 0;
-  char *out = dfd >= 0 && cfg.ptx_cubin && cc > 0 ? cache_read(dfd, cname, cfg.helper_max_bytes, &outlen) : NULL;
-  if (out && !is_elf(out, outlen)) {  // a .cubin entry must be one
-    free(out);
-    out = NULL;
-  }
-  if (!out && dfd >= 0) {
-    out = cache_read(dfd, name, cfg.helper_max_bytes, &outlen);
-    if (out && is_elf(out, outlen)) {  // and a .ptx entry must not be one
-      free(out);
-      out = NULL;
-    }
-  }
+  char *out = dfd >= 0 && cfg.ptx_cubin && cc > 0 ? cache_read_kind(dfd, cname, 1, &outlen) : NULL;
+  if (!out && dfd >= 0) out = cache_read_kind(dfd, name, 0, &outlen);
   char *w = out ? cache_read(dfd, why, 16u << 20, &wlen) : NULL;
   if (out && cfg.helper[0]) {
     // With a helper configured, only entries that same helper binary wrote are used.
