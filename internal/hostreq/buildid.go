@@ -57,12 +57,21 @@ func readBuildID(path string) ([]byte, error) {
 		return nil, err
 	}
 	defer f.Close()
-	b := make([]byte, buildIDWindow)
-	n, err := io.ReadFull(f, b)
-	if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
-		return nil, err
+	// The note sits right after the program headers in practice: a small read first, the whole
+	// window CRIU looks at only when the note is not in it (a process maps hundreds of libraries).
+	b := make([]byte, 0, buildIDWindow)
+	for _, size := range []int{64 << 10, buildIDWindow} {
+		n, err := io.ReadFull(f, b[len(b):size])
+		b = b[:len(b)+n]
+		if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
+			return nil, err
+		}
+		id, err := buildIDOf(b)
+		if err == nil || len(b) < size { // found, or the file ends here
+			return id, err
+		}
 	}
-	return buildIDOf(b[:n])
+	return nil, errNoBuildID
 }
 
 // buildIDOf finds the build-ID note in an ELF prefix; every offset is bounds-checked.

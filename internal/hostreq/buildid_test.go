@@ -2,6 +2,7 @@ package hostreq
 
 import (
 	"bytes"
+	"encoding/binary"
 	"encoding/hex"
 	"os"
 	"path/filepath"
@@ -107,4 +108,33 @@ func FuzzBuildIDOf(f *testing.F) {
 			t.Fatalf("build-ID of %d bytes", len(id))
 		}
 	})
+}
+
+// TestReadBuildIDBeyondFirstRead: a note past the first small read (but within CRIU's first MiB)
+// is still found, as CRIU finds it.
+func TestReadBuildIDBeyondFirstRead(t *testing.T) {
+	const noteOff = 100 << 10
+	b := make([]byte, noteOff+64)
+	copy(b, "\x7fELF\x02\x01\x01")
+	binary.LittleEndian.PutUint64(b[32:], 64) // e_phoff
+	binary.LittleEndian.PutUint16(b[54:], 56) // e_phentsize
+	binary.LittleEndian.PutUint16(b[56:], 1)  // e_phnum
+	ph := b[64:]
+	binary.LittleEndian.PutUint32(ph, ptNote)
+	binary.LittleEndian.PutUint64(ph[8:], noteOff)
+	binary.LittleEndian.PutUint64(ph[32:], 36)
+	n := b[noteOff:]
+	binary.LittleEndian.PutUint32(n, 4)
+	binary.LittleEndian.PutUint32(n[4:], 20)
+	binary.LittleEndian.PutUint32(n[8:], ntGNUBuildID)
+	copy(n[12:], "GNU\x00")
+	want := []byte("0123456789abcdefghij")
+	copy(n[16:], want)
+	path := filepath.Join(t.TempDir(), "elf")
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := readBuildID(path); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("build-ID %q, %v; want %q", got, err, want)
+	}
 }
