@@ -151,16 +151,25 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 		return nil, err
 	}
 	cuda := map[int]bool{}
+	kept := stats[:0]
 	for _, s := range stats {
 		is, err := usesCUDA(env, s.PID)
 		if err != nil {
+			if s.PID != o.PID && !proc.Alive(s.PID) {
+				// A child that ended since the tree was read (a shell's short-lived command):
+				// nothing of it is left to dump, and CRIU dumps the tree as it is when frozen.
+				env.Logger().Debug("child ended during preflight", "pid", s.PID, "comm", s.Comm)
+				continue
+			}
 			return nil, err
 		}
+		kept = append(kept, s)
 		if is {
 			cuda[s.PID] = true
 			p.CUDAPIDs = append(p.CUDAPIDs, s.PID)
 		}
 	}
+	stats = kept
 	p.Tree = op.TreeOf(stats, cuda)
 	for i := range p.Tree {
 		// Where each process belongs: a restore puts it back there (see restore's Plan.Cgroup).
@@ -243,7 +252,7 @@ func streamOff(o Options) string {
 func usesCUDA(env *op.Env, pid int) (bool, error) {
 	cuda, err := env.IsCUDA(pid)
 	if err != nil {
-		return false, op.Refusef("read /proc/%d/maps: %w", pid, err)
+		return false, op.Refusef("pid %d: find out whether it uses CUDA: %w", pid, err)
 	}
 	if !cuda {
 		return false, nil

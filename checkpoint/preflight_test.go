@@ -3,6 +3,7 @@ package checkpoint
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -11,11 +12,13 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt/cudackpttest"
 	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/testreq"
 	"github.com/ptxmig/ptxmig/migrate"
 	"github.com/ptxmig/ptxmig/restore"
@@ -154,5 +157,63 @@ func TestTakenNameHint(t *testing.T) {
 	want := "remove it with `ptxmig --store " + st.Dir() + " image rm taken`"
 	if !errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), want) {
 		t.Errorf("taken name: %v; want a refusal with %s", err, want)
+	}
+}
+
+// TestPlanChildEnded: a child that ends between reading the tree and reading its maps (a shell
+// job's short-lived command) is left out of the plan, not a refusal; the same error on the root
+// is still one.
+func TestPlanChildEnded(t *testing.T) {
+	bash, err := exec.LookPath("bash")
+	if err != nil {
+		testreq.Skip(t, "bash", "no bash on this host")
+	}
+	cmd := exec.Command(bash, "-c", "sleep 60 & wait; sleep 60")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL); _ = cmd.Wait() })
+	root := cmd.Process.Pid
+	var child int
+	for deadline := time.Now().Add(5 * time.Second); child == 0 && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if tr, err := proc.Tree(root); err == nil && len(tr) == 2 {
+			child = tr[1].PID
+		}
+	}
+	if child == 0 {
+		t.Fatal("bash did not start its child")
+	}
+	dir := t.TempDir()
+	st, err := store.Open(filepath.Join(dir, "store"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone := func(pid int) (bool, error) {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+		for deadline := time.Now().Add(5 * time.Second); proc.Alive(pid) && time.Now().Before(deadline); {
+			time.Sleep(5 * time.Millisecond)
+		}
+		return false, fmt.Errorf("read /proc/%d/maps: %w", pid, syscall.ESRCH)
+	}
+	env := &op.Env{CRIU: &criu.Dumper{Bin: "/nonexistent/criu"}, Store: st, Euid: 0, Log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	env.UsesCUDA = func(pid int) (bool, error) {
+		if pid == child {
+			return gone(pid)
+		}
+		return false, nil
+	}
+	p, err := PlanCheckpoint(env, Options{PID: root, Name: "ck", StagingRoot: filepath.Join(dir, "staging")})
+	if err != nil {
+		t.Fatalf("plan with a child that ended: %v", err)
+	}
+	if len(p.Tree) != 1 || p.Tree[0].PID != root {
+		t.Errorf("tree %+v; want the root only", p.Tree)
+	}
+	env.UsesCUDA = func(pid int) (bool, error) {
+		return false, fmt.Errorf("read /proc/%d/maps: %w", pid, syscall.EACCES)
+	}
+	if _, err := PlanCheckpoint(env, Options{PID: root, Name: "ck", StagingRoot: filepath.Join(dir, "staging")}); !errors.Is(err, op.ErrRefused) {
+		t.Errorf("root's maps unreadable: %v; want a refusal", err)
 	}
 }
