@@ -523,6 +523,21 @@ static uint32_t batch_max_for(krec *r, uint64_t resident) {
   return g < 1 ? 1 : (uint32_t)g;
 }
 
+// est_us is auto's expected GPU time of a launch of `blocks` blocks of r's kernel, in µs rounded
+// up, 0 when it was never timed: the mean of its samples, scaled up when the launch has more
+// blocks than any timed one. A kernel timed on small grids (a warm-up, a calibration run) and then
+// launched on a large one is not short: its time grows with the number of waves.
+static uint64_t est_us(krec *r, uint64_t blocks) {
+  uint64_t m = atomic_load(&r->mean_us);
+  if (!m) return 0;
+  uint64_t big = atomic_load(&r->big_sample), bb = big & 0xffffffffull, bu = big >> 32;
+  if (bb && blocks > bb) {
+    double e = (double)bu * ((double)blocks / (double)bb);
+    if (e > (double)m) m = e > 4e9 ? 4000000000ull : (uint64_t)e;
+  }
+  return m;
+}
+
 static int attrs_allowed(const CUlaunchConfig *c) {
   for (unsigned i = 0; c->attrs && i < c->numAttrs && i < 64; i++) {
     int id = c->attrs[i].id;
@@ -562,8 +577,9 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
     *why = k && k->reason ? k->reason : mr ? mr : "no twin";
     return 0;
   }
+  uint64_t blocks = (uint64_t)g[0] * g[1] * g[2];
   if (cfg.preempt == PM_AUTO) {
-    unsigned m = atomic_load(&r->mean_us);
+    uint64_t m = est_us(r, blocks);
     if (m && m - 1 <= cfg.preempt_min_us) {
       *why = "short kernel (auto)";
       return 0;
@@ -630,7 +646,7 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   // auto: a grid that fits in one wave of the twin gives each twin CTA at most one block, and a
   // block is never cut short: the twin could not stop sooner than the original, only run slower
   // (a grid-stride loop over SMs x 8 CTAs, as counter's, took 1.28x on an H100).
-  if (cfg.preempt == PM_AUTO && (uint64_t)g[0] * g[1] * g[2] <= (uint64_t)occ * (uint64_t)c->sms) {
+  if (cfg.preempt == PM_AUTO && blocks <= (uint64_t)occ * (uint64_t)c->sms) {
     *why = "grid fits in one wave (auto: its twin could not stop sooner)";
     return 0;
   }
@@ -638,7 +654,7 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   // 32 at 1024 threads: half the CTAs) runs markedly slower; a kernel sampled shorter than
   // PTXMIG_PREEMPT_LONG_US drains within about the budget anyway, so it launches as the original.
   if (cfg.preempt == PM_AUTO) {
-    unsigned m = atomic_load(&r->mean_us);
+    uint64_t m = est_us(r, blocks);
     int occ_orig = 0;
     if (m && m < cfg.preempt_long_us && d.occupancy(&occ_orig, f, (int)threads, shmem) == CUDA_SUCCESS &&
         occ_orig > occ) {
@@ -646,7 +662,7 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
       return 0;
     }
   }
-  uint64_t total = (uint64_t)g[0] * g[1] * g[2];
+  uint64_t total = blocks;
   uint64_t w = (uint64_t)occ * (uint64_t)c->sms;
   if (w > total) w = total;
   if (w > 0x7fffffffu) w = 0x7fffffffu;

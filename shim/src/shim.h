@@ -138,6 +138,10 @@ typedef struct krec {
   // the sample with the largest time per block: high 32 bits the float µs per block, low 32 bits
   // that launch's block count (0: none yet); preempt.c derives the twin's batch_max from it
   _Atomic uint64_t blk_sample;
+  // the timed launch with the most blocks (for equal counts the longer one): high 32 bits its
+  // µs (rounded up), low 32 bits its block count (both capped at 2^32-1); 0: none yet.
+  // preempt.c scales it to launches larger than any timed one (auto's estimate)
+  _Atomic uint64_t big_sample;
   // preemption (preempt.c)
   void *_Atomic owner;          // module or library handle the kernel was obtained from
   const kinfo *_Atomic kinfo;   // its twin information (NULL: unknown yet)

@@ -746,6 +746,19 @@ static void blk_note(krec *r, float us, uint64_t blocks) {
   } while (!atomic_compare_exchange_weak(&r->blk_sample, &old, nw));
 }
 
+// big_note keeps the sample with the most blocks, for equal counts the longer one (a preempted
+// twin's partial sample does not replace a whole one of the same grid).
+static void big_note(krec *r, float us, uint64_t blocks) {
+  if (!blocks || !(us > 0)) return;
+  if (blocks > 0xffffffffull) blocks = 0xffffffffull;
+  uint64_t u = us >= 4294967294.0f ? 0xffffffffull : (uint64_t)us + 1;
+  uint64_t old = atomic_load(&r->big_sample), nw = u << 32 | blocks;
+  do {
+    uint64_t ob = old & 0xffffffffull, ou = old >> 32;
+    if (old && (ob > blocks || (ob == blocks && ou >= u))) return;
+  } while (!atomic_compare_exchange_weak(&r->big_sample, &old, nw));
+}
+
 // samples_harvest collects finished samples without ever waiting: cuEventQuery only.
 void samples_harvest(int max, int from_ctl) {
   if (!ev.event_create) return;
@@ -769,6 +782,7 @@ void samples_harvest(int max, int from_ctl) {
       if (el == CUDA_SUCCESS && ms >= 0) {
         ring_add(s->rec, ms * 1000.0f);
         blk_note(s->rec, ms * 1000.0f, s->blocks);
+        big_note(s->rec, ms * 1000.0f, s->blocks);
       }
       if (el == CUDA_SUCCESS) sample_recycle_locked(s);
       else sample_free(s);  // events the driver reports errors for are not reused

@@ -676,6 +676,35 @@ def t_auto_occupancy(name):
         ended_ok(name, app)
 
 
+def t_auto_grid(name):
+    # auto: a kernel timed short on small grids (a warm-up, a calibration) and then launched on a
+    # grid many times larger is expected to run for longer: its time is scaled by the blocks, so
+    # the large launch gets its twin and can be preempted; the small ones stay originals.
+    tmp, app = with_app(name, {"PTXMIG_PREEMPT": "auto", "PTXMIG_PREEMPT_MIN_US": "50000", "FAKE_CUDA_BLOCK_US": "1000"})
+    c = app.conn()
+    for _ in range(4):
+        app.cmd("launch s 16")  # two waves, ~16 ms: short
+        app.cmd("check", timeout=30)
+        c.req(cmd="kernels")  # harvests the samples
+    k = kern(c, "k_count")
+    check(k and k["twin_launches"] == 1 and k["launches"] == 4 and k["timed"] >= 2, f"{name}: small grids: {k}")
+    check("short kernel" in (k.get("original_reason") or ""), f"{name}: small grids' original_reason: {k}")
+    app.cmd("launch s 400")  # 25 times the timed grid: ~400 ms expected
+    time.sleep(0.05)
+    r = c.req(cmd="quiesce", budget_ms=2000)["result"]
+    check(len(r.get("preempted", [])) == 1, f"{name}: the large launch was not preempted: {r}")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=30) == "check ok 5 launches, 0 bad blocks", f"{name}: blocks")
+    k = kern(c, "k_count")
+    check(k["twin_launches"] == 2, f"{name}: the large launch did not run as a twin: {k}")
+    app.cmd("launch s 16")
+    app.cmd("check", timeout=30)
+    k = kern(c, "k_count")
+    check(k["twin_launches"] == 2 and k["launches"] == 6, f"{name}: a small grid after the large one got a twin: {k}")
+    c.close()
+    ended_ok(name, app)
+
+
 def t_off(name):
     tmp, app = with_app(name, {"PTXMIG_PREEMPT": None})
     c = app.conn()
@@ -845,6 +874,7 @@ def main():
         ("detach-resume", t_detach, ()),
         ("auto-policy", t_auto, ()),
         ("auto-occupancy", t_auto_occupancy, ()),
+        ("auto-grid", t_auto_grid, ()),
         ("runtime-fatbin", t_runtime, ()),
         ("runtime-fatbin-sass-keep", t_sass_keep, ()),
         ("criu", t_criu, ()),
