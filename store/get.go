@@ -18,22 +18,11 @@ import (
 // readChunkFile reads the chunk file of id, which holds a chunk of size bytes, into buf (reusing
 // its capacity). A file longer than a header plus size bytes is refused before it is read.
 func (s *Store) readChunkFile(id ChunkID, size int, buf []byte) ([]byte, error) {
-	f, err := os.OpenFile(s.chunkPath(id), os.O_RDONLY|unix.O_NOFOLLOW, 0)
+	f, n, err := s.openChunkFile(id, size)
 	if err != nil {
-		if errors.Is(err, fs.ErrNotExist) {
-			return buf, fmt.Errorf("%w: chunk %s missing", ErrCorrupt, id)
-		}
-		return buf, fmt.Errorf("read chunk %s: %w", id, err)
+		return buf, err
 	}
 	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return buf, fmt.Errorf("read chunk %s: %w", id, err)
-	}
-	n := fi.Size()
-	if !fi.Mode().IsRegular() || n < chunkHeaderLen || n > chunkHeaderLen+int64(maxEncodedLen(size)) {
-		return buf, fmt.Errorf("%w: chunk %s: file of %d bytes for a chunk of %d bytes", ErrCorrupt, id, n, size)
-	}
 	if int64(cap(buf)) < n {
 		buf = make([]byte, n)
 	}
@@ -42,6 +31,29 @@ func (s *Store) readChunkFile(id ChunkID, size int, buf []byte) ([]byte, error) 
 		return buf, fmt.Errorf("read chunk %s: %w", id, err)
 	}
 	return buf, nil
+}
+
+// openChunkFile opens the chunk file of id (never through a symbolic link) and checks that it
+// is a regular file whose size fits a chunk of size bytes; it returns the file and its size.
+func (s *Store) openChunkFile(id ChunkID, size int) (*os.File, int64, error) {
+	f, err := os.OpenFile(s.chunkPath(id), os.O_RDONLY|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil, 0, fmt.Errorf("%w: chunk %s missing", ErrCorrupt, id)
+		}
+		return nil, 0, fmt.Errorf("read chunk %s: %w", id, err)
+	}
+	fi, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, 0, fmt.Errorf("read chunk %s: %w", id, err)
+	}
+	n := fi.Size()
+	if !fi.Mode().IsRegular() || n < chunkHeaderLen || n > chunkHeaderLen+int64(maxEncodedLen(size)) {
+		f.Close()
+		return nil, 0, fmt.Errorf("%w: chunk %s: file of %d bytes for a chunk of %d bytes", ErrCorrupt, id, n, size)
+	}
+	return f, n, nil
 }
 
 // prefetchAhead is how many chunks a stream announces to the kernel before it reads them.

@@ -21,6 +21,7 @@ type Stats struct {
 	Chunks       int           `json:"chunks"`
 	DedupChunks  int           `json:"dedup_chunks"`
 	ZeroChunks   int           `json:"zero_chunks"`
+	SplicedBytes int64         `json:"spliced_bytes,omitempty"` // of the bytes written into pipes, those handed over by reference (vmsplice), not copied
 	Duration     time.Duration `json:"duration_ns"`
 }
 
@@ -53,6 +54,7 @@ type counters struct {
 	logical, written, zero, dedup, stored atomic.Int64
 	chunks, dedupChunks, zeroChunks       atomic.Int64
 	done                                  atomic.Int64 // progress
+	spliced                               atomic.Int64
 }
 
 func (c *counters) stats(d time.Duration) *Stats {
@@ -60,7 +62,7 @@ func (c *counters) stats(d time.Duration) *Stats {
 		LogicalBytes: c.logical.Load(), WrittenBytes: c.written.Load(), ZeroBytes: c.zero.Load(),
 		DedupBytes: c.dedup.Load(), StoredBytes: c.stored.Load(),
 		Chunks: int(c.chunks.Load()), DedupChunks: int(c.dedupChunks.Load()), ZeroChunks: int(c.zeroChunks.Load()),
-		Duration: d,
+		SplicedBytes: c.spliced.Load(), Duration: d,
 	}
 }
 

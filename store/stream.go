@@ -11,6 +11,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Streaming: CRIU's image files go into the store as they arrive over pipes (Ingest), and come
@@ -481,6 +483,9 @@ func streamWorkerMem(maxChunk int) int64 {
 // that broke io.Writer's contract and wrote into it would corrupt only the output.
 var streamZeros = make([]byte, 256<<10)
 
+// minMappedChunk: smaller chunks are read, not mapped (a mapping costs more than copying them).
+const minMappedChunk = 64 << 10
+
 // ImageReader serves an image's regular files as streams. Every chunk is read, decompressed and
 // checked against its hash before any of its bytes are written; chunks verified so are
 // remembered, and VerifyRest checks the rest. An ImageReader holds the store lock shared from
@@ -631,7 +636,8 @@ func (r *ImageReader) markVerified(id ChunkID) {
 type pendingChunk struct {
 	ch     *Chunk
 	slot   *readSlot
-	data   []byte // the decoded, verified chunk (in slot)
+	data   []byte // the decoded, verified chunk (in slot, or in mapped)
+	mapped []byte // the chunk file's mapping when data lies in it (to be spliced, then unmapped)
 	stored int    // chunk file bytes read
 	err    error
 	done   chan struct{}
@@ -672,24 +678,26 @@ func (r *ImageReader) writeFile(ctx context.Context, f *File, w io.Writer) (int6
 	own := make(chan *readSlot, 1)
 	own <- r.spare.Get().(*readSlot)
 	var decoders sync.WaitGroup
-	go r.readAhead(ctx, f, queue, own, &decoders)
+	sp := newSplicer(w)
+	go r.readAhead(ctx, f, queue, own, &decoders, sp != nil)
 
-	written, err := r.writeChunks(ctx, f, w, queue, own)
+	written, err := r.writeChunks(ctx, f, w, sp, queue, own)
 
 	// Stop the read-ahead and wait for it: the dispatcher closes queue when it returns, and every
 	// chunk it queued completes (decoded, or abandoned when ctx ended).
 	cancel()
 	for p := range queue {
 		<-p.done
-		r.releaseSlot(p.slot, own)
+		r.releaseChunk(p, own)
 	}
 	decoders.Wait()
 	r.spare.Put(<-own)
 	return written, err
 }
 
-// writeChunks writes f's chunks to w in order, taking the non-zero ones from queue.
-func (r *ImageReader) writeChunks(ctx context.Context, f *File, w io.Writer, queue <-chan *pendingChunk, own chan *readSlot) (int64, error) {
+// writeChunks writes f's chunks to w in order, taking the non-zero ones from queue. With sp (w
+// is a pipe), zeros and chunks stored raw are spliced instead of copied (splice.go).
+func (r *ImageReader) writeChunks(ctx context.Context, f *File, w io.Writer, sp *splicer, queue <-chan *pendingChunk, own chan *readSlot) (int64, error) {
 	var written int64
 	for i := range f.Chunks {
 		ch := &f.Chunks[i]
@@ -697,18 +705,15 @@ func (r *ImageReader) writeChunks(ctx context.Context, f *File, w io.Writer, que
 			return written, fmt.Errorf("file %s at offset %d: %w", f.Path, ch.Offset, err)
 		}
 		if ch.Zero {
-			for rest := ch.Size; rest > 0; {
-				z := streamZeros[:min(rest, len(streamZeros))]
-				n, err := w.Write(z)
-				written += int64(n)
-				r.wrote(int64(n))
-				if err == nil && n != len(z) {
-					err = io.ErrShortWrite
+			n, err := writeZeros(w, sp, ch.Size, func(k int, spliced bool) {
+				r.wrote(int64(k))
+				if spliced {
+					r.c.spliced.Add(int64(k))
 				}
-				if err != nil {
-					return written, fmt.Errorf("write %s at offset %d: %w", f.Path, ch.Offset+int64(ch.Size-rest+n), err)
-				}
-				rest -= n
+			})
+			written += int64(n)
+			if err != nil {
+				return written, fmt.Errorf("write %s at offset %d: %w", f.Path, ch.Offset+int64(n), err)
 			}
 			r.c.zero.Add(int64(ch.Size))
 			r.c.zeroChunks.Add(1)
@@ -721,16 +726,20 @@ func (r *ImageReader) writeChunks(ctx context.Context, f *File, w io.Writer, que
 		}
 		<-p.done
 		if p.err != nil {
-			r.releaseSlot(p.slot, own)
+			r.releaseChunk(p, own)
 			return written, fmt.Errorf("file %s at offset %d: %w", f.Path, ch.Offset, p.err)
 		}
-		n, err := w.Write(p.data)
-		r.releaseSlot(p.slot, own)
-		written += int64(n)
-		r.wrote(int64(n))
-		if err == nil && n != len(p.data) {
+		var n int
+		var err error
+		if p.mapped != nil {
+			n, err = sp.write(p.data)
+			r.c.spliced.Add(int64(n))
+		} else if n, err = w.Write(p.data); err == nil && n != len(p.data) {
 			err = io.ErrShortWrite
 		}
+		r.releaseChunk(p, own)
+		written += int64(n)
+		r.wrote(int64(n))
 		if err != nil {
 			return written, fmt.Errorf("write %s at offset %d: %w", f.Path, ch.Offset+int64(n), err)
 		}
@@ -748,8 +757,9 @@ func (r *ImageReader) wrote(n int64) {
 
 // readAhead queues f's non-zero chunks in order, each with a slot and a goroutine decoding into
 // it; it waits for a slot when the call holds its own and no shared one is free (that is, only
-// for this call's writer). It closes queue when done or when ctx ends.
-func (r *ImageReader) readAhead(ctx context.Context, f *File, queue chan<- *pendingChunk, own chan *readSlot, decoders *sync.WaitGroup) {
+// for this call's writer). With mapped, chunk files are mapped instead of read (the writer
+// splices those stored raw). It closes queue when done or when ctx ends.
+func (r *ImageReader) readAhead(ctx context.Context, f *File, queue chan<- *pendingChunk, own chan *readSlot, decoders *sync.WaitGroup, mapped bool) {
 	defer close(queue)
 	next := 0 // first chunk not yet announced to the kernel
 	for i := range f.Chunks {
@@ -785,7 +795,11 @@ func (r *ImageReader) readAhead(ctx context.Context, f *File, queue chan<- *pend
 		go func() {
 			defer decoders.Done()
 			defer close(p.done)
-			r.decodeInto(ctx, p)
+			if mapped && ch.Size >= minMappedChunk {
+				r.decodeMapped(ctx, p)
+			} else {
+				r.decodeInto(ctx, p)
+			}
 		}()
 	}
 }
@@ -815,6 +829,49 @@ func (r *ImageReader) decodeInto(ctx context.Context, p *pendingChunk) {
 	}
 	p.stored = len(b.file)
 	r.markVerified(id)
+}
+
+// decodeMapped is decodeInto through a mapping of the chunk file (no copy of it is read): a
+// chunk stored raw is left in the mapping for the writer to splice, a compressed one is decoded
+// into the slot and the mapping dropped.
+func (r *ImageReader) decodeMapped(ctx context.Context, p *pendingChunk) {
+	var tok *[]byte
+	select {
+	case tok = <-r.tokens:
+	case <-ctx.Done():
+		p.err = context.Cause(ctx)
+		return
+	}
+	defer func() { r.tokens <- tok }()
+	id, size := p.ch.Hash, p.ch.Size
+	m, err := r.s.mapChunkFile(id, size)
+	if err != nil {
+		p.err = err
+		return
+	}
+	b := chunkBufs{raw: p.slot.raw, scratch: *tok}
+	data, err := decodeMapped(r.dec, m, id, size, &b)
+	p.slot.raw, *tok = b.raw, b.scratch
+	if err != nil || m[4] != codecRaw { // compressed: data is in the slot
+		_ = unix.Munmap(m)
+	} else {
+		p.mapped = m
+	}
+	if err != nil {
+		p.err = err
+		return
+	}
+	p.data, p.stored = data, len(m)
+	r.markVerified(id)
+}
+
+// releaseChunk gives back what a queued chunk holds: its mapping and its slot.
+func (r *ImageReader) releaseChunk(p *pendingChunk, own chan<- *readSlot) {
+	if p.mapped != nil {
+		_ = unix.Munmap(p.mapped)
+		p.mapped, p.data = nil, nil
+	}
+	r.releaseSlot(p.slot, own)
 }
 
 func (r *ImageReader) releaseSlot(s *readSlot, own chan<- *readSlot) {

@@ -1,0 +1,138 @@
+package store
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"runtime/debug"
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// Writing a restore's files into CRIU's pipes without copying them (ImageReader.WriteFile to a
+// pipe). A plain write copies every byte into the pipe's own pages; vmsplice(2) puts references
+// to the writer's pages into the pipe instead, and the pipe's reader (CRIU) copies them out from
+// there. The pages stay referenced until they have been read, so only memory that never changes
+// afterwards may be spliced:
+//   - zero chunks come from zeroPages, a read-only mapping that nothing ever writes;
+//   - a chunk stored raw is checked against its hash in a read-only mapping of its chunk file
+//     (mapChunkFile) and spliced from there, then unmapped: the pipe keeps the page-cache pages
+//     it references, and a chunk file is never rewritten (a new chunk gets a new file, renamed
+//     into place; the reader holds the store lock, so nothing is removed meanwhile).
+// Compressed chunks are decoded into the reader's buffers, which are reused, so they are written.
+
+// splicer vmsplices into a pipe; nil for any other writer.
+type splicer struct{ rc syscall.RawConn }
+
+func newSplicer(w io.Writer) *splicer {
+	f, ok := w.(*os.File)
+	if !ok {
+		return nil
+	}
+	if fi, err := f.Stat(); err != nil || fi.Mode()&fs.ModeNamedPipe == 0 {
+		return nil
+	}
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return &splicer{rc: rc}
+}
+
+// write splices all of b into the pipe, waiting while it is full (through Go's poller when the
+// pipe is non-blocking), and returns the bytes spliced. b must not change afterwards.
+func (s *splicer) write(b []byte) (int, error) {
+	done := 0
+	for done < len(b) {
+		var n int
+		var err error
+		iov := unix.Iovec{Base: &b[done]}
+		iov.SetLen(len(b) - done)
+		werr := s.rc.Write(func(fd uintptr) bool {
+			n, err = unix.Vmsplice(int(fd), []unix.Iovec{iov}, 0)
+			return !errors.Is(err, unix.EAGAIN)
+		})
+		if werr != nil {
+			return done, werr
+		}
+		if err != nil {
+			return done, os.NewSyscallError("vmsplice", err)
+		}
+		if n == 0 {
+			return done, io.ErrShortWrite
+		}
+		done += n
+	}
+	return done, nil
+}
+
+// zeroPages is a read-only mapping that is never written: all zeros for as long as it exists.
+var zeroPages = sync.OnceValues(func() ([]byte, error) {
+	return unix.Mmap(-1, 0, len(streamZeros), unix.PROT_READ, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+})
+
+// writeZeros writes n zero bytes to w: spliced from zeroPages when sp is set (and the mapping
+// exists), else copied from streamZeros. onWrite gets each part written and whether it was
+// spliced.
+func writeZeros(w io.Writer, sp *splicer, n int, onWrite func(k int, spliced bool)) (int, error) {
+	zeros := streamZeros
+	if sp != nil {
+		if z, err := zeroPages(); err == nil {
+			zeros = z
+		} else {
+			sp = nil
+		}
+	}
+	written := 0
+	for written < n {
+		z := zeros[:min(n-written, len(zeros))]
+		var k int
+		var err error
+		if sp != nil {
+			k, err = sp.write(z)
+		} else if k, err = w.Write(z); err == nil && k != len(z) {
+			err = io.ErrShortWrite
+		}
+		written += k
+		onWrite(k, sp != nil)
+		if err != nil {
+			return written, err
+		}
+	}
+	return written, nil
+}
+
+// mapChunkFile maps the chunk file of id read-only, after the same checks as readChunkFile (a
+// regular file, not a symbolic link, of a size that fits a chunk of size bytes). The caller
+// unmaps it with unix.Munmap.
+func (s *Store) mapChunkFile(id ChunkID, size int) ([]byte, error) {
+	f, n, err := s.openChunkFile(id, size)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	m, err := unix.Mmap(int(f.Fd()), 0, int(n), unix.PROT_READ, unix.MAP_SHARED|unix.MAP_POPULATE)
+	if err != nil {
+		return nil, fmt.Errorf("map chunk %s: %w", id, err)
+	}
+	return m, nil
+}
+
+// decodeMapped decodes and verifies a mapped chunk file as dec.decode does; a fault on the
+// mapping (the file shrank under it) is reported as a corrupt chunk, not a crash.
+func decodeMapped(dec *chunkDecoder, m []byte, id ChunkID, size int, b *chunkBufs) (data []byte, err error) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		if r := recover(); r != nil {
+			if _, fault := r.(interface{ Addr() uintptr }); !fault {
+				panic(r)
+			}
+			data, err = nil, fmt.Errorf("%w: chunk %s: the chunk file changed while it was read (%v)", ErrCorrupt, id, r)
+		}
+	}()
+	return dec.decode(m, id, size, b)
+}

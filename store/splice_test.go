@@ -1,0 +1,211 @@
+package store
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// pipeWithReader returns the write end of an OS pipe whose read end a goroutine drains in reads
+// of piece bytes; wait returns what it read.
+func pipeWithReader(t *testing.T, piece int) (w *os.File, wait func() []byte) {
+	t.Helper()
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan []byte, 1)
+	go func() {
+		defer pr.Close()
+		var b bytes.Buffer
+		buf := make([]byte, piece)
+		for {
+			n, err := pr.Read(buf)
+			b.Write(buf[:n])
+			if err != nil {
+				got <- b.Bytes()
+				return
+			}
+		}
+	}()
+	return pw, func() []byte { pw.Close(); return <-got }
+}
+
+// Files written into OS pipes (as CRIU's restore reads them) arrive intact, with the zero
+// chunks and the chunks stored raw spliced rather than copied, and the compressed ones copied.
+func TestImageReaderPipeSplice(t *testing.T) {
+	ctx := context.Background()
+	s := openTestStore(t)
+	want := putStreamImage(t, s, "img", streamFiles())
+	for _, workers := range []int{1, 3} {
+		for _, piece := range []int{1000, 1 << 20} {
+			t.Run(fmt.Sprintf("workers-%d-reads-%d", workers, piece), func(t *testing.T) {
+				r, err := s.OpenImage(ctx, "img", GetOptions{Workers: workers})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer r.Close()
+				for path, data := range want {
+					w, wait := pipeWithReader(t, piece)
+					n, err := r.WriteFile(ctx, path, w)
+					got := wait()
+					if err != nil || n != int64(len(data)) || !bytes.Equal(got, data) {
+						t.Errorf("%s: %d bytes, %v; read %d bytes, equal %v", path, n, err, len(got), bytes.Equal(got, data))
+					}
+				}
+				st := r.Stats()
+				// pages-1.img: 16 zero chunks at least, one raw chunk; one-chunk and the dup files raw.
+				if min := int64(16+1+1+2*3) * testChunk; st.SplicedBytes < min || st.SplicedBytes >= st.WrittenBytes {
+					t.Errorf("spliced %d of %d bytes written, want at least %d and not all (text is compressed)", st.SplicedBytes, st.WrittenBytes, min)
+				}
+			})
+		}
+	}
+	// Into anything but a pipe nothing is spliced.
+	r, err := s.OpenImage(ctx, "img", GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	f, err := os.Create(t.TempDir() + "/pages")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := r.WriteFile(ctx, "pages-1.img", f); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(f.Name()); !bytes.Equal(b, want["pages-1.img"]) {
+		t.Error("pages-1.img written to a regular file differs")
+	}
+	if st := r.Stats(); st.SplicedBytes != 0 {
+		t.Errorf("spliced %d bytes into a regular file", st.SplicedBytes)
+	}
+}
+
+// Spliced pages stay what they were once WriteFile has returned: the pipe holds them after the
+// reader is closed, its mappings dropped and the whole store removed.
+func TestImageReaderSplicedPagesOutliveReader(t *testing.T) {
+	ctx := context.Background()
+	s := openTestStore(t)
+	rnd := rand.New(rand.NewPCG(7, 8))
+	data := make([]byte, 6*testChunk+100)
+	for i := range data {
+		if i/testChunk != 2 { // chunk 2 stays zero
+			data[i] = byte(rnd.Uint32())
+		}
+	}
+	want := putStreamImage(t, s, "img", []streamFile{{path: "pages-1.img", mode: 0o600, data: data}})
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pr.Close()
+	if sz, err := unix.FcntlInt(pw.Fd(), unix.F_SETPIPE_SZ, 1<<20); err != nil || sz < len(data) {
+		t.Skipf("cannot make a pipe of 1 MiB here (%d, %v)", sz, err)
+	}
+	r, err := s.OpenImage(ctx, "img", GetOptions{Workers: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := r.WriteFile(ctx, "pages-1.img", pw); err != nil || n != int64(len(data)) {
+		t.Fatalf("WriteFile: %d, %v", n, err)
+	}
+	if st := r.Stats(); st.SplicedBytes != 6*testChunk {
+		t.Errorf("spliced %d bytes, want %d (five raw chunks and a zero one)", st.SplicedBytes, 6*testChunk)
+	}
+	r.Close()
+	pw.Close()
+	if err := os.RemoveAll(s.Dir()); err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(pr)
+	if err != nil || !bytes.Equal(got, want["pages-1.img"]) {
+		t.Errorf("read back %d bytes (%v), equal %v", len(got), err, bytes.Equal(got, want["pages-1.img"]))
+	}
+}
+
+// A corrupt chunk stops a file written into a pipe exactly before it: nothing of it or after it
+// enters the pipe, and the error names the file and offset.
+func TestImageReaderPipeCorruptChunk(t *testing.T) {
+	ctx := context.Background()
+	rnd := rand.New(rand.NewPCG(9, 10))
+	data := make([]byte, 6*testChunk) // random, zero, random, BAD, random, zero
+	for _, c := range []int{0, 2, 3, 4} {
+		for i := c * testChunk; i < (c+1)*testChunk; i++ {
+			data[i] = byte(rnd.Uint32())
+		}
+	}
+	s := openTestStore(t)
+	putStreamImage(t, s, "img", []streamFile{{path: "pages-1.img", mode: 0o600, data: data}})
+	m, err := s.Get("img")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := s.chunkPath(m.Files[0].Chunks[3].Hash)
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b[len(b)-1] ^= 0x80
+	if err := os.WriteFile(p, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r, err := s.OpenImage(ctx, "img", GetOptions{Workers: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	w, wait := pipeWithReader(t, 4096)
+	n, err := r.WriteFile(ctx, "pages-1.img", w)
+	got := wait()
+	if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), fmt.Sprintf("file pages-1.img at offset %d", 3*testChunk)) {
+		t.Errorf("WriteFile: %v", err)
+	}
+	if n != 3*testChunk || !bytes.Equal(got, data[:3*testChunk]) {
+		t.Errorf("wrote %d bytes, the pipe got %d; want exactly the %d before the corrupt chunk", n, len(got), 3*testChunk)
+	}
+}
+
+// A reader that stops early (CRIU has read what it needs) ends WriteFile with EPIPE, promptly.
+func TestImageReaderPipeClosedEarly(t *testing.T) {
+	ctx := context.Background()
+	s := openTestStore(t)
+	rnd := rand.New(rand.NewPCG(1, 2))
+	data := make([]byte, 64*testChunk)
+	for i := range data {
+		data[i] = byte(rnd.Uint32())
+	}
+	putStreamImage(t, s, "img", []streamFile{{path: "pages-1.img", mode: 0o600, data: data}})
+	r, err := s.OpenImage(ctx, "img", GetOptions{Workers: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pw.Close()
+	go func() {
+		buf := make([]byte, testChunk)
+		_, _ = io.ReadFull(pr, buf)
+		pr.Close()
+	}()
+	within(t, 30*time.Second, "WriteFile into a closed pipe", func() {
+		n, err := r.WriteFile(ctx, "pages-1.img", pw)
+		if !errors.Is(err, syscall.EPIPE) || n >= int64(len(data)) {
+			t.Errorf("WriteFile: %d bytes, %v; want EPIPE", n, err)
+		}
+	})
+}
