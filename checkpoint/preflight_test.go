@@ -168,7 +168,7 @@ func TestPlanChildEnded(t *testing.T) {
 	if err != nil {
 		testreq.Skip(t, "bash", "no bash on this host")
 	}
-	cmd := exec.Command(bash, "-c", "sleep 60 & wait; sleep 60")
+	cmd := exec.Command(bash, "-c", "sleep 60 & wait; sleep 60 & wait")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -210,10 +210,26 @@ func TestPlanChildEnded(t *testing.T) {
 	if len(p.Tree) != 1 || p.Tree[0].PID != root {
 		t.Errorf("tree %+v; want the root only", p.Tree)
 	}
-	env.UsesCUDA = func(pid int) (bool, error) {
-		return false, fmt.Errorf("read /proc/%d/maps: %w", pid, syscall.EACCES)
-	}
-	if _, err := PlanCheckpoint(env, Options{PID: root, Name: "ck", StagingRoot: filepath.Join(dir, "staging")}); !errors.Is(err, op.ErrRefused) {
-		t.Errorf("root's maps unreadable: %v; want a refusal", err)
+	// The same error on a child that is still there, or on the root, refuses.
+	for _, who := range []string{"live child", "root"} {
+		env.UsesCUDA = func(pid int) (bool, error) {
+			if who == "root" || pid != root {
+				return false, fmt.Errorf("read /proc/%d/maps: %w", pid, syscall.EACCES)
+			}
+			return false, nil
+		}
+		if who == "live child" {
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+				if tr, err := proc.Tree(root); err == nil && len(tr) == 2 {
+					break // bash started its second sleep
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("bash did not start its second child")
+				}
+			}
+		}
+		if _, err := PlanCheckpoint(env, Options{PID: root, Name: "ck", StagingRoot: filepath.Join(dir, "staging")}); !errors.Is(err, op.ErrRefused) {
+			t.Errorf("%s's maps unreadable: %v; want a refusal", who, err)
+		}
 	}
 }

@@ -224,9 +224,11 @@ func BenchmarkWriteFilePipe(b *testing.B) {
 			b.Fatal(err)
 		}
 		_, _ = unix.FcntlInt(pw.Fd(), unix.F_SETPIPE_SZ, 1<<20)
+		werr := make(chan error, 1)
 		go func() {
-			_, _ = r.WriteFile(context.Background(), "pages-1.img", pw)
+			_, err := r.WriteFile(context.Background(), "pages-1.img", pw)
 			pw.Close()
+			werr <- err
 		}()
 		var k int64
 		for {
@@ -237,8 +239,8 @@ func BenchmarkWriteFilePipe(b *testing.B) {
 			}
 		}
 		pr.Close()
-		if k != n {
-			b.Fatalf("%d bytes", k)
+		if err := <-werr; err != nil || k != n {
+			b.Fatalf("%d bytes, %v", k, err)
 		}
 	}
 }

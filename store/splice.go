@@ -20,10 +20,13 @@ import (
 // afterwards may be spliced:
 //   - zero chunks come from zeroPages, a read-only mapping that nothing ever writes;
 //   - a chunk stored raw is checked against its hash in a read-only mapping of its chunk file
-//     (mapChunkFile) and spliced from there, then unmapped: the pipe keeps the page-cache pages
-//     it references, and a chunk file is never rewritten (a new chunk gets a new file, renamed
-//     into place; the reader holds the store lock, so nothing is removed meanwhile).
-// Compressed chunks are decoded into the reader's buffers, which are reused, so they are written.
+//     (mapRawChunk), locked in memory so that the pages checked are the pages spliced (a clean
+//     page reclaimed and read again from the disk in between could differ), and spliced from
+//     there, then unmapped: the pipe keeps the page-cache pages it references, and a chunk file
+//     is never rewritten (a new chunk gets a new file, renamed into place; the reader holds the
+//     store lock, so nothing is removed meanwhile).
+// Compressed chunks are read and decoded into the reader's buffers, which are reused, so they are
+// written; no decoder ever sees a mapping (nothing may keep a pointer into it once unmapped).
 
 // splicer vmsplices into a pipe; nil for any other writer.
 type splicer struct{ rc syscall.RawConn }
@@ -56,8 +59,8 @@ func (s *splicer) write(b []byte) (int, error) {
 			n, err = unix.Vmsplice(int(fd), []unix.Iovec{iov}, 0)
 			return !errors.Is(err, unix.EAGAIN)
 		})
-		if werr != nil {
-			return done, werr
+		if werr != nil { // the pipe was closed (the restore failed elsewhere)
+			return done, fmt.Errorf("vmsplice: %w", werr)
 		}
 		if err != nil {
 			return done, os.NewSyscallError("vmsplice", err)
@@ -106,25 +109,36 @@ func writeZeros(w io.Writer, sp *splicer, n int, onWrite func(k int, spliced boo
 	return written, nil
 }
 
-// mapChunkFile maps the chunk file of id read-only, after the same checks as readChunkFile (a
-// regular file, not a symbolic link, of a size that fits a chunk of size bytes). The caller
-// unmaps it with unix.Munmap.
-func (s *Store) mapChunkFile(id ChunkID, size int) ([]byte, error) {
+// mapRawChunk maps the chunk file of id read-only and locks it in memory, when the file is a
+// chunk stored raw (after the same checks as readChunkFile: a regular file, not a symbolic link,
+// of a size that fits a chunk of size bytes). It returns nil and no error when the chunk should
+// be read instead: compressed, or the mapping cannot be locked (no CAP_IPC_LOCK, a memlock limit,
+// an I/O error populating it, which the read then reports). The caller unmaps it.
+func (s *Store) mapRawChunk(id ChunkID, size int) ([]byte, error) {
 	f, n, err := s.openChunkFile(id, size)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	m, err := unix.Mmap(int(f.Fd()), 0, int(n), unix.PROT_READ, unix.MAP_SHARED|unix.MAP_POPULATE)
+	var h [chunkHeaderLen]byte
+	if _, err := f.ReadAt(h[:], 0); err != nil || string(h[:4]) != chunkMagic || h[4] != codecRaw {
+		return nil, nil // the read path reports what is wrong
+	}
+	m, err := unix.Mmap(int(f.Fd()), 0, int(n), unix.PROT_READ, unix.MAP_SHARED)
 	if err != nil {
-		return nil, fmt.Errorf("map chunk %s: %w", id, err)
+		return nil, nil
+	}
+	if err := unix.Mlock(m); err != nil {
+		_ = unix.Munmap(m)
+		return nil, nil
 	}
 	return m, nil
 }
 
-// decodeMapped decodes and verifies a mapped chunk file as dec.decode does; a fault on the
-// mapping (the file shrank under it) is reported as a corrupt chunk, not a crash.
-func decodeMapped(dec *chunkDecoder, m []byte, id ChunkID, size int, b *chunkBufs) (data []byte, err error) {
+// verifyMapped checks a mapped chunk file stored raw against its hash (as chunkDecoder.decode
+// does) and returns its payload, which lies in m. A fault on the mapping (the file shrank under
+// it) is reported as a corrupt chunk, not a crash.
+func verifyMapped(dec *chunkDecoder, m []byte, id ChunkID, size int) (data []byte, err error) {
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		if r := recover(); r != nil {
@@ -134,5 +148,8 @@ func decodeMapped(dec *chunkDecoder, m []byte, id ChunkID, size int, b *chunkBuf
 			data, err = nil, fmt.Errorf("%w: chunk %s: the chunk file changed while it was read (%v)", ErrCorrupt, id, r)
 		}
 	}()
-	return dec.decode(m, id, size, b)
+	if len(m) < chunkHeaderLen || m[4] != codecRaw {
+		return nil, fmt.Errorf("%w: chunk %s: the chunk file changed while it was read", ErrCorrupt, id)
+	}
+	return dec.decode(m, id, size, &chunkBufs{})
 }

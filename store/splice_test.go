@@ -209,3 +209,61 @@ func TestImageReaderPipeClosedEarly(t *testing.T) {
 		}
 	})
 }
+
+// A chunk file that shrinks under its mapping (never done by the store; a tampering root or a
+// failing disk) is a corrupt chunk, not a crash: the fault on the mapping is caught.
+func TestVerifyMappedFault(t *testing.T) {
+	s := openTestStore(t)
+	rnd := rand.New(rand.NewPCG(3, 3))
+	data := make([]byte, 2*testChunk)
+	for i := range data {
+		data[i] = byte(rnd.Uint32())
+	}
+	putStreamImage(t, s, "img", []streamFile{{path: "pages-1.img", mode: 0o600, data: data}})
+	m, err := s.Get("img")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch := m.Files[0].Chunks[0]
+	dec, err := newChunkDecoder(1, testChunk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dec.close()
+	mp, err := s.mapRawChunk(ch.Hash, ch.Size)
+	if err != nil || mp == nil {
+		t.Skipf("the chunk cannot be mapped and locked here (%v): the read path serves it", err)
+	}
+	if got, err := verifyMapped(dec, mp, ch.Hash, ch.Size); err != nil || !bytes.Equal(got, data[:testChunk]) {
+		t.Fatalf("intact mapping: %v", err)
+	}
+	_ = unix.Munmap(mp)
+	// A mapping of a file that is then truncated: its pages are gone from under it.
+	mp, err = s.mapRawChunk(ch.Hash, ch.Size)
+	if err != nil || mp == nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mp)
+	if err := os.Truncate(s.chunkPath(ch.Hash), 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := verifyMapped(dec, mp, ch.Hash, ch.Size); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "changed while it was read") {
+		t.Fatalf("truncated under its mapping: %v", err)
+	}
+}
+
+// Compressed chunks are never mapped (no decoder keeps a pointer into a mapping): mapRawChunk
+// declines them and the read path serves them.
+func TestMapRawChunkDeclinesCompressed(t *testing.T) {
+	s := openTestStore(t)
+	text := bytes.Repeat([]byte("ptxmig checkpoint "), 2*testChunk/18+1)[:testChunk]
+	putStreamImage(t, s, "img", []streamFile{{path: "text", mode: 0o600, data: text}})
+	m, err := s.Get("img")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch := m.Files[0].Chunks[0]
+	if mp, err := s.mapRawChunk(ch.Hash, ch.Size); mp != nil || err != nil {
+		t.Fatalf("a compressed chunk was mapped (%d bytes, %v)", len(mp), err)
+	}
+}

@@ -757,8 +757,8 @@ func (r *ImageReader) wrote(n int64) {
 
 // readAhead queues f's non-zero chunks in order, each with a slot and a goroutine decoding into
 // it; it waits for a slot when the call holds its own and no shared one is free (that is, only
-// for this call's writer). With mapped, chunk files are mapped instead of read (the writer
-// splices those stored raw). It closes queue when done or when ctx ends.
+// for this call's writer). With mapped, chunks stored raw are mapped instead of read (the writer
+// splices them). It closes queue when done or when ctx ends.
 func (r *ImageReader) readAhead(ctx context.Context, f *File, queue chan<- *pendingChunk, own chan *readSlot, decoders *sync.WaitGroup, mapped bool) {
 	defer close(queue)
 	next := 0 // first chunk not yet announced to the kernel
@@ -795,9 +795,7 @@ func (r *ImageReader) readAhead(ctx context.Context, f *File, queue chan<- *pend
 		go func() {
 			defer decoders.Done()
 			defer close(p.done)
-			if mapped && ch.Size >= minMappedChunk {
-				r.decodeMapped(ctx, p)
-			} else {
+			if !mapped || ch.Size < minMappedChunk || !r.decodeMapped(ctx, p) {
 				r.decodeInto(ctx, p)
 			}
 		}()
@@ -831,38 +829,36 @@ func (r *ImageReader) decodeInto(ctx context.Context, p *pendingChunk) {
 	r.markVerified(id)
 }
 
-// decodeMapped is decodeInto through a mapping of the chunk file (no copy of it is read): a
-// chunk stored raw is left in the mapping for the writer to splice, a compressed one is decoded
-// into the slot and the mapping dropped.
-func (r *ImageReader) decodeMapped(ctx context.Context, p *pendingChunk) {
+// decodeMapped is decodeInto through a locked mapping of the chunk file, for a chunk stored raw
+// (no copy of it is read): its verified payload is left in the mapping for the writer to splice.
+// It returns false, having done nothing, for a chunk that must be read instead (decodeInto).
+func (r *ImageReader) decodeMapped(ctx context.Context, p *pendingChunk) bool {
 	var tok *[]byte
 	select {
 	case tok = <-r.tokens:
 	case <-ctx.Done():
 		p.err = context.Cause(ctx)
-		return
+		return true
 	}
 	defer func() { r.tokens <- tok }()
 	id, size := p.ch.Hash, p.ch.Size
-	m, err := r.s.mapChunkFile(id, size)
+	m, err := r.s.mapRawChunk(id, size)
 	if err != nil {
 		p.err = err
-		return
+		return true
 	}
-	b := chunkBufs{raw: p.slot.raw, scratch: *tok}
-	data, err := decodeMapped(r.dec, m, id, size, &b)
-	p.slot.raw, *tok = b.raw, b.scratch
-	if err != nil || m[4] != codecRaw { // compressed: data is in the slot
+	if m == nil {
+		return false
+	}
+	data, err := verifyMapped(r.dec, m, id, size)
+	if err != nil {
 		_ = unix.Munmap(m)
-	} else {
-		p.mapped = m
-	}
-	if err != nil {
 		p.err = err
-		return
+		return true
 	}
-	p.data, p.stored = data, len(m)
+	p.mapped, p.data, p.stored = m, data, len(m)
 	r.markVerified(id)
+	return true
 }
 
 // releaseChunk gives back what a queued chunk holds: its mapping and its slot.

@@ -525,14 +525,16 @@ static uint32_t batch_max_for(krec *r, uint64_t resident) {
 
 // est_us is auto's expected GPU time of a launch of `blocks` blocks of r's kernel, in µs rounded
 // up, 0 when it was never timed: the mean of its samples, scaled up when the launch has more
-// blocks than any timed one. A kernel timed on small grids (a warm-up, a calibration run) and then
-// launched on a large one is not short: its time grows with the number of waves.
+// blocks than any original launch timed (big_sample). A kernel timed on small grids (a warm-up, a
+// calibration run) and then launched on a large one is not short: its time grows with the number
+// of waves. Linear in blocks, the scaling over-estimates a sample smaller than one wave: near the
+// threshold such a kernel gets its twin (a cost), never the original by mistake.
 static uint64_t est_us(krec *r, uint64_t blocks) {
   uint64_t m = atomic_load(&r->mean_us);
   if (!m) return 0;
   uint64_t big = atomic_load(&r->big_sample), bb = big & 0xffffffffull, bu = big >> 32;
   if (bb && blocks > bb) {
-    double e = (double)bu * ((double)blocks / (double)bb);
+    double e = (double)bu * ((double)blocks / (double)bb) + 1.0;
     if (e > (double)m) m = e > 4e9 ? 4000000000ull : (uint64_t)e;
   }
   return m;
@@ -778,6 +780,7 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   pthread_mutex_unlock(&pre_mu);
   atomic_fetch_add(&r->twin_launches, 1);
   atomic_fetch_add(&st_twin_launches, 1);
+  t->twin = 1;
   *res = CUDA_SUCCESS;
   return 1;
 }

@@ -166,6 +166,7 @@ typedef struct launch_tok {
   struct sample *smp;
   unsigned dims[6];
   uint64_t self_ns;  // with PTXMIG_SELF_TIME=1: the time launch_pre took
+  int twin;          // twin_launch launched the twin (its sample may cover part of the grid)
 } launch_tok;
 enum launch_kind { LK_NORMAL, LK_COOPERATIVE, LK_EX };
 void launch_pre(launch_tok *t, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,

@@ -638,6 +638,7 @@ typedef struct sample {
   CUcontext ctx;
   CUstream stream;
   uint64_t blocks;  // the launch's grid size
+  int twin;         // the launch ran as the twin
 } sample;
 #define MAX_PENDING 256
 static pthread_mutex_t sample_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -746,8 +747,9 @@ static void blk_note(krec *r, float us, uint64_t blocks) {
   } while (!atomic_compare_exchange_weak(&r->blk_sample, &old, nw));
 }
 
-// big_note keeps the sample with the most blocks, for equal counts the longer one (a preempted
-// twin's partial sample does not replace a whole one of the same grid).
+// big_note keeps the sample with the most blocks, for equal counts the longer one. Only originals'
+// samples count: a preempted twin's covers part of its grid, and would make larger launches look
+// short.
 static void big_note(krec *r, float us, uint64_t blocks) {
   if (!blocks || !(us > 0)) return;
   if (blocks > 0xffffffffull) blocks = 0xffffffffull;
@@ -782,7 +784,7 @@ void samples_harvest(int max, int from_ctl) {
       if (el == CUDA_SUCCESS && ms >= 0) {
         ring_add(s->rec, ms * 1000.0f);
         blk_note(s->rec, ms * 1000.0f, s->blocks);
-        big_note(s->rec, ms * 1000.0f, s->blocks);
+        if (!s->twin) big_note(s->rec, ms * 1000.0f, s->blocks);
       }
       if (el == CUDA_SUCCESS) sample_recycle_locked(s);
       else sample_free(s);  // events the driver reports errors for are not reused
@@ -888,6 +890,7 @@ void launch_pre(launch_tok *t, CUfunction f, unsigned gx, unsigned gy, unsigned 
 static void launch_pre_track(launch_tok *t, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                              unsigned by, unsigned bz, CUstream s, int ptsz, int kind) {
   t->smp = NULL;
+  t->twin = 0;
   t->rec = krec_get(f, 0);
   krec *r = t->rec;
   if (!r) return;
@@ -969,6 +972,7 @@ static void launch_post_track(launch_tok *t, CUresult r) {
     atomic_fetch_add(&k->failed, 1);
   }
   if (!sm) return;
+  sm->twin = t->twin;
   if (r != CUDA_SUCCESS || ev.event_record(sm->end, sm->stream) != CUDA_SUCCESS) {
     sample_free(sm);
     return;

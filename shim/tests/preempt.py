@@ -701,6 +701,12 @@ def t_auto_grid(name):
     app.cmd("check", timeout=30)
     k = kern(c, "k_count")
     check(k["twin_launches"] == 2 and k["launches"] == 6, f"{name}: a small grid after the large one got a twin: {k}")
+    # The large launch's sample covers only what ran before its preemption: it must not make a
+    # launch of 300 blocks (about 300 ms) look short.
+    app.cmd("launch s 300")
+    app.cmd("check", timeout=30)
+    k = kern(c, "k_count")
+    check(k["twin_launches"] == 3, f"{name}: scaled from a preempted twin's partial sample: {k}")
     c.close()
     ended_ok(name, app)
 
