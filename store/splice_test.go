@@ -225,16 +225,11 @@ func TestVerifyMappedFault(t *testing.T) {
 		t.Fatal(err)
 	}
 	ch := m.Files[0].Chunks[0]
-	dec, err := newChunkDecoder(1, testChunk)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dec.close()
 	mp, err := s.mapRawChunk(ch.Hash, ch.Size)
 	if err != nil || mp == nil {
 		t.Skipf("the chunk cannot be mapped and locked here (%v): the read path serves it", err)
 	}
-	if got, err := verifyMapped(dec, mp, ch.Hash, ch.Size); err != nil || !bytes.Equal(got, data[:testChunk]) {
+	if got, err := verifyMapped(mp, ch.Hash, ch.Size); err != nil || !bytes.Equal(got, data[:testChunk]) {
 		t.Fatalf("intact mapping: %v", err)
 	}
 	_ = unix.Munmap(mp)
@@ -247,7 +242,7 @@ func TestVerifyMappedFault(t *testing.T) {
 	if err := os.Truncate(s.chunkPath(ch.Hash), 0); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := verifyMapped(dec, mp, ch.Hash, ch.Size); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "changed while it was read") {
+	if _, err := verifyMapped(mp, ch.Hash, ch.Size); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "changed while it was read") {
 		t.Fatalf("truncated under its mapping: %v", err)
 	}
 }
@@ -265,5 +260,42 @@ func TestMapRawChunkDeclinesCompressed(t *testing.T) {
 	ch := m.Files[0].Chunks[0]
 	if mp, err := s.mapRawChunk(ch.Hash, ch.Size); mp != nil || err != nil {
 		t.Fatalf("a compressed chunk was mapped (%d bytes, %v)", len(mp), err)
+	}
+}
+
+// verifyMapped accepts only an intact chunk stored raw of the expected size, and what it returns
+// is the mapping's own payload.
+func TestVerifyMappedHeader(t *testing.T) {
+	payload := bytes.Repeat([]byte{7, 1, 3}, 1000)
+	id := HashChunk(payload)
+	file := func(codec byte, n int, p []byte) []byte {
+		h := make([]byte, chunkHeaderLen, chunkHeaderLen+len(p))
+		copy(h, chunkMagic)
+		h[4] = codec
+		h[8], h[9], h[10], h[11] = byte(n), byte(n>>8), byte(n>>16), byte(n>>24)
+		return append(h, p...)
+	}
+	bad := bytes.Clone(payload)
+	bad[10] ^= 1
+	tests := []struct {
+		name string
+		m    []byte
+		want string // "" = ok
+	}{
+		{"intact", file(codecRaw, len(payload), payload), ""},
+		{"compressed", file(codecZstd, len(payload), payload), "not a chunk stored raw"},
+		{"bad magic", append([]byte("XXXX"), file(codecRaw, len(payload), payload)[4:]...), "not a chunk stored raw"},
+		{"short header", []byte("PXC1"), "bad header"},
+		{"size", file(codecRaw, len(payload)-1, payload), "header says"},
+		{"content", file(codecRaw, len(bad), bad), "content hashes to"},
+	}
+	for _, tt := range tests {
+		got, err := verifyMapped(tt.m, id, len(payload))
+		switch {
+		case tt.want == "" && (err != nil || len(got) != len(payload) || &got[0] != &tt.m[chunkHeaderLen]):
+			t.Errorf("%s: %v; want the mapping's payload", tt.name, err)
+		case tt.want != "" && (!errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), tt.want)):
+			t.Errorf("%s: %v; want a corrupt chunk (%q)", tt.name, err, tt.want)
+		}
 	}
 }

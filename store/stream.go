@@ -850,7 +850,7 @@ func (r *ImageReader) decodeMapped(ctx context.Context, p *pendingChunk) bool {
 	if m == nil {
 		return false
 	}
-	data, err := verifyMapped(r.dec, m, id, size)
+	data, err := verifyMapped(m, id, size)
 	if err != nil {
 		_ = unix.Munmap(m)
 		p.err = err
