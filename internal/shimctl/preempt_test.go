@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -26,6 +27,10 @@ func TestQuiesceReplies(t *testing.T) {
 		{"negative time", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","elapsed_us":-1}}`, ErrProtocol},
 		{"refused", `{"ok":false,"proto":2,"error":"already quiesced by another client"}`, ErrShim},
 		{"future protocol", `{"ok":true,"proto":3,"cmd":"quiesce","result":{"state":"quiesced"}}`, ErrProtocol},
+		// An untrusted process must not make ptxmig decode millions of values.
+		{"too many objects", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","preempted":[` +
+			strings.TrimSuffix(strings.Repeat("{},", 300000), ",") + `]}}`, ErrProtocol},
+		{"too long", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","note":"` + strings.Repeat("x", 2<<20) + `"}}`, ErrProtocol},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

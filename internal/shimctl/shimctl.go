@@ -34,6 +34,27 @@ const (
 // maxReply bounds one reply line; the largest replies (module lists) stay far below it.
 const maxReply = 64 << 20
 
+// replyLimit bounds, per request, a reply's bytes and the JSON objects and arrays in it. The
+// process under the shim is not trusted, and decoding costs far more than the text: a reply of
+// 4 MiB of `{}` list elements took over 400 MiB of heap to decode. The requests a checkpoint
+// makes (quiesce, detach, resume, and status while twins stop) answer with a few KiB; the
+// listings a person asks for (kernels, dump-modules) may be large.
+type replyLimit struct{ bytes, objects int }
+
+var replyLimits = map[string]replyLimit{
+	"quiesce": {1 << 20, 1 << 18},
+	"detach":  {1 << 20, 1 << 18},
+	"resume":  {1 << 20, 1 << 18},
+	"status":  {16 << 20, 1 << 18},
+}
+
+func limitOf(cmd string) replyLimit {
+	if l, ok := replyLimits[cmd]; ok {
+		return l
+	}
+	return replyLimit{maxReply, 1 << 20}
+}
+
 var (
 	// ErrNoShim: the process has no control socket (not started under the shim, not using CUDA
 	// yet, or the socket directory differs).
@@ -227,7 +248,8 @@ func (c *Client) Raw(ctx context.Context, cmd string, args map[string]any) (json
 	if _, err := c.conn.Write(append(line, '\n')); err != nil {
 		return nil, fmt.Errorf("%s: send to %s: %w", cmd, c.path, err)
 	}
-	reply, err := readLine(c.r, maxReply)
+	lim := limitOf(cmd)
+	reply, err := readLine(c.r, lim.bytes)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, fmt.Errorf("%s: %w", cmd, ctx.Err())
@@ -237,6 +259,11 @@ func (c *Client) Raw(ctx context.Context, cmd string, args map[string]any) (json
 	res, proto, err := parseReply(cmd, reply)
 	if proto > 0 {
 		c.proto = proto
+	}
+	// Counted before anything decodes the result: brackets inside strings count too (an
+	// over-estimate, never an under-estimate).
+	if n := bytes.Count(res, []byte("{")) + bytes.Count(res, []byte("[")); err == nil && n > lim.objects {
+		return nil, fmt.Errorf("%s: %w: reply with more than %d objects and lists", cmd, ErrProtocol, lim.objects)
 	}
 	return res, err
 }
