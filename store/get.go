@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -112,19 +113,15 @@ func (s *Store) materialize(ctx context.Context, m *Manifest, dstDir string, o G
 	if err != nil {
 		return nil, err
 	}
-	created, err := prepareTarget(dstDir)
-	if err != nil {
-		return nil, err
-	}
-	root, err := os.OpenRoot(dstDir)
+	root, created, err := openTarget(dstDir)
 	if err != nil {
 		return nil, err
 	}
 	defer func() {
-		root.Close()
 		if err != nil {
-			cleanupTarget(dstDir, created)
+			cleanupTarget(root, dstDir, created)
 		}
+		root.Close()
 	}()
 	var c counters
 	// Skeleton: directories (0700 while writing), symlinks, empty files of the final size.
@@ -170,49 +167,88 @@ func (s *Store) materialize(ctx context.Context, m *Manifest, dstDir string, o G
 	return c.stats(time.Since(start)), nil
 }
 
-// prepareTarget makes sure dir is an empty directory, creating it (0700) when missing; created
-// reports whether it did.
-func prepareTarget(dir string) (created bool, err error) {
+// openTarget makes sure dir is an empty directory that this user owns, creating it (0700) when
+// missing, and opens it as a Root; created reports whether it made it. The directory is opened
+// once and checked to be the one examined, and everything after (filling, cleaning up) goes
+// through the Root, never through the path again: a directory of another user could be renamed
+// and its path pointed elsewhere (a symbolic link to /etc) while root writes or cleans up.
+func openTarget(dir string) (root *os.Root, created bool, err error) {
 	fi, err := os.Lstat(dir)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
-			return false, err
+			return nil, false, err
 		}
 		if err := os.Mkdir(dir, 0o700); err != nil {
-			return false, err
+			return nil, false, err
 		}
-		return true, nil
+		created = true
+		if fi, err = os.Lstat(dir); err != nil {
+			return nil, false, err
+		}
 	case err != nil:
-		return false, err
-	case !fi.IsDir():
-		return false, fmt.Errorf("%w: %s exists and is not a directory", ErrNotEmpty, dir)
+		return nil, false, err
 	}
-	ents, err := os.ReadDir(dir)
+	if !fi.IsDir() {
+		return nil, false, fmt.Errorf("%w: %s exists and is not a directory", ErrNotEmpty, dir)
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); !ok || int(st.Uid) != os.Geteuid() {
+		owner := -1
+		if ok {
+			owner = int(st.Uid)
+		}
+		return nil, false, fmt.Errorf("%w: %s belongs to uid %d, not to this user (uid %d): its owner could move it "+
+			"while the image is written; extract into a new path or a directory of your own", ErrUnsafeTarget, dir, owner, os.Geteuid())
+	}
+	if testHookTargetExamined != nil {
+		testHookTargetExamined()
+	}
+	root, err = os.OpenRoot(dir)
 	if err != nil {
-		return false, err
+		return nil, false, err
+	}
+	if now, err := root.Stat("."); err != nil || !os.SameFile(fi, now) {
+		root.Close()
+		return nil, false, fmt.Errorf("%w: %s changed while it was being opened", ErrUnsafeTarget, dir)
+	}
+	d, err := root.Open(".")
+	if err != nil {
+		root.Close()
+		return nil, false, err
+	}
+	ents, err := d.ReadDir(1)
+	d.Close()
+	if err != nil && !errors.Is(err, io.EOF) {
+		root.Close()
+		return nil, false, err
 	}
 	if len(ents) > 0 {
-		return false, fmt.Errorf("%w: %s holds %d entries", ErrNotEmpty, dir, len(ents))
+		root.Close()
+		return nil, false, fmt.Errorf("%w: %s is not empty", ErrNotEmpty, dir)
 	}
-	return false, nil
+	return root, created, nil
 }
 
-// cleanupTarget removes what a failed materialize wrote (os.RemoveAll does not follow links).
-// Only real directories are made writable again: os.Chmod follows symlinks, and an image's
-// symlink may point anywhere on the host.
-func cleanupTarget(dir string, created bool) {
-	if created {
-		os.RemoveAll(dir)
-		return
-	}
-	ents, _ := os.ReadDir(dir)
-	for _, e := range ents {
-		p := filepath.Join(dir, e.Name())
-		if e.Type().IsDir() {
-			os.Chmod(p, 0o700) // a read-only directory would block RemoveAll
+// testHookTargetExamined runs between openTarget's check of the path and its open (tests).
+var testHookTargetExamined func()
+
+// cleanupTarget removes what a failed materialize wrote, through root (RemoveAll does not follow
+// links). Only real directories are made writable again: Chmod follows symlinks, and an image's
+// symlink may point anywhere on the host. A directory it created is removed too (by its path:
+// removing a name never touches what a link there points to).
+func cleanupTarget(root *os.Root, dir string, created bool) {
+	if d, err := root.Open("."); err == nil {
+		ents, _ := d.ReadDir(-1)
+		d.Close()
+		for _, e := range ents {
+			if e.Type().IsDir() {
+				root.Chmod(e.Name(), 0o700) // a read-only directory would block RemoveAll
+			}
+			root.RemoveAll(e.Name())
 		}
-		os.RemoveAll(p)
+	}
+	if created {
+		os.Remove(dir)
 	}
 }
 

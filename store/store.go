@@ -49,6 +49,7 @@ var (
 	ErrAmbiguous          = errors.New("ambiguous image id prefix")
 	ErrInsecure           = errors.New("insecure store directory")
 	ErrNotEmpty           = errors.New("target directory not empty")
+	ErrUnsafeTarget       = errors.New("unsafe target directory")
 	ErrUnsupportedFile    = errors.New("unsupported file type")
 	ErrNoStore            = errors.New("no image store")
 	ErrReadOnly           = errors.New("read-only store")

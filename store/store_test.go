@@ -486,6 +486,50 @@ func TestMaterializeTargetChecks(t *testing.T) {
 	}
 }
 
+// A target that another user owns is refused (its owner could move it and point its path at
+// /etc while root writes or cleans up), and so is one swapped between its check and its open.
+func TestMaterializeUnsafeTarget(t *testing.T) {
+	s := openTestStore(t)
+	ctx := context.Background()
+	src := t.TempDir()
+	writeRandom(t, filepath.Join(src, "f"), 10, 6)
+	if _, _, err := s.Put(ctx, src, PutOptions{Name: "x"}); err != nil {
+		t.Fatal(err)
+	}
+	if os.Geteuid() == 0 {
+		theirs := t.TempDir()
+		if err := os.Chown(theirs, 65534, 65534); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Materialize(ctx, "x", theirs, GetOptions{}); !errors.Is(err, ErrUnsafeTarget) || !strings.Contains(err.Error(), "belongs to uid 65534") {
+			t.Errorf("materialize into another user's directory: %v", err)
+		}
+	}
+	base := t.TempDir()
+	dst, victim := filepath.Join(base, "dst"), filepath.Join(base, "victim")
+	for _, d := range []string{dst, victim} {
+		if err := os.Mkdir(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testHookTargetExamined = func() {
+		// The path now leads elsewhere: dst moved away, a link to victim in its place.
+		if err := os.Rename(dst, dst+".moved"); err != nil {
+			t.Error(err)
+		}
+		if err := os.Symlink(victim, dst); err != nil {
+			t.Error(err)
+		}
+	}
+	defer func() { testHookTargetExamined = nil }()
+	if _, err := s.Materialize(ctx, "x", dst, GetOptions{}); !errors.Is(err, ErrUnsafeTarget) {
+		t.Errorf("materialize into a swapped target: %v", err)
+	}
+	if ents, _ := os.ReadDir(victim); len(ents) != 0 {
+		t.Errorf("the swapped-in directory got %v", ents)
+	}
+}
+
 func TestOpenPermissions(t *testing.T) {
 	base := t.TempDir()
 	if err := os.Mkdir(filepath.Join(base, "a"), 0o755); err != nil {

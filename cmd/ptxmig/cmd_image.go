@@ -74,7 +74,8 @@ func init() {
 				Name:      "extract",
 				Usage:     "materialize an image into a directory (missing or empty)",
 				ArgsUsage: "NAME|ID DIR",
-				Description: "Every chunk is verified; on any error nothing is left in DIR.\n\n" +
+				Description: "Every chunk is verified; on any error nothing is left in DIR. An existing DIR must be\n" +
+					"empty and belong to the user running ptxmig (another user could move it while root writes).\n\n" +
 					"Examples:\n" +
 					"   ptxmig image extract trainer-1 /tmp/trainer-1\n" +
 					"   ptxmig image extract --workers 4 --memory 1GiB trainer-1 /tmp/restore-me",
@@ -179,7 +180,7 @@ func storeErr(err error) error {
 		return nil
 	case errors.Is(err, store.ErrInvalidName):
 		return exitcode.Wrap(exitcode.Usage, err)
-	case errors.Is(err, store.ErrExists), errors.Is(err, store.ErrNotEmpty):
+	case errors.Is(err, store.ErrExists), errors.Is(err, store.ErrNotEmpty), errors.Is(err, store.ErrUnsafeTarget):
 		return exitcode.Wrap(exitcode.Refused, err)
 	}
 	return err
