@@ -340,8 +340,14 @@ func locateChanges(b []byte) []string {
 		// Every field matches its check: the id or the bytes between fields were edited.
 		out = append(out, "the id, or bytes outside every field (formatting), were edited")
 	}
+	if len(out) > maxChangesListed {
+		out = append(out[:maxChangesListed], fmt.Sprintf("and %d more changes", len(out)-maxChangesListed))
+	}
 	return out
 }
+
+// maxChangesListed bounds the changes an authentication failure names; the rest are counted.
+const maxChangesListed = 32
 
 // memberChange names a change of member k between two check maps.
 func memberChange(k string, stored, cur map[string]string) string {

@@ -339,3 +339,24 @@ func FuzzDecodeManifest(f *testing.F) {
 		}
 	})
 }
+
+// A manifest (an untrusted import's first record) with more objects than any real one is refused
+// before it is decoded: decoding `{}` entries costs about 60 times their bytes.
+func TestManifestObjectBound(t *testing.T) {
+	var b strings.Builder
+	b.WriteString(`{"format_version":"1.0","name":"x","files":[{"path":"f","type":"file","mode":384,"size":0,"chunks":[`)
+	for i := range maxManifestObjects + 1 {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString("{}")
+	}
+	b.WriteString("]}]}\n")
+	if b.Len() > maxManifestBytes {
+		t.Fatalf("test manifest of %d bytes is over the byte limit: it would not reach the object bound", b.Len())
+	}
+	_, err := DecodeManifest([]byte(b.String()))
+	if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "objects") {
+		t.Fatalf("DecodeManifest: %v; want a refusal for its objects", err)
+	}
+}
