@@ -164,23 +164,7 @@ func BenchmarkIngest(b *testing.B) {
 // BenchmarkWriteFile measures serving the same 64 MiB out of the store into a pipe.
 func BenchmarkWriteFile(b *testing.B) {
 	const n = 64 << 20
-	s := openTestStore(b)
-	in, err := s.NewIngest(context.Background(), PutOptions{Name: "b"})
-	if err != nil {
-		b.Fatal(err)
-	}
-	if _, err := in.AddFile("pages-1.img", 0o600, bytes.NewReader(mixedData(n))); err != nil {
-		b.Fatal(err)
-	}
-	if _, _, err := in.Commit(nil); err != nil {
-		b.Fatal(err)
-	}
-	in.Close()
-	r, err := s.OpenImage(context.Background(), "b", GetOptions{})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer r.Close()
+	r := mixedImage(b, n)
 	b.SetBytes(n)
 	for b.Loop() {
 		pr, pw := io.Pipe()
@@ -194,11 +178,8 @@ func BenchmarkWriteFile(b *testing.B) {
 	}
 }
 
-// BenchmarkWriteFilePipe is BenchmarkWriteFile into an OS pipe of 1 MiB read in 1 MiB pieces, as
-// CRIU's restore reads its images from ptxmig: zero chunks and chunks stored raw are spliced
-// (splice.go), compressed ones copied. The chunk files are in the page cache.
-func BenchmarkWriteFilePipe(b *testing.B) {
-	const n = 64 << 20
+// mixedImage ingests n bytes of mixedData as pages-1.img of a new image and opens it.
+func mixedImage(b *testing.B, n int) *ImageReader {
 	s := openTestStore(b)
 	in, err := s.NewIngest(context.Background(), PutOptions{Name: "b"})
 	if err != nil {
@@ -215,7 +196,16 @@ func BenchmarkWriteFilePipe(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer r.Close()
+	b.Cleanup(r.Close)
+	return r
+}
+
+// BenchmarkWriteFilePipe is BenchmarkWriteFile into an OS pipe of 1 MiB read in 1 MiB pieces, as
+// CRIU's restore reads its images from ptxmig: zero chunks and chunks stored raw are spliced
+// (splice.go), compressed ones copied. The chunk files are in the page cache.
+func BenchmarkWriteFilePipe(b *testing.B) {
+	const n = 64 << 20
+	r := mixedImage(b, n)
 	buf := make([]byte, 1<<20)
 	b.SetBytes(n)
 	for b.Loop() {
