@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"os"
 	"strings"
 	"syscall"
@@ -98,13 +97,8 @@ func TestImageReaderPipeSplice(t *testing.T) {
 func TestImageReaderSplicedPagesOutliveReader(t *testing.T) {
 	ctx := context.Background()
 	s := openTestStore(t)
-	rnd := rand.New(rand.NewPCG(7, 8))
-	data := make([]byte, 6*testChunk+100)
-	for i := range data {
-		if i/testChunk != 2 { // chunk 2 stays zero
-			data[i] = byte(rnd.Uint32())
-		}
-	}
+	data := randomBytes(6*testChunk+100, 8)
+	clear(data[2*testChunk : 3*testChunk]) // chunk 2 is zero
 	want := putStreamImage(t, s, "img", []streamFile{{path: "pages-1.img", mode: 0o600, data: data}})
 	pr, pw, err := os.Pipe()
 	if err != nil {
@@ -139,13 +133,9 @@ func TestImageReaderSplicedPagesOutliveReader(t *testing.T) {
 // enters the pipe, and the error names the file and offset.
 func TestImageReaderPipeCorruptChunk(t *testing.T) {
 	ctx := context.Background()
-	rnd := rand.New(rand.NewPCG(9, 10))
-	data := make([]byte, 6*testChunk) // random, zero, random, BAD, random, zero
-	for _, c := range []int{0, 2, 3, 4} {
-		for i := c * testChunk; i < (c+1)*testChunk; i++ {
-			data[i] = byte(rnd.Uint32())
-		}
-	}
+	data := randomBytes(6*testChunk, 10) // random, zero, random, BAD, random, zero
+	clear(data[testChunk : 2*testChunk])
+	clear(data[5*testChunk:])
 	s := openTestStore(t)
 	putStreamImage(t, s, "img", []streamFile{{path: "pages-1.img", mode: 0o600, data: data}})
 	m, err := s.Get("img")
@@ -181,11 +171,7 @@ func TestImageReaderPipeCorruptChunk(t *testing.T) {
 func TestImageReaderPipeClosedEarly(t *testing.T) {
 	ctx := context.Background()
 	s := openTestStore(t)
-	rnd := rand.New(rand.NewPCG(1, 2))
-	data := make([]byte, 64*testChunk)
-	for i := range data {
-		data[i] = byte(rnd.Uint32())
-	}
+	data := randomBytes(64*testChunk, 2)
 	putStreamImage(t, s, "img", []streamFile{{path: "pages-1.img", mode: 0o600, data: data}})
 	r, err := s.OpenImage(ctx, "img", GetOptions{Workers: 2})
 	if err != nil {
@@ -214,11 +200,7 @@ func TestImageReaderPipeClosedEarly(t *testing.T) {
 // failing disk) is a corrupt chunk, not a crash: the fault on the mapping is caught.
 func TestVerifyMappedFault(t *testing.T) {
 	s := openTestStore(t)
-	rnd := rand.New(rand.NewPCG(3, 3))
-	data := make([]byte, 2*testChunk)
-	for i := range data {
-		data[i] = byte(rnd.Uint32())
-	}
+	data := randomBytes(2*testChunk, 3)
 	putStreamImage(t, s, "img", []streamFile{{path: "pages-1.img", mode: 0o600, data: data}})
 	m, err := s.Get("img")
 	if err != nil {

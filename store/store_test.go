@@ -18,13 +18,19 @@ import (
 	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
-func writeRandom(t testing.TB, p string, n int, seed uint64) []byte {
-	t.Helper()
+// randomBytes returns n pseudo-random bytes, the same for the same seed.
+func randomBytes(n int, seed uint64) []byte {
 	r := rand.New(rand.NewPCG(seed, 7))
 	b := make([]byte, n)
 	for i := range b {
 		b[i] = byte(r.Uint32())
 	}
+	return b
+}
+
+func writeRandom(t testing.TB, p string, n int, seed uint64) []byte {
+	t.Helper()
+	b := randomBytes(n, seed)
 	if err := os.WriteFile(p, b, 0o644); err != nil {
 		t.Fatal(err)
 	}
