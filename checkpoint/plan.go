@@ -6,6 +6,7 @@
 package checkpoint
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -170,6 +171,9 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 		}
 	}
 	stats = kept
+	if err := op.RefusePeerAccess(context.Background(), p.CUDAPIDs); err != nil {
+		return nil, err
+	}
 	p.Tree = op.TreeOf(stats, cuda)
 	for i := range p.Tree {
 		// Where each process belongs: a restore puts it back there (see restore's Plan.Cgroup).

@@ -9,6 +9,7 @@ type Status struct {
 	UptimeS         float64           `json:"uptime_s"`
 	CUDAInitialized bool              `json:"cuda_initialized"`
 	DriverCUDA      int               `json:"driver_cuda_version,omitempty"`
+	PeerAccess      int               `json:"peer_access"` // peer links enabled between the process's contexts
 	Devices         []Device          `json:"devices"`
 	Contexts        []Context         `json:"contexts"`
 	Allocations     map[string]any    `json:"allocations"`

@@ -239,6 +239,8 @@ void *drv_sym(const char *name) {
   X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 0, 0, 0, 0)             \
   X(cuDevicePrimaryCtxRelease_v2, "cuDevicePrimaryCtxRelease", 11000, 0, 0, 0)    \
   X(cuDevicePrimaryCtxReset_v2, "cuDevicePrimaryCtxReset", 11000, 0, 0, 0)        \
+  X(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", 0, 0, 0, 0)                  \
+  X(cuCtxDisablePeerAccess, "cuCtxDisablePeerAccess", 0, 0, 0, 0)                \
   X(cuModuleLoad, "cuModuleLoad", 0, 0, 0, 0)                                     \
   X(cuModuleLoadData, "cuModuleLoadData", 0, 0, 0, 0)                             \
   X(cuModuleLoadDataEx, "cuModuleLoadDataEx", 0, 0, 0, 0)                         \
@@ -816,6 +818,20 @@ ALLOC_POOL(cuMemAllocFromPoolAsync_ptsz, 1)
   }
 FREE_ASYNC(cuMemFreeAsync, 0)
 FREE_ASYNC(cuMemFreeAsync_ptsz, 1)
+
+// Peer access between contexts: driver 580 checkpoints a process that enabled it but cannot
+// restore it (CUDA_ERROR_INVALID_VALUE, in place or remapped; docs/PLATFORM.md), so ptxmig reads
+// the count from status and refuses such a checkpoint before touching the process.
+EXPORT CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
+  CALL_REAL(cuCtxEnablePeerAccess, peer, flags);
+  if (r_ == CUDA_SUCCESS) trk_peer_access(1);
+  return r_;
+}
+EXPORT CUresult cuCtxDisablePeerAccess(CUcontext peer) {
+  CALL_REAL(cuCtxDisablePeerAccess, peer);
+  if (r_ == CUDA_SUCCESS) trk_peer_access(-1);
+  return r_;
+}
 
 EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
                             unsigned long long flags) {

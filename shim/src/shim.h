@@ -69,6 +69,7 @@ extern const char *const alloc_kind_names[AK_COUNT];
 void trk_alloc_add(uint64_t key, uint64_t size, int kind);
 void trk_alloc_remove(uint64_t key, int kind);
 void trk_vmm_unmap(uint64_t ptr, uint64_t size);
+void trk_peer_access(int delta);  // +1 per peer link enabled, -1 per link disabled
 
 void trk_ctx_add(CUcontext ctx, CUdevice dev, int primary);
 void trk_ctx_remove(CUcontext ctx);

@@ -1116,6 +1116,11 @@ static void report_devices(jbuf *b) {
   jb_s(b, "]");
 }
 
+// Peer links the process has enabled between its contexts and not disabled (status
+// "peer_access").
+static atomic_long peer_links;
+void trk_peer_access(int delta) { atomic_fetch_add(&peer_links, delta); }
+
 void report_status(jbuf *b) {
   char exe[512];
   ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
@@ -1128,6 +1133,7 @@ void report_status(jbuf *b) {
   int dv = 0;
   CUresult (*ver)(int *) = (CUresult(*)(int *))drv_sym("cuDriverGetVersion");
   if (ver && ver(&dv) == CUDA_SUCCESS) jb_printf(b, ",\"driver_cuda_version\":%d", dv);
+  jb_printf(b, ",\"peer_access\":%ld", atomic_load(&peer_links));
   jb_key(b, "devices");
   report_devices(b);
   jb_key(b, "contexts");

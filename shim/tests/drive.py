@@ -48,7 +48,7 @@ def fake_counts(lines):
     return {}
 
 
-def common_checks(name, sockdir, app, expect_kernels, expect_alloc, expect_sources):
+def common_checks(name, sockdir, app, expect_kernels, expect_alloc, expect_sources, expect_peer=0):
     path = os.path.join(sockdir, f"{app.p.pid}.sock")
     check(os.path.exists(path), f"{name}: no control socket at {path}")
     if not os.path.exists(path):
@@ -68,6 +68,7 @@ def common_checks(name, sockdir, app, expect_kernels, expect_alloc, expect_sourc
     for m in r["modules"]:
         if m["loaded"]:
             check(m.get("sha256") and m["bytes"] > 0, f"{name}: module not captured: {m}")
+    check(r.get("peer_access") == expect_peer, f"{name}: peer_access {r.get('peer_access')}, want {expect_peer}")
     check(r["interception"]["unmatched"] == 0, f"{name}: unmatched resolver pointers {r['interception']}")
     k = c.req(cmd="kernels")
     check(k["ok"], f"{name}: kernels: {k}")
@@ -144,7 +145,7 @@ def dump_checks(name, c, tmp, want_ptx_entry, need_ptxas):
 
 
 def run_app(opts, name, env_extra, expect_kernels, expect_alloc, expect_sources, fake_expect, want_ptx_entry=None,
-            need_ptxas=False):
+            need_ptxas=False, expect_peer=0):
     tmp = tempfile.mkdtemp(prefix=f"ptxmig-shim-{name}-")
     sockdir = os.path.join(tmp, "sock")
     exe = os.path.join(opts.build, name)
@@ -160,7 +161,7 @@ def run_app(opts, name, env_extra, expect_kernels, expect_alloc, expect_sources,
     counts = fake_counts(app.lines)
     for k, v in fake_expect.items():
         check(counts.get(k) == str(v), f"{name}: fake driver saw {k}={counts.get(k)}, want {v}")
-    res = common_checks(name, sockdir, app, expect_kernels, expect_alloc, expect_sources)
+    res = common_checks(name, sockdir, app, expect_kernels, expect_alloc, expect_sources, expect_peer)
     if res:
         c, status, kernels = res
         protocol_checks(name, c)
@@ -185,7 +186,8 @@ def main():
         with case(f"app_direct[PTXMIG_SELF_TIME={self_time}]"):
             res = run_app(opts, "app_direct", {"PTXMIG_SELF_TIME": self_time},
                           {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
-                          {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3})
+                          {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3},
+                          expect_peer=1)
             if res:
                 st = res[2]["self_time"]
                 calls = sum(k["launches"] + k["failed"] for k in res[2]["kernels"])  # failed launch calls count too
@@ -200,7 +202,8 @@ def main():
     with case("app_direct[PTXMIG_SAMPLE_FIRST=100]"):
         res = run_app(opts, "app_direct", {"PTXMIG_SAMPLE_FIRST": "100", "FAKE_CUDA_EVENT_STATS": "1"},
                       {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
-                      {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3})
+                      {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3},
+                      expect_peer=1)
         if res:
             k = kernel(res[2], "k_test")
             m = re.search(r"fake-events created=(\d+) destroyed=(\d+)", res[3])

@@ -7,6 +7,8 @@ typedef int CUresult;
 CUresult cuInit(unsigned);
 CUresult cuDevicePrimaryCtxRetain(void **, int);
 CUresult cuCtxSetCurrent(void *);
+CUresult cuCtxEnablePeerAccess(void *, unsigned);
+CUresult cuCtxDisablePeerAccess(void *);
 CUresult cuModuleLoadData(void **, const void *);
 CUresult cuModuleGetFunction(void **, void *, const char *);
 CUresult cuModuleUnload(void *);
@@ -25,6 +27,11 @@ int main(void) {
   CK(cuModuleLoadData(&mod, test_ptx));
   CK(cuModuleGetFunction(&fn, mod, "k_test"));
   CK(cuMemAlloc_v2(&d, 1 << 20));
+  // Peer access: two links enabled, one disabled, one refused call (the shim's status counts 1).
+  CK(cuCtxEnablePeerAccess(ctx, 0));
+  CK(cuCtxEnablePeerAccess(ctx, 0));
+  CK(cuCtxDisablePeerAccess(ctx));
+  if (cuCtxEnablePeerAccess(NULL, 0) == 0) return 4;
   int n = 1024;
   void *args[] = {&d, &n};
   for (int i = 0; i < 5; i++) CK(cuLaunchKernel(fn, 4, 1, 1, 256, 1, 1, 0, NULL, args, NULL));

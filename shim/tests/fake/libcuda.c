@@ -165,6 +165,9 @@ EXPORT CUresult cuDeviceGetName(char *n, int len, int d) { (void)d; snprintf(n, 
 EXPORT CUresult cuDeviceTotalMem_v2(size_t *b, int d) { (void)d; *b = (size_t)80 << 30; return OK; }
 EXPORT CUresult cuDeviceGetAttribute(int *v, int a, int d) { (void)d; *v = a == 75 ? 9 : a == 16 ? 4 : 0; return OK; }
 EXPORT CUresult cuCtxGetDevice(int *d) { if (!current) return 201; *d = 0; return OK; }
+// One fake device: any context is accepted as a peer; a NULL one is refused as the driver would.
+EXPORT CUresult cuCtxEnablePeerAccess(void *peer, unsigned flags) { (void)flags; return peer ? OK : E_INVALID_HANDLE; }
+EXPORT CUresult cuCtxDisablePeerAccess(void *peer) { return peer ? OK : E_INVALID_HANDLE; }
 EXPORT CUresult cuDeviceGetUuid_v2(unsigned char *u, int d) { (void)d; for (int i = 0; i < 16; i++) u[i] = (unsigned char)i; return OK; }
 EXPORT CUresult cuDevicePrimaryCtxRetain(void **c, int d) { (void)d; if (!inited) return E_NOT_INITIALIZED; *c = &primary; return OK; }
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(int d) { (void)d; return OK; }
@@ -593,7 +596,8 @@ static const struct { const char *name; void *fn; } table[] = {
     T(cuStreamCreateWithPriority) T(cuStreamDestroy_v2) T(cuStreamGetCtx) T(cuStreamGetFlags) T(cuStreamSynchronize)
     T(cuStreamSynchronize_ptsz) T(cuStreamQuery) T(cuStreamQuery_ptsz) T(cuLaunchHostFunc) T(cuMemcpyHtoDAsync_v2)
     T(cuMemcpyHtoD_v2) T(cuMemcpyDtoHAsync_v2) T(cuMemcpyDtoH_v2) T(cuMemsetD32Async) T(cuMemsetD32_v2)
-    T(cuEventRecord_ptsz) T(cuEventSynchronize) T(cuStreamWaitEvent)
+    T(cuEventRecord_ptsz) T(cuEventSynchronize) T(cuStreamWaitEvent) T(cuCtxEnablePeerAccess)
+    T(cuCtxDisablePeerAccess)
 #undef T
 };
 // With FAKE_CUDA_INTERNAL_PTRS=1 the resolver hands out internal entry points (distinct addresses
