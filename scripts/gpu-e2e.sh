@@ -141,6 +141,10 @@ workloads_check() {
   l2=$(./longkernel --iters "$iters")
   echo "longkernel: $l1 / $l2"; [ "$(echo "$l1" | tail -n1)" = "$(echo "$l2" | tail -n1)" ]
   ./ptxload vecadd.ptx
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    a=$(./twogpu --mib 64 --steps 20 --interval-ms 0 | tail -n1); b=$(./twogpu --mib 64 --steps 20 --interval-ms 0 | tail -n1)
+    echo "twogpu: $a / $b"; [ "$a" = "$b" ]
+  fi
   t1=$(python3 train.py --steps 40 --log-every 10); t2=$(python3 train.py --steps 40 --log-every 10)
   echo "$t1"; [ "$(echo "$t1" | grep -v ^pid)" = "$(echo "$t2" | grep -v ^pid)" ]
 }

@@ -117,7 +117,7 @@ func startEnv(t *testing.T, env []string, name string, args ...string) *proc {
 	return p
 }
 
-// reap waits for a process that may not be our child any more (a restored one) to exit.
+// waitExit waits for a process that may not be our child any more (a restored one) to exit.
 func waitExit(t *testing.T, pid int, timeout time.Duration) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
@@ -172,19 +172,31 @@ func results(path string) []string {
 // ptxmig runs the CLI with a per-test store; it returns stdout, stderr and the exit status.
 func ptxmig(t *testing.T, args ...string) (string, string, int) {
 	t.Helper()
+	so, se, code, _ := ptxmigWithin(t, 0, args...)
+	return so, se, code
+}
+
+// ptxmigWithin is ptxmig with a deadline (0: none): past it the command is killed (SIGKILL) and
+// timedOut is true.
+func ptxmigWithin(t *testing.T, d time.Duration, args ...string) (so, se string, code int, timedOut bool) {
+	t.Helper()
+	ctx, cancel := context.Background(), context.CancelFunc(func() {})
+	if d > 0 {
+		ctx, cancel = context.WithTimeout(ctx, d)
+	}
+	defer cancel()
 	store := filepath.Join(out, "gputest", "store")
-	cmd := exec.Command(bin, append([]string{"--store", store}, args...)...)
-	var so, se strings.Builder
-	cmd.Stdout, cmd.Stderr = &so, &se
+	cmd := exec.CommandContext(ctx, bin, append([]string{"--store", store}, args...)...)
+	var sob, seb strings.Builder
+	cmd.Stdout, cmd.Stderr = &sob, &seb
 	err := cmd.Run()
-	code := 0
 	if ee, ok := err.(*exec.ExitError); ok {
 		code = ee.ExitCode()
 	} else if err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("ptxmig %s -> %d\n%s%s", strings.Join(args, " "), code, so.String(), se.String())
-	return so.String(), se.String(), code
+	t.Logf("ptxmig %s -> %d\n%s%s", strings.Join(args, " "), code, sob.String(), seb.String())
+	return sob.String(), seb.String(), code, ctx.Err() != nil
 }
 
 // logPairs records the GPU pairs an operation used, in the test log and in
@@ -255,6 +267,32 @@ func reference(t *testing.T, name string, args ...string) []string {
 	return r
 }
 
+// referenceAsync runs reference in the background. The test waits for it before it ends, so a
+// failure of the reference run is reported on the test, never after it has completed (the
+// workload cleanups registered later run first and end the reference's process).
+func referenceAsync(t *testing.T, name string, args ...string) <-chan []string {
+	t.Helper()
+	ref := make(chan []string, 1)
+	done := make(chan struct{})
+	t.Cleanup(func() { <-done })
+	go func() {
+		defer close(done)
+		ref <- reference(t, name, args...)
+	}()
+	return ref
+}
+
+// reap waits until pid, ended and left to this process (the subreaper: a restored process that a
+// rollback ended, an orphaned child), is reaped, so that its pid is free for a restore.
+func reap(t *testing.T, pid int, timeout time.Duration) {
+	t.Helper()
+	waitExit(t, pid, timeout)
+	for deadline := time.Now().Add(timeout); procfs.Exists(pid) && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		var ws syscall.WaitStatus
+		_, _ = syscall.Wait4(pid, &ws, syscall.WNOHANG, nil)
+	}
+}
+
 func sameResults(t *testing.T, got, want []string) {
 	t.Helper()
 	if strings.Join(got, "\n") != strings.Join(want, "\n") {
@@ -269,10 +307,7 @@ func counterArgs(steps int, device int) []string {
 // (a) counter checkpointed on GPU 0, restored with --gpu 1: same final checksum, shows on GPU 1.
 func TestCheckpointRestoreOtherGPU(t *testing.T) {
 	devs := need(t, 2)
-	ref := make(chan []string, 1)
-	go func() {
-		ref <- reference(t, "counter", "--mib", "256", "--steps", "60", "--interval-ms", "0", "--device", "1")
-	}()
+	ref := referenceAsync(t, "counter", "--mib", "256", "--steps", "60", "--interval-ms", "0", "--device", "1")
 	p := start(t, "counter", counterArgs(60, 0)...)
 	waitLine(t, p.log, "step 10 ", 60*time.Second)
 	so, _, code := ptxmig(t, "--json", "checkpoint", "--name", "gpu-a", strconv.Itoa(p.pid))
@@ -309,10 +344,7 @@ func TestCheckpointRestoreOtherGPU(t *testing.T) {
 // uninterrupted run and no process is left stopped.
 func TestTreeWithCUDAChild(t *testing.T) {
 	need(t, 1)
-	ref := make(chan []string, 1)
-	go func() {
-		ref <- reference(t, "counter", "--mib", "256", "--steps", "60", "--interval-ms", "0", "--device", "0")
-	}()
+	ref := referenceAsync(t, "counter", "--mib", "256", "--steps", "60", "--interval-ms", "0", "--device", "0")
 	counter := filepath.Join(workloads, "counter")
 	// The trailing command keeps bash from exec'ing the counter: the counter is bash's child.
 	p := startEnv(t, nil, "/bin/bash", "-c", counter+" "+strings.Join(counterArgs(60, 0), " ")+"; echo shell-done")
@@ -331,11 +363,7 @@ func TestTreeWithCUDAChild(t *testing.T) {
 		t.Fatalf("the CUDA child %d still runs after the checkpoint", child)
 	}
 	// The test is the subreaper of the orphaned child (TestMain): reap it so its pid is free.
-	waitExit(t, child, 10*time.Second)
-	for deadline := time.Now().Add(10 * time.Second); procfs.Exists(child) && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		var ws syscall.WaitStatus
-		_, _ = syscall.Wait4(child, &ws, syscall.WNOHANG, nil)
-	}
+	reap(t, child, 10*time.Second)
 	so, _, code = ptxmig(t, "--json", "restore", "gpu-tree")
 	if code != 0 {
 		t.Fatalf("restore exit %d", code)
@@ -358,10 +386,7 @@ func TestTreeWithCUDAChild(t *testing.T) {
 // (b) migrate 0 → 1 → 0 in place with exact continuity.
 func TestMigrateThereAndBack(t *testing.T) {
 	devs := need(t, 2)
-	ref := make(chan []string, 1)
-	go func() {
-		ref <- reference(t, "counter", "--mib", "256", "--steps", "80", "--interval-ms", "0", "--device", "1")
-	}()
+	ref := referenceAsync(t, "counter", "--mib", "256", "--steps", "80", "--interval-ms", "0", "--device", "1")
 	p := start(t, "counter", counterArgs(80, 0)...)
 	waitLine(t, p.log, "step 10 ", 60*time.Second)
 	for _, to := range []int{1, 0} {
@@ -442,10 +467,7 @@ func fill(t *testing.T, dev, leaveMiB int) *proc {
 // stays intact: it restores onto GPU 0 afterwards and finishes exactly.
 func TestRestoreRefusedWithoutMemory(t *testing.T) {
 	need(t, 2)
-	ref := make(chan []string, 1)
-	go func() {
-		ref <- reference(t, "counter", "--mib", "1024", "--steps", "40", "--interval-ms", "0", "--device", "0")
-	}()
+	ref := referenceAsync(t, "counter", "--mib", "1024", "--steps", "40", "--interval-ms", "0", "--device", "0")
 	p := start(t, "counter", "--mib", "1024", "--steps", "40", "--interval-ms", "100")
 	waitLine(t, p.log, "step 5 ", 60*time.Second)
 	if _, _, code := ptxmig(t, "checkpoint", "--name", "gpu-d", strconv.Itoa(p.pid)); code != 0 {
@@ -472,10 +494,7 @@ func TestRestoreRefusedWithoutMemory(t *testing.T) {
 // the process comes back on its source GPU, running, and finishes exactly.
 func TestMigrateTargetFailsMidRestore(t *testing.T) {
 	need(t, 2)
-	ref := make(chan []string, 1)
-	go func() {
-		ref <- reference(t, "counter", "--mib", "1024", "--steps", "60", "--interval-ms", "0", "--device", "0")
-	}()
+	ref := referenceAsync(t, "counter", "--mib", "1024", "--steps", "60", "--interval-ms", "0", "--device", "0")
 	p := start(t, "counter", "--mib", "1024", "--steps", "60", "--interval-ms", "100")
 	waitLine(t, p.log, "step 5 ", 60*time.Second)
 	d, err := cudackpt.Open()
@@ -536,19 +555,19 @@ func asStep(err error, se **op.StepError) bool {
 	return false
 }
 
-// (e) a 30 s kernel with --lock-timeout 2s: the checkpoint fails cleanly (nothing touched) and the
-// process finishes with the right result.
+// (e) a 30 s kernel with --lock-timeout 2s: the checkpoint fails cleanly (exit 4: the lock timed
+// out, the quiesce is undone, nothing else was touched) and the process finishes with the right
+// result.
 func TestLockTimeoutLeavesProcessRunning(t *testing.T) {
 	need(t, 2)
 	p := start(t, "longkernel", "--seconds", "30", "--device", "0")
 	iters := strings.Fields(waitLine(t, p.log, "iters ", 60*time.Second))[1]
-	ref := make(chan []string, 1)
-	go func() { ref <- reference(t, "longkernel", "--iters", iters, "--device", "1") }()
+	ref := referenceAsync(t, "longkernel", "--iters", iters, "--device", "1")
 	time.Sleep(2 * time.Second) // the kernel is running now
 	t0 := time.Now()
 	_, se, code := ptxmig(t, "checkpoint", "--lock-timeout", "2s", strconv.Itoa(p.pid))
-	if code != 1 || !strings.Contains(se, "lock") {
-		t.Fatalf("checkpoint during a 30 s kernel: exit %d (%s), want 1 (lock timed out, nothing touched)", code, se)
+	if code != 4 || !strings.Contains(se, "lock") {
+		t.Fatalf("checkpoint during a 30 s kernel: exit %d (%s), want 4 (lock timed out, rolled back)", code, se)
 	}
 	if d := time.Since(t0); d > 20*time.Second {
 		t.Errorf("the failed checkpoint took %s; the lock timeout was 2 s", d)

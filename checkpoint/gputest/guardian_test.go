@@ -50,10 +50,7 @@ func guardianKill(t *testing.T, verb, step string, wantState cudackpt.State) {
 		gpus = 2
 	}
 	need(t, gpus)
-	ref := make(chan []string, 1)
-	go func() {
-		ref <- reference(t, "counter", "--mib", "256", "--steps", "60", "--interval-ms", "0", "--device", "0")
-	}()
+	ref := referenceAsync(t, "counter", "--mib", "256", "--steps", "60", "--interval-ms", "0", "--device", "0")
 	p := start(t, "counter", counterArgs(60, 0)...)
 	waitLine(t, p.log, "step 10 ", 60*time.Second)
 

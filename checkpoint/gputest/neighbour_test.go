@@ -26,6 +26,18 @@ import (
 func TestPreemptNeighbour(t *testing.T) {
 	need(t, 1)
 	xidBefore := xidLines()
+	var report []string
+	// Whatever the outcome, the Xid lines the test added and the steps so far are written out (a
+	// failed checkpoint is exactly when they are needed).
+	t.Cleanup(func() {
+		xid := newLines(xidBefore, xidLines())
+		text := strings.Join(append(append(report, fmt.Sprintf("Xid lines added to the kernel log: %d", len(xid))), xid...), "\n") + "\n"
+		t.Log(text)
+		_ = os.WriteFile(filepath.Join(out, "neighbour-xid.txt"), []byte(text), 0o644)
+		if len(xid) > 0 {
+			t.Errorf("the GPU reported Xid errors during the test:\n%s", strings.Join(xid, "\n"))
+		}
+	})
 	p := startShimmed(t, "auto", "longgrid", "--seconds", "15", "--block-ms", "0.25", "--repeat", "2")
 	fixed := longgridParams(t, p)
 	plain := start(t, "longgrid", fixed...)
@@ -33,7 +45,6 @@ func TestPreemptNeighbour(t *testing.T) {
 	waitStarted(t, plain, 1, 2*time.Minute)
 	time.Sleep(2 * time.Second)
 
-	var report []string
 	for i := 0; i < 5; i++ {
 		t0 := time.Now()
 		so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--name", fmt.Sprintf("nb-lr-%d", i), strconv.Itoa(p.pid))
@@ -79,14 +90,6 @@ func TestPreemptNeighbour(t *testing.T) {
 	case <-plain.done:
 	case <-time.After(4 * time.Minute):
 		t.Fatal("the neighbour did not finish")
-	}
-	xid := newLines(xidBefore, xidLines())
-	report = append(report, fmt.Sprintf("Xid lines added to the kernel log: %d", len(xid)))
-	text := strings.Join(append(report, xid...), "\n") + "\n"
-	t.Log(text)
-	_ = os.WriteFile(filepath.Join(out, "neighbour-xid.txt"), []byte(text), 0o644)
-	if len(xid) > 0 {
-		t.Errorf("the GPU reported Xid errors during the test:\n%s", strings.Join(xid, "\n"))
 	}
 	sameResults(t, results(p.log), results(plain.log))
 }

@@ -15,6 +15,7 @@ fi
 mkdir -p "$out"
 "$NVCC" -O2 -arch="$ARCH" -o "$out/counter" "$here/counter.cu"
 "$NVCC" -O2 -arch="$ARCH" -o "$out/longkernel" "$here/longkernel.cu"
+"$NVCC" -O2 -arch="$ARCH" -o "$out/twogpu" "$here/twogpu.cu"
 # longgrid/hazards (many-block kernels for block-granular twins): explicit -gencode, always sm_90
 # SASS + compute_90 PTX (the shim instruments the PTX), plus the host GPU's own SASS + PTX when
 # ARCH names another sm_XY.
