@@ -54,6 +54,7 @@ type Result struct {
 	Total      time.Duration       `json:"total_ns"`
 	Sizes      Sizes               `json:"sizes"`
 	StagingDir string              `json:"staging_dir,omitempty"` // kept (--keep-staging)
+	Warnings   []string            `json:"warnings,omitempty"`
 }
 
 // Run plans and executes a checkpoint of o.PID's process tree.
@@ -79,7 +80,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	}
 	defer releaseAll(locks)
 
-	res := &Result{PID: p.PID, Kind: p.Kind, Tree: p.Tree, GPUs: p.GPUs, Visible: p.Visible, LeftRunning: p.LeaveRunning,
+	res := &Result{PID: p.PID, Kind: p.Kind, Tree: p.Tree, GPUs: p.GPUs, Visible: p.Visible, LeftRunning: p.LeaveRunning, Warnings: p.Warnings,
 		ShellJob: p.ShellJob, ShellJobReason: p.ShellJobReason, Stream: p.Stream, StreamOff: p.StreamOff}
 	var manifest *store.Manifest
 	var stats *store.Stats

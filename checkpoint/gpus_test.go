@@ -3,12 +3,14 @@ package checkpoint
 import (
 	"errors"
 	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/testreq"
+	"github.com/ptxmig/ptxmig/store"
 )
 
 // fakeLister is an NVML inventory of two H200s on which pid runs on GPU 0.
@@ -93,6 +95,48 @@ func TestSourceGPUsRecordsVisible(t *testing.T) {
 				if idx[i] != tt.wantVisible[i] {
 					t.Fatalf("visible = %v, want %v", idx, tt.wantVisible)
 				}
+			}
+		})
+	}
+}
+
+// sharedLister adds other processes to fakeLister's GPUs: others[i] runs on GPU i.
+type sharedLister struct {
+	fakeLister
+	others []int
+}
+
+func (f sharedLister) Devices() ([]gpu.Device, error) {
+	devs, _ := f.fakeLister.Devices()
+	for i, pid := range f.others {
+		if pid != 0 {
+			devs[i].Processes = append(devs[i].Processes, gpu.Process{PID: pid})
+		}
+	}
+	return devs, nil
+}
+
+// TestSharedWarning: a --leave-running checkpoint warns when the process's GPU also runs another
+// process (not one of its own tree), and only for the GPUs it uses.
+func TestSharedWarning(t *testing.T) {
+	const pid, child = 500, 501
+	used := []store.GPU{{Index: 0, UUID: "GPU-00000000-0000-0000-0000-000000000000"}}
+	tree := []op.TreeProc{{PID: pid}, {PID: child}}
+	tests := []struct {
+		name   string
+		others []int
+		want   string
+	}{
+		{"alone", nil, ""},
+		{"its own child beside it", []int{child}, ""},
+		{"another process on another GPU", []int{0, 4242}, ""},
+		{"another process on its GPU", []int{4242}, "GPU 0 also runs pid 4242"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			w := sharedWarning(&op.Env{GPUs: sharedLister{fakeLister{pid: pid}, tt.others}}, used, tree)
+			if tt.want == "" && len(w) != 0 || tt.want != "" && (len(w) != 1 || !strings.HasPrefix(w[0], tt.want)) {
+				t.Fatalf("warnings %q, want %q", w, tt.want)
 			}
 		})
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/probe"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/store"
@@ -99,6 +100,7 @@ type Plan struct {
 	StreamOff string        `json:"stream_off,omitempty"`
 	Estimate  Estimate      `json:"estimate"`
 	Steps     []op.PlanStep `json:"steps"`
+	Warnings  []string      `json:"warnings,omitempty"` // what the operator should know; nothing refused
 
 	opts Options
 	meta store.Metadata
@@ -215,6 +217,9 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 			return nil, op.Refusef("pid %d: find its GPUs: %w", o.PID, err)
 		}
 		p.meta.GPUs, p.meta.Visible = p.GPUs, p.Visible
+		if o.LeaveRunning {
+			p.Warnings = append(p.Warnings, sharedWarning(env, p.GPUs, p.Tree)...)
+		}
 		for _, g := range p.GPUs {
 			p.Estimate.GPUBytes += g.MemoryBytes
 		}
@@ -355,6 +360,34 @@ func DefaultName(comm string, pid int, t time.Time) string {
 // /dev/nvidiaN), with the memory each uses (MemoryBytes: what a restore needs free), and the GPUs
 // their CUDA driver enumerates (visible), which a restore onto other GPUs must all pair. MIG
 // (CUDA_VISIBLE_DEVICES naming MIG instances) is refused.
+// sharedWarning warns when the GPUs of a process left running after its driver restore also run
+// other processes (placement.SharedGPUWarning says why).
+func sharedWarning(env *op.Env, used []store.GPU, tree []op.TreeProc) []string {
+	if env.GPUs == nil {
+		return nil
+	}
+	devs, err := env.GPUs.Devices()
+	if err != nil {
+		return nil
+	}
+	var targets []gpu.Device
+	for _, d := range devs {
+		for _, g := range used {
+			if strings.EqualFold(d.UUID, g.UUID) {
+				targets = append(targets, d)
+			}
+		}
+	}
+	own := map[int]bool{}
+	for _, t := range tree {
+		own[t.PID] = true
+	}
+	if w := placement.SharedGPUWarning(targets, func(pid int) bool { return own[pid] }); w != "" {
+		return []string{w}
+	}
+	return nil
+}
+
 func treeGPUs(env *op.Env, pids []int) (used, visible []store.GPU, err error) {
 	if env.GPUs == nil {
 		return nil, nil, nil

@@ -62,6 +62,7 @@ type Plan struct {
 	Pairs    []placement.Pair `json:"gpu_pairs"` // every GPU of the host, used ones first
 	GPUBytes uint64           `json:"gpu_bytes"`
 	Steps    []op.PlanStep    `json:"steps"`
+	Warnings []string         `json:"warnings,omitempty"` // what the operator should know; nothing refused
 
 	opts   Options
 	dpairs []cudackpt.Pair
@@ -81,6 +82,7 @@ type Result struct {
 	Restore    time.Duration       `json:"restore_ns"`
 	Unlock     time.Duration       `json:"unlock_ns"`
 	Downtime   time.Duration       `json:"downtime_ns"`
+	Warnings   []string            `json:"warnings,omitempty"`
 }
 
 // Run plans and executes a migration.
@@ -162,6 +164,9 @@ func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 	if !placement.AnyMove(pairs) {
 		return nil, op.Refusef("pid %d already runs on GPU %s: nothing to migrate", pid, indexes(p.Target))
 	}
+	if w := placement.SharedGPUWarning(placement.UsedTargets(pairs), func(q int) bool { return q == pid }); w != "" {
+		p.Warnings = append(p.Warnings, w)
+	}
 	if p.dpairs, err = placement.DriverPairs(pairs); err != nil {
 		return nil, op.Refusef("migrate pid %d: %w", pid, err)
 	}
@@ -230,7 +235,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
-	res := &Result{PID: p.PID, Source: p.Source, Target: p.Target, Pairs: p.Pairs}
+	res := &Result{PID: p.PID, Source: p.Source, Target: p.Target, Pairs: p.Pairs, Warnings: p.Warnings}
 	t0 := time.Now()
 	timings, err := txn.Execute(ctx, steps, env.Hook, 0)
 	txn.End(err, false)

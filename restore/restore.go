@@ -227,6 +227,9 @@ func (p *Plan) planGPUs(env *op.Env, name string) error {
 		return op.Refusef("image %s: %w", name, err)
 	}
 	p.Pairs = pairs
+	if w := placement.SharedGPUWarning(placement.UsedTargets(pairs), nil); w != "" {
+		p.Warnings = append(p.Warnings, w)
+	}
 	if p.dpairs, err = placement.DriverPairs(pairs); err != nil {
 		return op.Refusef("image %s: %w", name, err)
 	}

@@ -145,6 +145,7 @@ func checkpointAction(c *cli.Context) error {
 		if err != nil {
 			return opError(g.Err, err)
 		}
+		printWarnings(g, plan.Warnings)
 		return printPlan(c, plan, plan.Steps, func() {
 			fmt.Fprintf(w, "plan for pid %d (dry run, nothing done): image %s, %s, estimated %s\n", plan.PID, esc(plan.Image), plan.Kind, ms(plan.Estimate.Duration))
 			if _, absent := st.(absentStore); absent {
@@ -173,6 +174,7 @@ func checkpointAction(c *cli.Context) error {
 	if plan.ShellJobReason != "" && !g.JSON {
 		fmt.Fprintf(g.Err, "ptxmig: dumping as a shell job: %s\n", esc(plan.ShellJobReason))
 	}
+	printWarnings(g, plan.Warnings)
 	res, err := checkpoint.Execute(c.Context, e, plan)
 	prog.Done()
 	if err != nil {

@@ -84,6 +84,7 @@ func migrateAction(c *cli.Context) error {
 	if err != nil {
 		return opError(g.Err, err)
 	}
+	printWarnings(g, plan.Warnings)
 	w := g.Out
 	if c.Bool("dry-run") {
 		return printPlan(c, plan, plan.Steps, func() {

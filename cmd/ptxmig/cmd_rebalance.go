@@ -124,11 +124,16 @@ func (liveMigrator) Migrate(ctx context.Context, m rebalance.Move, lockTimeout t
 	if err != nil {
 		return err
 	}
-	_, err = migrate.Run(ctx, e, migrate.Options{
+	res, err := migrate.Run(ctx, e, migrate.Options{
 		PID:         m.PID,
 		GPUMap:      map[string]string{m.From.UUID: m.To.UUID},
 		LockTimeout: lockTimeout,
 	})
+	if res != nil {
+		for _, w := range res.Warnings {
+			e.Logger().Warn("rebalance: moved next to other processes", "pid", m.PID, "warning", w)
+		}
+	}
 	return err
 }
 

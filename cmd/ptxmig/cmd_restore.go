@@ -108,11 +108,7 @@ func restoreAction(c *cli.Context) error {
 	if err != nil {
 		return opError(g.Err, err)
 	}
-	if !g.JSON {
-		for _, wn := range plan.Warnings {
-			fmt.Fprintf(g.Err, "ptxmig: warning: %s\n", esc(wn))
-		}
-	}
+	printWarnings(g, plan.Warnings)
 	w := g.Out
 	if c.Bool("dry-run") {
 		return printPlan(c, plan, plan.Steps, func() {

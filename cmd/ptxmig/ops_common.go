@@ -37,6 +37,16 @@ func printPlan(c *cli.Context, plan any, steps []op.PlanStep, head func()) error
 }
 
 // printTree lists a process tree, one process a line, indented by depth.
+// printWarnings writes a plan's warnings to stderr (with --json they are in the document).
+func printWarnings(g *globals, warnings []string) {
+	if g.JSON {
+		return
+	}
+	for _, wn := range warnings {
+		fmt.Fprintf(g.Err, "ptxmig: warning: %s\n", esc(wn))
+	}
+}
+
 func printTree(w io.Writer, tree []op.TreeProc) {
 	depth := map[int]int{}
 	for _, p := range tree {
