@@ -43,6 +43,11 @@ final() { sed -n 's/^final checksum \([0-9a-f]*\).*/\1/p' "$1" | tail -1; }
 
 case $mode in
 source)
+  # The driver pairs every GPU of the host on restore, so an image made here restores only on a
+  # host with as many GPUs of the same chip (restore refuses it otherwise, before touching
+  # anything): say so up front rather than after the second call.
+  ngpu=$(nvidia-smi -L | grep -c '^GPU' || true)
+  [ "$ngpu" -le 1 ] || echo "bench-anotherhost: warning: this host has $ngpu GPUs: the target host needs $ngpu GPUs of the same chip" >&2
   rm -rf "$logdir"; mkdir -p "$logdir"; install_app "$W/counter"; cp "$W/counter" "$dir/counter"
   store=$(mktemp -d /var/tmp/ptxmig-anotherhost-src.XXXXXX)
   (cd "$app" && exec setsid ./counter --mib "$mib" --steps "$steps" --interval-ms 100 --device 0 </dev/null >>"$logdir/counter.log" 2>&1) &

@@ -233,8 +233,8 @@ func visibleHere(t *testing.T, devs []gpu.Device, extra ...string) int {
 	return len(vis)
 }
 
-// gpuOf returns the GPU index NVML shows pid on (-1: none).
-func gpuOf(t *testing.T, pid int) int {
+// usedBy returns the GPUs NVML shows pid on, in index order, with the memory it holds on each.
+func usedBy(t *testing.T, pid int) []gpu.Usage {
 	t.Helper()
 	inv, err := gpu.Open()
 	if err != nil {
@@ -245,7 +245,13 @@ func gpuOf(t *testing.T, pid int) int {
 	if err != nil {
 		t.Fatal(err)
 	}
-	u := gpu.UsedBy(devs, pid)
+	return gpu.UsedBy(devs, pid)
+}
+
+// gpuOf returns the GPU index NVML shows pid on (-1: none).
+func gpuOf(t *testing.T, pid int) int {
+	t.Helper()
+	u := usedBy(t, pid)
 	if len(u) == 0 {
 		return -1
 	}

@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/checkpoint"
-	"github.com/ptxmig/ptxmig/internal/gpu"
 	procfs "github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/migrate"
 	"github.com/ptxmig/ptxmig/restore"
@@ -70,17 +69,8 @@ func stepSummary(ts any) string {
 // memOn returns how much GPU memory pid holds on each GPU index, as NVML shows it.
 func memOn(t *testing.T, pid int) map[int]uint64 {
 	t.Helper()
-	inv, err := gpu.Open()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer inv.Close()
-	devs, err := inv.Devices()
-	if err != nil {
-		t.Fatal(err)
-	}
 	m := map[int]uint64{}
-	for _, u := range gpu.UsedBy(devs, pid) {
+	for _, u := range usedBy(t, pid) {
 		m[u.Device.Index] = u.Memory
 	}
 	return m
