@@ -28,8 +28,12 @@ func init() {
 			"or written: not root; the name is taken; PID is ptxmig or one of its ancestors; a process is\n" +
 			"locked by another tool, has a controlling terminal, or belongs to a session whose leader is\n" +
 			"outside this PID namespace (docker exec: CRIU cannot dump it); CRIU is missing; the store is\n" +
-			"read-only or lacks room for the estimate (resident memory + GPU memory). A tree that belongs\n" +
-			"to a shell's session is dumped as a shell job (said in the output) instead of failing in CRIU.\n" +
+			"read-only or lacks room for the estimate (resident memory + GPU memory); a CUDA process under\n" +
+			"the shim has enabled peer access between its GPUs (driver 580 checkpoints it but cannot\n" +
+			"restore it). With --leave-running, a warning names other processes on its GPUs (a context\n" +
+			"the driver restored has been killed by Xid 109 beside another process's long kernels).\n" +
+			"A tree that belongs to a shell's session is dumped as a shell job (said in the output) instead\n" +
+			"of failing in CRIU.\n" +
 			"--dry-run prints the plan and stops there, creating nothing (not even the store). The first\n" +
 			"checkpoint creates the store (stderr says so); its parent directory must exist.\n\n" +
 			"Then, for the CUDA processes of the tree: those under the ptxmig shim (`ptxmig run`) are quiesced:\n" +
