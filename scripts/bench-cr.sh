@@ -19,7 +19,8 @@
 # store after the checkpoint vs the CRIU image directory. Wall time is measured around each command.
 # Environment: PTXMIG_BIN, PTXMIG_WORKLOADS (counter; CUDA only), PTXMIG_CRIU, PTXMIG_OUT
 # (results; default ./results), BENCH_DIR (disk directory for stores and baseline images; default
-# $PTXMIG_OUT/bench), BENCH_KIND (cuda|cpu).
+# $PTXMIG_OUT/bench), BENCH_KIND (cuda|cpu), BENCH_MODES (ptxmig's modes: "stream staged", the
+# default, or "stream" alone to leave out --no-stream when time is short).
 # Output: a markdown table on stdout and in $PTXMIG_OUT/bench-cr.md, raw JSON in $PTXMIG_OUT/bench-cr/.
 set -euo pipefail
 PTXMIG_BIN=${PTXMIG_BIN:-$(command -v ptxmig || echo ./bin/ptxmig)}
@@ -37,6 +38,11 @@ case $kind in
   *) echo "bench-cr: BENCH_KIND is cuda or cpu" >&2; exit 2 ;;
 esac
 cuda() { [ "$kind" = cuda ]; }
+read -r -a modes <<<"${BENCH_MODES:-stream staged}"
+case " ${modes[*]} " in
+  " stream " | " stream staged " | " staged stream ") ;;
+  *) echo "bench-cr: BENCH_MODES is \"stream staged\" or \"stream\"" >&2; exit 2 ;;
+esac
 raw=$OUT/bench-cr; mkdir -p "$raw" "$BENCH_DIR"
 work=$(mktemp -d); trap 'rm -rf "$work"; [ -n "${pid:-}" ] && kill -9 "$pid" 2>/dev/null; true' EXIT
 
@@ -186,8 +192,8 @@ rows=()
 for g in "${sizes[@]}"; do
   echo "== ${g} GiB ($kind)" >&2
   declare -A ck rs disk
-  for mode in stream staged; do
-    store=$BENCH_DIR/store-$g-$mode; flag=(); [ $mode = staged ] && flag=(--no-stream)
+  for mode in "${modes[@]}"; do
+    store=$BENCH_DIR/store-$g-$mode; flag=(); [ "$mode" = staged ] && flag=(--no-stream)
     rm -rf "$store"
     start_workload "$g"
     t=$(date +%s%N); "$PTXMIG_BIN" --json --store "$store" checkpoint "${flag[@]}" --name "bench-$g" "$pid" >"$raw/ckpt-$g-$mode.json"; ck[$mode]=$(ms "$t")
@@ -196,12 +202,12 @@ for g in "${sizes[@]}"; do
     drop_caches
     t=$(date +%s%N); "$PTXMIG_BIN" --json --store "$store" restore "${flag[@]}" "bench-$g" >"$raw/rst-$g-$mode.json"; rs[$mode]=$(ms "$t")
     advances
-    if [ $mode = stream ] && two; then
+    if [ "$mode" = stream ] && two; then
       t=$(date +%s%N); "$PTXMIG_BIN" --json migrate --gpu 1 "$pid" >"$raw/mig-$g.json"; p_mg=$(ms "$t")
     fi
     kill -9 "$pid"; gone "$pid" || true; pid=""
     rm -rf "$store"
-    label=ptxmig; [ $mode = staged ] && label="ptxmig --no-stream"
+    label=ptxmig; [ "$mode" = staged ] && label="ptxmig --no-stream"
     c=$raw/ckpt-$g-$mode.json r=$raw/rst-$g-$mode.json
     rows+=("| $g GiB | $label | checkpoint | ${ck[$mode]} (lock $(phase "$c" lock), d->h $(phase "$c" checkpoint), dump $(phase "$c" dump), store $(phase "$c" store)) | $((disk[$mode] >> 20)) MiB |")
     rows+=("| $g GiB | $label | restore | ${rs[$mode]} (materialize $(jq_ms "$r" "d['materialize_ns']"), criu $(phase "$r" criu-restore), h->d $(phase "$r" driver-restore), unlock $(phase "$r" unlock)) | |")
@@ -228,7 +234,11 @@ for g in "${sizes[@]}"; do
   rm -rf "$base"
   rows+=("| $g GiB | baseline | checkpoint | $b_ck ($({ grep -v cuInit "$raw/base-ck-$g.txt" || true; } | tr '\n' ' ')criu dump $b_dump) | $((b_disk >> 20)) MiB |")
   rows+=("| $g GiB | baseline | restore | $b_rs (criu restore $b_crest $({ grep -v cuInit "$raw/base-rs-$g.txt" || true; } | tr '\n' ' ')) | |")
-  rows+=("| $g GiB | **ptxmig / baseline** | | checkpoint **$(ratio "${ck[stream]}" "$b_ck")×** (--no-stream $(ratio "${ck[staged]}" "$b_ck")×), restore **$(ratio "${rs[stream]}" "$b_rs")×** (--no-stream $(ratio "${rs[staged]}" "$b_rs")×) | $(ratio "${disk[stream]}" "$b_disk")× |")
+  nc="" nr=""
+  if [ -n "${ck[staged]:-}" ]; then
+    nc=" (--no-stream $(ratio "${ck[staged]}" "$b_ck")×)" nr=" (--no-stream $(ratio "${rs[staged]}" "$b_rs")×)"
+  fi
+  rows+=("| $g GiB | **ptxmig / baseline** | | checkpoint **$(ratio "${ck[stream]}" "$b_ck")×**$nc, restore **$(ratio "${rs[stream]}" "$b_rs")×**$nr | $(ratio "${disk[stream]}" "$b_disk")× |")
   if two; then
     m=$raw/mig-$g.json
     rows+=("| $g GiB | migrate | | downtime $(jq_ms "$m" "d['downtime_ns']") ms (lock $(jq_ms "$m" "d['lock_ns']"), d->h $(jq_ms "$m" "d['checkpoint_ns']"), h->d $(jq_ms "$m" "d['restore_ns']"), unlock $(jq_ms "$m" "d['unlock_ns']")); command $p_mg ms; driver calls $b_mg ms | |")
