@@ -356,10 +356,6 @@ func DefaultName(comm string, pid int, t time.Time) string {
 	return fmt.Sprintf("%s-%d-%s", c, pid, t.UTC().Format("20060102-150405"))
 }
 
-// treeGPUs lists the GPUs the CUDA processes use (NVML's compute processes; else their open
-// /dev/nvidiaN), with the memory each uses (MemoryBytes: what a restore needs free), and the GPUs
-// their CUDA driver enumerates (visible), which a restore onto other GPUs must all pair. MIG
-// (CUDA_VISIBLE_DEVICES naming MIG instances) is refused.
 // sharedWarning warns when the GPUs of a process left running after its driver restore also run
 // other processes (placement.SharedGPUWarning says why).
 func sharedWarning(env *op.Env, used []store.GPU, tree []op.TreeProc) []string {
@@ -388,6 +384,10 @@ func sharedWarning(env *op.Env, used []store.GPU, tree []op.TreeProc) []string {
 	return nil
 }
 
+// treeGPUs lists the GPUs the CUDA processes use (NVML's compute processes; else their open
+// /dev/nvidiaN), with the memory each uses (MemoryBytes: what a restore needs free), and the GPUs
+// their CUDA driver enumerates (visible), which a restore onto other GPUs must all pair. MIG
+// (CUDA_VISIBLE_DEVICES naming MIG instances) is refused.
 func treeGPUs(env *op.Env, pids []int) (used, visible []store.GPU, err error) {
 	if env.GPUs == nil {
 		return nil, nil, nil
