@@ -122,11 +122,7 @@ func (w *failingWriter) Write(p []byte) (int, error) {
 
 func TestExportWriteError(t *testing.T) {
 	a := openTestStore(t)
-	src := t.TempDir()
-	writeRandom(t, filepath.Join(src, "f"), 40*testChunk, 1)
-	if _, _, err := a.Put(context.Background(), src, PutOptions{Name: "x", ChunkSize: testChunk}); err != nil {
-		t.Fatal(err)
-	}
+	putRandom(t, a, 40*testChunk, 1, PutOptions{Name: "x", ChunkSize: testChunk})
 	if err := a.Export(context.Background(), "x", &failingWriter{n: 1 << 20}); !errors.Is(err, io.ErrClosedPipe) {
 		t.Fatalf("export to a broken pipe: %v", err)
 	}

@@ -2,6 +2,7 @@ package store
 
 import (
 	"bytes"
+	"context"
 	"io/fs"
 	"math/rand/v2"
 	"os"
@@ -204,4 +205,16 @@ func chmodTree(dir string) {
 		}
 		return nil
 	})
+}
+
+// putRandom stores a directory holding one file "f" of n random bytes (seed) as the image o.Name
+// and returns the directory.
+func putRandom(t testing.TB, s *Store, n int, seed uint64, o PutOptions) string {
+	t.Helper()
+	src := t.TempDir()
+	writeRandom(t, filepath.Join(src, "f"), n, seed)
+	if _, _, err := s.Put(context.Background(), src, o); err != nil {
+		t.Fatal(err)
+	}
+	return src
 }

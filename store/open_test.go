@@ -100,11 +100,7 @@ func TestOpenSymlinked(t *testing.T) {
 	if s.Dir() != want {
 		t.Errorf("Dir() = %s, want the resolved %s", s.Dir(), want)
 	}
-	src := t.TempDir()
-	writeRandom(t, filepath.Join(src, "f"), 100000, 3)
-	if _, _, err := s.Put(context.Background(), src, PutOptions{Name: "img", ChunkSize: MinChunkSize}); err != nil {
-		t.Fatal(err)
-	}
+	putRandom(t, s, 100000, 3, PutOptions{Name: "img", ChunkSize: MinChunkSize})
 	if s2, err := OpenWith(link, OpenOptions{}); err != nil {
 		t.Fatal(err)
 	} else if _, err := s2.Get("img"); err != nil {

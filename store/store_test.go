@@ -349,11 +349,7 @@ func TestCorruptionDetected(t *testing.T) {
 func TestCorruptManifest(t *testing.T) {
 	s := openTestStore(t)
 	ctx := context.Background()
-	src := t.TempDir()
-	writeRandom(t, filepath.Join(src, "f"), 1000, 5)
-	if _, _, err := s.Put(ctx, src, PutOptions{Name: "m"}); err != nil {
-		t.Fatal(err)
-	}
+	putRandom(t, s, 1000, 5, PutOptions{Name: "m"})
 	p := s.manifestPath("m")
 	b, _ := os.ReadFile(p)
 	os.WriteFile(p, bytes.Replace(b, []byte(`"size":1000`), []byte(`"size":1001`), 1), 0o600)
@@ -378,11 +374,7 @@ func TestCorruptManifest(t *testing.T) {
 func TestPutErrors(t *testing.T) {
 	s := openTestStore(t)
 	ctx := context.Background()
-	src := t.TempDir()
-	writeRandom(t, filepath.Join(src, "f"), 10, 6)
-	if _, _, err := s.Put(ctx, src, PutOptions{Name: "x"}); err != nil {
-		t.Fatal(err)
-	}
+	src := putRandom(t, s, 10, 6, PutOptions{Name: "x"})
 	fifo := t.TempDir()
 	if err := mkfifo(filepath.Join(fifo, "pipe")); err != nil {
 		t.Fatal(err)
@@ -465,11 +457,7 @@ func TestFailedMaterializeLeavesSymlinkTargetsAlone(t *testing.T) {
 func TestMaterializeTargetChecks(t *testing.T) {
 	s := openTestStore(t)
 	ctx := context.Background()
-	src := t.TempDir()
-	writeRandom(t, filepath.Join(src, "f"), 10, 6)
-	if _, _, err := s.Put(ctx, src, PutOptions{Name: "x"}); err != nil {
-		t.Fatal(err)
-	}
+	putRandom(t, s, 10, 6, PutOptions{Name: "x"})
 	full := t.TempDir()
 	os.WriteFile(filepath.Join(full, "keep"), []byte("mine"), 0o644)
 	if _, err := s.Materialize(ctx, "x", full, GetOptions{}); !errors.Is(err, ErrNotEmpty) {
@@ -497,11 +485,7 @@ func TestMaterializeTargetChecks(t *testing.T) {
 func TestMaterializeUnsafeTarget(t *testing.T) {
 	s := openTestStore(t)
 	ctx := context.Background()
-	src := t.TempDir()
-	writeRandom(t, filepath.Join(src, "f"), 10, 6)
-	if _, _, err := s.Put(ctx, src, PutOptions{Name: "x"}); err != nil {
-		t.Fatal(err)
-	}
+	putRandom(t, s, 10, 6, PutOptions{Name: "x"})
 	if os.Geteuid() == 0 {
 		theirs := t.TempDir()
 		if err := os.Chown(theirs, 65534, 65534); err != nil {
@@ -571,11 +555,7 @@ func TestOpenPermissions(t *testing.T) {
 		t.Errorf("open symlink to a world-writable store: %v", err)
 	}
 	// Every file the store writes is 0600, every directory 0700.
-	src := t.TempDir()
-	writeRandom(t, filepath.Join(src, "f"), 100000, 1)
-	if _, _, err := s.Put(context.Background(), src, PutOptions{Name: "p", ChunkSize: MinChunkSize}); err != nil {
-		t.Fatal(err)
-	}
+	putRandom(t, s, 100000, 1, PutOptions{Name: "p", ChunkSize: MinChunkSize})
 	filepath.WalkDir(s.Dir(), func(p string, d fs.DirEntry, err error) error {
 		fi, _ := d.Info()
 		want := fs.FileMode(0o600)

@@ -352,11 +352,7 @@ func TestIngestErrors(t *testing.T) {
 			if _, err := in.AddFile("f", 0o600, strings.NewReader("data")); err != nil {
 				t.Fatal(err)
 			}
-			src := t.TempDir()
-			writeRandom(t, filepath.Join(src, "f"), 10, 1)
-			if _, _, err := in.s.Put(ctx, src, PutOptions{Name: "new"}); err != nil {
-				t.Fatal(err)
-			}
+			putRandom(t, in.s, 10, 1, PutOptions{Name: "new"})
 			_, _, err := in.Commit(nil)
 			return err
 		}, ErrExists},
@@ -464,11 +460,7 @@ func TestIngestAddFileRefusals(t *testing.T) {
 func TestNewIngestErrors(t *testing.T) {
 	ctx := context.Background()
 	s := openTestStore(t)
-	src := t.TempDir()
-	writeRandom(t, filepath.Join(src, "f"), 10, 6)
-	if _, _, err := s.Put(ctx, src, PutOptions{Name: "x"}); err != nil {
-		t.Fatal(err)
-	}
+	src := putRandom(t, s, 10, 6, PutOptions{Name: "x"})
 	pre, err := s.Prestage(ctx, src, PutOptions{})
 	if err != nil {
 		t.Fatal(err)
