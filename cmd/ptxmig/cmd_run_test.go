@@ -219,7 +219,13 @@ func TestRun(t *testing.T) {
 		if fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:])); fields[1] != strconv.Itoa(os.Getpid()) {
 			t.Errorf("the app's parent is %s, want ptxmig's parent %d", fields[1], os.Getpid())
 		}
-		environ, err := os.ReadFile(proc + "/environ")
+		// The exe link changes before the new image's environment is set up (execve fills
+		// env_start/env_end later): an empty environ is the exec still under way.
+		var environ []byte
+		waitFor(t, "the app's environment", func() bool {
+			environ, err = os.ReadFile(proc + "/environ")
+			return err != nil || len(environ) > 0
+		})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -27,7 +27,10 @@ func TestTreeReprosCLI(t *testing.T) {
 	store := filepath.Join(dir, "store")
 	count := filepath.Join(dir, "c")
 	start := func() int {
-		cmd := exec.Command("bash", "-c", "i=0; while :; do i=$((i+1)); echo $i > "+count+"; sleep 0.05; done")
+		// The count is written in place at a fixed width (`1<>`: no truncation), so the file has
+		// the same size whenever CRIU records it open: a dump that catches the shell mid-write
+		// must not leave an image whose recorded size the file has lost (restore would refuse).
+		cmd := exec.Command("bash", "-c", "i=0; while :; do i=$((i+1)); printf '%010d\\n' $i 1<>"+count+"; sleep 0.05; done")
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
