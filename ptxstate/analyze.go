@@ -57,6 +57,9 @@ type KernelReport struct {
 	EarlyExitDivergent bool           `json:"divergent_early_exit"`
 	// TwinMaxNReg is the .maxnreg given to the twin (Options.MaxNReg), 0 when none.
 	TwinMaxNReg int `json:"twin_maxnreg,omitempty"`
+	// MidBlock is set when the twin also stops at mid-block sites (Options.MidBlock): a
+	// version-3 twin, with the layout of its save records.
+	MidBlock *MidBlockLayout `json:"mid_block,omitempty"`
 }
 
 // Report is the analysis of a module.
@@ -71,6 +74,7 @@ type Report struct {
 type moduleVar struct {
 	Space  string
 	Bytes  int
+	Align  int // .align, 0 when not given
 	Extern bool
 }
 
@@ -140,6 +144,9 @@ func parseVar(text string) (string, moduleVar, bool) {
 			v.Space = spaceName(t.Text)
 		case t.Kind == tokIdent && t.Text == ".align":
 			k++
+			if k < len(toks) && toks[k].Kind == tokNumber {
+				v.Align, _ = strconv.Atoi(toks[k].Text)
+			}
 		case t.Kind == tokIdent && t.Text[0] == '.' && typeBytes(t.Text) > 0:
 			typ = t.Text
 		case t.Kind == tokIdent && t.Text[0] != '.' && name == "":
@@ -299,6 +306,8 @@ var forbiddenCallees = map[string]string{
 // kernelInfo carries what the transform needs beyond the report.
 type kernelInfo struct {
 	cfg *CFG
+	// shared are the module-scope .shared variables the kernel and its callees name.
+	shared map[string]bool
 	// The kernel (or a callee) issues cp.async / bulk-group copies: the twin waits for the
 	// thread's own groups before the next virtual block reuses shared memory.
 	drainAsync, drainBulk bool
@@ -392,7 +401,7 @@ func (a *analyzer) kernel(f *Function) (*KernelReport, *kernelInfo, error) {
 	kr.Calls = calls
 
 	specials := map[string]bool{}
-	info := &kernelInfo{cfg: g}
+	info := &kernelInfo{cfg: g, shared: map[string]bool{}}
 	var mbarInit []*Stmt
 	mbarInval := false
 	for _, ff := range all {
@@ -466,6 +475,7 @@ func (a *analyzer) kernel(f *Function) (*KernelReport, *kernelInfo, error) {
 	}
 	for name := range syms {
 		if v, ok := a.vars[name]; ok && v.Space == ".shared" {
+			info.shared[name] = true
 			if v.Extern || v.Bytes == 0 {
 				kr.DynamicShared = true
 			} else {

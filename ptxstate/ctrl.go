@@ -21,6 +21,23 @@ const (
 	CtlOffBatchDiv    = 60 // u32: guided divisor f: a claim takes (blocks left)/(f x twin CTAs) (0: DefaultBatchDiv)
 	CtlSize           = 64
 
+	// Version 3 (twins built with Options.MidBlock): mid-block save and resume. A v3 twin reads
+	// these fields only when the block's version is >= 3, so a version-2 block (64 bytes) still
+	// runs it, with mid-block stops disabled (docs/PTXSTATE.md, "Mid-block safe points").
+	CtlOffSaveArea     = 64  // u64: device address of the save area (0: no mid-block stops)
+	CtlOffRecordBytes  = 72  // u32: bytes per record (MidBlockLayout.RecordBytes)
+	CtlOffSaved        = 76  // u32: records reserved in the save area by this launch (atom.add; may pass the capacity)
+	CtlOffResumeCount  = 80  // u32: records to resume in this launch
+	CtlOffResumeCursor = 84  // u32: next record to take (atom.add)
+	CtlOffResumeArea   = 88  // u64: device address of the records to resume
+	CtlOffSaveCapacity = 96  // u32: records the save area holds
+	CtlOffForceVisit   = 100 // u32: test hook: a CTA stops at its N-th site vote of a launch (0: never)
+	CtlSizeV3          = 112
+
+	CtlVersionMidBlock = 3
+	// RecordMagic is the u32 at offset 20 of every saved record ("PTXR").
+	RecordMagic = 0x52585450
+
 	CtlMagic           = 0x4d585450 // "PTXM" little-endian
 	CtlVersion         = 2
 	CtlStatusPreempted = 1
@@ -73,5 +90,11 @@ const (
 	shMax         = 100 // u32 batch_max (resolved)
 	shInvCtas     = 104 // f32 1/(twin CTAs)
 	twinSlotBytes = 112
-	slotStride    = 32
+	// Mid-block twins only (midSlotBytes in all):
+	shRec        = 112 // u32 save-area record reserved by the leader before a site's vote
+	shFwd        = 116 // u32 save-area record a forwarded record is copied to
+	shVisit      = 120 // u32 site votes of this CTA in this launch
+	shForce      = 124 // u32 CtlOffForceVisit as read at the start of the launch
+	midSlotBytes = 128
+	slotStride   = 32
 )

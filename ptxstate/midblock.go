@@ -42,6 +42,11 @@ type MidBlockSite struct {
 	LiveBytes int      `json:"live_bytes"` // registers saved per thread (predicates as 4 bytes)
 	Eligible  bool     `json:"eligible"`
 	Refusals  []string `json:"refusals,omitempty"` // "C4: ..."
+	// PollEvery is, for a loop site, how many header visits pass between two votes (pollEvery).
+	PollEvery int `json:"poll_every,omitempty"`
+
+	idx  int   // statement index: the barrier, or the loop header's first instruction
+	live []int // registers live at the site (CFG register ids), saved and restored
 }
 
 // kernelBlockers are the kernel-wide reasons (C3, C5, C6) that rule out every site.
@@ -73,6 +78,15 @@ func midBlockBlockers(kr *KernelReport, bodies [][]*Stmt) []string {
 				add("tcgen05", fmt.Sprintf("C3: tcgen05 (line %d): tensor-memory state cannot be saved", s.Line))
 			case s.Base() == "alloca" || s.Base() == "stacksave" || s.Base() == "stackrestore":
 				add("alloca", fmt.Sprintf("C5: dynamic stack (%s, line %d)", s.Op, s.Line))
+			case isBarrier(s) && !plainCTABarrier(s):
+				// bar.arrive, bar.red, or a barrier with a thread count: a site's vote is a CTA-wide
+				// barrier and must not interleave with partial ones.
+				add("partial", fmt.Sprintf("C1: %s (line %d) is not a CTA-wide barrier without a thread count: a site's vote would interleave with it", s.Op, s.Line))
+			}
+		}
+		for _, s := range body {
+			if s.Kind == StDecl && s.Depth > 0 && (strings.Contains(s.Text, ".shared") || strings.Contains(s.Text, ".local")) {
+				add("decl", fmt.Sprintf("C5: shared or local memory declared in a nested { } scope (line %d): the save cannot name it", s.Line))
 			}
 		}
 	}
@@ -158,6 +172,15 @@ func midBlockSites(kr *KernelReport, g *CFG, after []bitset, uni *uniformity, bo
 		return n + kr.LocalBytes, why
 	}
 	check := func(site *MidBlockSite, live bitset, uniform bool, extra []string) {
+		site.live = live.members()
+		for _, r := range site.live {
+			if strings.Contains(g.regNames[r], "#") {
+				extra = append(extra, "C9: register "+regKeyName(g.regNames[r])+" is declared in a nested scope")
+			}
+			if saveType(g.regTypes[r]) == "" {
+				extra = append(extra, fmt.Sprintf("C9: register %s has type %s, which the save does not handle", regKeyName(g.regNames[r]), g.regTypes[r]))
+			}
+		}
 		site.Refusals = append(site.Refusals, extra...)
 		if !uniform {
 			site.Refusals = append(site.Refusals, "C1: reached divergently (some threads of the CTA may not get here)")
@@ -182,7 +205,7 @@ func midBlockSites(kr *KernelReport, g *CFG, after []bitset, uni *uniformity, bo
 		if !isBarrier(s) && !callBar {
 			continue
 		}
-		site := MidBlockSite{Line: s.Line, Kind: "barrier", Op: s.Op}
+		site := MidBlockSite{Line: s.Line, Kind: "barrier", Op: s.Op, idx: i}
 		var why []string
 		switch {
 		case callBar:
@@ -197,6 +220,7 @@ func midBlockSites(kr *KernelReport, g *CFG, after []bitset, uni *uniformity, bo
 			why = append(why, "C1: inside a nested { } scope")
 		}
 		check(&site, after[i], uni.reachedUniformly(g.blockOf[i]), why)
+		site.PollEvery = barrierPollEvery(g, g.blockOf[i])
 		sites = append(sites, site)
 	}
 	sites = append(sites, loopSites(g, after, uni, check)...)
@@ -219,11 +243,15 @@ func loopSites(g *CFG, after []bitset, uni *uniformity, check func(*MidBlockSite
 	var out []MidBlockSite
 	for h, latch := range headers {
 		barrier, divergentExit := false, false
+		instrs := 0
 		for x := h; x <= latch; x++ {
 			bl := g.Blocks[x]
 			for k := bl.Start; k < bl.End; k++ {
-				if s := f.Body[k]; s.Kind == StInstr && (isBarrier(s) || s.Base() == "call") {
-					barrier = true
+				if s := f.Body[k]; s.Kind == StInstr {
+					instrs++
+					if isBarrier(s) || s.Base() == "call" {
+						barrier = true
+					}
 				}
 			}
 			for _, succ := range bl.Succs {
@@ -242,7 +270,7 @@ func loopSites(g *CFG, after []bitset, uni *uniformity, check func(*MidBlockSite
 		if start >= g.Blocks[h].End {
 			continue
 		}
-		site := MidBlockSite{Line: f.Body[start].Line, Kind: "loop", Op: "loop header"}
+		site := MidBlockSite{Line: f.Body[start].Line, Kind: "loop", Op: "loop header", idx: start, PollEvery: pollEvery(instrs)}
 		var why []string
 		if divergentExit {
 			why = append(why, "C1: the loop's exit depends on per-thread values: threads may run different trip counts")
@@ -261,4 +289,68 @@ func loopSites(g *CFG, after []bitset, uni *uniformity, check func(*MidBlockSite
 		out = append(out, site)
 	}
 	return out
+}
+
+// pollTarget is about how many instructions a thread runs between two votes of a loop site: a
+// vote is a CTA-wide barrier (plus the leader's flag load, issued a poll ahead so that its
+// latency is hidden), which costs about what a few dozen instructions do, so one vote per ~1000
+// keeps the sites' cost near 1-3 % while a stop still comes within microseconds of the flag.
+const pollTarget = 1024
+
+// pollEvery is how many visits of a loop header pass between two votes: a power of two near
+// pollTarget divided by the loop's instruction count, between 1 and 1024.
+func pollEvery(loopInstrs int) int {
+	k := 1
+	for k < 1024 && k*max(loopInstrs, 1) < pollTarget {
+		k *= 2
+	}
+	return k
+}
+
+// saveType is the type of the st/ld that saves and restores a register of PTX type t, or "" when
+// the rewrite does not handle it (predicates are saved through a 32-bit value).
+func saveType(t string) string {
+	if t == ".pred" {
+		return ".b32"
+	}
+	switch typeBytes(t) {
+	case 1:
+		return ".b8"
+	case 2:
+		return ".b16"
+	case 4:
+		return ".b32"
+	case 8:
+		return ".b64"
+	}
+	return ""
+}
+
+// barrierPollEvery is how many site visits pass between two votes at a barrier site in block b:
+// 1 outside loops (the barrier runs once per block), else pollEvery of the innermost loop's
+// instructions per barrier in it (the site counter counts every site's visits).
+func barrierPollEvery(g *CFG, b int) int {
+	bestH, bestL := -1, -1
+	for _, bl := range g.Blocks {
+		for _, h := range bl.Succs {
+			if h <= bl.ID && h <= b && b <= bl.ID && (bestH < 0 || bl.ID-h < bestL-bestH) {
+				bestH, bestL = h, bl.ID
+			}
+		}
+	}
+	if bestH < 0 {
+		return 1
+	}
+	instrs, bars := 0, 0
+	for x := bestH; x <= bestL; x++ {
+		for k := g.Blocks[x].Start; k < g.Blocks[x].End; k++ {
+			if s := g.Fn.Body[k]; s.Kind == StInstr {
+				instrs++
+				if isBarrier(s) {
+					bars++
+				}
+			}
+		}
+	}
+	return pollEvery(instrs / max(bars, 1))
 }

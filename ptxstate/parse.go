@@ -532,12 +532,9 @@ func (p *parser) params() ([]Param, token, error) {
 // typeBytes is the size of a scalar PTX type (.pred counts 1).
 func typeBytes(t string) int {
 	switch t {
-	case ".pred", ".b8", ".u8", ".s8", ".e4m3x2", ".e5m2x2":
+	case ".pred", ".b8", ".u8", ".s8":
 		return 1
-	case ".b16", ".u16", ".s16", ".f16", ".bf16":
-		if t == ".e4m3x2" {
-			return 2
-		}
+	case ".b16", ".u16", ".s16", ".f16", ".bf16", ".e4m3x2", ".e5m2x2":
 		return 2
 	case ".b32", ".u32", ".s32", ".f32", ".f16x2", ".bf16x2", ".tf32":
 		return 4

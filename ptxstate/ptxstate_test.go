@@ -73,19 +73,27 @@ func TestRoundTrip(t *testing.T) {
 			if got := m.Bytes(); !bytes.Equal(got, src) {
 				t.Fatalf("print(parse(x)) != x (%d vs %d bytes)", len(got), len(src))
 			}
-			// The instrumented module must itself parse and print back unchanged.
+			// The instrumented module (with mid-block twins too) must itself parse and print
+			// back unchanged.
+			for _, o := range []Options{{}, {MidBlock: true}} {
+				out, _, err := InstrumentWith(m, o)
+				if err != nil {
+					t.Fatal(err)
+				}
+				text := out.Bytes()
+				m2, err := Parse(text)
+				if err != nil {
+					t.Fatalf("instrumented module (mid-block %v) does not parse: %v", o.MidBlock, err)
+				}
+				if !bytes.Equal(m2.Bytes(), text) {
+					t.Fatalf("instrumented module (mid-block %v) does not round-trip", o.MidBlock)
+				}
+			}
 			out, _, err := Instrument(m)
 			if err != nil {
 				t.Fatal(err)
 			}
 			text := out.Bytes()
-			m2, err := Parse(text)
-			if err != nil {
-				t.Fatalf("instrumented module does not parse: %v", err)
-			}
-			if !bytes.Equal(m2.Bytes(), text) {
-				t.Fatal("instrumented module does not round-trip")
-			}
 			// Instrumenting never changes the original items.
 			if !bytes.HasPrefix(text, src[:len(src)-len(m.Trailer)][:firstFuncEnd(m)]) {
 				t.Fatal("text before the first twin changed")
@@ -405,17 +413,19 @@ func FuzzParse(f *testing.F) {
 		if !bytes.Equal(m.Bytes(), src) {
 			t.Fatal("print(parse(x)) != x")
 		}
-		out, _, err := Instrument(m)
-		if err != nil {
-			return
-		}
-		text := out.Bytes()
-		m2, err := Parse(text)
-		if err != nil {
-			t.Fatalf("instrumented output does not parse: %v", err)
-		}
-		if !bytes.Equal(m2.Bytes(), text) {
-			t.Fatal("instrumented output does not round-trip")
+		for _, o := range []Options{{}, {MidBlock: true}} {
+			out, _, err := InstrumentWith(m, o)
+			if err != nil {
+				return
+			}
+			text := out.Bytes()
+			m2, err := Parse(text)
+			if err != nil {
+				t.Fatalf("instrumented output (mid-block %v) does not parse: %v", o.MidBlock, err)
+			}
+			if !bytes.Equal(m2.Bytes(), text) {
+				t.Fatalf("instrumented output (mid-block %v) does not round-trip", o.MidBlock)
+			}
 		}
 	})
 }
@@ -496,7 +506,13 @@ func TestCtrlHeader(t *testing.T) {
 		"PTXMIG_CTL_OFF_BATCH_DIV": CtlOffBatchDiv, "PTXMIG_CTL_SIZE": CtlSize,
 		"PTXMIG_CTL_MAGIC": CtlMagic, "PTXMIG_CTL_VERSION": CtlVersion, "PTXMIG_CTL_STATUS_PREEMPTED": CtlStatusPreempted,
 		"PTXMIG_BATCH_MIN_DEFAULT": DefaultBatchMin, "PTXMIG_BATCH_MAX_DEFAULT": DefaultBatchMax,
-		"PTXMIG_BATCH_DIV_DEFAULT": DefaultBatchDiv,
+		"PTXMIG_BATCH_DIV_DEFAULT":     DefaultBatchDiv,
+		"PTXMIG_CTL_VERSION_MID_BLOCK": CtlVersionMidBlock, "PTXMIG_RECORD_MAGIC": RecordMagic,
+		"PTXMIG_CTL_OFF_SAVE_AREA": CtlOffSaveArea, "PTXMIG_CTL_OFF_RECORD_BYTES": CtlOffRecordBytes,
+		"PTXMIG_CTL_OFF_SAVED": CtlOffSaved, "PTXMIG_CTL_OFF_RESUME_COUNT": CtlOffResumeCount,
+		"PTXMIG_CTL_OFF_RESUME_CURSOR": CtlOffResumeCursor, "PTXMIG_CTL_OFF_RESUME_AREA": CtlOffResumeArea,
+		"PTXMIG_CTL_OFF_SAVE_CAPACITY": CtlOffSaveCapacity, "PTXMIG_CTL_OFF_FORCE_VISIT": CtlOffForceVisit,
+		"PTXMIG_CTL_SIZE_V3": CtlSizeV3,
 	}
 	for name, v := range want {
 		got, ok := defs[name]

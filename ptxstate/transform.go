@@ -19,6 +19,10 @@ type Options struct {
 	// the most registers that keep the original's occupancy (ptxas -v on the original,
 	// internal/ptxas.Registers and SameOccupancyRegs), the twin keeps it; ptxas spills if it must.
 	MaxNReg map[string]int
+	// MidBlock gives kernels with eligible mid-block sites a version-3 twin that can also stop
+	// inside a block, at those sites (midtwin.go). Such a twin runs with a version-2 control
+	// block too, with mid-block stops disabled.
+	MidBlock bool
 }
 
 // InstrumentWith is Instrument with options.
@@ -45,11 +49,21 @@ func InstrumentWith(m *Module, o Options) (*Module, *Report, error) {
 				maxnreg = max(n, minTwinRegs)
 				kr.TwinMaxNReg = maxnreg
 			}
-			slot, twin, err := makeTwin(it.Func, info, maxnreg)
+			var mid *midPlan
+			if o.MidBlock {
+				if mid = a.planMidBlock(it.Func, kr, info); mid != nil {
+					l := mid.layout
+					kr.MidBlock = &l
+				}
+			}
+			slot, twin, err := makeTwin(it.Func, info, maxnreg, mid)
 			if err != nil {
 				return nil, nil, fmt.Errorf("kernel %s: %w", it.Func.Name, err)
 			}
 			out.Items = append(out.Items, slot, twin)
+			if mid != nil {
+				out.Items = append(out.Items, mid.descVar(it.Func.Name))
+			}
 		}
 		r.Kernels = append(r.Kernels, *kr)
 	}
@@ -142,11 +156,15 @@ var virtualSpecial = map[string]string{
 // would only move to local memory (the hardware allocates registers in groups of 8 anyway).
 const minTwinRegs = 24
 
-func makeTwin(f *Function, info *kernelInfo, maxnreg int) (*Item, *Item, error) {
+func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, *Item, error) {
 	twinName := f.Name + TwinSuffix
 	slotName := slotPrefix + f.Name
+	slotBytes := twinSlotBytes
+	if mid != nil {
+		slotBytes = midSlotBytes
+	}
 	slot := &Item{Kind: ItemVar, Lead: "\n\n// ptxmig: scheduler state of " + twinName + " (two parity slots, leader state)\n",
-		Text: fmt.Sprintf(".shared .align 16 .b8 %s[%d];", slotName, twinSlotBytes)}
+		Text: fmt.Sprintf(".shared .align 16 .b8 %s[%d];", slotName, slotBytes)}
 
 	// Header: same text with the new name and one more parameter.
 	h := f.Head
@@ -248,6 +266,9 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int) (*Item, *Item, error) 
 		".reg .b64 \t%ptxmig_rd<8>;",
 		".reg .f32 \t%ptxmig_f<2>;",
 	)
+	if mid != nil {
+		emit(mid.decls()...)
+	}
 	emit(loadCtl...)
 	emit(
 		fmt.Sprintf("ld.global.u64 \t%s, %s;", rT64c, ctl(CtlOffTotalBlocks)),
@@ -265,6 +286,11 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int) (*Item, *Item, error) 
 		"setp.eq.u32 \t"+pLead+", "+rTmp+", 0;",
 		"mov.u32 \t"+rPar+", 0;",
 		"mov.u32 \t"+rSlot+", "+slotName+";",
+	)
+	if mid != nil {
+		emit(mid.prologue()...)
+	}
+	emit(
 		"@!"+pLead+" bra \t"+L("claim")+";",
 		"// leader: resolve the claim tuning, then make the first claim (waited for at the first publish)",
 		fmt.Sprintf("ld.volatile.global.u32 \t%s, %s;", rFlag, ctl(CtlOffPreempt)),
@@ -296,11 +322,20 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int) (*Item, *Item, error) 
 		"mov.u64 \t"+rT64a+", 0;",
 		"st.shared.u64 \t"+sh(shDone)+", "+rT64a+";",
 	)
+	if mid != nil {
+		emit(mid.leaderPrologue(L("claim"))...)
+	}
 	claim("0", false)
 	emit(
 		"// the loop's only entry: the leader's divergent set-up reconverges here (reducible CFG)",
 		L("claim")+":",
 		"@!"+pLead+" bra \t"+L("wait")+";",
+	)
+	if mid != nil {
+		emit(loadCtl...)
+		emit(mid.claimStep(L)...)
+	}
+	emit(
 		"// leader: a deferred claim (rPend == ~1) is made now, for the batch about to be published",
 		"setp.ne.u64 \t"+pT+", "+rPend+", -2;",
 		"@"+pT+" bra \t"+L("ready")+";",
@@ -346,6 +381,11 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int) (*Item, *Item, error) 
 		"st.shared.v2.u64 \t["+rAddr+"], {"+rVB+", "+rCur+"};",
 		"st.shared.v2.u32 \t["+rAddr+"+16], {"+rCX+", "+rCY+"};",
 		"st.shared.u32 \t["+rAddr+"+24], "+rCZ+";",
+	)
+	if mid != nil {
+		emit("mov.u32 \t"+mB+", 0;", "st.shared.u32 \t["+rAddr+"+28], "+mB+";")
+	}
+	emit(
 		"ld.shared.u64 \t"+rT64a+", "+sh(shDone)+";",
 		"sub.u64 \t"+rT64b+", "+rCur+", "+rVB+";",
 		"add.u64 \t"+rT64a+", "+rT64a+", "+rT64b+";",
@@ -363,7 +403,17 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int) (*Item, *Item, error) 
 		"ld.shared.v2.u64 \t{"+rVB+", "+rT64a+"}, ["+rAddr+"];",
 		"ld.shared.v2.u32 \t{"+rCX+", "+rCY+"}, ["+rAddr+"+16];",
 		"ld.shared.u32 \t"+rCZ+", ["+rAddr+"+24];",
+	)
+	if mid != nil {
+		emit("ld.shared.u32 \t" + mAct + ", [" + rAddr + "+28];")
+	}
+	emit(
 		fmt.Sprintf("xor.b32 \t%s, %s, %d;", rPar, rPar, slotStride),
+	)
+	if mid != nil {
+		emit("setp.ne.u32 \t"+pT+", "+mAct+", 0;", "@"+pT+" bra.uni \t"+L("rec")+";")
+	}
+	emit(
 		"sub.u64 \t"+rT64a+", "+rT64a+", "+rVB+";",
 		"cvt.u32.u64 \t"+rCnt+", "+rT64a+";",
 		"setp.eq.u32 \t"+pT+", "+rCnt+", 0;",
@@ -408,6 +458,22 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int) (*Item, *Item, error) 
 			}
 			ns.Text = rewriteStmt(s, repl)
 		}
+		if id, ok := mid.siteAt(i); ok {
+			site := mid.sites[id]
+			if site.Kind == "loop" {
+				emit(mid.poll(id, site.PollEvery, bar != "barrier.sync \t0;", L)...)
+				emit(L(fmt.Sprintf("at%d", id)) + ":")
+			} else {
+				// Every PollEvery-th visit the site's barrier becomes the vote (itself a barrier
+				// with the same operand); the other visits keep the barrier as it is.
+				emit(mid.count(id, site.PollEvery, L(fmt.Sprintf("plain%d", id)))...)
+				emit(mid.vote(id, barOperand(s), siteAligned(s), L)...)
+				emit("bra.uni \t"+L(fmt.Sprintf("at%d", id))+";", L(fmt.Sprintf("plain%d", id))+":")
+				body = append(body, &ns)
+				emit(L(fmt.Sprintf("at%d", id)) + ":")
+				continue
+			}
+		}
 		body = append(body, &ns)
 	}
 	emit(L("next") + ":")
@@ -448,6 +514,9 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int) (*Item, *Item, error) 
 		L("ret")+":",
 		"ret;",
 	)
+	if mid != nil {
+		emit(mid.tail(bar, L("claim"), info.drainAsync, L)...)
+	}
 	tw.Body = body
 	twin := &Item{Kind: ItemFunc, Lead: "\n\n// ptxmig: preemptible twin of " + f.Name + "\n", Func: tw}
 	return slot, twin, nil

@@ -64,6 +64,8 @@ done < <(find . -path ./dist -prune -o -type d -name gputest -print | sort)
 if [ -d "$dist/gputest/ptxstate" ]; then
   mkdir -p "$dist/gputest/ptxstate/corpus"
   cp ptxstate/testdata/corpus/*.ptx "$dist/gputest/ptxstate/corpus/"
+  mkdir -p "$dist/gputest/ptxstate/mid"
+  cp ptxstate/testdata/nvcc12/midblock.sm_90.ptx "$dist/gputest/ptxstate/mid/"
 fi
 for b in scripts/bench-*.sh; do [ -e "$b" ] && cp "$b" "$dist/bench/"; done
 cp scripts/gpu-e2e.sh "$dist/"

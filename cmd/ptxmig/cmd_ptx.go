@@ -62,16 +62,23 @@ func init() {
 					"With --cubin as well, ptxas assembles the instrumented module for that ARCH and OUT is the\n" +
 					"cubin (the driver loads it without compiling PTX at every start); when that cannot be done\n" +
 					"(no ptxas, a PTX ISA newer than it, a failure) OUT is the PTX and the report says why.\n\n" +
+					"With --mid-block, a kernel with eligible mid-block sites (see `ptx analyze`) gets a twin that\n" +
+					"can also stop inside a block at those sites, saving its registers and shared memory, and\n" +
+					"resume there (control block version 3, docs/PTXSTATE.md); the report gives each such\n" +
+					"kernel's record layout. The shim does not launch such twins yet: this is for hosts that\n" +
+					"drive the twins themselves (ptxstate/gputest).\n\n" +
 					"Examples:\n" +
 					"   ptxmig ptx instrument -o kernels.twins.ptx kernels.ptx\n" +
 					"   ptxmig ptx instrument --match-registers sm_90 -o kernels.twins.ptx kernels.ptx\n" +
 					"   ptxmig ptx instrument --match-registers sm_90 --cubin -o kernels.twins.cubin kernels.ptx\n" +
-					"   ptxmig ptx instrument --report -o - kernels.ptx > out.ptx",
+					"   ptxmig ptx instrument --report -o - kernels.ptx > out.ptx\n" +
+					"   ptxmig ptx instrument --mid-block --report -o kernels.mid.ptx kernels.ptx",
 				Flags: []cli.Flag{
 					&cli.StringFlag{Name: "output", Aliases: []string{"o"}, Usage: "output PTX `FILE`, or - for stdout (required)"},
 					&cli.BoolFlag{Name: "report", Usage: "also print the per-kernel report (to stderr when OUT is -)"},
 					&cli.StringFlag{Name: "match-registers", Usage: "cap each twin's registers so that it fits as many CTAs per SM as its original, as ptxas assembles FILE for `ARCH` (sm_XX)"},
 					&cli.BoolFlag{Name: "cubin", Usage: "write the instrumented module assembled by ptxas for the --match-registers ARCH (a cubin) instead of PTX, where ptxas can"},
+					&cli.BoolFlag{Name: "mid-block", Usage: "give kernels with eligible mid-block sites twins that can also stop and resume inside a block"},
 				},
 				Action: ptxInstrumentAction,
 			},
@@ -153,6 +160,7 @@ func ptxInstrumentAction(c *cli.Context) error {
 		return err
 	}
 	opts, note := matchRegisters(c, m)
+	opts.MidBlock = c.Bool("mid-block")
 	var out *ptxstate.Module
 	var r *ptxstate.Report
 	err = interruptible(c, func() (err error) { out, r, err = ptxstate.InstrumentWith(m, opts); return err })
@@ -292,6 +300,14 @@ func writeReport(w io.Writer, r *ptxstate.Report, detail bool) error {
 				fmt.Fprintf(&b, "  - %s\n", esc(why))
 			}
 		}
+		if l := k.MidBlock; l != nil {
+			dyn := ""
+			if l.DynamicShared {
+				dyn = " + the dynamic shared memory"
+			}
+			fmt.Fprintf(&b, "  mid-block twin (control block v3): %d site(s); record = 64 + (8 x %d + %d) x threads + %d%s bytes\n",
+				l.Sites, l.Slots, l.LocalBytes, l.StaticSharedBytes, dyn)
+		}
 		for _, n := range k.Notes {
 			fmt.Fprintf(&b, "  note: %s\n", esc(n))
 		}
@@ -326,13 +342,17 @@ func writeReport(w io.Writer, r *ptxstate.Report, detail bool) error {
 				eligible++
 			}
 		}
-		fmt.Fprintf(&b, "  mid-block safe points: %d of %d candidate site(s) usable (analysis only: twins stop between blocks today)\n", eligible, len(k.MidBlockSites))
+		fmt.Fprintf(&b, "  mid-block safe points: %d of %d candidate site(s) usable (twins stop at them with ptx instrument --mid-block)\n", eligible, len(k.MidBlockSites))
 		for _, m := range k.MidBlockSites {
 			verdict := "usable"
 			if !m.Eligible {
 				verdict = "refused: " + escList(m.Refusals, "; ")
 			}
-			fmt.Fprintf(&b, "    line %d %s %s, %d bytes/thread to save: %s\n", m.Line, m.Kind, esc(m.Op), m.LiveBytes, verdict)
+			poll := ""
+			if m.PollEvery > 0 {
+				poll = fmt.Sprintf(", a vote every %d visits", m.PollEvery)
+			}
+			fmt.Fprintf(&b, "    line %d %s %s, %d bytes/thread to save%s: %s\n", m.Line, m.Kind, esc(m.Op), m.LiveBytes, poll, verdict)
 		}
 		if k.SaveBytesPerCTA != nil {
 			fmt.Fprintf(&b, "  save area estimate: %d bytes/thread, %d bytes/CTA\n", k.SaveBytesPerThread, *k.SaveBytesPerCTA)

@@ -10,9 +10,14 @@
 # corpus; default: ./corpus in a gpu bundle, else ../testdata/corpus in the repository).
 # PTXSTATE_RUNS (timed runs, default 15), PTXSTATE_PREEMPT_RUNS (default 3), PTXSTATE_TUNE
 # (claim-size settings timed besides the defaults, "MIN,MAX,DIV;...").
+# PTXSTATE_SPECS (default "kernels kernels-small": the block-granular specs to run; "" for none).
+# PTXSTATE_MID (default 1): also the mid-block twins (`ptx instrument --mid-block`) of
+# ../testdata/nvcc12/midblock.sm_90.ptx (./mid in a gpu bundle) on kernels-mid.spec and, with long
+# blocks, kernels-mid-long.spec: forced stops at site votes, random preemption, and their cost
+# against the block-granular twin.
 # Writes $PTXMIG_OUT/ptxstate-twins.md (kernels.spec: large sizes), ptxstate-twins-small.md
-# (kernels-small.spec) and ptxstate-instrument.txt; exits non-zero on any mismatch, ptxas failure
-# or setup error.
+# (kernels-small.spec), ptxstate-midblock.md, ptxstate-midblock-long.md and
+# ptxstate-instrument.txt; exits non-zero on any mismatch, ptxas failure or setup error.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${PTXMIG_OUT:-$here/results}
@@ -46,7 +51,29 @@ nvcc -O2 -std=c++17 -o "$work/twin_harness" "$here/twin_harness.cu" -lcuda
 # Large sizes (every original >= ~0.2 ms: the headline numbers), then the sizes of the first run.
 # Both check bit for bit; the exit status is non-zero if either finds a mismatch or fails.
 status=0
-for spec in kernels kernels-small; do
+if [ "${PTXSTATE_MID:-1}" != 0 ]; then
+  midsrc=
+  for d in "$here/mid" "$here/../testdata/nvcc12"; do [ -f "$d/midblock.sm_90.ptx" ] && midsrc=$d && break; done
+  [ -n "$midsrc" ] || { echo "run.sh: midblock.sm_90.ptx not found" >&2; exit 2; }
+  mkdir -p "$work/mid" "$work/mid2"
+  "$bin" ptx instrument --mid-block --report -o "$work/mid/midblock.sm_90.ptx" "$midsrc/midblock.sm_90.ptx" >>"$out/ptxstate-instrument.txt"
+  "$bin" ptx instrument -o "$work/mid2/midblock.sm_90.ptx" "$midsrc/midblock.sm_90.ptx"
+  ptxas -arch=sm_90 -c -o /dev/null "$work/mid/midblock.sm_90.ptx" || { echo "run.sh: ptxas failed on the mid-block twins" >&2; exit 1; }
+  for spec in kernels-mid kernels-mid-long; do
+    md="$out/ptxstate-midblock${spec#kernels-mid}.md"
+    args=(--runs "${PTXSTATE_RUNS:-15}" --preempt-runs "${PTXSTATE_PREEMPT_RUNS:-3}" --tune "")
+    [ $spec = kernels-mid-long ] && args=(--runs 3 --preempt-runs 3 --tune "" --force 2)
+    set +e
+    "$work/twin_harness" "$here/$spec.spec" "$work/mid" "$md" --mid 1 --v2dir "$work/mid2" "${args[@]}"
+    rc=$?
+    set -e
+    echo "== $md (exit $rc)"
+    [ -f "$md" ] && cat "$md"
+    [ $rc -eq 0 ] || status=$rc
+    [ $rc -lt 2 ] || { echo "run.sh: twin_harness stopped on $spec.spec (exit $rc)" >&2; exit $rc; }
+  done
+fi
+for spec in ${PTXSTATE_SPECS-kernels kernels-small}; do
   md="$out/ptxstate-twins${spec#kernels}.md"
   set +e
   "$work/twin_harness" "$here/$spec.spec" "$work" "$md" --runs "${PTXSTATE_RUNS:-15}" \

@@ -50,11 +50,17 @@ static std::string gKernel = "(setup)", gPhase = "";
     }                                                                             \
   } while (0)
 
-struct Ctl {  // == struct ptxmig_ctl (version 2)
+struct Ctl {  // == struct ptxmig_ctl (version 3; a version-2 twin reads the first 64 bytes)
   uint64_t next_block, total_blocks, blocks_done;
   uint32_t grid_x, grid_y, grid_z, preempt, status, magic, version, batch_max, batch_min, batch_div;
+  uint64_t save_area;
+  uint32_t record_bytes, saved, resume_count, resume_cursor;
+  uint64_t resume_area;
+  uint32_t save_capacity, force_visit;
+  uint64_t reserved;
 };
-static_assert(sizeof(Ctl) == 64, "control block size");
+static_assert(sizeof(Ctl) == 112, "control block size");
+static_assert(offsetof(Ctl, save_area) == 64 && offsetof(Ctl, resume_area) == 88 && offsetof(Ctl, force_visit) == 100, "v3 layout");
 static_assert(offsetof(Ctl, preempt) == 36 && offsetof(Ctl, batch_max) == 52 && offsetof(Ctl, batch_div) == 60, "control block layout");
 static const size_t kOffPreempt = 36;
 
@@ -216,13 +222,18 @@ int main(int argc, char **argv) {
   }
   int runs = 20, preemptRuns = 3;
   uint64_t seed = 20240601;
-  std::string only, tuneArg = "1,1,1;1,16,4;4,32,4";
+  std::string only, tuneArg = "1,1,1;1,16,4;4,32,4", v2dir, forceArg = "1,2,3,5,8,13,21";
+  bool mid = false, varyW = true, verbose = getenv("TWIN_HARNESS_VERBOSE") != nullptr;
   for (int i = 4; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--runs")) runs = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--preempt-runs")) preemptRuns = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--seed")) seed = strtoull(argv[i + 1], nullptr, 0);
     else if (!strcmp(argv[i], "--only")) only = argv[i + 1];
     else if (!strcmp(argv[i], "--tune")) tuneArg = argv[i + 1];
+    else if (!strcmp(argv[i], "--mid")) mid = atoi(argv[i + 1]) != 0;
+    else if (!strcmp(argv[i], "--v2dir")) v2dir = argv[i + 1];
+    else if (!strcmp(argv[i], "--force")) forceArg = argv[i + 1];
+    else if (!strcmp(argv[i], "--vary-ctas")) varyW = atoi(argv[i + 1]) != 0;
     else { fprintf(stderr, "unknown flag %s\n", argv[i]); return 2; }
   }
   if ((argc - 4) % 2 != 0) { fprintf(stderr, "flag %s needs a value\n", argv[argc - 1]); return 2; }
@@ -272,7 +283,7 @@ int main(int argc, char **argv) {
   int failures = 0;
   std::vector<double> ratios;
   std::vector<std::vector<double>> tuneRatios(tunes.size());
-  std::string tuneRows;
+  std::string tuneRows, midRows;
 
   for (auto &c : cases) {
     if (!only.empty() && c.kernel != only) continue;
@@ -323,13 +334,56 @@ int main(int argc, char **argv) {
     h0.total_blocks = total;
     h0.grid_x = c.grid[0]; h0.grid_y = c.grid[1]; h0.grid_z = c.grid[2];
     h0.magic = 0x4d585450u; h0.version = 2;  // batch_* = 0: the twin's default claim sizes
+    // Mid-block twins (--mid 1): the record layout the module carries, two save areas, version 3.
+    uint32_t midDesc[5] = {0, 0, 0, 0, 0};  // {format 2, register slots, static shared, sites, local bytes}
+    bool hasMid = false;
+    CUdeviceptr areaA = 0, areaB = 0;
+    uint32_t recBytes = 0, cap = 0;
+    if (mid) {
+      CUdeviceptr dd;
+      size_t dsz = 0;
+      if (cuModuleGetGlobal(&dd, &dsz, mod, ("__ptxmig_mid_" + c.kernel).c_str()) == CUDA_SUCCESS && dsz == 20) {
+        CK(cuMemcpyDtoH(midDesc, dd, 20));
+        hasMid = midDesc[0] == 2;
+      }
+      if (hasMid) {
+        // 64 + (8 x slots + local) x threads + static shared + dynamic shared (counted even when the kernel
+        // saves none: a larger record is harmless), rounded to 16
+        uint64_t rb = (64 + (8ull * midDesc[1] + midDesc[4]) * threads + midDesc[2] + c.smem + 15) & ~15ull;
+        recBytes = (uint32_t)rb;
+        cap = 2 * workers + 64;
+        CK(cuMemAlloc(&areaA, (size_t)cap * recBytes));
+        CK(cuMemAlloc(&areaB, (size_t)cap * recBytes));
+        h0.version = 3;
+        h0.save_area = areaA;
+        h0.record_bytes = recBytes;
+        h0.save_capacity = cap;
+      }
+    }
+    // Between two launches of a mid-block twin: the records one launch saved are resumed by the
+    // next, from the other area (the areas swap), and the flag is lowered.
+    uint64_t records = 0;
+    auto prepRelaunch = [&](Ctl cur) {
+      if (!hasMid) return;
+      uint32_t n = std::min(cur.saved, cur.save_capacity);
+      records += n;
+      cur.resume_area = cur.save_area;
+      cur.resume_count = n;
+      cur.resume_cursor = 0;
+      cur.save_area = cur.save_area == areaA ? areaB : areaA;
+      cur.saved = 0;
+      cur.preempt = 0;
+      CK(cuMemcpyHtoD(dctl, &cur, sizeof cur));
+    };
+    auto finished = [&](const Ctl &h) { return hasMid ? h.blocks_done >= total : h.next_block >= total; };
     auto launchOrig = [&]() {
       CK(cuLaunchKernel(orig, c.grid[0], c.grid[1], c.grid[2], c.block[0], c.block[1], c.block[2], c.smem, s, args.data(), nullptr));
     };
     auto resetCtl = [&]() { CK(cuMemcpyHtoDAsync(dctl, &h0, sizeof h0, s)); };
-    auto launchTwin = [&]() {
-      CK(cuLaunchKernel(twin, workers, 1, 1, c.block[0], c.block[1], c.block[2], c.smem, s, targs.data(), nullptr));
+    auto launchTwinW = [&](unsigned w) {
+      CK(cuLaunchKernel(twin, w, 1, 1, c.block[0], c.block[1], c.block[2], c.smem, s, targs.data(), nullptr));
     };
+    auto launchTwin = [&]() { launchTwinW(workers); };
     auto readCtl = [&]() { Ctl h; CK(cuStreamSynchronize(s)); CK(cuMemcpyDtoH(&h, dctl, sizeof h)); return h; };
 
     // 1. reference
@@ -396,14 +450,99 @@ int main(int argc, char **argv) {
           if (cuEventElapsedTime(&ms, eflag, e1) == CUDA_SUCCESS && ms >= 0) lat.push_back(ms * 1000.0);
           preemptions++;
         }
-        if (after.next_block >= total) {
+        if (finished(after)) {
           if (after.blocks_done != total) { preemptOK = false; why = "blocks_done != total after the final launch"; }
           break;
         }
+        prepRelaunch(after);
         CK(cuMemsetD32Async(dctl + kOffPreempt, 0, 1, s));
         if (launches > 100000) { preemptOK = false; why = "no progress"; break; }
       }
       if (preemptOK && !compareOutputs(c, ref, why)) preemptOK = false;
+    }
+    uint64_t preemptRecords = records;
+    // 3b. Mid-block: every CTA forced to stop at its v-th site vote of each of the first four launches, relaunched
+    // with other CTA counts (all, a third, a half), until every block is done; bit for bit again.
+    bool forceOK = true;
+    uint64_t forcedRecords = 0;
+    int forcedLaunches = 0;
+    std::string forceList;
+    if (hasMid) {
+      gPhase = "twin, forced mid-block stops";
+      records = 0;
+      std::istringstream fs(forceArg);
+      std::string item;
+      while (forceOK && std::getline(fs, item, ',')) {
+        unsigned v = (unsigned)strtoul(item.c_str(), nullptr, 10);
+        if (v == 0) continue;
+        forceList += (forceList.empty() ? "" : ",") + item;
+        resetBuffers(c, s);
+        Ctl hf = h0;
+        hf.force_visit = v;
+        CK(cuMemcpyHtoDAsync(dctl, &hf, sizeof hf, s));
+        for (int l = 0;; l++) {
+          unsigned w = !varyW ? workers : l % 3 == 1 ? std::max(1u, workers / 3) : l % 3 == 2 ? workers / 2 + 1 : workers;
+          launchTwinW(w);
+          forcedLaunches++;
+          Ctl a = readCtl();
+          if (verbose && (l < 8 || l % 10000 == 0))
+            printf("  forced %u launch %d ctas %u: next_block %llu blocks_done %llu saved %u resume %u/%u status %u\n", v, l, w,
+                   (unsigned long long)a.next_block, (unsigned long long)a.blocks_done, a.saved, a.resume_cursor, a.resume_count, a.status);
+          if (a.blocks_done >= total) {
+            if (a.blocks_done != total) { forceOK = false; why = "forced: blocks_done " + std::to_string(a.blocks_done) + " > total"; }
+            break;
+          }
+          // Forced stops in the first four launches only: a record advances by one stretch
+          // between votes per launch, so forcing every launch takes (votes per block) launches.
+          if (l >= 3) a.force_visit = 0;
+          prepRelaunch(a);
+          if (l > 100000) { forceOK = false; why = "forced: no progress"; break; }
+        }
+        if (forceOK && !compareOutputs(c, ref, why)) { forceOK = false; why = "forced visit " + item + ": " + why; }
+      }
+      forcedRecords = records;
+      if (forceOK && forcedRecords == 0) { forceOK = false; why = "forced: no CTA stopped mid-block"; }
+    }
+    // 4b. The block-granular twin of the same kernel (--v2dir: the module instrumented without
+    // --mid-block), timed in the same run with a version-2 control block.
+    double mv2 = NAN;
+    CUmodule mod2 = nullptr;
+    if (hasMid && !v2dir.empty()) {
+      gPhase = "v2 twin";
+      std::ifstream f2(v2dir + "/" + c.file, std::ios::binary);
+      std::string ptx2((std::istreambuf_iterator<char>(f2)), std::istreambuf_iterator<char>());
+      CUfunction twin2;
+      if (!ptx2.empty() && cuModuleLoadDataEx(&mod2, ptx2.c_str(), 0, nullptr, nullptr) == CUDA_SUCCESS &&
+          cuModuleGetFunction(&twin2, mod2, (c.kernel + "__ptxmig").c_str()) == CUDA_SUCCESS) {
+        int per2 = 0;
+        CK(cuOccupancyMaxActiveBlocksPerMultiprocessor(&per2, twin2, threads, c.smem));
+        unsigned w2 = (unsigned)std::min<uint64_t>(total, (uint64_t)std::max(per2, 1) * sms);
+        Ctl h2 = h0;
+        h2.version = 2;
+        std::vector<double> t2;
+        for (int r = 0; r < runs; r++) {
+          float ms;
+          CK(cuMemcpyHtoDAsync(dctl, &h2, sizeof h2, s));
+          CK(cuEventRecord(e0, s));
+          CK(cuLaunchKernel(twin2, w2, 1, 1, c.block[0], c.block[1], c.block[2], c.smem, s, targs.data(), nullptr));
+          CK(cuEventRecord(e1, s));
+          CK(cuEventSynchronize(e1)); CK(cuEventElapsedTime(&ms, e0, e1)); t2.push_back(ms);
+        }
+        mv2 = median(t2);
+      }
+    }
+    if (hasMid) {
+      char mrow[512];
+      snprintf(mrow, sizeof mrow, "| %s | %u | %u | %u | %u | %s | %s (%s; %llu records, %d launches) | %s (%llu records) | %.3f | %.3f | %.3f | %.3f | %.3f | %.1f / %.1f |\n",
+               c.kernel.c_str(), midDesc[3], midDesc[1], recBytes, workers, straight ? "ok" : "MISMATCH", forceOK ? "ok" : "MISMATCH",
+               forceList.c_str(), (unsigned long long)forcedRecords, forcedLaunches, preemptOK ? "ok" : "MISMATCH",
+               (unsigned long long)preemptRecords, mo, mv2, mt, mt / mv2, mt / mo, pct(lat, 0.5), pct(lat, 0.99));
+      midRows += mrow;
+      if (!forceOK) failures++;
+      printf("%-40s mid-block: forced=%s (%llu records) preempted records=%llu v2=%.3fms v3=%.3fms x%.3f of v2 %s\n", c.kernel.c_str(),
+             forceOK ? "ok" : "MISMATCH", (unsigned long long)forcedRecords, (unsigned long long)preemptRecords, mv2, mt, mt / mv2, why.c_str());
+    } else if (mid) {
+      printf("%-40s no mid-block twin (no eligible site): block-granular only\n", c.kernel.c_str());
     }
     // 5. claim-size sweep: same launches with explicit tuning fields, checked and timed.
     char head[256];
@@ -452,6 +591,9 @@ int main(int argc, char **argv) {
       printf("%-40s warning: no launch was actually preempted\n", c.kernel.c_str());
     }
     gPhase = "cleanup";
+    if (areaA) CK(cuMemFree(areaA));
+    if (areaB) CK(cuMemFree(areaB));
+    if (mod2) CK(cuModuleUnload(mod2));
     for (auto &q : c.params) {
       if (q.dev) CK(cuMemFree(q.dev));
       if (q.devInit) CK(cuMemFree(q.devInit));
@@ -474,6 +616,12 @@ int main(int argc, char **argv) {
       fprintf(out, " | %.3f", rs.empty() ? NAN : std::exp(tg / rs.size()));
     }
     fprintf(out, " |\n");
+  }
+  if (!midRows.empty()) {
+    fprintf(out, "\nMid-block twins (control block v3; forced: every CTA stops at its N-th site vote in each of the first four launches, relaunched on all, a third and a half of the CTAs; "
+                 "preempted: the flag raised at random moments; times: median of %d, no stop):\n\n"
+                 "| kernel | sites | register slots | record bytes | twin CTAs | straight | forced | preempted | original ms | v2 twin ms | v3 twin ms | v3/v2 | v3/original | preempt latency p50/p99 us |\n"
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n%s", runs, midRows.c_str());
   }
   printf("geomean slowdown %.3f over %zu kernels; failures %d\n", g, ratios.size(), failures);
   fclose(out);

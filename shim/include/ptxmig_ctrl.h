@@ -64,4 +64,37 @@ _Static_assert(offsetof(struct ptxmig_ctl, batch_max) == PTXMIG_CTL_OFF_BATCH_MA
 _Static_assert(offsetof(struct ptxmig_ctl, batch_min) == PTXMIG_CTL_OFF_BATCH_MIN, "batch_min offset");
 _Static_assert(offsetof(struct ptxmig_ctl, batch_div) == PTXMIG_CTL_OFF_BATCH_DIV, "batch_div offset");
 
+/* Version 3: mid-block save and resume (twins from `ptxmig ptx instrument --mid-block`;
+ * docs/PTXSTATE.md, "Mid-block safe points"). A v3 twin reads past the v2 fields only when
+ * version >= 3, so it also runs with a v2 block (no mid-block stops). The shim launches v2
+ * blocks only, for now. */
+#define PTXMIG_CTL_VERSION_MID_BLOCK 3u
+#define PTXMIG_RECORD_MAGIC 0x52585450u /* "PTXR" */
+#define PTXMIG_CTL_OFF_SAVE_AREA 64
+#define PTXMIG_CTL_OFF_RECORD_BYTES 72
+#define PTXMIG_CTL_OFF_SAVED 76
+#define PTXMIG_CTL_OFF_RESUME_COUNT 80
+#define PTXMIG_CTL_OFF_RESUME_CURSOR 84
+#define PTXMIG_CTL_OFF_RESUME_AREA 88
+#define PTXMIG_CTL_OFF_SAVE_CAPACITY 96
+#define PTXMIG_CTL_OFF_FORCE_VISIT 100
+#define PTXMIG_CTL_SIZE_V3 112
+
+struct ptxmig_ctl_v3 {
+  struct ptxmig_ctl v2;
+  uint64_t save_area;      /* 64: records this launch writes (0: no mid-block stops) */
+  uint32_t record_bytes;   /* 72: bytes per record */
+  uint32_t saved;          /* 76: records reserved by this launch (may pass save_capacity) */
+  uint32_t resume_count;   /* 80: records to resume */
+  uint32_t resume_cursor;  /* 84: next record to take */
+  uint64_t resume_area;    /* 88: the records to resume (the last launch's save area) */
+  uint32_t save_capacity;  /* 96: records save_area holds */
+  uint32_t force_visit;    /* 100: test hook: stop at the N-th site vote of each CTA (0: never) */
+  uint64_t reserved;       /* 104 */
+};
+
+_Static_assert(sizeof(struct ptxmig_ctl_v3) == PTXMIG_CTL_SIZE_V3, "ptxmig_ctl_v3 size");
+_Static_assert(offsetof(struct ptxmig_ctl_v3, resume_area) == PTXMIG_CTL_OFF_RESUME_AREA, "resume_area offset");
+_Static_assert(offsetof(struct ptxmig_ctl_v3, force_visit) == PTXMIG_CTL_OFF_FORCE_VISIT, "force_visit offset");
+
 #endif
