@@ -211,7 +211,7 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 	L := func(n string) string { return labelPrefix + n }
 	sh := func(off int) string { return fmt.Sprintf("[%s+%d]", rSlot, off) }
 	ctl := func(off int) string { return fmt.Sprintf("[%s+%d]", rCtl, off) }
-	loadCtl := []string{"ld.param.u64 \t" + rCtl + ", [" + CtlParam + "];", "cvta.to.global.u64 \t" + rCtl + ", " + rCtl + ";"}
+	loadCtl := loadCtlLines()
 	// claim (leader only): unless the flag is set or no block is left after rCur, issue
 	// atom.add(next_block, G) into rPend (not waited for here) and record G; else rPend = ~0.
 	// With mayDefer (the claim kept in flight during a batch), a claim in the last wave (at most
