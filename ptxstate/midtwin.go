@@ -312,7 +312,7 @@ func (p *midPlan) vote(id int, barID string, aligned bool, L func(string) string
 // barrier and, for the leader, waits for the flag it loaded at the previous vote: polling keeps
 // both off the common path (a barrier-dense loop on an H100 ran 3.8x slower voting at every
 // barrier).
-func (p *midPlan) count(id, every int, skip string) []string {
+func (p *midPlan) count(every int, skip string) []string {
 	return []string{
 		"add.u32 \t" + mPoll + ", " + mPoll + ", 1;",
 		fmt.Sprintf("setp.lt.u32 \t%s, %s, %d;", qT, mPoll, every),
@@ -324,7 +324,7 @@ func (p *midPlan) count(id, every int, skip string) []string {
 
 // poll is a loop site: a vote every PollEvery site visits.
 func (p *midPlan) poll(id, every int, aligned bool, L func(string) string) []string {
-	return append(p.count(id, every, L(fmt.Sprintf("at%d", id))), p.vote(id, "0", aligned, L)...)
+	return append(p.count(every, L(fmt.Sprintf("at%d", id))), p.vote(id, "0", aligned, L)...)
 }
 
 // copyLoop copies n bytes (a constant, or the register nReg when nReg != "") in units of unit

@@ -375,12 +375,7 @@ func TestAssemble(t *testing.T) {
 		}
 		for _, arch := range []string{"sm_80", "sm_90"} {
 			t.Run(filepath.Base(path)+"/"+arch, func(t *testing.T) {
-				if err := assemble(t, ptxas, arch, lowerFor(src, arch)); err != nil {
-					t.Skipf("the original, lowered to ISA 8.4/%s, does not assemble here (newer feature): %v", arch, err)
-				}
-				if err := assemble(t, ptxas, arch, lowerFor(out.Bytes(), arch)); err != nil {
-					t.Fatalf("instrumented module does not assemble: %v", err)
-				}
+				assembleBoth(t, ptxas, arch, src, out.Bytes())
 				for _, k := range rep.Kernels {
 					if k.Eligible {
 						twins++
@@ -391,6 +386,19 @@ func TestAssemble(t *testing.T) {
 	}
 	if twins == 0 {
 		t.Fatal("no twin was assembled")
+	}
+}
+
+// assembleBoth assembles the original src (lowered for arch), skipping the test when that fails
+// (a feature newer than the local ptxas), then the instrumented module, failing the test if it
+// does not assemble.
+func assembleBoth(t *testing.T, ptxas, arch string, src, instrumented []byte) {
+	t.Helper()
+	if err := assemble(t, ptxas, arch, lowerFor(src, arch)); err != nil {
+		t.Skipf("the original, lowered to ISA 8.4/%s, does not assemble here (newer feature): %v", arch, err)
+	}
+	if err := assemble(t, ptxas, arch, lowerFor(instrumented, arch)); err != nil {
+		t.Fatalf("instrumented module does not assemble: %v", err)
 	}
 }
 

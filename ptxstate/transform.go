@@ -209,8 +209,6 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 		}
 	}
 	L := func(n string) string { return labelPrefix + n }
-	sh := func(off int) string { return fmt.Sprintf("[%s+%d]", rSlot, off) }
-	ctl := func(off int) string { return fmt.Sprintf("[%s+%d]", rCtl, off) }
 	loadCtl := loadCtlLines()
 	// claim (leader only): unless the flag is set or no block is left after rCur, issue
 	// atom.add(next_block, G) into rPend (not waited for here) and record G; else rPend = ~0.
@@ -220,10 +218,10 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 	// would take a block that an idle CTA could start now (a one-wave grid ran in two waves).
 	claim := func(id string, mayDefer bool) {
 		emit(
-			"ld.shared.u64 \t"+rT64a+", "+sh(shTotal)+";",
+			"ld.shared.u64 \t"+rT64a+", "+shAt(shTotal)+";",
 			"setp.lt.u64 \t"+pC+", "+rCur+", "+rT64a+";",
 			"setp.ne.and.u32 \t"+pS+", "+rFlag+", 0, "+pC+";",
-			fmt.Sprintf("@%s red.global.or.b32 \t%s, %d;", pS, ctl(CtlOffStatus), CtlStatusPreempted),
+			fmt.Sprintf("@%s red.global.or.b32 \t%s, %d;", pS, ctlAt(CtlOffStatus), CtlStatusPreempted),
 			"setp.eq.and.u32 \t"+pC+", "+rFlag+", 0, "+pC+";",
 			"mov.u64 \t"+rPend+", -1;",
 			"mov.u64 \t"+rG+", 0;",
@@ -233,7 +231,7 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 			"// the last wave (a one-wave grid claimed in pairs would run in two waves)",
 			"sub.u64 \t"+rT64a+", "+rT64a+", "+rCur+";",
 			"cvt.rn.f32.u64 \t"+rF+", "+rT64a+";",
-			"ld.shared.f32 \t"+rF2+", "+sh(shInvCtas)+";",
+			"ld.shared.f32 \t"+rF2+", "+shAt(shInvCtas)+";",
 			"mul.f32 \t"+rF2+", "+rF+", "+rF2+";",
 			"cvt.rpi.u32.f32 \t"+rAddr+", "+rF2+";",
 		)
@@ -245,18 +243,18 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 			)
 		}
 		emit(
-			"ld.shared.f32 \t"+rF2+", "+sh(shInvDiv)+";",
+			"ld.shared.f32 \t"+rF2+", "+shAt(shInvDiv)+";",
 			"mul.f32 \t"+rF+", "+rF+", "+rF2+";",
-			"ld.shared.v2.u32 \t{"+rTmp+", "+rTmp2+"}, "+sh(shMin)+";",
+			"ld.shared.v2.u32 \t{"+rTmp+", "+rTmp2+"}, "+shAt(shMin)+";",
 			"cvt.rn.f32.u32 \t"+rF2+", "+rTmp2+";",
 			"min.f32 \t"+rF+", "+rF+", "+rF2+";",
 			"cvt.rzi.u32.f32 \t"+rTmp2+", "+rF+";",
 			"max.u32 \t"+rTmp2+", "+rTmp2+", "+rTmp+";",
 			"min.u32 \t"+rTmp2+", "+rTmp2+", "+rAddr+";",
 			"cvt.u64.u32 \t"+rG+", "+rTmp2+";",
-			fmt.Sprintf("atom.global.add.u64 \t%s, %s, %s;", rPend, ctl(CtlOffNextBlock), rG),
+			fmt.Sprintf("atom.global.add.u64 \t%s, %s, %s;", rPend, ctlAt(CtlOffNextBlock), rG),
 			L("noclaim"+id)+":",
-			"st.shared.u64 \t"+sh(shPendG)+", "+rG+";",
+			"st.shared.u64 \t"+shAt(shPendG)+", "+rG+";",
 		)
 	}
 	emit(
@@ -271,10 +269,10 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 	}
 	emit(loadCtl...)
 	emit(
-		fmt.Sprintf("ld.global.u64 \t%s, %s;", rT64c, ctl(CtlOffTotalBlocks)),
-		fmt.Sprintf("ld.global.u32 \t%s, %s;", rGX, ctl(CtlOffGridX)),
-		fmt.Sprintf("ld.global.u32 \t%s, %s;", rGY, ctl(CtlOffGridY)),
-		fmt.Sprintf("ld.global.u32 \t%s, %s;", rGZ, ctl(CtlOffGridZ)),
+		fmt.Sprintf("ld.global.u64 \t%s, %s;", rT64c, ctlAt(CtlOffTotalBlocks)),
+		fmt.Sprintf("ld.global.u32 \t%s, %s;", rGX, ctlAt(CtlOffGridX)),
+		fmt.Sprintf("ld.global.u32 \t%s, %s;", rGY, ctlAt(CtlOffGridY)),
+		fmt.Sprintf("ld.global.u32 \t%s, %s;", rGZ, ctlAt(CtlOffGridZ)),
 		"setp.le.u64 \t"+pFits32+", "+rT64c+", 4294967295;",
 		"cvt.u64.u32 \t"+rT64a+", "+rGX+";",
 		"setp.eq.u64 \t"+pOneDim+", "+rT64a+", "+rT64c+";",
@@ -293,18 +291,18 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 	emit(
 		"@!"+pLead+" bra \t"+L("claim")+";",
 		"// leader: resolve the claim tuning, then make the first claim (waited for at the first publish)",
-		fmt.Sprintf("ld.volatile.global.u32 \t%s, %s;", rFlag, ctl(CtlOffPreempt)),
-		fmt.Sprintf("ld.volatile.global.u64 \t%s, %s;", rCur, ctl(CtlOffNextBlock)),
-		"st.shared.u64 \t"+sh(shTotal)+", "+rT64c+";",
-		fmt.Sprintf("ld.global.u32 \t%s, %s;", rTmp, ctl(CtlOffBatchMin)),
+		fmt.Sprintf("ld.volatile.global.u32 \t%s, %s;", rFlag, ctlAt(CtlOffPreempt)),
+		fmt.Sprintf("ld.volatile.global.u64 \t%s, %s;", rCur, ctlAt(CtlOffNextBlock)),
+		"st.shared.u64 \t"+shAt(shTotal)+", "+rT64c+";",
+		fmt.Sprintf("ld.global.u32 \t%s, %s;", rTmp, ctlAt(CtlOffBatchMin)),
 		"setp.eq.u32 \t"+pT+", "+rTmp+", 0;",
 		fmt.Sprintf("@%s mov.u32 \t%s, %d;", pT, rTmp, DefaultBatchMin),
-		fmt.Sprintf("ld.global.u32 \t%s, %s;", rTmp2, ctl(CtlOffBatchMax)),
+		fmt.Sprintf("ld.global.u32 \t%s, %s;", rTmp2, ctlAt(CtlOffBatchMax)),
 		"setp.eq.u32 \t"+pT+", "+rTmp2+", 0;",
 		fmt.Sprintf("@%s mov.u32 \t%s, %d;", pT, rTmp2, DefaultBatchMax),
 		"max.u32 \t"+rTmp2+", "+rTmp2+", "+rTmp+";",
-		"st.shared.v2.u32 \t"+sh(shMin)+", {"+rTmp+", "+rTmp2+"};",
-		fmt.Sprintf("ld.global.u32 \t%s, %s;", rTmp, ctl(CtlOffBatchDiv)),
+		"st.shared.v2.u32 \t"+shAt(shMin)+", {"+rTmp+", "+rTmp2+"};",
+		fmt.Sprintf("ld.global.u32 \t%s, %s;", rTmp, ctlAt(CtlOffBatchDiv)),
 		"setp.eq.u32 \t"+pT+", "+rTmp+", 0;",
 		fmt.Sprintf("@%s mov.u32 \t%s, %d;", pT, rTmp, DefaultBatchDiv),
 		"mov.u32 \t"+rTmp2+", %nctaid.x;",
@@ -315,12 +313,12 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 		"mul.wide.u32 \t"+rT64a+", "+rTmp+", "+rTmp2+";",
 		"cvt.rn.f32.u64 \t"+rF+", "+rT64a+";",
 		"rcp.rn.f32 \t"+rF+", "+rF+";",
-		"st.shared.f32 \t"+sh(shInvDiv)+", "+rF+";",
+		"st.shared.f32 \t"+shAt(shInvDiv)+", "+rF+";",
 		"cvt.rn.f32.u32 \t"+rF+", "+rTmp2+";",
 		"rcp.rn.f32 \t"+rF+", "+rF+";",
-		"st.shared.f32 \t"+sh(shInvCtas)+", "+rF+";",
+		"st.shared.f32 \t"+shAt(shInvCtas)+", "+rF+";",
 		"mov.u64 \t"+rT64a+", 0;",
-		"st.shared.u64 \t"+sh(shDone)+", "+rT64a+";",
+		"st.shared.u64 \t"+shAt(shDone)+", "+rT64a+";",
 	)
 	if mid != nil {
 		emit(mid.leaderPrologue(L("claim"))...)
@@ -345,8 +343,8 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 	emit(
 		L("ready")+":",
 		"// leader: publish the claim in flight as {base, end}; an empty batch (base == end) ends the CTA",
-		"ld.shared.u64 \t"+rT64a+", "+sh(shTotal)+";",
-		"ld.shared.u64 \t"+rG+", "+sh(shPendG)+";",
+		"ld.shared.u64 \t"+rT64a+", "+shAt(shTotal)+";",
+		"ld.shared.u64 \t"+rG+", "+shAt(shPendG)+";",
 		"add.u64 \t"+rCur+", "+rPend+", "+rG+";",
 		"min.u64 \t"+rCur+", "+rCur+", "+rT64a+";",
 		"min.u64 \t"+rVB+", "+rPend+", "+rCur+";",
@@ -386,10 +384,10 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 		emit("mov.u32 \t"+mB+", 0;", "st.shared.u32 \t["+rAddr+"+28], "+mB+";")
 	}
 	emit(
-		"ld.shared.u64 \t"+rT64a+", "+sh(shDone)+";",
+		"ld.shared.u64 \t"+rT64a+", "+shAt(shDone)+";",
 		"sub.u64 \t"+rT64b+", "+rCur+", "+rVB+";",
 		"add.u64 \t"+rT64a+", "+rT64a+", "+rT64b+";",
-		"st.shared.u64 \t"+sh(shDone)+", "+rT64a+";",
+		"st.shared.u64 \t"+shAt(shDone)+", "+rT64a+";",
 		"// leader: keep one claim in flight, from the end of the batch just published (none once",
 		"// the batch is empty: rCur == total); the atom's result is waited for at the next publish",
 	)
@@ -424,7 +422,7 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 		"setp.eq.and.u32 \t"+pT+", "+rCnt+", 1, "+pLead+";",
 		"@"+pT+" ld.param.u64 \t"+rCtl+", ["+CtlParam+"];",
 		"@"+pT+" cvta.to.global.u64 \t"+rCtl+", "+rCtl+";",
-		fmt.Sprintf("@%s ld.volatile.global.u32 \t%s, %s;", pT, rFlag, ctl(CtlOffPreempt)),
+		fmt.Sprintf("@%s ld.volatile.global.u32 \t%s, %s;", pT, rFlag, ctlAt(CtlOffPreempt)),
 		L("body")+":",
 		"// ptxmig: original body",
 	)
@@ -466,7 +464,7 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 			} else {
 				// Every PollEvery-th visit the site's barrier becomes the vote (itself a barrier
 				// with the same operand); the other visits keep the barrier as it is.
-				emit(mid.count(id, site.PollEvery, L(fmt.Sprintf("plain%d", id)))...)
+				emit(mid.count(site.PollEvery, L(fmt.Sprintf("plain%d", id)))...)
 				emit(mid.vote(id, barOperand(s), siteAligned(s), L)...)
 				emit("bra.uni \t"+L(fmt.Sprintf("at%d", id))+";", L(fmt.Sprintf("plain%d", id))+":")
 				body = append(body, &ns)
@@ -504,13 +502,13 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 		"bra \t"+L("block")+";",
 		L("exit")+":",
 		"@!"+pLead+" bra \t"+L("ret")+";",
-		"ld.shared.u64 \t"+rT64a+", "+sh(shDone)+";",
+		"ld.shared.u64 \t"+rT64a+", "+shAt(shDone)+";",
 		"setp.ne.u64 \t"+pT+", "+rT64a+", 0;",
 		"@!"+pT+" bra \t"+L("ret")+";",
 	)
 	emit(loadCtl...)
 	emit(
-		fmt.Sprintf("red.global.add.u64 \t%s, %s;", ctl(CtlOffBlocksDone), rT64a),
+		fmt.Sprintf("red.global.add.u64 \t%s, %s;", ctlAt(CtlOffBlocksDone), rT64a),
 		L("ret")+":",
 		"ret;",
 	)
