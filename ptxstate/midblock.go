@@ -232,14 +232,7 @@ func midBlockSites(kr *KernelReport, g *CFG, after []bitset, uni *uniformity, bo
 // checks each: every exit branch of the loop must be CTA-uniform (same trip count everywhere).
 func loopSites(g *CFG, after []bitset, uni *uniformity, check func(*MidBlockSite, bitset, bool, []string)) []MidBlockSite {
 	f := g.Fn
-	headers := map[int]int{} // header → its last latch
-	for _, b := range g.Blocks {
-		for _, h := range b.Succs {
-			if h <= b.ID && h < len(g.Blocks) {
-				headers[h] = max(headers[h], b.ID)
-			}
-		}
-	}
+	headers := layoutLoops(g)
 	var out []MidBlockSite
 	for h, latch := range headers {
 		barrier, divergentExit := false, false
@@ -263,11 +256,8 @@ func loopSites(g *CFG, after []bitset, uni *uniformity, check func(*MidBlockSite
 		if barrier {
 			continue // its barriers are the sites (a call may hide one)
 		}
-		start := g.Blocks[h].Start
-		for start < g.Blocks[h].End && f.Body[start].Kind != StInstr {
-			start++
-		}
-		if start >= g.Blocks[h].End {
+		start := firstInstr(g, h)
+		if start < 0 {
 			continue
 		}
 		site := MidBlockSite{Line: f.Body[start].Line, Kind: "loop", Op: "loop header", idx: start, PollEvery: pollEvery(instrs)}
@@ -289,6 +279,31 @@ func loopSites(g *CFG, after []bitset, uni *uniformity, check func(*MidBlockSite
 		out = append(out, site)
 	}
 	return out
+}
+
+// layoutLoops maps each loop header to its last latch: a branch from block b back to block h
+// (h <= b in layout order) closes a loop whose blocks are h..latch (nvcc lays loops out
+// contiguously).
+func layoutLoops(g *CFG) map[int]int {
+	headers := map[int]int{}
+	for _, b := range g.Blocks {
+		for _, h := range b.Succs {
+			if h <= b.ID && h < len(g.Blocks) {
+				headers[h] = max(headers[h], b.ID)
+			}
+		}
+	}
+	return headers
+}
+
+// firstInstr is the body index of block b's first instruction, -1 when it has none.
+func firstInstr(g *CFG, b int) int {
+	for k := g.Blocks[b].Start; k < g.Blocks[b].End; k++ {
+		if g.Fn.Body[k].Kind == StInstr {
+			return k
+		}
+	}
+	return -1
 }
 
 // pollTarget is about how many instructions a thread runs between two votes of a loop site: a
@@ -327,8 +342,10 @@ func saveType(t string) string {
 }
 
 // barrierPollEvery is how many site visits pass between two votes at a barrier site in block b:
-// 1 outside loops (the barrier runs once per block), else pollEvery of the innermost loop's
-// instructions per barrier in it (the site counter counts every site's visits).
+// pollEvery of the instructions per barrier of the innermost loop around it, or, outside loops,
+// of the whole body (the site counter counts every site's visits and runs on across the blocks
+// a CTA runs: a kernel whose short blocks voted at each of their barriers ran 1.7-3.8x slower
+// than its block-granular twin on an H100).
 func barrierPollEvery(g *CFG, b int) int {
 	bestH, bestL := -1, -1
 	for _, bl := range g.Blocks {
@@ -339,7 +356,7 @@ func barrierPollEvery(g *CFG, b int) int {
 		}
 	}
 	if bestH < 0 {
-		return 1
+		bestH, bestL = 0, len(g.Blocks)-1
 	}
 	instrs, bars := 0, 0
 	for x := bestH; x <= bestL; x++ {

@@ -68,6 +68,23 @@ type midPlan struct {
 	local   midShared // the .local depot (name "" when none)
 	dyn     string    // an extern shared array of the kernel, "" when it uses none
 	loops   bool
+	// Resume enters a site through the header of every loop that encloses it, outermost first:
+	// the twin's block loop (L("block")), then the body's loops (heads: the headers that enclose a
+	// site; chain[id]: site id's, outer to inner), so that every loop keeps its header as its
+	// only entry. A jump from the resume code straight into a loop's body makes the loop
+	// irreducible, and ptxas 13 then compiled the twin of cuda-samples' fwtBatch1Kernel
+	// (non-aligned barrier.sync in a loop) into wrong results even in runs that never resumed
+	// (H100, 2026-11-27).
+	heads   []midHead
+	headAt  map[int]int // body index of a header's first instruction -> index in heads
+	labelAt map[int]int // body index of a header block's first statement (its label) -> index in heads
+	chain   [][]int
+}
+
+// midHead is a loop header that encloses sites: the resume dispatch at its top leads to them.
+type midHead struct {
+	start int   // body index of its first instruction
+	sites []int // the site ids it encloses
 }
 
 // planMidBlock returns the rewrite plan of a kernel, nil when it has no eligible site.
@@ -88,6 +105,7 @@ func (a *analyzer) planMidBlock(f *Function, kr *KernelReport, info *kernelInfo)
 		return nil
 	}
 	p.layout.Sites = len(p.sites)
+	p.planResume()
 	vars := map[string]moduleVar{}
 	for n := range info.shared {
 		vars[n] = a.vars[n]
@@ -134,12 +152,110 @@ func (a *analyzer) planMidBlock(f *Function, kr *KernelReport, info *kernelInfo)
 	return p
 }
 
+// planResume finds, for every site, the loops that enclose it (a layout interval header..latch
+// holding the site's block), outermost first.
+func (p *midPlan) planResume() {
+	type loop struct{ h, latch int }
+	var loops []loop
+	for h, latch := range layoutLoops(p.g) {
+		loops = append(loops, loop{h, latch})
+	}
+	sort.Slice(loops, func(a, b int) bool {
+		if loops[a].h != loops[b].h {
+			return loops[a].h < loops[b].h
+		}
+		return loops[a].latch > loops[b].latch
+	})
+	p.headAt, p.labelAt = map[int]int{}, map[int]int{}
+	p.chain = make([][]int, len(p.sites))
+	for id, s := range p.sites {
+		b := p.g.blockOf[s.idx]
+		for _, l := range loops {
+			if l.h > b || b > l.latch {
+				continue
+			}
+			start := firstInstr(p.g, l.h)
+			if start < 0 {
+				continue
+			}
+			k, ok := p.headAt[start]
+			if !ok {
+				k = len(p.heads)
+				p.headAt[start] = k
+				p.labelAt[p.g.Blocks[l.h].Start] = k
+				p.heads = append(p.heads, midHead{start: start})
+			}
+			p.heads[k].sites = append(p.heads[k].sites, id)
+			p.chain[id] = append(p.chain[id], k)
+		}
+	}
+}
+
+// headDispatch is what goes before body statement i: before a loop header's block, the label
+// the resume path enters it by (it falls into the header, so the header stays the loop's only
+// entry); before the header's first instruction, the dispatch: a resume in progress (qRes)
+// goes on towards its site, a normal iteration falls through.
+func (p *midPlan) headDispatch(i int, L func(string) string) []string {
+	if p == nil {
+		return nil
+	}
+	var out []string
+	if k, ok := p.labelAt[i]; ok {
+		out = append(out, L(fmt.Sprintf("lh%d", k))+":")
+	}
+	if k, ok := p.headAt[i]; ok {
+		out = append(out, "@"+qRes+" bra.uni \t"+L(fmt.Sprintf("hd%d", k))+";")
+	}
+	return out
+}
+
+// blockDispatch is the top of the twin's block loop: a resume in progress goes on towards its site.
+func blockDispatch(L func(string) string) string {
+	return "@" + qRes + " bra.uni \t" + L("hdb") + ";"
+}
+
+// resumeDispatch is the tail's part of the resume path: at the block loop's header (hdb) and at
+// each body loop header (hdK), the next hop of the site being resumed (mSite): the next inner
+// header, or the site itself (qRes cleared).
+func (p *midPlan) resumeDispatch(L func(string) string) []string {
+	all := make([]int, len(p.sites))
+	for id := range all {
+		all[id] = id
+	}
+	var out []string
+	hop := func(name string, k int, sites []int) {
+		out = append(out, L(name)+":")
+		var landings []string
+		for _, id := range sites {
+			c, next := p.chain[id], ""
+			for j := -1; j < len(c); j++ {
+				if (j < 0 && k < 0 || j >= 0 && c[j] == k) && j+1 < len(c) {
+					next = L(fmt.Sprintf("lh%d", c[j+1]))
+				}
+			}
+			if next == "" {
+				next = L(fmt.Sprintf("hz%s_%d", name[2:], id))
+				landings = append(landings, next+":", "mov.pred \t"+qRes+", 0;", "bra.uni \t"+L(fmt.Sprintf("at%d", id))+";")
+			}
+			out = append(out, fmt.Sprintf("setp.eq.u32 \t%s, %s, %d;", qT, mSite, id), "@"+qT+" bra.uni \t"+next+";")
+		}
+		out = append(out, "trap;")
+		out = append(out, landings...)
+	}
+	hop("hdb", -1, all)
+	for k, h := range p.heads {
+		hop(fmt.Sprintf("hd%d", k), k, h.sites)
+	}
+	return out
+}
+
 // Registers of the mid-block code (besides the scheduler's, transform.go).
 const (
 	qMid  = "%ptxmig_q0" // mid-block stops enabled (v3 block with a save area that fits): uniform
 	qV    = "%ptxmig_q1" // the leader's vote
 	qStop = "%ptxmig_q2" // the CTA's vote
 	qT    = "%ptxmig_q3"
+	qRes  = "%ptxmig_q4" // a resume is on its way to its site through the loop headers (uniform)
 	mA    = "%ptxmig_m0"
 	mB    = "%ptxmig_m1"
 	mC    = "%ptxmig_m2"
@@ -163,7 +279,7 @@ const (
 
 func (p *midPlan) decls() []string {
 	return []string{
-		".reg .pred \t%ptxmig_q<4>;",
+		".reg .pred \t%ptxmig_q<5>;",
 		".reg .b32 \t%ptxmig_m<13>;",
 		".reg .b64 \t%ptxmig_md<6>;",
 	}
@@ -195,7 +311,10 @@ func (p *midPlan) prologue() []string {
 	out := []string{
 		"// ptxmig: mid-block stops need a version-3 control block with a save area whose records fit",
 		"mov.u32 \t" + rFlag + ", 0;",
-		"mov.u32 \t" + mPoll + ", 0;",
+		"// the first site visit of a CTA votes (the counter starts past every poll interval):",
+		"// a CTA that runs fewer site visits than an interval can still stop inside its block",
+		fmt.Sprintf("mov.u32 \t%s, %d;", mPoll, firstVote),
+		"mov.pred \t" + qRes + ", 0;",
 		fmt.Sprintf("ld.global.u32 \t%s, %s;", mA, ctlAt(CtlOffVersion)),
 		fmt.Sprintf("setp.ge.u32 \t%s, %s, %d;", qMid, mA, CtlVersionMidBlock),
 		fmt.Sprintf("@%s ld.global.u64 \t%s, %s;", qMid, dA, ctlAt(CtlOffSaveArea)),
@@ -306,6 +425,9 @@ func (p *midPlan) vote(id int, barID string, aligned bool, L func(string) string
 		"@" + qStop + " bra.uni \t" + L(fmt.Sprintf("sv%d", id)) + ";",
 	}
 }
+
+// firstVote starts the poll counter of a CTA past the largest interval (pollEvery's 1024).
+const firstVote = 1 << 30
 
 // count counts a site visit (every thread: uniform) and branches to skip unless this visit votes:
 // every PollEvery visits of sites, none while mid-block stops are disabled. A vote is a CTA-wide
@@ -571,9 +693,9 @@ func (p *midPlan) tail(bar, claimLabel string, drainAsync bool, L func(string) s
 	for id, s := range p.sites {
 		out = append(out, L(fmt.Sprintf("ld%d", id))+":")
 		out = append(out, p.regAccess(s, false)...)
-		out = append(out, "bra.uni \t"+L(fmt.Sprintf("at%d", id))+";")
+		out = append(out, fmt.Sprintf("mov.u32 \t%s, %d;", mSite, id), "mov.pred \t"+qRes+", 1;", "bra.uni \t"+L("block")+";")
 	}
-	return out
+	return append(out, p.resumeDispatch(L)...)
 }
 
 func loadCtlLines() []string {

@@ -133,3 +133,144 @@ func TestMidBlockLayoutBytes(t *testing.T) {
 		}
 	}
 }
+
+// TestMidBlockReducible: every mid-block twin's control flow is reducible (each loop is entered
+// only through its header): the resume reaches a site inside loops through their headers. With
+// jumps from the resume code straight into loop bodies, ptxas 13 compiled the twin of
+// cuda-samples' fwtBatch1Kernel (testdata/public) into wrong results even in runs that never
+// resumed (H100, 2026-11-27). The originals are checked too: the property is the twin's to keep.
+func TestMidBlockReducible(t *testing.T) {
+	twins := 0
+	for _, path := range committedCorpus(t) {
+		m, _ := mustParse(t, path)
+		out, r, err := InstrumentWith(m, Options{MidBlock: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		mid := map[string]bool{}
+		for _, k := range r.Kernels {
+			if k.MidBlock != nil {
+				mid[k.Name] = true
+				mid[k.Name+TwinSuffix] = true
+			}
+		}
+		if len(mid) == 0 {
+			continue
+		}
+		im, err := Parse(out.Bytes())
+		if err != nil {
+			t.Fatalf("%s: instrumented output does not parse: %v", path, err)
+		}
+		for _, it := range im.Items {
+			if it.Kind != ItemFunc || it.Func == nil || !mid[it.Func.Name] {
+				continue
+			}
+			g, err := buildCFG(it.Func)
+			if err != nil {
+				t.Fatalf("%s %s: %v", path, it.Func.Name, err)
+			}
+			if u, v, ok := irreducibleEdge(g); !ok {
+				t.Errorf("%s %s: irreducible: the edge from block %d (line %d) enters a loop at block %d (line %d), not at its header",
+					path, it.Func.Name, u, it.Func.Body[g.Blocks[u].Start].Line, v, it.Func.Body[g.Blocks[v].Start].Line)
+			}
+			if strings.HasSuffix(it.Func.Name, TwinSuffix) {
+				twins++
+			}
+		}
+	}
+	if twins == 0 {
+		t.Fatal("no mid-block twin in the corpus")
+	}
+}
+
+// irreducibleEdge finds a retreating edge (u -> v, v on the depth-first path to u) whose target
+// does not dominate its source: the graph is reducible exactly when there is none.
+func irreducibleEdge(g *CFG) (int, int, bool) {
+	n := len(g.Blocks)
+	if n == 0 {
+		return 0, 0, true
+	}
+	// Dominators (Cooper, Harvey, Kennedy) over reverse postorder from block 0.
+	order, onPath := []int{}, make([]bool, n)
+	seen := make([]bool, n)
+	var retreating [][2]int
+	var dfs func(int)
+	dfs = func(b int) {
+		seen[b], onPath[b] = true, true
+		for _, s := range g.Blocks[b].Succs {
+			if s >= n {
+				continue
+			}
+			if onPath[s] {
+				retreating = append(retreating, [2]int{b, s})
+			} else if !seen[s] {
+				dfs(s)
+			}
+		}
+		onPath[b] = false
+		order = append(order, b)
+	}
+	dfs(0)
+	rpo := make([]int, n)
+	for i := range rpo {
+		rpo[i] = -1
+	}
+	for i, b := range order {
+		rpo[b] = len(order) - 1 - i
+	}
+	idom := make([]int, n)
+	for i := range idom {
+		idom[i] = -1
+	}
+	idom[0] = 0
+	intersect := func(a, b int) int {
+		for a != b {
+			for rpo[a] > rpo[b] {
+				a = idom[a]
+			}
+			for rpo[b] > rpo[a] {
+				b = idom[b]
+			}
+		}
+		return a
+	}
+	for changed := true; changed; {
+		changed = false
+		for i := len(order) - 1; i >= 0; i-- {
+			b := order[i]
+			if b == 0 {
+				continue
+			}
+			nd := -1
+			for _, p := range g.Blocks[b].Preds {
+				if p < n && rpo[p] >= 0 && idom[p] >= 0 {
+					if nd < 0 {
+						nd = p
+					} else {
+						nd = intersect(p, nd)
+					}
+				}
+			}
+			if nd >= 0 && idom[b] != nd {
+				idom[b], changed = nd, true
+			}
+		}
+	}
+	dominates := func(a, b int) bool {
+		for {
+			if a == b {
+				return true
+			}
+			if b == 0 || idom[b] < 0 {
+				return false
+			}
+			b = idom[b]
+		}
+	}
+	for _, e := range retreating {
+		if !dominates(e[1], e[0]) {
+			return e[0], e[1], false
+		}
+	}
+	return 0, 0, true
+}

@@ -417,6 +417,11 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 		"setp.eq.u32 \t"+pT+", "+rCnt+", 0;",
 		"@"+pT+" bra.uni \t"+L("exit")+";",
 		L("block")+":",
+	)
+	if mid != nil {
+		emit(blockDispatch(L))
+	}
+	emit(
 		"// leader: read the flag during the batch's last block, for the next claim decision;",
 		"// predicated, not branched around: no divergent branch between the barrier and the body",
 		"setp.eq.and.u32 \t"+pT+", "+rCnt+", 1, "+pLead+";",
@@ -455,6 +460,9 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 				repl[opTok] = "bra \t" + L("next")
 			}
 			ns.Text = rewriteStmt(s, repl)
+		}
+		if mid != nil {
+			emit(mid.headDispatch(i, L)...)
 		}
 		if id, ok := mid.siteAt(i); ok {
 			site := mid.sites[id]

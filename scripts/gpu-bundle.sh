@@ -66,6 +66,8 @@ if [ -d "$dist/gputest/ptxstate" ]; then
   cp ptxstate/testdata/corpus/*.ptx "$dist/gputest/ptxstate/corpus/"
   mkdir -p "$dist/gputest/ptxstate/mid"
   cp ptxstate/testdata/nvcc12/midblock.sm_90.ptx "$dist/gputest/ptxstate/mid/"
+  mkdir -p "$dist/gputest/ptxstate/public"
+  cp ptxstate/testdata/public/*.ptx "$dist/gputest/ptxstate/public/"
 fi
 for b in scripts/bench-*.sh; do [ -e "$b" ] && cp "$b" "$dist/bench/"; done
 cp scripts/gpu-e2e.sh "$dist/"
@@ -79,6 +81,10 @@ if [ -n "${PTXMIG_CUDA_SAMPLES:-}" ]; then
     [ -n "$d" ] || { echo "gpu-bundle: sample $s not found in $cs" >&2; exit 1; }
     mkdir -p "$dist/samples/$s"
     find "$d" -maxdepth 1 -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h' \) -exec cp {} "$dist/samples/$s/" \;
+    # Common sources a sample's own build compiles with it (MonteCarloMultiGPU: multithreading)
+    if grep -qs '#include *[<"]multithreading\.h[>"]' "$d"/*; then
+      cp "$cs/Common/multithreading.h" "$cs/Common/multithreading.cpp" "$dist/samples/$s/"
+    fi
   done
 fi
 echo "gpu-bundle: $(du -sh "$dist" | cut -f1) in $dist ($(find "$dist/tests" -mindepth 1 -maxdepth 1 | wc -l) test binaries)"

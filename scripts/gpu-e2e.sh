@@ -16,6 +16,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 export PTXMIG_OUT=${PTXMIG_OUT:-$here/results}
 export PTXMIG_BIN=$here/ptxmig PTXMIG_SHIM=$here/libptxmig.so PTXMIG_CRIU=$here/criu/criu
 export PTXMIG_WORKLOADS=$here/workloads/bin
+export PTXMIG_SAMPLES=$here/samples   # NVIDIA/cuda-samples sources (gpu-bundle.sh with PTXMIG_CUDA_SAMPLES; may be absent)
 export PTXMIG_WORKLOADS_CU12=$here/workloads-cu12   # built by gpu-bundle.sh with CUDA 12.4 (may be absent)
 export PATH=$here:$here/criu:/usr/local/cuda/bin:$PATH
 mkdir -p "$PTXMIG_OUT"

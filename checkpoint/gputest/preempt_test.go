@@ -31,13 +31,19 @@ import (
 // startShimmed runs a workload under `ptxmig run` with a private socket directory.
 func startShimmed(t *testing.T, mode, name string, args ...string) *proc {
 	t.Helper()
+	return startShimmedCache(t, mode, filepath.Join(out, "gputest", "ptxcache"), filepath.Join(workloads, name), args...)
+}
+
+// startShimmedCache runs the program at path under `ptxmig run` with the instrumentation cache dir.
+func startShimmedCache(t *testing.T, mode, cache, path string, args ...string) *proc {
+	t.Helper()
 	shim := os.Getenv("PTXMIG_SHIM")
 	if shim == "" {
 		t.Skip("PTXMIG_SHIM not set (run through gpu-e2e.sh)")
 	}
 	sock := filepath.Join(t.TempDir(), "sock")
-	runArgs := append([]string{"run", "--shim", shim, "--socket-dir", sock, "--preempt", mode, "--", filepath.Join(workloads, name)}, args...)
-	return startEnv(t, []string{"PTXMIG_PTX_CACHE=" + filepath.Join(out, "gputest", "ptxcache")}, bin, runArgs...)
+	runArgs := append([]string{"run", "--shim", shim, "--socket-dir", sock, "--preempt", mode, "--", path}, args...)
+	return startEnv(t, []string{"PTXMIG_PTX_CACHE=" + cache}, bin, runArgs...)
 }
 
 // longgridParams waits for the params line and returns the fixed-size arguments that repeat it.
@@ -271,16 +277,22 @@ func logThreads(t *testing.T, pid int) {
 // writeP1 records the P1 distribution under $PTXMIG_OUT/preempt-p1.txt and in the test log.
 func writeP1(t *testing.T, quiesce, toLock []time.Duration) {
 	t.Helper()
+	writeQuiesceTimes(t, "preempt-p1.txt", "a ~30 s kernel", quiesce, toLock)
+}
+
+// writeQuiesceTimes logs quiesce and quiesce+lock percentiles and writes them to $OUT/file.
+func writeQuiesceTimes(t *testing.T, file, what string, quiesce, toLock []time.Duration) {
+	t.Helper()
 	pct := func(d []time.Duration, q float64) time.Duration {
 		s := append([]time.Duration(nil), d...)
 		sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
 		return s[min(len(s)-1, int(q*float64(len(s))))]
 	}
-	text := fmt.Sprintf("P1 over %d checkpoints --leave-running of a ~30 s kernel (preempt budget %s): quiesce p50 %s p99 %s max %s; "+
-		"quiesce+lock p50 %s p99 %s max %s\nquiesce: %v\nquiesce+lock: %v\n", len(quiesce), os.Getenv("PTXMIG_PREEMPT_BUDGET"),
+	text := fmt.Sprintf("P1 over %d checkpoints --leave-running of %s (preempt budget %s): quiesce p50 %s p99 %s max %s; "+
+		"quiesce+lock p50 %s p99 %s max %s\nquiesce: %v\nquiesce+lock: %v\n", len(quiesce), what, os.Getenv("PTXMIG_PREEMPT_BUDGET"),
 		pct(quiesce, .5), pct(quiesce, .99), pct(quiesce, 1), pct(toLock, .5), pct(toLock, .99), pct(toLock, 1), quiesce, toLock)
 	t.Log(text)
-	_ = os.WriteFile(filepath.Join(out, "preempt-p1.txt"), []byte(text), 0o644)
+	_ = os.WriteFile(filepath.Join(out, file), []byte(text), 0o644)
 }
 
 // rollbackOnPurpose checkpoints pid with --leave-running semantics through the checkpoint package

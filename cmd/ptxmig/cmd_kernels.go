@@ -96,6 +96,9 @@ func kernelsAction(c *cli.Context) error {
 		twin := "no"
 		if x.Twin {
 			twin = fmt.Sprintf("yes (%d)", x.TwinLaunches)
+			if x.MidBlock != nil {
+				twin = fmt.Sprintf("mid-block (%d)", x.TwinLaunches)
+			}
 		}
 		fmt.Fprintf(w, "%d\t%d\t%s\t%s\t%s\t%d\t%s\t%s\n", x.Launches, x.Timed, p50, p99, shapeSummary(x), x.Module, twin, name)
 	}

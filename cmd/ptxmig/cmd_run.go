@@ -41,15 +41,25 @@ func init() {
 			"../lib, or in /usr/local/lib. Shim settings (environment): PTXMIG_SAMPLE_FIRST (time the first\n" +
 			"N launches of each kernel, default 20), PTXMIG_SAMPLE_EVERY (then 1 in M, default 100; 0\n" +
 			"stops), PTXMIG_CAPTURE_MAX_MB (module bytes kept, default 2048), PTXMIG_SELF_TIME=1 (measure\n" +
-			"the shim's own time per launch; `ptxmig kernels` reports it), PTXMIG_DEBUG=1 (log to stderr).\n\n" +
+			"the shim's own time per launch; `ptxmig kernels` reports it), PTXMIG_DEBUG=1 (log to stderr),\n" +
+			"PTXMIG_MID_BLOCK_MAX_MB (device memory for one mid-block twin launch's save areas, default\n" +
+			"2048; a launch needing more stops between blocks only).\n\n" +
+			"Preemption: with --preempt auto or always the shim loads twins of the app's PTX kernels that\n" +
+			"stop between blocks when ptxmig checkpoints the app; with --mid-block (the default) kernels\n" +
+			"with safe points inside their blocks (polled loops, CTA-wide barriers) get twins that also\n" +
+			"stop there, saving registers and shared memory, so a kernel whose blocks run for minutes stops\n" +
+			"within microseconds. `ptxmig kernels PID` shows which kernels have which twin.\n\n" +
 			"Examples:\n" +
 			"   ptxmig run -- python3 train.py --steps 200\n" +
 			"   ptxmig run --preempt always ./longgrid --seconds 30\n" +
+			"   ptxmig run --mid-block=false -- ./app   # twins stop between blocks only\n" +
 			"   ptxmig run --socket-dir /tmp/ptxmig -- ./app > app.log 2>&1 &   # $! is the app's PID",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "shim", Usage: "`PATH` of libptxmig.so", EnvVars: []string{"PTXMIG_SHIM"}},
 			&cli.StringFlag{Name: "preempt", Value: "auto", EnvVars: []string{"PTXMIG_PREEMPT"},
 				Usage: "preemptible kernels (`MODE`): auto (twins for long or untimed kernels), always, or off (launch originals only)"},
+			&cli.BoolFlag{Name: "mid-block", Value: true, EnvVars: []string{"PTXMIG_MID_BLOCK"},
+				Usage: "twins that also stop inside a block where the kernel allows it (--mid-block=false: between blocks only)"},
 			socketDirFlag(),
 		},
 		Action: runAction,
@@ -210,7 +220,10 @@ func runAction(c *cli.Context) error {
 	if err != nil {
 		return exitcode.Wrap(exitcode.Of(err), fmt.Errorf("run: %w; nothing was started", err))
 	}
-	settings := map[string]string{"PTXMIG_SOCKET_DIR": sockDir, "PTXMIG_PREEMPT": mode}
+	settings := map[string]string{"PTXMIG_SOCKET_DIR": sockDir, "PTXMIG_PREEMPT": mode, "PTXMIG_MID_BLOCK": "0"}
+	if c.Bool("mid-block") {
+		settings["PTXMIG_MID_BLOCK"] = "1"
+	}
 	if exe != "" {
 		settings["PTXMIG_HELPER"] = exe // the shim instruments PTX with `ptxmig ptx instrument`, outside the app
 	}

@@ -310,6 +310,27 @@ func TestRun(t *testing.T) {
 		}
 	})
 
+	t.Run("mid-block setting", func(t *testing.T) {
+		// On by default; --mid-block=false and PTXMIG_MID_BLOCK=0 turn it off for the shim.
+		tests := []struct {
+			flags []string
+			env   []string
+			want  string
+		}{
+			{nil, nil, "1\n"},
+			{[]string{"--mid-block=false"}, nil, "0\n"},
+			{nil, []string{"PTXMIG_MID_BLOCK=0"}, "0\n"},
+			{[]string{"--mid-block"}, []string{"PTXMIG_MID_BLOCK=0"}, "1\n"},
+		}
+		for _, tt := range tests {
+			args := append(append([]string{"run", "--shim", f.shim, "--socket-dir", f.sock}, tt.flags...), "--", "sh", "-c", `echo "$PTXMIG_MID_BLOCK"`)
+			out, err := f.cmd(args, tt.env...).Output()
+			if err != nil || string(out) != tt.want {
+				t.Errorf("run %v with %v: %v, PTXMIG_MID_BLOCK=%q, want %q", tt.flags, tt.env, err, out, tt.want)
+			}
+		}
+	})
+
 	t.Run("words after CMD are CMD's", func(t *testing.T) {
 		// No "--": flags of ptxmig end at CMD, like env(1); --json and --help here are the app's.
 		c := f.cmd([]string{"run", "--shim", f.shim, "--socket-dir", f.sock, "sh", "-c", `echo "$1 $2"`, "x", "--json", "--help"})

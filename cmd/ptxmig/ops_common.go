@@ -100,7 +100,11 @@ func printPreemption(w io.Writer, reports []*op.PreemptReport) {
 			fmt.Fprintf(w, "pid %d: quiesced in %s (%d preempted, %d drained, %d left to the lock)\n", r.PID,
 				usText(q.ElapsedUS), len(q.Preempted), len(q.Drained), len(q.NotStopped)+len(q.Originals))
 			for _, k := range q.Preempted {
-				fmt.Fprintf(w, "  preempted %s: %d of %d blocks done\n", esc(k.Kernel), k.BlocksDone, k.BlocksTotal)
+				where := "between blocks"
+				if k.MidBlockStop() {
+					where = fmt.Sprintf("mid-block (%d CTAs saved)", k.Records)
+				}
+				fmt.Fprintf(w, "  preempted %s %s: %d of %d blocks done\n", esc(k.Kernel), where, k.BlocksDone, k.BlocksTotal)
 			}
 			for _, k := range append(append([]shimctl.LaunchNote(nil), q.NotStopped...), q.Originals...) {
 				fmt.Fprintf(w, "  not preempted %s: %s\n", esc(k.Kernel), esc(k.Reason))

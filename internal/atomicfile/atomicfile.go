@@ -5,6 +5,11 @@
 //
 // A crash can leave a temp file named ".NAME.tmp-*" beside the target (or in TempDir); nothing
 // else is ever left behind: a failed write removes its temp file and keeps the old content.
+//
+// A target that exists and is not a regular file or a directory (a device such as /dev/null, a
+// FIFO, a terminal; after symlinks) has no content to replace: it is written in place, never
+// renamed over (renaming over /dev/null replaced the device with a file), except with NoReplace,
+// which refuses any existing target.
 package atomicfile
 
 import (
@@ -49,10 +54,11 @@ func WriteFile(path string, data []byte, mode fs.FileMode, opts ...Option) error
 // File is an atomic write in progress, for data that is streamed rather than held in memory:
 // write to it, then Commit. Abort (safe to defer; a no-op after Commit) discards it.
 type File struct {
-	f    *os.File
-	path string
-	o    options
-	done bool
+	f       *os.File
+	path    string
+	o       options
+	done    bool
+	inPlace bool // a device or FIFO: written directly
 }
 
 // Create starts an atomic write of path with mode (fchmod, not subject to the umask). Nothing
@@ -61,6 +67,13 @@ func Create(path string, mode fs.FileMode, opts ...Option) (*File, error) {
 	var o options
 	for _, opt := range opts {
 		opt(&o)
+	}
+	if st, err := os.Stat(path); err == nil && !o.noReplace && !st.Mode().IsRegular() && !st.IsDir() {
+		f, err := os.OpenFile(path, os.O_WRONLY, 0)
+		if err != nil {
+			return nil, fmt.Errorf("write %s: %w", path, err)
+		}
+		return &File{f: f, path: path, o: o, inPlace: true}, nil
 	}
 	dir := o.tempDir
 	if dir == "" {
@@ -88,6 +101,12 @@ func (f *File) Commit() error {
 		return fmt.Errorf("write %s: %w", f.path, errDone)
 	}
 	f.done = true
+	if f.inPlace {
+		if err := f.f.Close(); err != nil {
+			return fmt.Errorf("write %s: %w", f.path, err)
+		}
+		return nil
+	}
 	tmp := f.f.Name()
 	err := f.f.Sync()
 	if cerr := f.f.Close(); err == nil {
@@ -123,7 +142,9 @@ func (f *File) Abort() {
 	}
 	f.done = true
 	f.f.Close()
-	os.Remove(f.f.Name())
+	if !f.inPlace {
+		os.Remove(f.f.Name())
+	}
 }
 
 var errDone = errors.New("atomic write already committed or aborted")

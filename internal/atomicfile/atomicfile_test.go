@@ -188,3 +188,38 @@ func TestENOSPC(t *testing.T) {
 	}
 	wantFile(t, p, "old", "out")
 }
+
+// TestDeviceAndFIFO: a target that is a device or a FIFO is written in place and stays what it
+// is (`ptxmig ptx instrument -o /dev/null` once replaced /dev/null with a regular file).
+func TestDeviceAndFIFO(t *testing.T) {
+	if err := WriteFile(os.DevNull, []byte("discarded"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := os.Stat(os.DevNull); err != nil || st.Mode()&fs.ModeCharDevice == 0 {
+		t.Fatalf("%s after a write: %v %v, want a character device", os.DevNull, st.Mode(), err)
+	}
+	fifo := filepath.Join(t.TempDir(), "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Skipf("mkfifo: %v", err)
+	}
+	got := make(chan []byte, 1)
+	go func() {
+		b, _ := os.ReadFile(fifo)
+		got <- b
+	}()
+	if err := WriteFile(fifo, []byte("through the pipe"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if b := <-got; string(b) != "through the pipe" {
+		t.Errorf("the reader got %q", b)
+	}
+	if st, err := os.Lstat(fifo); err != nil || st.Mode()&fs.ModeNamedPipe == 0 {
+		t.Errorf("the FIFO after a write: %v %v", st.Mode(), err)
+	}
+	if err := WriteFile(fifo, []byte("x"), 0o644, NoReplace()); !errors.Is(err, fs.ErrExist) {
+		t.Errorf("NoReplace on an existing FIFO: %v, want ErrExist", err)
+	}
+	if left := entries(t, filepath.Dir(fifo)); len(left) != 1 {
+		t.Errorf("files left beside the FIFO: %v", left)
+	}
+}

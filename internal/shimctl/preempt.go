@@ -21,14 +21,29 @@ const (
 	maxNameBytes = 4096
 )
 
-// PreemptedLaunch is a twin stopped between blocks; its remainder runs on resume.
+// PreemptedLaunch is a stopped twin; its remainder runs on resume.
 type PreemptedLaunch struct {
 	Launch      uint64 `json:"launch"`
 	Kernel      string `json:"kernel"`
 	Stream      string `json:"stream"`
 	BlocksDone  uint64 `json:"blocks_done"`
 	BlocksTotal uint64 `json:"blocks_total"`
+	// MidBlock: the twin was launched able to stop inside a block. Stop is StopMidBlock when at
+	// least one CTA did (Records of them saved their state), else StopBlockBoundary (also from
+	// shims before mid-block twins, which send neither field).
+	MidBlock bool   `json:"mid_block"`
+	Stop     string `json:"stop,omitempty"`
+	Records  uint64 `json:"records"`
 }
+
+// Where a preempted twin stopped.
+const (
+	StopBlockBoundary = "block boundary"
+	StopMidBlock      = "mid-block"
+)
+
+// MidBlockStop reports whether the launch stopped inside a block.
+func (p PreemptedLaunch) MidBlockStop() bool { return p.Stop == StopMidBlock }
 
 // LaunchNote names a launch and, where it was not stopped, why.
 type LaunchNote struct {
@@ -118,6 +133,12 @@ func (q *Quiesce) validate() error {
 	for _, p := range q.Preempted {
 		if p.BlocksDone > p.BlocksTotal || len(p.Kernel) > maxNameBytes || len(p.Stream) > 64 {
 			return fmt.Errorf("preempted launch %d: %d of %d blocks", p.Launch, p.BlocksDone, p.BlocksTotal)
+		}
+		switch {
+		case p.Stop != "" && p.Stop != StopBlockBoundary && p.Stop != StopMidBlock:
+			return fmt.Errorf("preempted launch %d: stop %q", p.Launch, p.Stop)
+		case (p.Stop == StopMidBlock) != (p.Records > 0), p.Records > 0 && !p.MidBlock:
+			return fmt.Errorf("preempted launch %d: stop %q with %d records", p.Launch, p.Stop, p.Records)
 		}
 	}
 	for _, l := range [][]LaunchNote{q.Drained, q.NotStopped, q.Originals} {

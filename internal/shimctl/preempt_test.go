@@ -22,6 +22,11 @@ func TestQuiesceReplies(t *testing.T) {
 		wantErr       error
 	}{
 		{"good", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","elapsed_us":9,"preempted":[{"launch":1,"kernel":"k","stream":"0x1","blocks_done":3,"blocks_total":8}]}}`, nil},
+		{"mid-block stop", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","preempted":[{"launch":1,"kernel":"k","blocks_done":3,"blocks_total":8,"mid_block":true,"stop":"mid-block","records":528}]}}`, nil},
+		{"mid-block twin stopped between blocks", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","preempted":[{"launch":1,"kernel":"k","blocks_done":3,"blocks_total":8,"mid_block":true,"stop":"block boundary","records":0}]}}`, nil},
+		{"unknown stop", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","preempted":[{"launch":1,"kernel":"k","blocks_done":3,"blocks_total":8,"mid_block":true,"stop":"somewhere","records":1}]}}`, ErrProtocol},
+		{"mid-block stop without records", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","preempted":[{"launch":1,"kernel":"k","blocks_done":3,"blocks_total":8,"mid_block":true,"stop":"mid-block","records":0}]}}`, ErrProtocol},
+		{"records from a block-granular twin", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","preempted":[{"launch":1,"kernel":"k","blocks_done":3,"blocks_total":8,"mid_block":false,"stop":"mid-block","records":4}]}}`, ErrProtocol},
 		{"more blocks done than exist", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","preempted":[{"launch":1,"kernel":"k","blocks_done":9,"blocks_total":8}]}}`, ErrProtocol},
 		{"not quiesced", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"running"}}`, ErrProtocol},
 		{"negative time", `{"ok":true,"proto":2,"cmd":"quiesce","result":{"state":"quiesced","elapsed_us":-1}}`, ErrProtocol},

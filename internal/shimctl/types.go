@@ -107,6 +107,19 @@ type Kernel struct {
 	// OriginalReason: for a kernel with a twin, why its last launch that ran as the original did
 	// (the auto policy: short kernel, one-wave grid, lower occupancy; or a stream capture...).
 	OriginalReason string `json:"original_reason,omitempty"`
+	// MidBlock: the twin also stops inside a block (its module carries the record layout, read
+	// at its first twin launch); nil otherwise.
+	MidBlock *MidBlockKernel `json:"mid_block,omitempty"`
+}
+
+// MidBlockKernel is a mid-block twin's record layout and how often it ran and stopped inside a block.
+type MidBlockKernel struct {
+	Sites             uint32 `json:"sites"`
+	RegisterSlots     uint32 `json:"register_slots"`
+	StaticSharedBytes uint32 `json:"static_shared_bytes"`
+	LocalBytes        uint32 `json:"local_bytes"`
+	Launches          uint64 `json:"launches"` // twin launches with save areas
+	Stops             uint64 `json:"stops"`    // quiesces that stopped it inside a block
 }
 
 // Shape is a grid/block configuration and how often it was launched.

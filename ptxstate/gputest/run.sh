@@ -14,9 +14,12 @@
 # PTXSTATE_MID (default 1): also the mid-block twins (`ptx instrument --mid-block`) of
 # ../testdata/nvcc12/midblock.sm_90.ptx (./mid in a gpu bundle) on kernels-mid.spec and, with long
 # blocks, kernels-mid-long.spec: forced stops at site votes, random preemption, and their cost
-# against the block-granular twin.
+# against the block-granular twin; and, unless PTXSTATE_MID_CORPUS=0, the corpus of kernels.spec
+# and the public PTX of kernels-public.spec instrumented with --mid-block, the same checks for
+# the kernels that get sites.
 # Writes $PTXMIG_OUT/ptxstate-twins.md (kernels.spec: large sizes), ptxstate-twins-small.md
-# (kernels-small.spec), ptxstate-midblock.md, ptxstate-midblock-long.md and
+# (kernels-small.spec), ptxstate-midblock.md, ptxstate-midblock-long.md, ptxstate-midblock-corpus.md,
+# ptxstate-midblock-public.md and
 # ptxstate-instrument.txt; exits non-zero on any mismatch, ptxas failure or setup error.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -32,6 +35,9 @@ fi
 if [ -z "$corpus" ] || [ ! -f "$corpus/vecadd.ptx" ]; then echo "run.sh: nvcc PTX corpus not found (set PTXSTATE_CORPUS)" >&2; exit 2; fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# PTX of public programs (../testdata/public; ./public in a gpu bundle): kernels-public.spec.
+public=
+for d in "$here/public" "$here/../testdata/public"; do [ -d "$d" ] && public=$d && break; done
 
 # Instrument the corpus and assemble every module with the real ptxas for sm_80 and sm_90.
 : >"$out/ptxstate-instrument.txt"
@@ -72,6 +78,32 @@ if [ "${PTXSTATE_MID:-1}" != 0 ]; then
     [ $rc -eq 0 ] || status=$rc
     [ $rc -lt 2 ] || { echo "run.sh: twin_harness stopped on $spec.spec (exit $rc)" >&2; exit $rc; }
   done
+  # The corpus (kernels.spec) as mid-block twins: the kernels with sites get the same forced,
+  # random and other-CTA-count checks and their cost against the block-granular twin and the
+  # original; the others are listed as having no site.
+  if [ "${PTXSTATE_MID_CORPUS:-1}" != 0 ]; then
+    mkdir -p "$work/cmid" "$work/cv2"
+    # As the shim asks for them: each twin capped to fit as many CTAs per SM as its original
+    # (PTXSTATE_MID_CAPS="" for uncapped twins).
+    caps=${PTXSTATE_MID_CAPS-sm_90}
+    for f in "$corpus"/*.ptx ${public:+"$public"/*.ptx}; do
+      "$bin" ptx instrument --mid-block ${caps:+--match-registers "$caps"} -o "$work/cmid/$(basename "$f")" "$f"
+      "$bin" ptx instrument ${caps:+--match-registers "$caps"} -o "$work/cv2/$(basename "$f")" "$f"
+    done
+    for spec in kernels ${public:+kernels-public}; do
+      md="$out/ptxstate-midblock-${spec#kernels-}.md"
+      [ "$spec" = kernels ] && md="$out/ptxstate-midblock-corpus.md"
+      set +e
+      "$work/twin_harness" "$here/$spec.spec" "$work/cmid" "$md" --mid 1 --v2dir "$work/cv2" \
+        --runs "${PTXSTATE_RUNS:-15}" --preempt-runs "${PTXSTATE_PREEMPT_RUNS:-3}" --tune ""
+      rc=$?
+      set -e
+      echo "== $md (exit $rc)"
+      [ -f "$md" ] && cat "$md"
+      [ $rc -eq 0 ] || status=$rc
+      [ $rc -lt 2 ] || { echo "run.sh: twin_harness stopped on $spec.spec with mid-block twins (exit $rc)" >&2; exit $rc; }
+    done
+  fi
 fi
 for spec in ${PTXSTATE_SPECS-kernels kernels-small}; do
   md="$out/ptxstate-twins${spec#kernels}.md"

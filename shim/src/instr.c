@@ -536,8 +536,9 @@ static int run_helper(const char *ptx, size_t len, obuf *out, obuf *rep, kinfo_s
     if (strncmp(environ[i], "LD_PRELOAD=", 11) != 0) env[k++] = environ[i];
   char arch[16];
   snprintf(arch, sizeof arch, "sm_%d", cc);
-  char *argv[12] = {cfg.helper, "ptx", "instrument", "--report", "--json"};
+  char *argv[16] = {cfg.helper, "ptx", "instrument", "--report", "--json"};
   int na = 5;
+  if (cfg.mid_block) argv[na++] = "--mid-block";
   if (cc > 0) {
     argv[na++] = "--match-registers";
     argv[na++] = arch;
@@ -723,9 +724,11 @@ int instr_prepare(const void *image, size_t known, const char *path, char **ptx_
   // Per device architecture: the twins' register caps (and a cubin's code) depend on it. The
   // entry is a cubin where the helper could assemble one, else the instrumented PTX.
   int cc = device_cc();
-  snprintf(name, sizeof name, "%s-v%d-sm%d.ptx", sha, PTXMIG_TRANSFORM_VERSION, cc);
-  snprintf(cname, sizeof cname, "%s-v%d-sm%d.cubin", sha, PTXMIG_TRANSFORM_VERSION, cc);
-  snprintf(why, sizeof why, "%s-v%d-sm%d.why", sha, PTXMIG_TRANSFORM_VERSION, cc);
+  // Mid-block twins are another transform of the same PTX: "-m" in the name.
+  const char *mb = cfg.mid_block ? "-m" : "";
+  snprintf(name, sizeof name, "%s-v%d%s-sm%d.ptx", sha, PTXMIG_TRANSFORM_VERSION, mb, cc);
+  snprintf(cname, sizeof cname, "%s-v%d%s-sm%d.cubin", sha, PTXMIG_TRANSFORM_VERSION, mb, cc);
+  snprintf(why, sizeof why, "%s-v%d%s-sm%d.why", sha, PTXMIG_TRANSFORM_VERSION, mb, cc);
   int dfd = cache_dir();
   size_t outlen = 0, wlen = 0;
   char *out = dfd >= 0 && cfg.ptx_cubin && cc > 0 ? cache_read_kind(dfd, cname, 1, &outlen) : NULL;

@@ -66,6 +66,8 @@ static struct {
   CUresult (*lib_get_kernel)(CUkernel *, CUlibrary, const char *);
   CUresult (*kernel_get_fn)(CUfunction *, CUkernel);
   CUresult (*func_set_attr)(CUfunction, int, int);
+  CUresult (*mod_get_global)(CUdeviceptr *, size_t *, CUmodule, const char *);
+  CUresult (*lib_get_global)(CUdeviceptr *, size_t *, CUlibrary, const char *);
 } d = {.once = PTHREAD_ONCE_INIT};
 
 #define SYM(field, name) (*(void **)&d.field = drv_sym(name))
@@ -96,6 +98,8 @@ static void d_load(void) {
   SYM(lib_get_kernel, "cuLibraryGetKernel");
   SYM(kernel_get_fn, "cuKernelGetFunction");
   SYM(func_set_attr, "cuFuncSetAttribute");
+  SYM(mod_get_global, "cuModuleGetGlobal_v2");
+  SYM(lib_get_global, "cuLibraryGetGlobal");
   d.ok = d.ctx_get && d.ctx_push && d.ctx_pop && d.ctx_dev && d.stream_ctx && d.stream_flags && d.stream_create &&
          d.stream_query && d.ev_create && d.ev_record && d.ev_query && d.ev_sync && d.mem_alloc && d.memset32_async &&
          d.htod_async && d.dtoh_async && d.launch && d.occupancy && d.dev_attr && d.stream_sync;
@@ -109,6 +113,14 @@ static int d_ready(void) {
 // ---- contexts and streams ----
 #define SLOTS_PER_SLAB 64
 #define MAX_SLABS 16
+// A pool slot holds a version-3 control block (112 bytes; version-2 twins read the first 64).
+#define CTL_SLOT_BYTES 128
+_Static_assert(CTL_SLOT_BYTES >= PTXMIG_CTL_SIZE_V3, "control block slot");
+// A save area of a mid-block twin launch (device memory, reused by later launches of the context).
+typedef struct area {
+  CUdeviceptr p;
+  size_t n;
+} area;
 typedef struct crec {
   CUcontext ctx;
   int sms;  // multiprocessors of its device (0: unknown yet)
@@ -123,6 +135,8 @@ typedef struct crec {
   int nfree_ev;
   struct krec *_Atomic orig;  // the last original launched on the legacy stream
   const char *_Atomic orig_why;
+  area *areas;  // free save areas (pre_mu); device memory kept for the context's life
+  int nareas, careas;
 } crec;
 typedef struct srec {
   CUstream s;
@@ -337,8 +351,12 @@ typedef struct tl {
   unsigned block[3], shmem, W;
   int slab, slot;
   CUdeviceptr ctl;
-  struct ptxmig_ctl init;  // host image of the initial control block (the async copy's source)
-  struct ptxmig_ctl seen;  // read back at quiesce
+  struct ptxmig_ctl_v3 init;  // host image of the control block (the async copies' source; v3 fields: mid only)
+  struct ptxmig_ctl_v3 seen;  // read back at quiesce
+  int mid;  // a mid-block twin launched with save areas (version 3)
+  CUdeviceptr area[2];  // its two save areas (mid)
+  size_t area_n;  // bytes of each
+  uint32_t records;  // records its last stop saved (mid: CTAs stopped inside a block)
   uint8_t *args;
   void **argv;
   CUevent done;
@@ -351,6 +369,7 @@ static tl *live;  // pre_mu
 static atomic_int nlive;  // changed under pre_mu; read without it by sub_hold
 static uint64_t next_launch_id = 1;
 static atomic_ulong st_twin_launches, st_relaunches, st_quiesces, st_preempted, st_holds, st_hold_ns, st_hold_gaveup;
+static atomic_ulong st_mid_launches, st_mid_stops, st_mid_refused;
 
 typedef struct layout {
   int n;
@@ -446,10 +465,10 @@ static int ctl_slot(crec *c, CUdeviceptr *p, int *slab, int *slot) {
       int b = __builtin_ctzll(~c->used[i]);
       c->used[i] |= 1ull << b;
       *slab = i, *slot = b;
-      *p = c->slab[i] + (CUdeviceptr)b * PTXMIG_CTL_SIZE;
+      *p = c->slab[i] + (CUdeviceptr)b * CTL_SLOT_BYTES;
       return 0;
     }
-  if (c->nslab == MAX_SLABS || d.mem_alloc(&c->slab[c->nslab], SLOTS_PER_SLAB * PTXMIG_CTL_SIZE) != CUDA_SUCCESS)
+  if (c->nslab == MAX_SLABS || d.mem_alloc(&c->slab[c->nslab], SLOTS_PER_SLAB * CTL_SLOT_BYTES) != CUDA_SUCCESS)
     return -1;
   c->used[c->nslab] = 1;
   *slab = c->nslab, *slot = 0;
@@ -457,8 +476,10 @@ static int ctl_slot(crec *c, CUdeviceptr *p, int *slab, int *slot) {
   return 0;
 }
 
+static void area_put_locked(crec *c, CUdeviceptr p, size_t n);
 static void tl_free(tl *t) {  // pre_mu held
   if (t->slab >= 0) t->cr->used[t->slab] &= ~(1ull << t->slot);
+  for (int i = 0; i < 2; i++) area_put_locked(t->cr, t->area[i], t->area_n);
   CUevent evs[2] = {t->done, t->go};
   for (int i = 0; i < 2; i++)
     if (evs[i] && t->cr->nfree_ev < 64) t->cr->free_ev[t->cr->nfree_ev++] = evs[i];
@@ -538,6 +559,91 @@ static uint64_t est_us(krec *r, uint64_t blocks) {
     if (e > (double)m) m = e > 4e9 ? 4000000000ull : (uint64_t)e;
   }
   return m;
+}
+
+// ---- mid-block twins (control block version 3; docs/PTXSTATE.md "Mid-block safe points") ----
+// mid_layout reads, once per kernel record, the record layout that the instrumented module carries
+// for the kernel (__ptxmig_mid_K = {2, register slots, static shared bytes, sites, local bytes});
+// 1 when the twin can stop inside a block. The app's context is current. The copy goes through a
+// non-blocking stream of its own: a synchronous copy would wait behind the app's kernels on the
+// legacy stream. A launch that finds another thread reading it runs with block-granular stops.
+#define MID_READING 2
+static int mid_layout(krec *r, const kinfo *k, void *owner, int is_lib) {
+  int st = atomic_load(&r->mid_state);
+  if (st) return st == 1;
+  int expect = 0;
+  if (!atomic_compare_exchange_strong(&r->mid_state, &expect, MID_READING)) return expect == 1;
+  st = -1;
+  char gn[600];
+  int l = snprintf(gn, sizeof gn, "__ptxmig_mid_%s", k->name);
+  CUdeviceptr p = 0;
+  size_t n = 0;
+  CUresult rc = CUDA_ERROR_NOT_FOUND;
+  if (l > 0 && (size_t)l < sizeof gn && owner) {
+    if (is_lib && d.lib_get_global) rc = d.lib_get_global(&p, &n, (CUlibrary)owner, gn);
+    else if (!is_lib && d.mod_get_global) rc = d.mod_get_global(&p, &n, (CUmodule)owner, gn);
+  }
+  uint32_t v[5] = {0};
+  CUstream q = NULL;
+  if (rc == CUDA_SUCCESS && n == sizeof v && d.stream_create(&q, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS) {
+    // Bounds: ptxstate saves at most 512 live bytes (64 slots) per thread; shared memory and the
+    // local depot are bounded by the hardware (228 KiB, 512 KiB per thread).
+    if (d.dtoh_async(v, p, sizeof v, q) == CUDA_SUCCESS && d.stream_sync(q) == CUDA_SUCCESS && v[0] == 2 &&
+        v[1] <= 64 && v[2] <= (1u << 20) && v[3] > 0 && v[4] <= (1u << 19)) {
+      memcpy(r->mid, v, sizeof v);
+      st = 1;
+    } else {
+      shim_log("preemption: %s: its mid-block layout is unreadable or out of range; block-granular stops", k->name);
+    }
+    if (d.stream_destroy) d.stream_destroy(q);
+  }
+  atomic_store(&r->mid_state, st);
+  return st == 1;
+}
+
+// mid_record_bytes: one record of a launch with `threads` threads and `dyn` bytes of dynamic
+// shared memory (ptxstate.MidBlockLayout.RecordBytes, the dynamic part always counted).
+static uint64_t mid_record_bytes(const krec *r, uint64_t threads, uint64_t dyn) {
+  uint64_t n = 64 + (8ull * r->mid[1] + r->mid[4]) * threads + r->mid[2] + dyn;
+  return (n + 15) & ~15ull;
+}
+
+// area_take gives a free save area of at least n bytes of c (the smallest that fits), else
+// allocates one (the context current); 0 when there is no device memory.
+static CUdeviceptr area_take(crec *c, size_t n, size_t *got) {
+  pthread_mutex_lock(&pre_mu);
+  int best = -1;
+  for (int i = 0; i < c->nareas; i++)
+    if (c->areas[i].n >= n && (best < 0 || c->areas[i].n < c->areas[best].n)) best = i;
+  if (best >= 0) {
+    area a = c->areas[best];
+    c->areas[best] = c->areas[--c->nareas];
+    pthread_mutex_unlock(&pre_mu);
+    *got = a.n;
+    return a.p;
+  }
+  pthread_mutex_unlock(&pre_mu);
+  CUdeviceptr p = 0;
+  if (d.mem_alloc(&p, n) != CUDA_SUCCESS) return 0;
+  *got = n;
+  return p;
+}
+
+// area_put_locked returns a save area to c's pool (pre_mu held); the pool holds every area ever
+// allocated and not in use, so device memory for save areas peaks with the launches in flight.
+static void area_put_locked(crec *c, CUdeviceptr p, size_t n) {
+  if (!p) return;
+  if (c->nareas == c->careas) {
+    int nc = c->careas ? 2 * c->careas : 8;
+    area *na = realloc(c->areas, (size_t)nc * sizeof *na);
+    if (!na) {
+      LOG_ONCE("preemption: out of memory for the save-area pool; an area is left allocated");
+      return;
+    }
+    c->areas = na;
+    c->careas = nc;
+  }
+  c->areas[c->nareas++] = (area){p, n};
 }
 
 static int attrs_allowed(const CUlaunchConfig *c) {
@@ -645,10 +751,12 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
     *why = "twin occupancy is zero";
     return 0;
   }
+  // A mid-block twin (one whose module carries its record layout) stops inside a block.
+  int mid = cfg.mid_block && mid_layout(r, k, owner, is_lib);
   // auto: a grid that fits in one wave of the twin gives each twin CTA at most one block, and a
-  // block is never cut short: the twin could not stop sooner than the original, only run slower
-  // (a grid-stride loop over SMs x 8 CTAs, as counter's, took 1.28x on an H100).
-  if (cfg.preempt == PM_AUTO && blocks <= (uint64_t)occ * (uint64_t)c->sms) {
+  // block-granular twin never cuts a block short: it could not stop sooner than the original, only
+  // run slower (a grid-stride loop over SMs x 8 CTAs, as counter's, took 1.28x on an H100).
+  if (cfg.preempt == PM_AUTO && !mid && blocks <= (uint64_t)occ * (uint64_t)c->sms) {
     *why = "grid fits in one wave (auto: its twin could not stop sooner)";
     return 0;
   }
@@ -668,6 +776,21 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   uint64_t w = (uint64_t)occ * (uint64_t)c->sms;
   if (w > total) w = total;
   if (w > 0x7fffffffu) w = 0x7fffffffu;
+  // Save areas: a stop saves at most one record per twin CTA plus the records it forwards, and
+  // the records left at any time are at most one per CTA (a CTA takes records before it claims
+  // blocks), so 2 W + 64 records per area never run out; if they did, a CTA would not stop
+  // inside its block (it finishes it). Two areas: a relaunch resumes from one and saves into the
+  // other.
+  uint64_t rec_bytes = 0, cap = 0;
+  if (mid) {
+    rec_bytes = mid_record_bytes(r, threads, shmem);
+    cap = 2 * w + 64;
+    if (rec_bytes > 0xffffffffu || cap > 0xffffffffu || 2 * rec_bytes * cap > cfg.mid_max_bytes) {
+      mid = 0;
+      atomic_fetch_add(&st_mid_refused, 1);
+      LOG_ONCE("preemption: a mid-block twin's save areas exceed PTXMIG_MID_BLOCK_MAX_MB; it stops between blocks only");
+    }
+  }
   // Private copy of the arguments (the app may reuse its buffers once the launch returns).
   tl *x = calloc(1, sizeof *x);
   uint8_t *args = calloc(1, lay->args_size + 8);
@@ -722,12 +845,12 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   x->shmem = shmem;
   x->W = (unsigned)w;
   x->slab = -1;
-  x->init.total_blocks = total;
-  x->init.grid_x = g[0], x->init.grid_y = g[1], x->init.grid_z = g[2];
-  x->init.magic = PTXMIG_CTL_MAGIC;
-  x->init.version = PTXMIG_CTL_VERSION;
-  x->init.batch_max = batch_max_for(r, (uint64_t)occ * (uint64_t)c->sms);
-  if (x->init.batch_max < PTXMIG_BATCH_MIN_DEFAULT) x->init.batch_min = x->init.batch_max;
+  x->init.v2.total_blocks = total;
+  x->init.v2.grid_x = g[0], x->init.v2.grid_y = g[1], x->init.v2.grid_z = g[2];
+  x->init.v2.magic = PTXMIG_CTL_MAGIC;
+  x->init.v2.version = PTXMIG_CTL_VERSION;
+  x->init.v2.batch_max = batch_max_for(r, (uint64_t)occ * (uint64_t)c->sms);
+  if (x->init.v2.batch_max < PTXMIG_BATCH_MIN_DEFAULT) x->init.v2.batch_min = x->init.v2.batch_max;
   pthread_mutex_lock(&pre_mu);
   retire_locked(c, 4);
   int got = ctl_slot(c, &x->ctl, &x->slab, &x->slot) == 0;
@@ -743,13 +866,40 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
     *why = "no control block (device memory)";
     return 0;
   }
+  if (mid) {
+    size_t need = (size_t)(rec_bytes * cap);
+    need = (need + (1u << 20) - 1) & ~(size_t)((1u << 20) - 1);  // MiB granules: areas are reused
+    size_t n0 = 0, n1 = 0;
+    x->area[0] = area_take(c, need, &n0);
+    x->area[1] = x->area[0] ? area_take(c, need, &n1) : 0;
+    x->area_n = n0 < n1 ? n0 : n1;
+    if (!x->area[1]) {
+      pthread_mutex_lock(&pre_mu);
+      area_put_locked(c, x->area[0], n0);
+      pthread_mutex_unlock(&pre_mu);
+      x->area[0] = 0;
+      x->area_n = 0;
+      mid = 0;
+      atomic_fetch_add(&st_mid_refused, 1);
+      LOG_ONCE("preemption: no device memory for a mid-block twin's save areas; it stops between blocks only");
+    } else {
+      // An area taken from the pool may be larger than this launch needs: its capacity is what it holds.
+      uint64_t held = x->area_n / rec_bytes;
+      if (held > 0xffffffffu) held = 0xffffffffu;
+      x->mid = 1;
+      x->init.v2.version = PTXMIG_CTL_VERSION_MID_BLOCK;
+      x->init.save_area = x->area[0];
+      x->init.record_bytes = (uint32_t)rec_bytes;
+      x->init.save_capacity = (uint32_t)held;
+    }
+  }
   if (x->go && d.ev_record(x->go, s) != CUDA_SUCCESS) {  // optional: without it, holding cannot tell
     pthread_mutex_lock(&pre_mu);
     if (c->nfree_ev < 64) c->free_ev[c->nfree_ev++] = x->go;
     pthread_mutex_unlock(&pre_mu);
     x->go = NULL;
   }
-  CUresult rr = d.htod_async(x->ctl, &x->init, sizeof x->init, s);
+  CUresult rr = d.htod_async(x->ctl, &x->init, x->mid ? sizeof x->init : sizeof x->init.v2, s);
   if (rr == CUDA_SUCCESS) {
     if (ex && lef) {
       CUlaunchConfig c2 = *ex;
@@ -780,6 +930,10 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   pthread_mutex_unlock(&pre_mu);
   atomic_fetch_add(&r->twin_launches, 1);
   atomic_fetch_add(&st_twin_launches, 1);
+  if (x->mid) {
+    atomic_fetch_add(&r->mid_launches, 1);
+    atomic_fetch_add(&st_mid_launches, 1);
+  }
   t->twin = 1;
   *res = CUDA_SUCCESS;
   return 1;
@@ -1008,20 +1162,33 @@ static void report_originals(jbuf *b) {
 // left: it is done (it finished before it saw the flag) and nothing waits for it any more;
 // otherwise it is preempted and its remainder is relaunched by resume. Returns 1 when preempted.
 static int classify_locked(tl *t) {
-  if (t->seen.magic == PTXMIG_CTL_MAGIC && t->seen.next_block >= t->seen.total_blocks) {
+  // A mid-block twin with records pending has claimed every block (next_block is past the end)
+  // without finishing them: it is done only when every block is.
+  uint64_t done = t->mid ? t->seen.v2.blocks_done : t->seen.v2.next_block;
+  if (t->seen.v2.magic == PTXMIG_CTL_MAGIC && done >= t->seen.v2.total_blocks) {
     pending_clear_locked(t);
     t->state = TL_DONE;
     return 0;
   }
   t->state = TL_PREEMPTED;
+  t->records = 0;
+  if (t->mid && t->seen.v2.magic == PTXMIG_CTL_MAGIC) {
+    t->records = t->seen.saved < t->seen.save_capacity ? t->seen.saved : t->seen.save_capacity;
+    if (t->records) {
+      atomic_fetch_add(&t->rec->mid_stops, 1);
+      atomic_fetch_add(&st_mid_stops, 1);
+    }
+  }
   atomic_fetch_add(&st_preempted, 1);
   return 1;
 }
 
 // read_back copies a stopped twin's control block (ctx pushed; on the side stream, which waits
 // for nothing but the raises).
-static void read_back(CUstream side, CUdeviceptr ctl, struct ptxmig_ctl *seen) {
-  if (!side || d.dtoh_async(seen, ctl, sizeof *seen, side) != CUDA_SUCCESS || d.stream_sync(side) != CUDA_SUCCESS)
+static void read_back(CUstream side, CUdeviceptr ctl, int mid, struct ptxmig_ctl_v3 *seen) {
+  size_t n = mid ? sizeof *seen : sizeof seen->v2;
+  memset(seen, 0, sizeof *seen);
+  if (!side || d.dtoh_async(seen, ctl, n, side) != CUDA_SUCCESS || d.stream_sync(side) != CUDA_SUCCESS)
     memset(seen, 0, sizeof *seen);
 }
 
@@ -1045,7 +1212,8 @@ static void *raiser_main(void *arg) {
     CUdeviceptr ctl;
     CUevent done;
     int ended;
-    struct ptxmig_ctl seen;
+    int mid;
+    struct ptxmig_ctl_v3 seen;
   } *j = calloc(RAISE_BATCH, sizeof *j);
   uint64_t last_raise = 0;
   pthread_mutex_lock(&pre_mu);
@@ -1060,7 +1228,7 @@ static void *raiser_main(void *arg) {
     for (tl *t = live; t && n < RAISE_BATCH; t = t->next)
       if (t->stopping) {
         j[n].t = t, j[n].id = t->id, j[n].ctx = t->cr->ctx, j[n].side = t->cr->side, j[n].ctl = t->ctl;
-        j[n].done = t->done, j[n].ended = 0;
+        j[n].done = t->done, j[n].ended = 0, j[n].mid = t->mid;
         n++;
       }
     pthread_mutex_unlock(&pre_mu);
@@ -1076,7 +1244,7 @@ static void *raiser_main(void *arg) {
         LOG_ONCE("preemption: raising a preempt flag after the budget failed");
       if (d.ev_query(j[i].done) != CUDA_ERROR_NOT_READY) {
         j[i].ended = 1;
-        read_back(j[i].side, j[i].ctl, &j[i].seen);
+        read_back(j[i].side, j[i].ctl, j[i].mid, &j[i].seen);
         nended++;
       }
       CUcontext x;
@@ -1095,8 +1263,8 @@ static void *raiser_main(void *arg) {
         int p = classify_locked(t);
         if (cfg.debug)
           shim_log("preemption: launch %llu ended after the budget: %s (%llu of %llu blocks done)",
-                   (unsigned long long)t->id, p ? "preempted" : "done", (unsigned long long)t->seen.blocks_done,
-                   (unsigned long long)t->seen.total_blocks);
+                   (unsigned long long)t->id, p ? "preempted" : "done", (unsigned long long)t->seen.v2.blocks_done,
+                   (unsigned long long)t->seen.v2.total_blocks);
         break;
       }
     }
@@ -1228,7 +1396,7 @@ int preempt_quiesce(jbuf *b, unsigned budget_ms) {
   for (int i = 0; i < nraise; i++) {
     tl *t = raise[i];
     if (!t->ended || d.ctx_push(t->cr->ctx) != CUDA_SUCCESS) continue;
-    read_back(side_stream(t->cr), t->ctl, &t->seen);
+    read_back(side_stream(t->cr), t->ctl, t->mid, &t->seen);
     CUcontext x;
     d.ctx_pop(&x);
   }
@@ -1246,13 +1414,14 @@ int preempt_quiesce(jbuf *b, unsigned budget_ms) {
       jb_s(&drained, "}");
       fd = 0;
     } else if (t->raised && t->ended) {
-      uint64_t tot = t->seen.magic == PTXMIG_CTL_MAGIC ? t->seen.total_blocks : t->init.total_blocks;
+      uint64_t tot = t->seen.v2.magic == PTXMIG_CTL_MAGIC ? t->seen.v2.total_blocks : t->init.v2.total_blocks;
       jb_printf(&r, "%s{\"launch\":%llu,\"kernel\":", fp ? "" : ",", (unsigned long long)t->id);
       jb_str(&r, n, strlen(n));
       jb_s(&r, ",\"stream\":");
       jb_stream(&r, t->stream);
-      jb_printf(&r, ",\"blocks_done\":%llu,\"blocks_total\":%llu,\"batch_max\":%u}",
-                (unsigned long long)t->seen.blocks_done, (unsigned long long)tot, t->init.batch_max);
+      jb_printf(&r, ",\"blocks_done\":%llu,\"blocks_total\":%llu,\"batch_max\":%u,\"mid_block\":%s,\"stop\":\"%s\",\"records\":%u}",
+                (unsigned long long)t->seen.v2.blocks_done, (unsigned long long)tot, t->init.v2.batch_max,
+                t->mid ? "true" : "false", t->records ? "mid-block" : "block boundary", t->records);
       fp = 0;
     } else if (t->drain && t->ended) {
       t->state = TL_DONE;
@@ -1275,7 +1444,7 @@ int preempt_quiesce(jbuf *b, unsigned budget_ms) {
         // done). Until then the driver lock waits for it.
         t->stopping = 1;
         nstopping++;
-        jb_printf(&notst, ",\"stopping\":true,\"batch_max\":%u", t->init.batch_max);
+        jb_printf(&notst, ",\"stopping\":true,\"batch_max\":%u", t->init.v2.batch_max);
         jb_printf(&stopping, "%s%llu", fs ? "" : ",", (unsigned long long)t->id);
         fs = 0;
       }
@@ -1327,6 +1496,40 @@ int preempt_state(void) {
   int s = pstate;
   pthread_mutex_unlock(&pre_mu);
   return s;
+}
+
+// mid_swap readies a stopped mid-block twin's control block for its relaunch (its context pushed):
+// the next launch resumes the records this stop saved, from that area, and saves into the other
+// one (docs/PTXSTATE.md, "Host protocol between launches"). The control block is read again here,
+// on the launch's own stream (the twin ended; nothing of the app is queued behind it): after a
+// driver restore or a rollback it is what the device holds. A twin still stopping is waited for
+// (it stops at its next site vote).
+static CUresult mid_swap(tl *t) {
+  CUresult rr = CUDA_SUCCESS;
+  if (d.ev_query(t->done) == CUDA_ERROR_NOT_READY) rr = d.ev_sync(t->done);
+  struct ptxmig_ctl_v3 now;
+  memset(&now, 0, sizeof now);
+  if (rr == CUDA_SUCCESS) rr = d.dtoh_async(&now, t->ctl, sizeof now, t->stream);
+  if (rr == CUDA_SUCCESS) rr = d.stream_sync(t->stream);
+  if (rr != CUDA_SUCCESS) return rr;
+  // Everything read from the device is checked before it steers a launch.
+  if (now.v2.magic != PTXMIG_CTL_MAGIC || now.v2.version != PTXMIG_CTL_VERSION_MID_BLOCK ||
+      (now.save_area != t->area[0] && now.save_area != t->area[1]) || now.save_capacity != t->init.save_capacity ||
+      now.record_bytes != t->init.record_bytes) {
+    shim_log("preemption: %s: its control block changed under it (magic %x, save area %llx); not relaunched",
+             kname(t->rec), now.v2.magic, (unsigned long long)now.save_area);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  uint32_t n = now.saved < now.save_capacity ? now.saved : now.save_capacity;
+  t->records = n;
+  t->init.resume_area = now.save_area;
+  t->init.resume_count = n;
+  t->init.resume_cursor = 0;
+  t->init.saved = 0;
+  t->init.save_area = now.save_area == t->area[0] ? t->area[1] : t->area[0];
+  t->init.force_visit = 0;
+  return d.htod_async(t->ctl + PTXMIG_CTL_OFF_SAVE_AREA, &t->init.save_area,
+                      PTXMIG_CTL_SIZE_V3 - PTXMIG_CTL_OFF_SAVE_AREA, t->stream);
 }
 
 static int cmp_seq(const void *a, const void *b) {
@@ -1417,8 +1620,9 @@ void preempt_resume(jbuf *b) {
     if (rr == CUDA_SUCCESS) {
       // The start event again, for sub_hold: the remainder is queued at its stream's head.
       t->started = t->nohold = 0;
-      if (t->go && d.ev_record(t->go, t->stream) != CUDA_SUCCESS) t->nohold = 1;
-      rr = d.memset32_async(t->ctl + PTXMIG_CTL_OFF_PREEMPT, 0, 1, t->stream);
+      if (t->mid) rr = mid_swap(t);
+      if (rr == CUDA_SUCCESS && t->go && d.ev_record(t->go, t->stream) != CUDA_SUCCESS) t->nohold = 1;
+      if (rr == CUDA_SUCCESS) rr = d.memset32_async(t->ctl + PTXMIG_CTL_OFF_PREEMPT, 0, 1, t->stream);
       if (rr == CUDA_SUCCESS)
         rr = d.launch(t->twin, t->W, 1, 1, t->block[0], t->block[1], t->block[2], t->shmem, t->stream, t->argv, NULL);
       if (rr == CUDA_SUCCESS) rr = d.ev_record(t->done, t->stream);
@@ -1467,12 +1671,14 @@ void preempt_report_status(jbuf *b) {
   jb_printf(b,
             "{\"mode\":\"%s\",\"min_us\":%u,\"state\":\"%s\",\"gate\":\"%s\",\"twins_in_flight\":%d,\"preempted_pending\":%d,"
             "\"stopping\":%d,\"batch_max\":%u,"
-            "\"instrumented_modules\":%d,\"twin_launches\":%lu,\"relaunches\":%lu,\"quiesces\":%lu,\"preempted\":%lu,\"hold\":%s,\"holds\":%lu,\"hold_ms\":%.3f,\"hold_not_started\":%lu,\"cache\":",
+            "\"instrumented_modules\":%d,\"twin_launches\":%lu,\"relaunches\":%lu,\"quiesces\":%lu,\"preempted\":%lu,\"hold\":%s,\"holds\":%lu,\"hold_ms\":%.3f,\"hold_not_started\":%lu,"
+            "\"mid_block\":%s,\"mid_block_launches\":%lu,\"mid_block_stops\":%lu,\"mid_block_refused\":%lu,\"cache\":",
             preempt_mode_names[cfg.preempt], cfg.preempt_min_us, pstate_names[st],
             atomic_load(&gate_closed) ? "closed" : "open", n, np, ns, cfg.preempt_batch_max, trk_instrumented_modules(),
             atomic_load(&st_twin_launches), atomic_load(&st_relaunches), atomic_load(&st_quiesces),
             atomic_load(&st_preempted), cfg.preempt_hold ? "true" : "false", atomic_load(&st_holds),
-            (double)atomic_load(&st_hold_ns) / 1e6, atomic_load(&st_hold_gaveup));
+            (double)atomic_load(&st_hold_ns) / 1e6, atomic_load(&st_hold_gaveup), cfg.mid_block ? "true" : "false",
+            atomic_load(&st_mid_launches), atomic_load(&st_mid_stops), atomic_load(&st_mid_refused));
   instr_stats(b);
   jb_printf(b, ",\"helper\":");
   jb_str(b, cfg.helper, strlen(cfg.helper));
@@ -1510,6 +1716,9 @@ void preempt_drop_ctx(CUcontext ctx) {
     }
     c->nslab = 0;
     memset(c->used, 0, sizeof c->used);
+    free(c->areas);  // their device memory went with the context
+    c->areas = NULL;
+    c->nareas = c->careas = 0;
     c->nfree_ev = 0;
     c->side = NULL;
     c->sms = 0;

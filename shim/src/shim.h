@@ -34,6 +34,8 @@ typedef struct {
   unsigned preempt_batch_max;  // PTXMIG_PREEMPT_BATCH_MAX: twins' largest claim (0: from the sampled block time)
   int preempt_sass;          // PTXMIG_PREEMPT_SASS: 1 jit (default), 0 keep modules with SASS for the GPU
   int ptx_cubin;             // PTXMIG_PTX_CUBIN (default 1): ask the helper for a cubin (ptxas) instead of PTX to JIT
+  int mid_block;             // PTXMIG_MID_BLOCK (default 1): twins that also stop inside a block (ptx instrument --mid-block)
+  uint64_t mid_max_bytes;    // PTXMIG_MID_BLOCK_MAX_MB (default 2048): save areas of one launch at most
   char ptx_cache[256];       // PTXMIG_PTX_CACHE, default /var/cache/ptxmig/ptx ("" or "off": no cache)
   char helper[256];          // PTXMIG_HELPER: the ptxmig binary ("" : none)
   unsigned helper_timeout_ms;  // PTXMIG_HELPER_TIMEOUT_MS (default 60000)
@@ -158,6 +160,11 @@ typedef struct krec {
     int attr, value;
   } attrs[8];                   // cuFuncSetAttribute calls to replay on the twin (under k_mu)
   atomic_int nattrs, attrs_gen, attrs_applied;
+  // mid-block twins (preempt.c): the record layout the module carries (__ptxmig_mid_K = {2, register
+  // slots, static shared bytes, sites, local bytes}); mid_state 0 not read, 1 read, -1 none
+  atomic_int mid_state;
+  uint32_t mid[5];
+  atomic_ulong mid_launches, mid_stops;
 } krec;
 
 

@@ -586,6 +586,7 @@ void trk_twin_reset(krec *r) {
   atomic_store(&r->layout, NULL);  // leaked: a launch in flight may still read it
   atomic_store(&r->attrs_applied, 0);
   atomic_store(&r->no_twin_why, NULL);
+  atomic_store(&r->mid_state, 0);
 }
 
 static void twins_forget_module(void *handle) {
@@ -1316,6 +1317,10 @@ void report_kernels(jbuf *b) {
       else jb_s(b, "null");
       jb_printf(b, ",\"twin_launches\":%lu,\"twin_fallbacks\":%lu", atomic_load(&r->twin_launches),
                 atomic_load(&r->twin_fallbacks));
+      if (twin && atomic_load(&r->mid_state) == 1)  // read at its first twin launch
+        jb_printf(b, ",\"mid_block\":{\"sites\":%u,\"register_slots\":%u,\"static_shared_bytes\":%u,\"local_bytes\":%u,"
+                     "\"launches\":%lu,\"stops\":%lu}",
+                  r->mid[3], r->mid[1], r->mid[2], r->mid[4], atomic_load(&r->mid_launches), atomic_load(&r->mid_stops));
       const char *ow = atomic_load(&r->original_why);
       if (twin && ow) {  // a kernel with a twin whose last original launch had this reason (auto)
         jb_s(b, ",\"original_reason\":");

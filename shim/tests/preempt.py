@@ -530,7 +530,7 @@ def t_cubin(name):
         c.close()
         ended_ok(name, app)
         files = sorted(os.listdir(cdir))
-        check(len(files) == 2 and files[0].endswith("-v3-sm90.cubin") and files[1].endswith("-v3-sm90.why"),
+        check(len(files) == 2 and files[0].endswith("-v3-m-sm90.cubin") and files[1].endswith("-v3-m-sm90.why"),
               f"{name}: {run}: cache files {files}")
     with open(os.path.join(cdir, files[0]), "rb") as f:
         check(f.read(4) == b"\x7fELF", f"{name}: the .cubin entry is not an ELF file")
@@ -540,7 +540,7 @@ def t_cubin(name):
     check(st["helper_runs"] == 1 and st["hits"] == 0, f"{name}: cubins off used the .cubin entry: {st}")
     c.close()
     ended_ok(name, app)
-    check(any(f.endswith("-v3-sm90.ptx") for f in os.listdir(cdir)), f"{name}: no .ptx entry with cubins off")
+    check(any(f.endswith("-v3-m-sm90.ptx") for f in os.listdir(cdir)), f"{name}: no .ptx entry with cubins off")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -582,7 +582,7 @@ def t_cache(name):
     cdir = os.path.join(tmp, "cache")
     check(stat.S_IMODE(os.stat(cdir).st_mode) == 0o700, f"{name}: cache dir mode")
     files = sorted(os.listdir(cdir))
-    check(len(files) == 2 and files[0].endswith("-v3-sm90.ptx") and files[1].endswith("-v3-sm90.why"), f"{name}: cache files {files}")
+    check(len(files) == 2 and files[0].endswith("-v3-m-sm90.ptx") and files[1].endswith("-v3-m-sm90.why"), f"{name}: cache files {files}")
     for f in files:
         check(stat.S_IMODE(os.stat(os.path.join(cdir, f)).st_mode) == 0o600, f"{name}: {f} mode")
     # Second run: from the cache only (no helper at all), reasons kept.
@@ -757,9 +757,78 @@ def t_sass_keep(name):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def t_criu(name):
+def t_mid_block(name, env=None):
+    """A kernel with a mid-block site (k_count_loop): the shim reads the record layout the module
+    carries and launches its twin with two save areas; each quiesce stops it inside a block (a
+    record), each resume swaps the areas, and every block counts exactly once."""
+    tmp, app = with_app(name, dict({"APP_KERNEL": "loop"}, **(env or {})))
+    c = app.conn()
+    check(app.cmd("launch s 200") == "launched s", f"{name}: launch")
+    time.sleep(0.05)
+    k = kern(c, "k_count_loop")
+    mb = (k or {}).get("mid_block") or {}
+    check(k and k["twin"] is True and mb.get("sites") == 1 and mb.get("register_slots") == 3 and mb.get("launches") == 1,
+          f"{name}: kernels k_count_loop {k}")
+    mid = 0
+    for i in range(4):
+        r = c.req(cmd="quiesce", budget_ms=500)["result"]
+        p = r.get("preempted", [])
+        if not check(len(p) == 1 and p[0]["kernel"] == "k_count_loop" and p[0]["mid_block"] is True and
+                     p[0]["stop"] in ("mid-block", "block boundary") and p[0]["blocks_done"] < p[0]["blocks_total"] == 200,
+                     f"{name}: cycle {i}: preempted {p}"):
+            break
+        # The fake block's time passes before its site: a raise lands there but for a window of
+        # microseconds at the block's end, so nearly every stop is mid-block with one record.
+        if p[0]["stop"] == "mid-block":
+            mid += 1
+            check(p[0]["records"] == 1, f"{name}: cycle {i}: records {p[0]}")
+        rs = c.req(cmd="resume")["result"]
+        check(rs["relaunched"] == 1 and not rs.get("errors"), f"{name}: cycle {i}: resume {rs}")
+        time.sleep(0.03)
+    check(mid >= 3, f"{name}: {mid} of 4 stops were mid-block")
+    check(app.cmd("check", timeout=60) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks after the stops")
+    st = c.req(cmd="status")["result"]["preempt"]
+    check(st["mid_block"] is True and st["mid_block_launches"] == 1 and st["mid_block_stops"] == mid,
+          f"{name}: status {st}")
+    k = kern(c, "k_count_loop")
+    check(k and k["mid_block"]["stops"] == mid, f"{name}: kernel stops {k}")
+    c.close()
+    ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def t_mid_block_off(name, env, want_refused, layout=False):
+    """Mid-block stops off (PTXMIG_MID_BLOCK=0), without the module's layout, or over the save-area
+    limit: the same kernel's twin stops between blocks only, and every block counts once."""
+    tmp, app = with_app(name, dict({"APP_KERNEL": "loop"}, **env))
+    c = app.conn()
+    check(app.cmd("launch s 200") == "launched s", f"{name}: launch")
+    time.sleep(0.05)
+    k = kern(c, "k_count_loop")
+    # Over the limit the layout is known (and shown), but the launch has no save areas.
+    check(k and k["twin"] is True and (k.get("mid_block", {}).get("launches") == 0 if layout else "mid_block" not in k),
+          f"{name}: kernels k_count_loop {k}")
+    r = c.req(cmd="quiesce", budget_ms=500)["result"]
+    p = r.get("preempted", [])
+    check(len(p) == 1 and p[0]["mid_block"] is False and p[0]["stop"] == "block boundary" and p[0]["records"] == 0,
+          f"{name}: preempted {p}")
+    rs = c.req(cmd="resume")["result"]
+    check(rs["relaunched"] == 1, f"{name}: resume {rs}")
+    check(app.cmd("check", timeout=60) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks")
+    st = c.req(cmd="status")["result"]["preempt"]
+    check(st["mid_block_launches"] == 0 and st["mid_block_refused"] == want_refused, f"{name}: status {st}")
+    c.close()
+    ended_ok(name, app)
+    if env.get("PTXMIG_MID_BLOCK") == "0":
+        files = sorted(os.listdir(os.path.join(tmp, "cache")))
+        check(any(f.endswith("-v3-sm90.ptx") for f in files), f"{name}: cache entry without -m: {files}")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def t_criu(name, extra=None):
     """CRIU dump of a detached (quiesced) shimmed app, restore, then status and resume on the
-    restored process's socket; the remainder runs and every block ran exactly once."""
+    restored process's socket; the remainder runs and every block ran exactly once. With
+    APP_KERNEL=loop the twin stopped inside a block: the restored process resumes its record."""
     criu = shutil.which("criu") or ("/usr/local/sbin/criu" if os.path.exists("/usr/local/sbin/criu") else None)
     if not criu:
         return skip("criu", name, "criu not installed")
@@ -774,7 +843,8 @@ def t_criu(name):
     env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(OPTS.build, "fake"), PTXMIG_SOCKET_DIR=sockdir,
                PTXMIG_PTX_CACHE=os.path.join(tmp, "cache"), PTXMIG_PREEMPT="always", FAKE_CUDA_BLOCK_US="2000",
                LD_PRELOAD=" ".join(x for x in [OPTS.preload_first, OPTS.shim] if x), APP_GO_FILE=go, PTXMIG_PTX_CUBIN="0",
-               PTXMIG_HELPER=os.path.abspath(os.path.join(OPTS.build, "ptxmig")))
+               PTXMIG_HELPER=os.path.abspath(os.path.join(OPTS.build, "ptxmig")), **(extra or {}))
+    mid = (extra or {}).get("APP_KERNEL") == "loop"
     # stdio are regular files and the app has its own session: CRIU dumps it alone.
     log = open(outp, "w")
     p = subprocess.Popen([os.path.join(OPTS.build, "app_preempt")], stdin=subprocess.DEVNULL, stdout=log,
@@ -790,6 +860,8 @@ def t_criu(name):
         a = Conn(path, 20)
         r = a.req(cmd="quiesce", budget_ms=500)["result"]
         check(len(r["preempted"]) == 1, f"{name}: preempted {r}")
+        if mid:
+            check(r["preempted"][0]["stop"] == "mid-block" and r["preempted"][0]["records"] == 1, f"{name}: stop {r}")
         check(a.req(cmd="detach")["ok"], f"{name}: detach")
         a.f.readline()
         a.close()
@@ -884,6 +956,13 @@ def main():
         ("runtime-fatbin", t_runtime, ()),
         ("runtime-fatbin-sass-keep", t_sass_keep, ()),
         ("criu", t_criu, ()),
+        ("mid-block", lambda n: t_mid_block(n), ()),
+        ("mid-block-library", lambda n: t_mid_block(n, {"APP_MODULE": "library"}), ()),
+        ("mid-block-extra-args", lambda n: t_mid_block(n, {"FAKE_CUDA_NO_PARAM_INFO": "1"}), ()),
+        ("mid-block-off", lambda n: t_mid_block_off(n, {"PTXMIG_MID_BLOCK": "0"}, 0), ()),
+        ("mid-block-no-layout", lambda n: t_mid_block_off(n, {"FAKE_CUDA_NO_GLOBALS": "1"}, 0), ()),
+        ("mid-block-over-limit", lambda n: t_mid_block_off(n, {"PTXMIG_MID_BLOCK_MAX_MB": "0"}, 1, layout=True), ()),
+        ("mid-block-criu", lambda n: t_criu(n, {"APP_KERNEL": "loop"}), ()),
     ]
     for n, fn, _ in cases:
         if OPTS.only and OPTS.only != n:
@@ -896,7 +975,7 @@ def main():
         if not have_helper():
             skip("go", n, "no ptxmig helper: go missing, or `go build ./cmd/ptxmig` failed (see make's output)")
             continue
-        if n == "criu" and OPTS.preload_first:
+        if n.endswith("criu") and OPTS.preload_first:
             skip(None, n, "CRIU test runs with the plain shim only (ASan's shadow mappings)")
             continue
         with case(n):

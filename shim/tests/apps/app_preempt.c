@@ -15,6 +15,8 @@
 //   check           cuCtxSynchronize, then every block of every launch must have run exactly once
 //   quit
 // APP_MODULE=library loads through cuLibraryLoadData/cuLibraryGetKernel, else cuModuleLoadData.
+// APP_KERNEL=loop: launches use k_count_loop instead (a CTA-wide barrier in a uniform loop before
+// the count: ptxstate gives it a mid-block twin), from a module that has both.
 // APP_GO_FILE=PATH (the CRIU test: no pipes to the harness): print "pid N", launch k_count over 400
 // blocks on the blocking stream, wait until PATH exists, then check and exit.
 #include <pthread.h>
@@ -58,6 +60,13 @@ static const char kc_ptx[] =
     "\tatom.global.add.u32 %r2, [%rd4], 1;\n\tret;\n}\n\n"
     ".visible .entry k_refused(\n\t.param .u64 k_refused_param_0\n)\n{\n"
     "\t.reg .b32 %r<4>;\n\tmov.u32 %r1, %envreg1;\n\tret;\n}\n";
+static const char kc_loop_ptx[] =
+    ".visible .entry k_count_loop(\n\t.param .u64 k_count_loop_param_0,\n\t.param .u32 k_count_loop_param_1\n)\n{\n"
+    "\t.reg .pred %p<2>;\n\t.reg .b32 %r<6>;\n\t.reg .b64 %rd<5>;\n"
+    "\tld.param.u64 %rd1, [k_count_loop_param_0];\n\tld.param.u32 %r3, [k_count_loop_param_1];\n\tmov.u32 %r4, 0;\n"
+    "$L_loop:\n\tadd.u32 %r4, %r4, 1;\n\tbar.sync 0;\n\tsetp.lt.u32 %p1, %r4, %r3;\n\t@%p1 bra $L_loop;\n"
+    "\tmov.u32 %r1, %ctaid.x;\n\tcvta.to.global.u64 %rd2, %rd1;\n\tmul.wide.u32 %rd3, %r1, 4;\n\tadd.s64 %rd4, %rd2, %rd3;\n"
+    "\tatom.global.add.u32 %r2, [%rd4], 1;\n\tret;\n}\n";
 
 static void *app_ctx, *fn_count, *fn_refused, *s_block, *s_nonblock, *ev;
 static pthread_mutex_t out_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -148,14 +157,18 @@ int main(void) {
   CK(cuDevicePrimaryCtxRetain(&ctx, 0));
   CK(cuCtxSetCurrent(ctx));
   app_ctx = ctx;
-  const char *how = getenv("APP_MODULE");
+  const char *how = getenv("APP_MODULE"), *kern = getenv("APP_KERNEL");
+  int loop = kern && strcmp(kern, "loop") == 0;
+  static char image[sizeof kc_ptx + sizeof kc_loop_ptx];
+  snprintf(image, sizeof image, "%s%s", kc_ptx, loop ? kc_loop_ptx : "");
+  const char *count = loop ? "k_count_loop" : "k_count";
   if (how && strcmp(how, "library") == 0) {
-    CK(cuLibraryLoadData(&mod, kc_ptx, NULL, NULL, 0, NULL, NULL, 0));
-    CK(cuLibraryGetKernel(&fn_count, mod, "k_count"));
+    CK(cuLibraryLoadData(&mod, image, NULL, NULL, 0, NULL, NULL, 0));
+    CK(cuLibraryGetKernel(&fn_count, mod, count));
     CK(cuLibraryGetKernel(&fn_refused, mod, "k_refused"));
   } else {
-    CK(cuModuleLoadData(&mod, kc_ptx));
-    CK(cuModuleGetFunction(&fn_count, mod, "k_count"));
+    CK(cuModuleLoadData(&mod, image));
+    CK(cuModuleGetFunction(&fn_count, mod, count));
     CK(cuModuleGetFunction(&fn_refused, mod, "k_refused"));
   }
   CK(cuStreamCreate(&s_block, 0));

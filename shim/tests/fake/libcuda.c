@@ -26,7 +26,7 @@ enum {
   X(cuLaunchCooperativeKernel) X(cuGraphLaunch) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuModuleLoadData)            \
   X(cuLibraryLoadData) X(cuGetProcAddress) X(cuGetProcAddress_v2) X(cuGetExportTable) X(cuEventRecord)           \
   X(cuMemAllocAsync_ptsz) X(cuCtxCreate_v4) X(cuCtxCreate_v2) X(cuEventCreate) X(cuEventDestroy_v2)        \
-  X(twin_launches) X(twin_stops) X(memset32_async)
+  X(twin_launches) X(twin_stops) X(memset32_async) X(mid_stops) X(mid_resumes) X(mid_forwards) X(mid_bad)
 #define E(n) C_##n,
   CALLS(E)
 #undef E
@@ -67,7 +67,10 @@ typedef struct func {
   unsigned off[32], size[32];
   int max_dyn_shmem;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (8): launches above 48 KiB need it
 } func;
-typedef struct mod { int magic; int loaded; int ptx; func fns[64]; int nfns; } mod;
+// Mid-block twins' record layouts (__ptxmig_mid_K[5] = {2, slots, static shared, sites, local}),
+// read from the PTX as module globals (cuModuleGetGlobal); fake device memory is host memory.
+typedef struct mglobal { char name[180]; uint32_t v[5]; } mglobal;
+typedef struct mod { int magic; int loaded; int ptx; func fns[64]; int nfns; mglobal g[16]; int ng; } mod;
 #define MOD_MAGIC 0x30d
 #define FN_MAGIC 0xf00
 
@@ -107,6 +110,16 @@ static void parse_entries(mod *m, const char *t) {
     s = close ? close : e;
   }
 }
+static void parse_mid_globals(mod *m, const char *t) {
+  for (const char *s = t; (s = strstr(s, "__ptxmig_mid_")) && m->ng < 16; s++) {
+    const char *e = s;
+    while (*e && *e != '[' && *e != ' ' && *e != '\n') e++;
+    mglobal *g = &m->g[m->ng];
+    if (*e != '[' || sscanf(e, "[5] = {%u, %u, %u, %u, %u}", &g->v[0], &g->v[1], &g->v[2], &g->v[3], &g->v[4]) != 5) continue;
+    snprintf(g->name, sizeof g->name, "%.*s", (int)(e - s), s);
+    m->ng++;
+  }
+}
 static mod *mod_new(const void *image) {
   mod *m = calloc(1, sizeof *m);
   m->magic = MOD_MAGIC;
@@ -114,9 +127,25 @@ static mod *mod_new(const void *image) {
   if (image && is_ptx(image)) {
     m->ptx = 1;
     parse_entries(m, image);
+    parse_mid_globals(m, image);
   }
   return m;
 }
+// FAKE_CUDA_NO_GLOBALS=1: globals are never found (a driver or module without the layout).
+static CUresult get_global(CUdeviceptr *p, size_t *n, void *mp, const char *name) {
+  mod *m = mp;
+  if (!m || m->magic != MOD_MAGIC) return E_INVALID_HANDLE;
+  const char *v = getenv("FAKE_CUDA_NO_GLOBALS");
+  for (int i = 0; i < m->ng && !(v && *v == '1'); i++)
+    if (strcmp(m->g[i].name, name) == 0) {
+      if (p) *p = (CUdeviceptr)(uintptr_t)m->g[i].v;
+      if (n) *n = sizeof m->g[i].v;
+      return OK;
+    }
+  return E_NOT_FOUND;
+}
+EXPORT CUresult cuModuleGetGlobal_v2(CUdeviceptr *p, size_t *n, void *m, const char *name) { return get_global(p, n, m, name); }
+EXPORT CUresult cuLibraryGetGlobal(CUdeviceptr *p, size_t *n, void *l, const char *name) { return get_global(p, n, l, name); }
 static func *mod_fn(mod *m, const char *name) {
   for (int i = 0; i < m->nfns; i++)
     if (strcmp(m->fns[i].name, name) == 0) return &m->fns[i];
@@ -257,6 +286,7 @@ typedef struct op {
   uint8_t *src;
   void (*hfn)(void *);
   void *hdata;
+  uint64_t need_rb;  // a mid-block twin: the record bytes its launch needs (0: none)
 } op;
 typedef struct fstream {
   int magic;
@@ -280,6 +310,100 @@ static fstream *fs_of(void *s) {
 }
 static unsigned block_us(void) { const char *v = getenv("FAKE_CUDA_BLOCK_US"); return v ? (unsigned)atoi(v) : 0; }
 static void nap(unsigned us) { if (us) { struct timespec ts = {us / 1000000, (long)(us % 1000000) * 1000}; nanosleep(&ts, NULL); } }
+
+// ---- mid-block twins (control block version 3, save_area set) ----
+// A block runs in two parts: its time (FAKE_CUDA_BLOCK_US), then its count. Between them (its
+// "site"; a flag raised during a block is seen there) a twin whose preempt flag is up saves a
+// record {site 0, block, batch end, RecordMagic at 20} into the save area, if the area has room and
+// its record_bytes covers what the module's layout needs, and gives the rest of its batch up with
+// it. The block's count is added at its end, so a record never resumed leaves it at 0 and one
+// resumed twice makes it 2. At the claim step records of resume_area are taken first (cursor):
+// resumed (the block's count, then the rest of the batch), or, with the flag up, forwarded.
+typedef struct v3 {
+  uint8_t *c, *save, *rarea;
+  uint32_t rb, cap;
+  uint64_t need;
+  uint32_t *out;
+  unsigned us;
+} v3;
+static int v3_room(v3 *x) { return x->save && x->rb >= x->need && __atomic_load_n((uint32_t *)(x->c + 76), __ATOMIC_SEQ_CST) < x->cap; }
+static void v3_write(v3 *x, uint64_t b, uint64_t e, const uint8_t *copy) {
+  uint32_t i = __atomic_fetch_add((uint32_t *)(x->c + 76), 1, __ATOMIC_SEQ_CST);
+  uint8_t *r = x->save + (uint64_t)i * x->rb;
+  if (copy) {
+    memcpy(r, copy, x->rb);
+    return;
+  }
+  memset(r, 0, 64);
+  uint32_t magic = 0x52585450u;
+  memcpy(r + 8, &b, 8);
+  memcpy(r + 24, &e, 8);
+  memcpy(r + 20, &magic, 4);
+}
+// v3_blocks runs blocks [b, e) (the first one from its site on when half); 1 when it stopped.
+static int v3_blocks(v3 *x, uint64_t b, uint64_t e, int half) {
+  uint64_t *done = (uint64_t *)(x->c + 16);
+  uint32_t *preempt = (uint32_t *)(x->c + 36), *status = (uint32_t *)(x->c + 40);
+  for (; b < e; b++, half = 0) {
+    if (!half) {
+      nap(x->us);
+      if (__atomic_load_n(preempt, __ATOMIC_SEQ_CST) && v3_room(x)) {
+        v3_write(x, b, e, NULL);
+        __atomic_store_n(status, 1, __ATOMIC_SEQ_CST);
+        COUNT(mid_stops);
+        return 1;
+      }
+    }
+    if (x->out) __atomic_add_fetch(&x->out[b], 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(done, 1, __ATOMIC_SEQ_CST);
+  }
+  return 0;
+}
+static void v3_run(op *o, uint8_t *c, uint32_t g) {
+  v3 x = {c, NULL, NULL, 0, 0, o->need_rb, (uint32_t *)(uintptr_t)o->out, block_us()};
+  memcpy(&x.save, c + 64, 8);
+  memcpy(&x.rarea, c + 88, 8);
+  memcpy(&x.rb, c + 72, 4);
+  memcpy(&x.cap, c + 96, 4);
+  uint64_t *next = (uint64_t *)c, *total = (uint64_t *)(c + 8);
+  uint32_t *preempt = (uint32_t *)(c + 36), *status = (uint32_t *)(c + 40);
+  uint32_t rcount = *(uint32_t *)(c + 80), *cursor = (uint32_t *)(c + 84);
+  for (;;) {
+    uint32_t i = rcount ? __atomic_fetch_add(cursor, 1, __ATOMIC_SEQ_CST) : rcount;
+    if (i < rcount) {
+      const uint8_t *r = x.rarea + (uint64_t)i * x.rb;
+      uint64_t b, e;
+      uint32_t magic;
+      memcpy(&b, r + 8, 8);
+      memcpy(&e, r + 24, 8);
+      memcpy(&magic, r + 20, 4);
+      if (!x.rarea || magic != 0x52585450u || b >= e || e > *total) {
+        COUNT(mid_bad);
+        continue;
+      }
+      if (__atomic_load_n(preempt, __ATOMIC_SEQ_CST) && v3_room(&x)) {
+        v3_write(&x, 0, 0, r);
+        __atomic_store_n(status, 1, __ATOMIC_SEQ_CST);
+        COUNT(mid_forwards);
+        continue;
+      }
+      COUNT(mid_resumes);
+      v3_blocks(&x, b, e, 1);
+      continue;
+    }
+    uint64_t t = __atomic_load_n(total, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(preempt, __ATOMIC_SEQ_CST)) {
+      if (__atomic_load_n(next, __ATOMIC_SEQ_CST) < t) {
+        __atomic_store_n(status, 1, __ATOMIC_SEQ_CST);
+        COUNT(twin_stops);
+      }
+      return;
+    }
+    uint64_t b0 = __atomic_fetch_add(next, g, __ATOMIC_SEQ_CST);
+    if (b0 >= t) return;
+    if (v3_blocks(&x, b0, b0 + g < t ? b0 + g : t, 0)) COUNT(twin_stops);
+  }
+}
 
 static void op_exec(op *o) {
   switch (o->kind) {
@@ -326,6 +450,12 @@ static void op_exec(op *o) {
       g = *(uint32_t *)(c + 52);
       if (!g) g = 16;
       if (g < *(uint32_t *)(c + 56)) g = *(uint32_t *)(c + 56);
+    }
+    uint64_t sa;
+    memcpy(&sa, c + 64, 8);
+    if (o->need_rb && *(uint32_t *)(c + 48) >= 3 && sa) {
+      v3_run(o, c, g);
+      break;
     }
     for (;;) {
       uint64_t t = __atomic_load_n(total, __ATOMIC_SEQ_CST);
@@ -542,7 +672,7 @@ EXPORT CUresult cuEventDestroy_v2(void *e) { COUNT(cuEventDestroy_v2); if (!e ||
 
 // ---- launches ----
 // kernel_op queues a k_count kernel (or its twin); other kernels do nothing.
-static void kernel_op(func *f, unsigned gx, unsigned gy, unsigned gz, void *s, void **p, void **x) {
+static void kernel_op(func *f, unsigned gx, unsigned gy, unsigned gz, unsigned threads, unsigned sh, void *s, void **p, void **x) {
   if (strncmp(f->name, "k_count", 7) != 0 || f->nparams < 1) return;
   fstream *fs = fs_of(s);
   if (!fs) return;
@@ -559,15 +689,24 @@ static void kernel_op(func *f, unsigned gx, unsigned gy, unsigned gz, void *s, v
   }
   o->total = gx * gy * gz;
   if (twin) o->total = 0;  // the twin reads total_blocks from its control block
+  if (twin) {
+    char gn[200];
+    snprintf(gn, sizeof gn, "__ptxmig_mid_%.*s", (int)(tl - sl), f->name);
+    for (int i = 0; i < f->mod->ng; i++)
+      if (strcmp(f->mod->g[i].name, gn) == 0) {
+        const uint32_t *v = f->mod->g[i].v;
+        o->need_rb = (64 + (8ull * v[1] + v[4]) * threads + v[2] + sh + 15) & ~15ull;
+      }
+  }
   fs_enqueue(fs, o);
 }
-#define LAUNCH_BODY(n) COUNT(n); if (!fn_ok(f)) return E_INVALID_HANDLE; if (!gx || !bx) return E_INVALID_VALUE; if (sh > 49152 && (int)sh > ((func *)f)->max_dyn_shmem) return E_INVALID_VALUE; kernel_op(f, gx, gy, gz, s, p, x); return OK
+#define LAUNCH_BODY(n) COUNT(n); if (!fn_ok(f)) return E_INVALID_HANDLE; if (!gx || !bx) return E_INVALID_VALUE; if (sh > 49152 && (int)sh > ((func *)f)->max_dyn_shmem) return E_INVALID_VALUE; kernel_op(f, gx, gy, gz, bx * by * bz, sh, s, p, x); return OK
 EXPORT CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, void *s, void **p, void **x) { (void)by; (void)bz; (void)sh; LAUNCH_BODY(cuLaunchKernel); }
 EXPORT CUresult cuLaunchKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, void *s, void **p, void **x) { (void)by; (void)bz; (void)sh; LAUNCH_BODY(cuLaunchKernel_ptsz); }
 EXPORT CUresult cuLaunchCooperativeKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, void *s, void **p) { (void)by; (void)bz; (void)sh; void **x = NULL; LAUNCH_BODY(cuLaunchCooperativeKernel); }
 typedef struct { unsigned gx, gy, gz, bx, by, bz, sh; void *s; void *attrs; unsigned n; } cfg_t;
-EXPORT CUresult cuLaunchKernelEx(const cfg_t *c, void *f, void **p, void **x) { unsigned gx = c->gx, gy = c->gy, gz = c->gz, bx = c->bx, sh = c->sh; void *s = c->s; LAUNCH_BODY(cuLaunchKernelEx); }
-EXPORT CUresult cuLaunchKernelEx_ptsz(const cfg_t *c, void *f, void **p, void **x) { unsigned gx = c->gx, gy = c->gy, gz = c->gz, bx = c->bx, sh = c->sh; void *s = c->s; LAUNCH_BODY(cuLaunchKernelEx_ptsz); }
+EXPORT CUresult cuLaunchKernelEx(const cfg_t *c, void *f, void **p, void **x) { unsigned gx = c->gx, gy = c->gy, gz = c->gz, bx = c->bx, by = c->by, bz = c->bz, sh = c->sh; void *s = c->s; LAUNCH_BODY(cuLaunchKernelEx); }
+EXPORT CUresult cuLaunchKernelEx_ptsz(const cfg_t *c, void *f, void **p, void **x) { unsigned gx = c->gx, gy = c->gy, gz = c->gz, bx = c->bx, by = c->by, bz = c->bz, sh = c->sh; void *s = c->s; LAUNCH_BODY(cuLaunchKernelEx_ptsz); }
 EXPORT CUresult cuGraphLaunch(void *g, void *s) { (void)s; COUNT(cuGraphLaunch); return g ? OK : E_INVALID_HANDLE; }
 EXPORT CUresult cuStreamBeginCapture_v2(void *s, int m) { (void)s; (void)m; return OK; }
 EXPORT CUresult cuStreamEndCapture(void *s, void **g) { (void)s; *g = (void *)0x6; return OK; }
