@@ -81,9 +81,11 @@ if [ -n "${PTXMIG_CUDA_SAMPLES:-}" ]; then
     [ -n "$d" ] || { echo "gpu-bundle: sample $s not found in $cs" >&2; exit 1; }
     mkdir -p "$dist/samples/$s"
     find "$d" -maxdepth 1 -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h' \) -exec cp {} "$dist/samples/$s/" \;
-    # Common sources a sample's own build compiles with it (MonteCarloMultiGPU: multithreading)
+    # Common sources a sample's own build compiles with it (MonteCarloMultiGPU: multithreading;
+    # its header from Common/, found through -I../Common, its source beside the sample's own)
     if grep -qs '#include *[<"]multithreading\.h[>"]' "$d"/*; then
-      cp "$cs/Common/multithreading.h" "$cs/Common/multithreading.cpp" "$dist/samples/$s/"
+      cp "$cs/Common/multithreading.h" "$dist/samples/Common/"
+      cp "$cs/Common/multithreading.cpp" "$dist/samples/$s/"
     fi
   done
 fi

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -16,8 +17,8 @@ import (
 
 // TestPreemptMidBlock: longkernel (testdata/workloads) runs one kernel of about 30 s in which every
 // thread loops for the whole kernel: one wave, no block ends before the kernel does, so a twin
-// that stops between blocks could not stop it sooner than the kernel itself. Under `ptxmig run`
-// (mid-block twins by default) each checkpoint stops it inside its blocks within the preempt budget:
+// that stops between blocks could not stop it sooner than the kernel itself. Under `ptxmig run
+// --mid-block` each checkpoint stops it inside its blocks within the preempt budget:
 // (1) 20 checkpoints with --leave-running, each reporting a mid-block stop, quiesce times
 // recorded; (2) a rollback on purpose; (3) a checkpoint that ends the process mid-kernel, then
 // restore. The result matches an uninterrupted run bit for bit.
@@ -27,7 +28,7 @@ func TestPreemptMidBlock(t *testing.T) {
 	if budget == "" {
 		budget = op.DefaultPreemptBudget.String()
 	}
-	p := startShimmed(t, "always", "longkernel", "--seconds", "30", "--device", "0")
+	p := startShimmedCache(t, midAlways, filepath.Join(out, "gputest", "ptxcache"), filepath.Join(workloads, "longkernel"), "--seconds", "30", "--device", "0")
 	iters := strings.TrimPrefix(waitLine(t, p.log, "iters ", 3*time.Minute), "iters ")
 	time.Sleep(3 * time.Second)
 	checkpointOnce := func(name string, leave bool) ckptJSON {

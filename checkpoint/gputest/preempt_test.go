@@ -31,18 +31,19 @@ import (
 // startShimmed runs a workload under `ptxmig run` with a private socket directory.
 func startShimmed(t *testing.T, mode, name string, args ...string) *proc {
 	t.Helper()
-	return startShimmedCache(t, mode, filepath.Join(out, "gputest", "ptxcache"), filepath.Join(workloads, name), args...)
+	return startShimmedCache(t, []string{"--preempt", mode}, filepath.Join(out, "gputest", "ptxcache"), filepath.Join(workloads, name), args...)
 }
 
-// startShimmedCache runs the program at path under `ptxmig run` with the instrumentation cache dir.
-func startShimmedCache(t *testing.T, mode, cache, path string, args ...string) *proc {
+// startShimmedCache runs the program at path under `ptxmig run` with runFlags (--preempt MODE,
+// --mid-block) and the instrumentation cache dir.
+func startShimmedCache(t *testing.T, runFlags []string, cache, path string, args ...string) *proc {
 	t.Helper()
 	shim := os.Getenv("PTXMIG_SHIM")
 	if shim == "" {
 		t.Skip("PTXMIG_SHIM not set (run through gpu-e2e.sh)")
 	}
 	sock := filepath.Join(t.TempDir(), "sock")
-	runArgs := append([]string{"run", "--shim", shim, "--socket-dir", sock, "--preempt", mode, "--", path}, args...)
+	runArgs := append(append(append([]string{"run", "--shim", shim, "--socket-dir", sock}, runFlags...), "--", path), args...)
 	return startEnv(t, []string{"PTXMIG_PTX_CACHE=" + cache}, bin, runArgs...)
 }
 

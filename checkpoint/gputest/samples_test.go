@@ -26,6 +26,9 @@ var (
 	midDesc     = regexp.MustCompile(`__ptxmig_mid_[A-Za-z0-9_$]+`)
 )
 
+// midAlways: every kernel with PTX as a twin, mid-block twins where a kernel has sites.
+var midAlways = []string{"--preempt", "always", "--mid-block"}
+
 func verdict(path string) string {
 	var keep []string
 	for _, l := range lines(path) {
@@ -82,9 +85,9 @@ func buildSamples(t *testing.T) map[string]string {
 	return built
 }
 
-// TestMidBlockSamples: public NVIDIA cuda-samples programs run under `ptxmig run --preempt always`
-// (every kernel with PTX as a twin; kernels with safe points inside their blocks as mid-block
-// twins) give the same verdicts as plain runs; which kernels got mid-block twins is read from each
+// TestMidBlockSamples: public NVIDIA cuda-samples programs run under `ptxmig run --preempt always
+// --mid-block` (every kernel with PTX as a twin; kernels with safe points inside their blocks as
+// mid-block twins) give the same verdicts as plain runs; which kernels got mid-block twins is read from each
 // sample's instrumentation cache. Then matrixMul (8192^2, 300 launches of a kernel whose blocks loop
 // over tiles with CTA-wide barriers) is checkpointed with --leave-running five times while it
 // runs: the kernels in flight stop inside their blocks and the run still passes its own check.
@@ -101,13 +104,13 @@ func TestMidBlockSamples(t *testing.T) {
 	sort.Strings(names)
 	args := map[string][]string{"matrixMul": {"-wA=2048", "-hA=2048", "-wB=2048", "-hB=2048"}}
 	var report strings.Builder
-	fmt.Fprintf(&report, "cuda-samples under ptxmig run --preempt always (mid-block twins on), %s, %s\n", devs[0].Name, time.Now().UTC().Format(time.RFC3339))
+	fmt.Fprintf(&report, "cuda-samples under ptxmig run --preempt always --mid-block, %s, %s\n", devs[0].Name, time.Now().UTC().Format(time.RFC3339))
 	midKernels := 0
 	for _, n := range names {
 		plain := start(t, samples[n], args[n]...)
 		wait(t, plain, 3*time.Minute)
 		cache := filepath.Join(t.TempDir(), "cache")
-		sh := startShimmedCache(t, "always", cache, samples[n], args[n]...)
+		sh := startShimmedCache(t, midAlways, cache, samples[n], args[n]...)
 		wait(t, sh, 3*time.Minute)
 		want, got := verdict(plain.log), verdict(sh.log)
 		if want == "" {
@@ -173,7 +176,7 @@ func checkpointMatrixMul(t *testing.T, exe string) string {
 	// About 20 s of kernels on an H100; its output is block-buffered (a file), so the test does
 	// not wait for a line: the first checkpoint comes 3 s after the start, within the loop.
 	args := []string{"-wA=8192", "-hA=8192", "-wB=8192", "-hB=8192"}
-	p := startShimmedCache(t, "always", filepath.Join(t.TempDir(), "cache"), exe, args...)
+	p := startShimmedCache(t, midAlways, filepath.Join(t.TempDir(), "cache"), exe, args...)
 	time.Sleep(3 * time.Second)
 	var b strings.Builder
 	mid := 0

@@ -45,21 +45,23 @@ func init() {
 			"PTXMIG_MID_BLOCK_MAX_MB (device memory for one mid-block twin launch's save areas, default\n" +
 			"2048; a launch needing more stops between blocks only).\n\n" +
 			"Preemption: with --preempt auto or always the shim loads twins of the app's PTX kernels that\n" +
-			"stop between blocks when ptxmig checkpoints the app; with --mid-block (the default) kernels\n" +
-			"with safe points inside their blocks (polled loops, CTA-wide barriers) get twins that also\n" +
-			"stop there, saving registers and shared memory, so a kernel whose blocks run for minutes stops\n" +
-			"within microseconds. `ptxmig kernels PID` shows which kernels have which twin.\n\n" +
+			"stop between blocks when ptxmig checkpoints the app. With --mid-block, kernels with safe\n" +
+			"points inside their blocks (polled loops, CTA-wide barriers) get twins that also stop there,\n" +
+			"saving registers and shared memory, so a kernel whose blocks run for minutes (one wave of\n" +
+			"threads looping for the whole kernel) stops within microseconds instead of holding the\n" +
+			"checkpoint until it ends. Off by default: such twins made other long kernels slower (matrixMul\n" +
+			"1.4x, docs/BENCHMARKS.md). `ptxmig kernels PID` shows which kernels have which twin.\n\n" +
 			"Examples:\n" +
 			"   ptxmig run -- python3 train.py --steps 200\n" +
 			"   ptxmig run --preempt always ./longgrid --seconds 30\n" +
-			"   ptxmig run --mid-block=false -- ./app   # twins stop between blocks only\n" +
+			"   ptxmig run --mid-block -- ./longkernel --seconds 600   # stop inside its blocks\n" +
 			"   ptxmig run --socket-dir /tmp/ptxmig -- ./app > app.log 2>&1 &   # $! is the app's PID",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "shim", Usage: "`PATH` of libptxmig.so", EnvVars: []string{"PTXMIG_SHIM"}},
 			&cli.StringFlag{Name: "preempt", Value: "auto", EnvVars: []string{"PTXMIG_PREEMPT"},
 				Usage: "preemptible kernels (`MODE`): auto (twins for long or untimed kernels), always, or off (launch originals only)"},
-			&cli.BoolFlag{Name: "mid-block", Value: true, EnvVars: []string{"PTXMIG_MID_BLOCK"},
-				Usage: "twins that also stop inside a block where the kernel allows it (--mid-block=false: between blocks only)"},
+			&cli.BoolFlag{Name: "mid-block", EnvVars: []string{"PTXMIG_MID_BLOCK"},
+				Usage: "twins that also stop inside a block where the kernel allows it (for kernels whose blocks run long; costs other kernels time)"},
 			socketDirFlag(),
 		},
 		Action: runAction,

@@ -311,16 +311,16 @@ func TestRun(t *testing.T) {
 	})
 
 	t.Run("mid-block setting", func(t *testing.T) {
-		// On by default; --mid-block=false and PTXMIG_MID_BLOCK=0 turn it off for the shim.
+		// Off by default; --mid-block and PTXMIG_MID_BLOCK=1 turn it on for the shim.
 		tests := []struct {
 			flags []string
 			env   []string
 			want  string
 		}{
-			{nil, nil, "1\n"},
-			{[]string{"--mid-block=false"}, nil, "0\n"},
-			{nil, []string{"PTXMIG_MID_BLOCK=0"}, "0\n"},
-			{[]string{"--mid-block"}, []string{"PTXMIG_MID_BLOCK=0"}, "1\n"},
+			{nil, nil, "0\n"},
+			{[]string{"--mid-block"}, nil, "1\n"},
+			{nil, []string{"PTXMIG_MID_BLOCK=1"}, "1\n"},
+			{[]string{"--mid-block=false"}, []string{"PTXMIG_MID_BLOCK=1"}, "0\n"},
 		}
 		for _, tt := range tests {
 			args := append(append([]string{"run", "--shim", f.shim, "--socket-dir", f.sock}, tt.flags...), "--", "sh", "-c", `echo "$PTXMIG_MID_BLOCK"`)

@@ -57,6 +57,20 @@ nvcc -O2 -std=c++17 -o "$work/twin_harness" "$here/twin_harness.cu" -lcuda
 # Large sizes (every original >= ~0.2 ms: the headline numbers), then the sizes of the first run.
 # Both check bit for bit; the exit status is non-zero if either finds a mismatch or fails.
 status=0
+# mid_run SPEC DIR V2DIR MD HARNESS-ARGS...: the harness on the mid-block twins in DIR (their
+# block-granular twins in V2DIR); a CUDA error (exit >= 2) ends the suite.
+mid_run() {
+  local spec=$1 dir=$2 v2=$3 md=$4 rc
+  shift 4
+  set +e
+  "$work/twin_harness" "$here/$spec.spec" "$dir" "$md" --mid 1 --v2dir "$v2" "$@"
+  rc=$?
+  set -e
+  echo "== $md (exit $rc)"
+  [ -f "$md" ] && cat "$md"
+  [ $rc -eq 0 ] || status=$rc
+  [ $rc -lt 2 ] || { echo "run.sh: twin_harness stopped on $spec.spec with mid-block twins (exit $rc)" >&2; exit $rc; }
+}
 if [ "${PTXSTATE_MID:-1}" != 0 ]; then
   midsrc=
   for d in "$here/mid" "$here/../testdata/nvcc12"; do [ -f "$d/midblock.sm_90.ptx" ] && midsrc=$d && break; done
@@ -69,14 +83,7 @@ if [ "${PTXSTATE_MID:-1}" != 0 ]; then
     md="$out/ptxstate-midblock${spec#kernels-mid}.md"
     args=(--runs "${PTXSTATE_RUNS:-15}" --preempt-runs "${PTXSTATE_PREEMPT_RUNS:-3}" --tune "")
     [ $spec = kernels-mid-long ] && args=(--runs 3 --preempt-runs 3 --tune "" --force 2)
-    set +e
-    "$work/twin_harness" "$here/$spec.spec" "$work/mid" "$md" --mid 1 --v2dir "$work/mid2" "${args[@]}"
-    rc=$?
-    set -e
-    echo "== $md (exit $rc)"
-    [ -f "$md" ] && cat "$md"
-    [ $rc -eq 0 ] || status=$rc
-    [ $rc -lt 2 ] || { echo "run.sh: twin_harness stopped on $spec.spec (exit $rc)" >&2; exit $rc; }
+    mid_run "$spec" "$work/mid" "$work/mid2" "$md" "${args[@]}"
   done
   # The corpus (kernels.spec) as mid-block twins: the kernels with sites get the same forced,
   # random and other-CTA-count checks and their cost against the block-granular twin and the
@@ -93,15 +100,8 @@ if [ "${PTXSTATE_MID:-1}" != 0 ]; then
     for spec in kernels ${public:+kernels-public}; do
       md="$out/ptxstate-midblock-${spec#kernels-}.md"
       [ "$spec" = kernels ] && md="$out/ptxstate-midblock-corpus.md"
-      set +e
-      "$work/twin_harness" "$here/$spec.spec" "$work/cmid" "$md" --mid 1 --v2dir "$work/cv2" \
-        --runs "${PTXSTATE_RUNS:-15}" --preempt-runs "${PTXSTATE_PREEMPT_RUNS:-3}" --tune ""
-      rc=$?
-      set -e
-      echo "== $md (exit $rc)"
-      [ -f "$md" ] && cat "$md"
-      [ $rc -eq 0 ] || status=$rc
-      [ $rc -lt 2 ] || { echo "run.sh: twin_harness stopped on $spec.spec with mid-block twins (exit $rc)" >&2; exit $rc; }
+      mid_run "$spec" "$work/cmid" "$work/cv2" "$md" --runs "${PTXSTATE_RUNS:-15}" \
+        --preempt-runs "${PTXSTATE_PREEMPT_RUNS:-3}" --tune ""
     done
   fi
 fi

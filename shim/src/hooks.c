@@ -45,7 +45,7 @@ void config_load(void) {
   const char *ps = getenv("PTXMIG_PREEMPT_SASS");
   cfg.preempt_sass = !(ps && strcmp(ps, "keep") == 0);
   cfg.ptx_cubin = env_uint("PTXMIG_PTX_CUBIN", 1) != 0;
-  cfg.mid_block = env_uint("PTXMIG_MID_BLOCK", 1) != 0;
+  cfg.mid_block = env_uint("PTXMIG_MID_BLOCK", 0) != 0;
   cfg.mid_max_bytes = (uint64_t)env_uint("PTXMIG_MID_BLOCK_MAX_MB", 2048) << 20;
   const char *pc = getenv("PTXMIG_PTX_CACHE");
   snprintf(cfg.ptx_cache, sizeof cfg.ptx_cache, "%s", pc ? pc : "/var/cache/ptxmig/ptx");

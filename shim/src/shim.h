@@ -34,7 +34,7 @@ typedef struct {
   unsigned preempt_batch_max;  // PTXMIG_PREEMPT_BATCH_MAX: twins' largest claim (0: from the sampled block time)
   int preempt_sass;          // PTXMIG_PREEMPT_SASS: 1 jit (default), 0 keep modules with SASS for the GPU
   int ptx_cubin;             // PTXMIG_PTX_CUBIN (default 1): ask the helper for a cubin (ptxas) instead of PTX to JIT
-  int mid_block;             // PTXMIG_MID_BLOCK (default 1): twins that also stop inside a block (ptx instrument --mid-block)
+  int mid_block;             // PTXMIG_MID_BLOCK=1 (default 0): twins that also stop inside a block (ptx instrument --mid-block)
   uint64_t mid_max_bytes;    // PTXMIG_MID_BLOCK_MAX_MB (default 2048): save areas of one launch at most
   char ptx_cache[256];       // PTXMIG_PTX_CACHE, default /var/cache/ptxmig/ptx ("" or "off": no cache)
   char helper[256];          // PTXMIG_HELPER: the ptxmig binary ("" : none)

@@ -530,7 +530,7 @@ def t_cubin(name):
         c.close()
         ended_ok(name, app)
         files = sorted(os.listdir(cdir))
-        check(len(files) == 2 and files[0].endswith("-v3-m-sm90.cubin") and files[1].endswith("-v3-m-sm90.why"),
+        check(len(files) == 2 and files[0].endswith("-v3-sm90.cubin") and files[1].endswith("-v3-sm90.why"),
               f"{name}: {run}: cache files {files}")
     with open(os.path.join(cdir, files[0]), "rb") as f:
         check(f.read(4) == b"\x7fELF", f"{name}: the .cubin entry is not an ELF file")
@@ -540,7 +540,7 @@ def t_cubin(name):
     check(st["helper_runs"] == 1 and st["hits"] == 0, f"{name}: cubins off used the .cubin entry: {st}")
     c.close()
     ended_ok(name, app)
-    check(any(f.endswith("-v3-m-sm90.ptx") for f in os.listdir(cdir)), f"{name}: no .ptx entry with cubins off")
+    check(any(f.endswith("-v3-sm90.ptx") for f in os.listdir(cdir)), f"{name}: no .ptx entry with cubins off")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -582,7 +582,7 @@ def t_cache(name):
     cdir = os.path.join(tmp, "cache")
     check(stat.S_IMODE(os.stat(cdir).st_mode) == 0o700, f"{name}: cache dir mode")
     files = sorted(os.listdir(cdir))
-    check(len(files) == 2 and files[0].endswith("-v3-m-sm90.ptx") and files[1].endswith("-v3-m-sm90.why"), f"{name}: cache files {files}")
+    check(len(files) == 2 and files[0].endswith("-v3-sm90.ptx") and files[1].endswith("-v3-sm90.why"), f"{name}: cache files {files}")
     for f in files:
         check(stat.S_IMODE(os.stat(os.path.join(cdir, f)).st_mode) == 0o600, f"{name}: {f} mode")
     # Second run: from the cache only (no helper at all), reasons kept.
@@ -761,7 +761,7 @@ def t_mid_block(name, env=None):
     """A kernel with a mid-block site (k_count_loop): the shim reads the record layout the module
     carries and launches its twin with two save areas; each quiesce stops it inside a block (a
     record), each resume swaps the areas, and every block counts exactly once."""
-    tmp, app = with_app(name, dict({"APP_KERNEL": "loop"}, **(env or {})))
+    tmp, app = with_app(name, dict({"APP_KERNEL": "loop", "PTXMIG_MID_BLOCK": "1"}, **(env or {})))
     c = app.conn()
     check(app.cmd("launch s 200") == "launched s", f"{name}: launch")
     time.sleep(0.05)
@@ -798,9 +798,12 @@ def t_mid_block(name, env=None):
 
 
 def t_mid_block_off(name, env, want_refused, layout=False):
-    """Mid-block stops off (PTXMIG_MID_BLOCK=0), without the module's layout, or over the save-area
-    limit: the same kernel's twin stops between blocks only, and every block counts once."""
-    tmp, app = with_app(name, dict({"APP_KERNEL": "loop"}, **env))
+    """Mid-block stops off (PTXMIG_MID_BLOCK=0 or unset: the default), without the module's layout,
+    or over the save-area limit: the same kernel's twin stops between blocks only, and every block
+    counts once."""
+    full = dict({"APP_KERNEL": "loop", "PTXMIG_MID_BLOCK": "1"}, **env)
+    mid_on = full["PTXMIG_MID_BLOCK"] == "1"
+    tmp, app = with_app(name, full)
     c = app.conn()
     check(app.cmd("launch s 200") == "launched s", f"{name}: launch")
     time.sleep(0.05)
@@ -816,12 +819,13 @@ def t_mid_block_off(name, env, want_refused, layout=False):
     check(rs["relaunched"] == 1, f"{name}: resume {rs}")
     check(app.cmd("check", timeout=60) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks")
     st = c.req(cmd="status")["result"]["preempt"]
-    check(st["mid_block_launches"] == 0 and st["mid_block_refused"] == want_refused, f"{name}: status {st}")
+    check(st["mid_block"] is mid_on and st["mid_block_launches"] == 0 and st["mid_block_refused"] == want_refused,
+          f"{name}: status {st}")
     c.close()
     ended_ok(name, app)
-    if env.get("PTXMIG_MID_BLOCK") == "0":
-        files = sorted(os.listdir(os.path.join(tmp, "cache")))
-        check(any(f.endswith("-v3-sm90.ptx") for f in files), f"{name}: cache entry without -m: {files}")
+    files = sorted(os.listdir(os.path.join(tmp, "cache")))
+    want = "-v3-m-sm90.ptx" if mid_on else "-v3-sm90.ptx"
+    check(any(f.endswith(want) for f in files), f"{name}: cache entries {files}, want one ending {want}")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -962,7 +966,8 @@ def main():
         ("mid-block-off", lambda n: t_mid_block_off(n, {"PTXMIG_MID_BLOCK": "0"}, 0), ()),
         ("mid-block-no-layout", lambda n: t_mid_block_off(n, {"FAKE_CUDA_NO_GLOBALS": "1"}, 0), ()),
         ("mid-block-over-limit", lambda n: t_mid_block_off(n, {"PTXMIG_MID_BLOCK_MAX_MB": "0"}, 1, layout=True), ()),
-        ("mid-block-criu", lambda n: t_criu(n, {"APP_KERNEL": "loop"}), ()),
+        ("mid-block-default-off", lambda n: t_mid_block_off(n, {"PTXMIG_MID_BLOCK": None}, 0), ()),
+        ("mid-block-criu", lambda n: t_criu(n, {"APP_KERNEL": "loop", "PTXMIG_MID_BLOCK": "1"}), ()),
     ]
     for n, fn, _ in cases:
         if OPTS.only and OPTS.only != n:
