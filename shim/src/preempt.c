@@ -785,7 +785,7 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   if (mid) {
     rec_bytes = mid_record_bytes(r, threads, shmem);
     cap = 2 * w + 64;
-    if (rec_bytes > 0xffffffffu || cap > 0xffffffffu || 2 * rec_bytes * cap > cfg.mid_max_bytes) {
+    if (rec_bytes > 0xffffffffu || cap > 0xffffffffu || rec_bytes > cfg.mid_max_bytes / 2 / cap) {
       mid = 0;
       atomic_fetch_add(&st_mid_refused, 1);
       LOG_ONCE("preemption: a mid-block twin's save areas exceed PTXMIG_MID_BLOCK_MAX_MB; it stops between blocks only");
