@@ -33,6 +33,9 @@ func TestKernelsOutput(t *testing.T) {
 		{name: "twin launched as the original", selfTime: `,"self_time":null`,
 			kernel: `,"twin":true,"twin_reason":null,"twin_launches":2,"original_reason":"grid fits in one wave (auto: its twin could not stop sooner)"`,
 			want:   []string{"yes (2)", "ran as the original: k: 3 of 5 launches, the last because: grid fits in one wave"}},
+		{name: "mid-block twin", selfTime: `,"self_time":null`,
+			kernel: `,"twin":true,"twin_reason":null,"twin_launches":5,"mid_block":{"sites":2,"register_slots":5,"static_shared_bytes":0,"local_bytes":0,"launches":5,"stops":1}`,
+			want:   []string{"mid-block (5)"}, notWant: []string{"yes (5)"}},
 		{name: "self time on", selfTime: `,"self_time":{"enabled":true,"launches":5,"ns":1500,"clock_ns":25}`,
 			want: []string{"2x1x1/128x1x1", "shim bookkeeping: 300 ns per launch (5 launches, 0.002 ms in all; includes 2 clock reads of 25 ns each)"}},
 	}

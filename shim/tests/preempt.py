@@ -792,6 +792,19 @@ def t_mid_block(name, env=None):
           f"{name}: status {st}")
     k = kern(c, "k_count_loop")
     check(k and k["mid_block"]["stops"] == mid, f"{name}: kernel stops {k}")
+    # A second launch takes the first one's save areas from the pool: one allocation (the app's
+    # buffer), not three. Its quiesce has a 1 ms budget: a fake block takes 2 ms, so the twin is
+    # usually still stopping when the reply comes, and resume waits for it before the area swap.
+    before = app.cmd("calls cuMemAlloc_v2")
+    check(app.cmd("launch s 200") == "launched s", f"{name}: second launch")
+    after = app.cmd("calls cuMemAlloc_v2")
+    check(before and after and int(after.split()[1]) - int(before.split()[1]) == 1,
+          f"{name}: device allocations for the second launch: {before} -> {after}")
+    time.sleep(0.05)
+    r = c.req(cmd="quiesce", budget_ms=1)["result"]
+    rs = c.req(cmd="resume")["result"]
+    check(rs["relaunched"] + len(r.get("drained", [])) >= 1 and not rs.get("errors"), f"{name}: quick stop {r} resume {rs}")
+    check(app.cmd("check", timeout=60) == "check ok 2 launches, 0 bad blocks", f"{name}: blocks after a quick stop")
     c.close()
     ended_ok(name, app)
     shutil.rmtree(tmp, ignore_errors=True)

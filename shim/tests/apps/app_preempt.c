@@ -13,6 +13,7 @@
 //   bigshm S N      cuFuncSetAttribute(max dynamic shared memory 64 KiB), then launch with 64 KiB
 //   free            a new thread frees a scratch allocation, prints "freed"
 //   check           cuCtxSynchronize, then every block of every launch must have run exactly once
+//   calls NAME      prints "calls N": the fake driver's count of NAME (fake_calls)
 //   quit
 // APP_MODULE=library loads through cuLibraryLoadData/cuLibraryGetKernel, else cuModuleLoadData.
 // APP_KERNEL=loop: launches use k_count_loop instead (a CTA-wide barrier in a uniform loop before
@@ -41,6 +42,7 @@ CUresult cuMemsetD32Async(CUdeviceptr, unsigned, size_t, void *);
 CUresult cuMemcpyDtoH_v2(void *, CUdeviceptr, size_t);
 CUresult cuLaunchKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **);
 CUresult cuStreamCreate(void **, unsigned);
+long fake_calls(const char *);
 CUresult cuLaunchHostFunc(void *, void (*)(void *), void *);
 CUresult cuMemFree_v2(CUdeviceptr);
 CUresult cuFuncSetAttribute(void *, int, int);
@@ -201,6 +203,11 @@ int main(void) {
       launch(stream_of(s), n, 0);
       shmem = 0;
       say("launched %s", s);
+    } else if (strcmp(cmd, "calls") == 0) {
+      char nm[64] = "", msg[32];
+      sscanf(line, "%*s %63s", nm);
+      snprintf(msg, sizeof msg, "%ld", fake_calls(nm));
+      say("calls %s", msg);
     } else if (strcmp(cmd, "refused") == 0) {
       CUdeviceptr d = 0;
       void *p[] = {&d};
