@@ -2,6 +2,7 @@ package ptxstate
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 )
@@ -83,7 +84,6 @@ type midPlan struct {
 
 // midHead is a loop header that encloses sites: the resume dispatch at its top leads to them.
 type midHead struct {
-	start int   // body index of its first instruction
 	sites []int // the site ids it encloses
 }
 
@@ -183,7 +183,7 @@ func (p *midPlan) planResume() {
 				k = len(p.heads)
 				p.headAt[start] = k
 				p.labelAt[p.g.Blocks[l.h].Start] = k
-				p.heads = append(p.heads, midHead{start: start})
+				p.heads = append(p.heads, midHead{})
 			}
 			p.heads[k].sites = append(p.heads[k].sites, id)
 			p.chain[id] = append(p.chain[id], k)
@@ -227,11 +227,10 @@ func (p *midPlan) resumeDispatch(L func(string) string) []string {
 		out = append(out, L(name)+":")
 		var landings []string
 		for _, id := range sites {
-			c, next := p.chain[id], ""
-			for j := -1; j < len(c); j++ {
-				if (j < 0 && k < 0 || j >= 0 && c[j] == k) && j+1 < len(c) {
-					next = L(fmt.Sprintf("lh%d", c[j+1]))
-				}
+			// The hop after header k in the site's chain (k < 0: the block loop, before the chain).
+			c, next, at := p.chain[id], "", slices.Index(p.chain[id], k)
+			if at+1 < len(c) {
+				next = L(fmt.Sprintf("lh%d", c[at+1]))
 			}
 			if next == "" {
 				next = L(fmt.Sprintf("hz%s_%d", name[2:], id))

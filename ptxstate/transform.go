@@ -461,9 +461,7 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, 
 			}
 			ns.Text = rewriteStmt(s, repl)
 		}
-		if mid != nil {
-			emit(mid.headDispatch(i, L)...)
-		}
+		emit(mid.headDispatch(i, L)...)
 		if id, ok := mid.siteAt(i); ok {
 			site := mid.sites[id]
 			if site.Kind == "loop" {

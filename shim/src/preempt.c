@@ -1521,7 +1521,6 @@ static CUresult mid_swap(tl *t) {
     return CUDA_ERROR_INVALID_VALUE;
   }
   uint32_t n = now.saved < now.save_capacity ? now.saved : now.save_capacity;
-  t->records = n;
   t->init.resume_area = now.save_area;
   t->init.resume_count = n;
   t->init.resume_cursor = 0;
