@@ -1,6 +1,7 @@
 package checkpoint
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -15,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ptxmig/ptxmig/internal/criu"
+	"github.com/ptxmig/ptxmig/internal/devmem"
 	"github.com/ptxmig/ptxmig/internal/imgstream"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
@@ -194,6 +196,9 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 	var pre *store.Prestage
 	var ing *store.Ingest
 	rec := &criuRecord{}
+	// dropEarly frees the store's work at a failure, unless a rollback must still load owned
+	// memory back from the ingest (the cleanup after the transaction drops it then).
+	var dropEarly func()
 	drop := func() {
 		if pre != nil {
 			pre.Close()
@@ -204,11 +209,35 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 			ing = nil
 		}
 	}
+	// The ingest opens before the dump when owned device memory goes into it first.
+	openIngest := func(ctx context.Context) (*store.Ingest, error) {
+		if ing != nil {
+			return ing, nil
+		}
+		var err error
+		ing, err = newIngest(ctx, env, p)
+		return ing, err
+	}
+	dropEarly = func() {
+		if len(qs.Saved()) == 0 {
+			drop()
+		}
+	}
 	d := env.Driver
 	var steps []op.Step
 	if len(p.CUDAPIDs) > 0 {
-		steps = append(steps, qs.QuiesceStep(p.CUDAPIDs), qs.ExplainLock(op.LockStep(d, p.CUDAPIDs, o.LockTimeout)),
-			op.CheckpointStep(d, p.CUDAPIDs), qs.DetachStep())
+		sink := func(ctx context.Context) (devmem.Sink, devmem.Source, error) {
+			if !p.Stream {
+				return nil, nil, fmt.Errorf("the checkpoint is not streamed (%s)", p.StreamOff)
+			}
+			in, err := openIngest(ctx)
+			if err != nil {
+				return nil, nil, err
+			}
+			return in, in, nil
+		}
+		steps = append(steps, qs.QuiesceStep(p.CUDAPIDs), qs.SaveMemoryStep(sink, prevMemory(env)),
+			qs.ExplainLock(op.LockStep(d, p.CUDAPIDs, o.LockTimeout)), op.CheckpointStep(d, p.CUDAPIDs), qs.DetachStep())
 	}
 	dump := criu.DumpOptions{PID: p.PID, ImagesDir: images, LeaveRunning: o.LeaveRunning, LeaveStopped: !o.LeaveRunning,
 		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, OnStart: helper, Stream: p.Stream}
@@ -229,7 +258,9 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 				if resumeAfterStream {
 					was = stoppedNow(tr.pids())
 				}
-				ing, err = streamDump(ctx, env, p, dump, rec)
+				if _, err = openIngest(ctx); err == nil {
+					err = streamDump(ctx, env, ing, dump, rec)
+				}
 				if resumeAfterStream {
 					// Resumed as CRIU's --leave-running would: every process but those that were
 					// stopped already. (CRIU resumes the tree itself when its dump fails; SIGCONT
@@ -257,7 +288,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 				}
 			}
 			if err != nil {
-				drop()
+				dropEarly()
 				return err
 			}
 			tr.refresh() // the tree as dumped (stopped, unless left running)
@@ -270,14 +301,19 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 			return proc.Continue(tr.pids(), 5*time.Second)
 		}})
 	if o.LeaveRunning && len(p.CUDAPIDs) > 0 {
+		// The owned memory goes back from the ingest (not committed yet: the store step comes last).
+		has := func(name string) bool { return ing != nil && ing.HasFile(name) }
 		steps = append(steps, op.RestoreStep(d, op.Fixed(p.CUDAPIDs), nil, nil, false), op.UnlockStep(d, op.Fixed(p.CUDAPIDs)),
-			qs.ResumeStep(op.Fixed(p.CUDAPIDs), false))
+			qs.LoadMemoryStep(op.Fixed(p.CUDAPIDs), ingestSource{&ing}, has), qs.ResumeStep(op.Fixed(p.CUDAPIDs), false))
 	}
 	steps = append(steps, op.Step{Name: StepStore, Commit: true, Do: func(ctx context.Context) error {
 		meta := p.meta
 		meta.Extra = maps.Clone(p.meta.Extra)
 		tr.tree = dumpedTree(p.Tree, tr.known)
 		meta.Extra[op.ExtraTree] = op.EncodeTree(tr.tree)
+		if saved := qs.Saved(); len(saved) > 0 {
+			meta.Extra[devmem.ExtraKey] = devmem.EncodeExtra(saved)
+		}
 		var m *store.Manifest
 		var s *store.Stats
 		add := func(name string, r io.Reader, mode uint32) (int64, error) {
@@ -288,7 +324,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		}
 		err := recordHost(env, p, rec, &meta, add)
 		if err != nil {
-			drop()
+			dropEarly()
 			return err
 		}
 		if ing != nil {
@@ -296,7 +332,11 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		} else {
 			m, s, err = env.Store.Put(ctx, images, store.PutOptions{Name: p.Image, Meta: meta, Progress: o.Progress, Prestaged: pre})
 		}
-		drop()
+		if err == nil {
+			drop()
+		} else {
+			dropEarly()
+		}
 		if err != nil {
 			// A Put interrupted (by a signal) after it wrote the manifest has stored the image:
 			// the checkpoint happened, and must say so.
@@ -346,12 +386,8 @@ func prestage(ctx context.Context, env *op.Env, o Options, images string) *store
 	return pre
 }
 
-// streamDump runs CRIU's dump with its image files streamed into a new image of the store: CRIU
-// writes each file into a pipe, ptxmig chunks, hashes, compresses and stages it as it arrives.
-// The image is not committed yet (the store step does that). On failure nothing stays staged and
-// the error says which side failed first: a store failure breaks CRIU's pipes, so CRIU's own
-// error is then only a consequence.
-func streamDump(ctx context.Context, env *op.Env, p *Plan, dump criu.DumpOptions, rec *criuRecord) (*store.Ingest, error) {
+// newIngest starts the streamed image of a checkpoint (not committed until the store step).
+func newIngest(ctx context.Context, env *op.Env, p *Plan) (*store.Ingest, error) {
 	var progress func(done, total int64)
 	if p.opts.Progress != nil {
 		// The ingest cannot know its total: the estimate (resident + GPU memory) stands in.
@@ -362,10 +398,53 @@ func streamDump(ctx context.Context, env *op.Env, p *Plan, dump criu.DumpOptions
 	if err != nil {
 		return nil, fmt.Errorf("store image %q: %w", p.Image, err)
 	}
+	return ing, nil
+}
+
+// ingestSource reads back what the checkpoint's ingest holds (owned memory loaded back after a
+// --leave-running checkpoint or on rollback).
+type ingestSource struct{ ing **store.Ingest }
+
+func (s ingestSource) WriteFile(ctx context.Context, name string, w io.Writer) (int64, error) {
+	if *s.ing == nil {
+		return 0, fmt.Errorf("%s: no image being written", name)
+	}
+	return (*s.ing).WriteFile(ctx, name, w)
+}
+
+// prevMemory finds the previous image holding a process's owned memory (by its instance).
+func prevMemory(env *op.Env) func(pid int, instance string) *devmem.Prev {
+	return func(pid int, instance string) *devmem.Prev {
+		ms, err := env.Store.List()
+		if err != nil {
+			return nil
+		}
+		return devmem.FindPrev(ms, pid, instance, func(m *store.Manifest, name string) ([]byte, error) {
+			rd, err := env.Store.OpenImage(context.Background(), m.ID, store.GetOptions{})
+			if err != nil {
+				return nil, err
+			}
+			defer rd.Close()
+			var b bytes.Buffer
+			if _, err := rd.WriteFile(context.Background(), name, &b); err != nil {
+				return nil, err
+			}
+			return b.Bytes(), nil
+		})
+	}
+}
+
+// streamDump runs CRIU's dump with its image files streamed into ing, a new image of the store:
+// CRIU writes each file into a pipe, ptxmig chunks, hashes, compresses and stages it as it
+// arrives. The image is not committed yet (the store step does that). On failure ing is failed
+// (never committed; what it staged stays readable until it is closed, for a rollback that loads
+// owned memory back from it) and the error says which side failed first: a store failure breaks
+// CRIU's pipes, so CRIU's own error is then only a consequence.
+func streamDump(ctx context.Context, env *op.Env, ing *store.Ingest, dump criu.DumpOptions, rec *criuRecord) error {
 	srv, err := imgstream.Listen(dump.ImagesDir, imgstream.Capture)
 	if err != nil {
-		ing.Close()
-		return nil, err
+		ing.Fail(err)
+		return err
 	}
 	derr, serr := imgstream.With(ctx, srv, func(sctx context.Context) error {
 		_, err := srv.Capture(sctx, func(name string, r io.Reader) error {
@@ -379,18 +458,19 @@ func streamDump(ctx context.Context, env *op.Env, p *Plan, dump criu.DumpOptions
 	})
 	switch {
 	case derr != nil && serr != nil && !imgstream.Consequence(serr):
-		ing.Close()
-		return nil, fmt.Errorf("stream the dump into the store: %w (CRIU then failed: %w)", serr, derr)
+		err := fmt.Errorf("stream the dump into the store: %w (CRIU then failed: %w)", serr, derr)
+		ing.Fail(err)
+		return err
 	case derr != nil:
-		ing.Close()
-		return nil, derr
+		ing.Fail(derr)
+		return derr
 	case serr != nil:
 		// CRIU succeeded: the tree is dumped (and stopped, unless left running), so the dump step
 		// stands and its undo resumes the tree; the failure surfaces at the store step, which
 		// cannot commit a failed ingest, and rolls everything back.
 		ing.Fail(fmt.Errorf("stream the dump into the store: %w", serr))
 	}
-	return ing, nil
+	return nil
 }
 
 // commitStreamed adds what CRIU wrote locally (its log and statistics) to a streamed image and

@@ -15,9 +15,12 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/devmem"
 	"github.com/ptxmig/ptxmig/internal/imgstream"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
@@ -390,6 +393,14 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		steps = append(steps,
 			op.RestoreStep(env.Driver, op.Fixed(p.cudaPIDs), p.dpairs, recheck, true),
 			op.UnlockStep(env.Driver, op.Fixed(p.cudaPIDs)),
+			pre.LoadMemoryStep(op.Fixed(p.cudaPIDs), &memorySource{rd: &rd, dir: &images}, func(name string) bool {
+				if rd != nil {
+					_, ok := rd.Lookup(name)
+					return ok
+				}
+				fi, err := os.Lstat(filepath.Join(images, name))
+				return err == nil && fi.Mode().IsRegular()
+			}),
 			pre.ResumeStep(op.Fixed(p.cudaPIDs), true))
 	}
 	steps[len(steps)-1].Commit = true
@@ -421,6 +432,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		rd, err = openStreamed(ctx, env, p)
 		if rd != nil {
 			defer rd.Close()
+			rd.DeferVerify(devmem.IsData) // verified as the load step reads it, before the resume
 		}
 	} else {
 		st, err = env.Store.Materialize(ctx, p.ImageID, images, store.GetOptions{Progress: o.Progress})
@@ -467,7 +479,7 @@ func openStreamed(ctx context.Context, env *op.Env, p *Plan) (*store.ImageReader
 		return nil, err
 	}
 	for _, f := range rd.Manifest().Files {
-		if f.Type != store.TypeFile || isPages(f.Path) {
+		if f.Type != store.TypeFile || isPages(f.Path) || devmem.IsData(f.Path) {
 			continue
 		}
 		if _, err := rd.WriteFile(ctx, f.Path, io.Discard); err != nil {
@@ -522,6 +534,25 @@ func (s imageSource) Has(name string) bool { _, ok := s.rd.Lookup(name); return 
 
 func (s imageSource) WriteFile(ctx context.Context, name string, w io.Writer) (int64, error) {
 	return s.rd.WriteFile(ctx, name, w)
+}
+
+// memorySource reads owned device memory from the open image (streamed) or the materialized
+// images directory.
+type memorySource struct {
+	rd  **store.ImageReader
+	dir *string
+}
+
+func (s *memorySource) WriteFile(ctx context.Context, name string, w io.Writer) (int64, error) {
+	if *s.rd != nil {
+		return (*s.rd).WriteFile(ctx, name, w)
+	}
+	f, err := os.OpenFile(filepath.Join(*s.dir, name), os.O_RDONLY|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	return io.Copy(w, f)
 }
 
 // restoredTree is every process to kill when a restore rolls back: the recorded pids and whatever

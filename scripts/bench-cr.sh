@@ -11,6 +11,12 @@
 #   ptxmig                `ptxmig checkpoint` / `ptxmig restore` (JSON timings per phase), CRIU's
 #                         images streamed into and out of the store (the default);
 #   ptxmig --no-stream    CRIU writes into staging, the store reads that (restore: materialize);
+#   ptxmig --owned-memory (BENCH_MODES with "owned"; CUDA only) the workload runs under `ptxmig run
+#                         --owned-memory --preempt off` and holds 64 MiB it advances plus SIZE GiB
+#                         - 64 MiB it never writes after the start (counter --frozen-mib, model
+#                         weights); a first checkpoint --leave-running copies everything (the row
+#                         compared with the baseline), a second one, which ends it, copies what
+#                         changed; then the restore;
 #   baseline              the driver calls made by a tiny C tool (cuckpt, built here: dlopen
 #                         libcuda, cuCheckpointProcess* by PID, each call timed; CUDA only) plus
 #                         plain `criu dump` / `criu restore -d` to the same disk, no store.
@@ -20,7 +26,8 @@
 # Environment: PTXMIG_BIN, PTXMIG_WORKLOADS (counter; CUDA only), PTXMIG_CRIU, PTXMIG_OUT
 # (results; default ./results), BENCH_DIR (disk directory for stores and baseline images; default
 # $PTXMIG_OUT/bench), BENCH_KIND (cuda|cpu), BENCH_MODES (ptxmig's modes: "stream staged", the
-# default, or "stream" alone to leave out --no-stream when time is short).
+# default, "stream" alone to leave out --no-stream when time is short, "stream owned" or
+# "stream staged owned").
 # Output: a markdown table on stdout and in $PTXMIG_OUT/bench-cr.md, raw JSON in $PTXMIG_OUT/bench-cr/.
 set -euo pipefail
 PTXMIG_BIN=${PTXMIG_BIN:-$(command -v ptxmig || echo ./bin/ptxmig)}
@@ -40,9 +47,10 @@ esac
 cuda() { [ "$kind" = cuda ]; }
 read -r -a modes <<<"${BENCH_MODES:-stream staged}"
 case " ${modes[*]} " in
-  " stream " | " stream staged " | " staged stream ") ;;
-  *) echo "bench-cr: BENCH_MODES is \"stream staged\" or \"stream\"" >&2; exit 2 ;;
+  " stream " | " stream staged " | " staged stream " | " stream owned " | " stream staged owned ") ;;
+  *) echo "bench-cr: BENCH_MODES is \"stream staged\", \"stream\", \"stream owned\" or \"stream staged owned\"" >&2; exit 2 ;;
 esac
+case " ${modes[*]} " in *" owned "*) cuda || { echo "bench-cr: owned needs BENCH_KIND=cuda" >&2; exit 2; } ;; esac
 raw=$OUT/bench-cr; mkdir -p "$raw" "$BENCH_DIR"
 work=$(mktemp -d); trap 'rm -rf "$work"; [ -n "${pid:-}" ] && kill -9 "$pid" 2>/dev/null; true' EXIT
 
@@ -148,9 +156,12 @@ fi
 
 ms() { echo "$(( ($(date +%s%N) - $1) / 1000000 ))"; }
 drop_caches() { sync; echo 3 >/proc/sys/vm/drop_caches; }
-start_workload() { # GiB
+start_workload() { # GiB [owned]
   : >"$work/counter.log"
-  if [ "$kind" = cuda ]; then
+  if [ "${2:-}" = owned ]; then
+    setsid "$PTXMIG_BIN" run --owned-memory --preempt off --socket-dir "$work/sock" -- "$PTXMIG_WORKLOADS/counter" \
+      --mib 64 --frozen-mib $(($1 * 1024 - 64)) --steps 1000000 --interval-ms 200 --device 0 </dev/null >>"$work/counter.log" 2>&1 &
+  elif [ "$kind" = cuda ]; then
     setsid "$PTXMIG_WORKLOADS/counter" --mib $(($1 * 1024)) --steps 1000000 --interval-ms 200 --device 0 </dev/null >>"$work/counter.log" 2>&1 &
   else
     setsid "$work/memhold" $(($1 * 1024)) </dev/null >>"$work/counter.log" 2>&1 &
@@ -164,6 +175,14 @@ advances() { local n; n=$(grep -c '^step ' "$work/counter.log"); for _ in $(seq 
 gone() { for _ in $(seq 600); do [ -e "/proc/$1" ] || return 0; sleep 0.05; done; return 1; }
 jq_ms() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(round(eval(sys.argv[2], {}, {'d': d, 't': {x['step']: x['duration_ns'] for x in d.get('timings', [])}}) / 1e6))" "$@"; }
 phase() { jq_ms "$1" "t.get('$2', 0)"; }
+# owned: what the save of the owned memory did (copied, skipped, GB/s).
+owned() { python3 -c "
+import json,sys
+d=json.load(open(sys.argv[1]))
+for r in d.get('preemption') or []:
+    s=(r.get('owned_memory') or {}).get('save')
+    if s: print(f\"copied {s['copied_bytes']>>20} MiB in {s['copy_ns']/1e6:.0f} ms = {s['copied_bytes']/max(s['copy_ns'],1):.1f} GB/s, skipped {s['skipped_bytes']>>20} MiB, hash {s['hash_ns']/1e6:.1f} ms\")
+" "$1"; }
 ratio() { python3 -c "print(f'{$1 / $2:.2f}')"; }
 two() { cuda && [ "$ngpu" -ge 2 ]; }
 uuid() { nvidia-smi --query-gpu=uuid --format=csv,noheader -i "$1"; }
@@ -195,7 +214,13 @@ for g in "${sizes[@]}"; do
   for mode in "${modes[@]}"; do
     store=$BENCH_DIR/store-$g-$mode; flag=(); [ "$mode" = staged ] && flag=(--no-stream)
     rm -rf "$store"
-    start_workload "$g"
+    start_workload "$g" "$mode"
+    if [ "$mode" = owned ]; then
+      t=$(date +%s%N); "$PTXMIG_BIN" --json --store "$store" checkpoint --leave-running --name "bench-$g-1" "$pid" >"$raw/ckpt-$g-owned-1.json"; ck[owned]=$(ms "$t")
+      c1=$raw/ckpt-$g-owned-1.json
+      rows+=("| $g GiB | ptxmig --owned-memory | checkpoint --leave-running | ${ck[owned]} (save $(phase "$c1" save-device-memory) [$(owned "$c1")], lock $(phase "$c1" lock), d->h $(phase "$c1" checkpoint), dump $(phase "$c1" dump), load back $(phase "$c1" load-device-memory), store $(phase "$c1" store)) | |")
+      mode=owned2
+    fi
     t=$(date +%s%N); "$PTXMIG_BIN" --json --store "$store" checkpoint "${flag[@]}" --name "bench-$g" "$pid" >"$raw/ckpt-$g-$mode.json"; ck[$mode]=$(ms "$t")
     wait "$pid" 2>/dev/null || true; gone "$pid"
     sync; disk[$mode]=$(du -sb "$store" | cut -f1)
@@ -209,6 +234,12 @@ for g in "${sizes[@]}"; do
     rm -rf "$store"
     label=ptxmig; [ "$mode" = staged ] && label="ptxmig --no-stream"
     c=$raw/ckpt-$g-$mode.json r=$raw/rst-$g-$mode.json
+    if [ "$mode" = owned2 ]; then
+      rows+=("| $g GiB | ptxmig --owned-memory | 2nd checkpoint | ${ck[$mode]} (save $(phase "$c" save-device-memory) [$(owned "$c")], lock $(phase "$c" lock), d->h $(phase "$c" checkpoint), dump $(phase "$c" dump), store $(phase "$c" store)) | $((disk[$mode] >> 20)) MiB (both) |")
+      rows+=("| $g GiB | ptxmig --owned-memory | restore | ${rs[$mode]} (criu $(phase "$r" criu-restore), h->d $(phase "$r" driver-restore), unlock $(phase "$r" unlock), load $(phase "$r" load-device-memory)) | |")
+      rs[owned]=${rs[$mode]}
+      continue
+    fi
     rows+=("| $g GiB | $label | checkpoint | ${ck[$mode]} (lock $(phase "$c" lock), d->h $(phase "$c" checkpoint), dump $(phase "$c" dump), store $(phase "$c" store)) | $((disk[$mode] >> 20)) MiB |")
     rows+=("| $g GiB | $label | restore | ${rs[$mode]} (materialize $(jq_ms "$r" "d['materialize_ns']"), criu $(phase "$r" criu-restore), h->d $(phase "$r" driver-restore), unlock $(phase "$r" unlock)) | |")
   done
@@ -239,6 +270,9 @@ for g in "${sizes[@]}"; do
     nc=" (--no-stream $(ratio "${ck[staged]}" "$b_ck")×)" nr=" (--no-stream $(ratio "${rs[staged]}" "$b_rs")×)"
   fi
   rows+=("| $g GiB | **ptxmig / baseline** | | checkpoint **$(ratio "${ck[stream]}" "$b_ck")×**$nc, restore **$(ratio "${rs[stream]}" "$b_rs")×**$nr | $(ratio "${disk[stream]}" "$b_disk")× |")
+  if [ -n "${ck[owned]:-}" ]; then
+    rows+=("| $g GiB | **ptxmig --owned-memory / baseline** | | checkpoint (1st, full copy) **$(ratio "${ck[owned]}" "$b_ck")×**, 2nd **$(ratio "${ck[owned2]}" "$b_ck")×**, restore **$(ratio "${rs[owned]}" "$b_rs")×** | |")
+  fi
   if two; then
     m=$raw/mig-$g.json
     rows+=("| $g GiB | migrate | | downtime $(jq_ms "$m" "d['downtime_ns']") ms (lock $(jq_ms "$m" "d['lock_ns']"), d->h $(jq_ms "$m" "d['checkpoint_ns']"), h->d $(jq_ms "$m" "d['restore_ns']"), unlock $(jq_ms "$m" "d['unlock_ns']")); command $p_mg ms; driver calls $b_mg ms | |")

@@ -28,11 +28,14 @@ const ingestFirstBuf = 64 << 10
 // workers. Commit publishes the staged chunks and then writes the manifest, so a failed,
 // abandoned or interrupted ingest leaves no image, partial or whole.
 //
-// Use: NewIngest; AddFile for each file (concurrently, one goroutine per file); Commit; Close
-// always (deferred). AddFile, Fail and Close are safe for concurrent use; Commit is called once.
+// Use: NewIngest; AddFile (or AddChunks, for a file that arrives as chunk-sized buffers or as
+// references to stored chunks: chunkref.go) for each file, concurrently, one goroutine per file;
+// Commit; Close always (deferred). AddFile, AddChunks, HasChunk, Fail and Close are safe for
+// concurrent use; Commit is called once.
 //
 // An Ingest holds the store lock shared from NewIngest to Close, like a Put. Its memory is the
-// workers' (as a Put's) plus, for every file being added, a buffer of up to one chunk.
+// workers' (as a Put's) plus, for every file AddFile is adding, a buffer of up to one chunk
+// (AddChunks's buffers are its caller's).
 type Ingest struct {
 	ctx       context.Context // the operation's: a cancelled ingest does not commit
 	s         *Store
@@ -44,6 +47,7 @@ type Ingest struct {
 	chunkSize int
 
 	jobs     chan ingestJob
+	sendMu   sync.RWMutex   // held shared by hand while it sends a job, by Close to end the sends
 	inflight sync.WaitGroup // chunks handed to the workers and not yet stored (or dropped)
 	workers  sync.WaitGroup
 	quit     chan struct{} // closed by Close: the workers exit
@@ -76,12 +80,14 @@ type ingestFile struct {
 	mode   uint32
 	size   int64
 	chunks []*Chunk // each filled in by a worker
+	done   bool     // added completely (in.mu)
 }
 
 type ingestJob struct {
-	path string
-	ch   *Chunk
-	data []byte
+	path    string
+	ch      *Chunk
+	data    []byte
+	release func() // when set, called instead of recycling data (an AddChunks caller's buffer)
 }
 
 // NewIngest starts storing files that arrive as streams as the new image o.Name. It validates
@@ -171,12 +177,21 @@ func (in *Ingest) worker(enc *encoder) {
 					in.c.done.Add(int64(j.ch.Size))
 				}
 			}
-			in.putBuf(j.data)
-			in.inflight.Done()
+			in.finish(j)
 		case <-in.quit:
 			return
 		}
 	}
+}
+
+// finish gives back a job's buffer (to its owner, or to the pool) once it is stored or dropped.
+func (in *Ingest) finish(j ingestJob) {
+	if j.release != nil {
+		j.release()
+	} else {
+		in.putBuf(j.data)
+	}
+	in.inflight.Done()
 }
 
 // AddFile reads r to its end and records it as the regular file path (a clean, relative path
@@ -189,19 +204,27 @@ func (in *Ingest) worker(enc *encoder) {
 // ingest meanwhile (a worker's error, Fail, the end of NewIngest's ctx, Close), fails the whole
 // ingest and is returned; from then on every AddFile returns the first failure at once.
 func (in *Ingest) AddFile(path string, mode uint32, r io.Reader) (int64, error) {
+	return in.add(path, mode, func(f *ingestFile) (int64, error) { return in.read(path, f, r) })
+}
+
+// add registers the file path, fills it with fill and records its size; a failure of fill fails
+// the ingest (AddFile, AddChunks).
+func (in *Ingest) add(path string, mode uint32, fill func(f *ingestFile) (int64, error)) (int64, error) {
 	f, err := in.begin(path, mode)
 	if err != nil {
 		return 0, fmt.Errorf("ingest %s: add %s: %w", in.m.Name, path, err)
 	}
 	defer in.end()
-	n, err := in.read(path, f, r)
+	n, err := fill(f)
 	if err != nil {
 		in.fail(err)
 	}
 	if err := in.failure(); err != nil {
 		return n, in.wrap(err)
 	}
-	f.size = n
+	in.mu.Lock()
+	f.size, f.done = n, true
+	in.mu.Unlock()
 	return n, nil
 }
 
@@ -245,7 +268,7 @@ func (in *Ingest) read(path string, f *ingestFile, r io.Reader) (int64, error) {
 		}
 		if len(buf) == cap(buf) {
 			if len(buf) == in.chunkSize {
-				if err := in.hand(path, f, off, buf); err != nil {
+				if err := in.hand(path, f, off, buf, nil); err != nil {
 					return off + int64(len(buf)), err
 				}
 				off += int64(len(buf))
@@ -265,7 +288,7 @@ func (in *Ingest) read(path string, f *ingestFile, r io.Reader) (int64, error) {
 	}
 	total := off + int64(len(buf))
 	if len(buf) > 0 {
-		if err := in.hand(path, f, off, buf); err != nil {
+		if err := in.hand(path, f, off, buf, nil); err != nil {
 			return total, err
 		}
 	} else {
@@ -275,17 +298,25 @@ func (in *Ingest) read(path string, f *ingestFile, r io.Reader) (int64, error) {
 }
 
 // hand gives the chunk of f at off, whose bytes are data, to the workers, waiting while they
-// are behind (never for another file) unless the ingest fails.
-func (in *Ingest) hand(path string, f *ingestFile, off int64, data []byte) error {
+// are behind (never for another file) unless the ingest fails. release (may be nil) is called
+// once data is no longer used: by a worker, by Close for a job still queued, or here when the
+// chunk is not handed over.
+func (in *Ingest) hand(path string, f *ingestFile, off int64, data []byte, release func()) error {
+	// Close waits for the sends under way and fails the ingest first, so no job is sent after it
+	// drained the queue: every job is finished.
+	in.sendMu.RLock()
+	defer in.sendMu.RUnlock()
 	if err := in.failure(); err != nil {
+		callRelease(release)
 		return err
 	}
 	ch := &Chunk{Offset: off, Size: len(data)}
 	in.inflight.Add(1)
 	select {
-	case in.jobs <- ingestJob{path: path, ch: ch, data: data}:
+	case in.jobs <- ingestJob{path: path, ch: ch, data: data, release: release}:
 	case <-in.failed:
 		in.inflight.Done()
+		callRelease(release)
 		return in.failure()
 	}
 	f.chunks = append(f.chunks, ch)
@@ -440,7 +471,8 @@ var errIngestClosed = errors.New("closed without commit")
 
 // Close ends the ingest: it stops the workers, and unless Commit succeeded it fails the ingest
 // and removes every chunk it staged (no image is written); then it releases the store lock. An
-// AddFile still reading stops at its next chunk. Safe to call more than once.
+// AddFile or AddChunks still running stops at its next chunk. Every AddChunks buffer handed over
+// is released before Close returns. Safe to call more than once.
 func (in *Ingest) Close() {
 	in.commitMu.Lock()
 	defer in.commitMu.Unlock()
@@ -460,8 +492,20 @@ func (in *Ingest) Close() {
 	}
 	in.stopCtx()
 	in.stopProgress()
+	// No job is sent after the workers are told to quit: a running hand returns, as the ingest
+	// failed (or, committed, none runs), and a later one sees the failure first.
+	in.sendMu.Lock()
 	close(in.quit)
+	in.sendMu.Unlock()
 	in.workers.Wait()
+	for drained := false; !drained; { // jobs the workers left queued: their buffers go back
+		select {
+		case j := <-in.jobs:
+			in.finish(j)
+		default:
+			drained = true
+		}
+	}
 	in.pw.stage.close() // removes what was staged unless Commit published it
 	in.lk.unlock()
 }
@@ -511,7 +555,8 @@ type ImageReader struct {
 
 	mu       sync.Mutex
 	verified map[ChunkID]bool
-	active   int // WriteFile and VerifyRest calls running
+	deferred func(path string) bool // files VerifyRest leaves to a later WriteFile (DeferVerify)
+	active   int                    // WriteFile and VerifyRest calls running
 	closed   bool
 }
 
@@ -878,6 +923,28 @@ func (r *ImageReader) releaseSlot(s *readSlot, own chan<- *readSlot) {
 	}
 }
 
+// DeferVerify excludes the files for which skip is true from VerifyRest: their caller reads them
+// all through WriteFile later (which verifies what it reads), after VerifyRest (a restore loads
+// owned device memory after CRIU). A chunk also used by another file is still verified.
+func (r *ImageReader) DeferVerify(skip func(path string) bool) {
+	r.mu.Lock()
+	r.deferred = skip
+	r.mu.Unlock()
+}
+
+// deferredOnly: every use of a chunk is in a deferred file (r.mu held).
+func (r *ImageReader) deferredOnly(uses []chunkUse) bool {
+	if r.deferred == nil {
+		return false
+	}
+	for _, u := range uses {
+		if !r.deferred(u.file.Path) {
+			return false
+		}
+	}
+	return true
+}
+
 // VerifyRest reads, decodes and checks against its hash every stored chunk of the image that no
 // WriteFile has verified yet, in parallel. The first bad chunk fails it with an error wrapping
 // ErrCorrupt that names a file and offset where the chunk is used.
@@ -894,7 +961,7 @@ func (r *ImageReader) VerifyRest(ctx context.Context) error {
 	r.mu.Lock()
 	var todo []ChunkID
 	for _, id := range order {
-		if !r.verified[id] {
+		if !r.verified[id] && !r.deferredOnly(uses[id]) {
 			todo = append(todo, id)
 		}
 	}

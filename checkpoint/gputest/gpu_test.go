@@ -162,7 +162,7 @@ func waitLine(t *testing.T, path, prefix string, timeout time.Duration) string {
 func results(path string) []string {
 	var out []string
 	for _, l := range lines(path) {
-		if strings.HasPrefix(l, "step ") || strings.HasPrefix(l, "final ") || strings.HasPrefix(l, "result ") {
+		if strings.HasPrefix(l, "step ") || strings.HasPrefix(l, "final ") || strings.HasPrefix(l, "frozen ") || strings.HasPrefix(l, "result ") {
 			out = append(out, l)
 		}
 	}

@@ -51,10 +51,18 @@ func init() {
 			"threads looping for the whole kernel) stops within microseconds instead of holding the\n" +
 			"checkpoint until it ends. Off by default: such twins made other long kernels slower (matrixMul\n" +
 			"1.4x, docs/BENCHMARKS.md). `ptxmig kernels PID` shows which kernels have which twin.\n\n" +
+			"Owned memory: with --owned-memory the shim serves the app's cuMemAlloc and cuMemAllocPitch of\n" +
+			"at least PTXMIG_OWNED_MIN_KB (default 1024) from CUDA VMM mappings of its own. A checkpoint then\n" +
+			"copies that memory out itself at link speed (skipping chunks unchanged since the process's\n" +
+			"previous image, found by a GPU hash) and releases it before the driver checkpoint, which has\n" +
+			"none of it to copy; a restore maps it again at the same addresses and loads it back. Memory\n" +
+			"the shim does not own (smaller or stream-ordered allocations, peer access in use, VMM out of\n" +
+			"memory) is left to the driver, as without the flag. Owned memory cannot be shared by CUDA IPC.\n\n" +
 			"Examples:\n" +
 			"   ptxmig run -- python3 train.py --steps 200\n" +
 			"   ptxmig run --preempt always ./longgrid --seconds 30\n" +
 			"   ptxmig run --mid-block -- ./longkernel --seconds 600   # stop inside its blocks\n" +
+			"   ptxmig run --owned-memory -- python3 serve.py   # checkpoints copy GPU memory at link speed\n" +
 			"   ptxmig run --socket-dir /tmp/ptxmig -- ./app > app.log 2>&1 &   # $! is the app's PID",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "shim", Usage: "`PATH` of libptxmig.so", EnvVars: []string{"PTXMIG_SHIM"}},
@@ -62,6 +70,8 @@ func init() {
 				Usage: "preemptible kernels (`MODE`): auto (twins for long or untimed kernels), always, or off (launch originals only)"},
 			&cli.BoolFlag{Name: "mid-block", EnvVars: []string{"PTXMIG_MID_BLOCK"},
 				Usage: "twins that also stop inside a block where the kernel allows it (for kernels whose blocks run long; costs other kernels time)"},
+			&cli.BoolFlag{Name: "owned-memory", EnvVars: []string{"PTXMIG_OWNED_MEMORY"},
+				Usage: "the shim serves device allocations from VMM mappings it moves itself at checkpoint and restore (fast; no CUDA IPC of them)"},
 			socketDirFlag(),
 		},
 		Action: runAction,
@@ -225,6 +235,10 @@ func runAction(c *cli.Context) error {
 	settings := map[string]string{"PTXMIG_SOCKET_DIR": sockDir, "PTXMIG_PREEMPT": mode, "PTXMIG_MID_BLOCK": "0"}
 	if c.Bool("mid-block") {
 		settings["PTXMIG_MID_BLOCK"] = "1"
+	}
+	settings["PTXMIG_OWNED_MEMORY"] = "0"
+	if c.Bool("owned-memory") {
+		settings["PTXMIG_OWNED_MEMORY"] = "1"
 	}
 	if exe != "" {
 		settings["PTXMIG_HELPER"] = exe // the shim instruments PTX with `ptxmig ptx instrument`, outside the app

@@ -14,6 +14,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/exitcode"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
@@ -110,9 +111,35 @@ func printPreemption(w io.Writer, reports []*op.PreemptReport) {
 				fmt.Fprintf(w, "  not preempted %s: %s\n", esc(k.Kernel), esc(k.Reason))
 			}
 		}
+		if m := r.Owned; m != nil {
+			printOwned(w, r.PID, m)
+		}
 		if res := r.Resume; res != nil {
 			fmt.Fprintf(w, "pid %d: resumed (%d relaunched) in %s\n", r.PID, res.Relaunched, usText(res.ElapsedUS))
 		}
+	}
+}
+
+// printOwned prints what happened to the device memory a process's shim owns.
+func printOwned(w io.Writer, pid int, m *op.OwnedMemory) {
+	if m.Note != "" {
+		fmt.Fprintf(w, "pid %d: owned device memory %s\n", pid, esc(m.Note))
+	}
+	if s := m.Save; s != nil {
+		prev := ""
+		if s.Prev != "" {
+			prev = fmt.Sprintf(", %s unchanged since image %s", bytesize.Format(int64(s.SkippedBytes)), esc(s.Prev))
+		}
+		fmt.Fprintf(w, "pid %d: owned device memory %s in %d regions: copied %s in %s (%s/s)%s; released %v\n", pid,
+			bytesize.Format(int64(s.OwnedBytes)), s.Regions, bytesize.Format(int64(s.CopiedBytes)), ms(s.Copy),
+			bytesize.Format(int64(s.Throughput())), prev, m.Released)
+	}
+	if l := m.Load; l != nil {
+		rate := 0.0
+		if l.Copy > 0 {
+			rate = float64(l.Bytes) / l.Copy.Seconds()
+		}
+		fmt.Fprintf(w, "pid %d: owned device memory %s loaded in %s (%s/s)\n", pid, bytesize.Format(int64(l.Bytes)), ms(l.Copy), bytesize.Format(int64(rate)))
 	}
 }
 
@@ -229,6 +256,10 @@ func (a absentStore) NewIngest(context.Context, store.PutOptions) (*store.Ingest
 }
 
 func (a absentStore) OpenImage(context.Context, string, store.GetOptions) (*store.ImageReader, error) {
+	return nil, fmt.Errorf("store %s: %w", a.dir, store.ErrNoStore)
+}
+
+func (a absentStore) List() ([]*store.Manifest, error) {
 	return nil, fmt.Errorf("store %s: %w", a.dir, store.ErrNoStore)
 }
 

@@ -44,6 +44,7 @@ type ImageStore interface {
 	// NewIngest and OpenImage stream an image in (a dump) and out (a restore) of the store.
 	NewIngest(ctx context.Context, o store.PutOptions) (*store.Ingest, error)
 	OpenImage(ctx context.Context, ref string, o store.GetOptions) (*store.ImageReader, error)
+	List() ([]*store.Manifest, error)
 	Dir() string
 }
 

@@ -31,6 +31,7 @@ type PreemptReport struct {
 	QuiesceDur time.Duration    `json:"quiesce_ns"`             // round trip of the quiesce request
 	StopWait   time.Duration    `json:"stop_wait_ns,omitempty"` // then, waiting for twins still stopping
 	Resume     *shimctl.Resume  `json:"resume,omitempty"`
+	Owned      *OwnedMemory     `json:"owned_memory,omitempty"` // device memory the shim owns (--owned-memory)
 }
 
 // Preemption quiesces the CUDA processes of an operation that run under the shim before the

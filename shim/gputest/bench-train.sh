@@ -4,7 +4,9 @@
 #
 #   bench-train.sh [PAIRS [AA_PAIRS]]        defaults 8 and 4
 #
-# Needs PTXMIG_BIN, PTXMIG_SHIM, PTXMIG_WORKLOADS and PTXMIG_OUT (gpu-e2e.sh sets them). Writes
+# Needs PTXMIG_BIN, PTXMIG_SHIM, PTXMIG_WORKLOADS and PTXMIG_OUT (gpu-e2e.sh sets them);
+# TRAIN_RUN_FLAGS adds `ptxmig run` flags to the shimmed side (e.g. --owned-memory), and
+# TRAIN_SELFTIME=0 leaves out the in-process runs. Writes
 # $PTXMIG_OUT/shim/train-bench.txt, starting with "verdict MET|NOT_MET|INCONCLUSIVE", and
 # train-aa.txt, starting with "control UNBIASED|BIASED"; the statistics follow.
 #
@@ -36,7 +38,8 @@ ngpu=$(nvidia-smi -L | wc -l)
 train1() { # train1 KIND I GPU CPUS: one run (KIND shim: under the shim; else plain); steps/s and wall s to $out/train.KIND.I
   local f=$out/train.$1.$2 a b pin=() shim=()
   [ -n "$4" ] && command -v taskset >/dev/null && pin=(taskset -c "$4")
-  [ "$1" = shim ] && shim=("$PTXMIG_BIN" run --shim "$PTXMIG_SHIM" --socket-dir "$sockdir" --)
+  # shellcheck disable=SC2206 # TRAIN_RUN_FLAGS is a list of flags
+  [ "$1" = shim ] && shim=("$PTXMIG_BIN" run --shim "$PTXMIG_SHIM" --socket-dir "$sockdir" ${TRAIN_RUN_FLAGS:-} --)
   a=$(date +%s.%N)
   CUDA_VISIBLE_DEVICES=$3 "${pin[@]}" "${shim[@]}" python3 "$W/train.py" --steps 2000 --log-every 2000 --report-time >/dev/null 2>"$f"
   b=$(date +%s.%N)
@@ -143,16 +146,19 @@ PY
 pairing="concurrent on GPU 0"
 [ "$ngpu" -ge 2 ] && pairing="concurrent on GPUs 0 and 1"
 [ "$(nproc)" -ge 16 ] && pairing="$pairing, CPUs 2-7 / 10-15"
-pairing="$pairing; start order, sides alternated"
+pairing="$pairing; start order, sides alternated; shimmed side: ptxmig run ${TRAIN_RUN_FLAGS:-}"
 for i in $(seq 0 "$npairs"); do pair plain shim "$i"; done
 for i in $(seq 0 "$naa"); do pair plainA plainB "$i"; done
-selftime ""
-selftime -nosample PTXMIG_SAMPLE_FIRST=0 PTXMIG_SAMPLE_EVERY=0
+if [ "${TRAIN_SELFTIME:-1}" != 0 ]; then
+  selftime ""
+  selftime -nosample PTXMIG_SAMPLE_FIRST=0 PTXMIG_SAMPLE_EVERY=0
+fi
 { summarize plain shim "$npairs"; echo "pairing $pairing"; } >"$out/train-bench.txt" 2>&1
 { summarize plainA plainB "$naa"; echo "pairing $pairing"; } >"$out/train-aa.txt" 2>&1
 cat "$out/train-bench.txt"
 echo "A/A control:"
 cat "$out/train-aa.txt"
+[ "${TRAIN_SELFTIME:-1}" != 0 ] || exit 0
 echo "in-process (PTXMIG_SELF_TIME=1):"
 cat "$out/train-selftime.txt"
 echo "in-process, GPU-time sampling off:"

@@ -54,7 +54,7 @@ static void reply_error(int fd, const char *msg) {
 typedef struct {
   int fd;
   char *buf;
-  size_t len;
+  size_t len, pos;  // pos: past the line being handled
   int discarding, lease, close_after;
   uint64_t last_ns;
 } conn;
@@ -86,13 +86,69 @@ static long parse_budget(const char *v) {
   return x;
 }
 
+static unsigned long long parse_u64(const char *v, unsigned long long def) {
+  if (!v) return def;
+  char *end;
+  errno = 0;
+  unsigned long long x = strtoull(v, &end, 10);
+  return errno || *end ? ~0ull : x;
+}
+
+// handle_mem answers the owned-memory requests (vmm.c). Those that act on the memory belong to
+// the connection holding the quiesce lease, or, in a process restored while detached (no lease),
+// to any connection while the process is not running.
+static void handle_mem(conn *c, const char *cmd, const char *dir, const char *chunk, const char *slots,
+                       const char *hash, const char *skip) {
+  char err[300] = "";
+  jbuf b = {0};
+  int rc;
+  if (strcmp(cmd, "mem-status") == 0) {
+    vmm_report_status(&b);
+    send_ok(c, cmd, &b);
+    free(b.p);
+    return;
+  }
+  int st = preempt_state();
+  if (st == 0 || (st == 1 && !c->lease)) {
+    reply_error(c->fd, st == 0 ? "mem: not quiesced" : "mem: only the connection that quiesced may move owned memory");
+    return;
+  }
+  if (st == 2) c->lease = 1;  // a restored (detached) process: this connection now leads
+  if (strcmp(cmd, "mem-begin") == 0) {
+    unsigned long long ch = parse_u64(chunk, 4u << 20), sl = parse_u64(slots, 8), h = parse_u64(hash, 0);
+    rc = vmm_cmd_begin(c->fd, dir, ch, sl > 1000 ? 0 : (unsigned)sl, h == 1, err, sizeof err);
+    if (rc == 0) return;  // replied, with the ring's descriptor
+  } else if (strcmp(cmd, "mem-copy") == 0 || strcmp(cmd, "mem-fill") == 0) {
+    // The transfer reads the socket itself: what the connection already read past this line
+    // (ptxmig's first messages) goes to it first.
+    if (vmm_feed(c->buf + c->pos, c->len - c->pos)) {
+      rc = -1;
+      snprintf(err, sizeof err, "%s: too much sent ahead of the transfer", cmd);
+    } else {
+      c->len = c->pos;
+      rc = cmd[4] == 'c' ? vmm_cmd_copy(c->fd, skip, &b, err, sizeof err) : vmm_cmd_fill(c->fd, &b, err, sizeof err);
+    }
+  } else if (strcmp(cmd, "mem-release") == 0) {
+    rc = vmm_cmd_release(&b, err, sizeof err);
+  } else if (strcmp(cmd, "mem-end") == 0) {
+    rc = vmm_cmd_end(&b);
+  } else {
+    rc = -1;
+    snprintf(err, sizeof err, "unknown cmd %s (want mem-status, mem-begin, mem-copy, mem-fill, mem-release or mem-end)", cmd);
+  }
+  if (rc) reply_error(c->fd, err);
+  else send_ok(c, cmd, &b);
+  free(b.p);
+}
+
 // handle_line answers one request.
 static void handle_line(conn *c, const char *line, size_t n) {
-  static const char *const keys[] = {"cmd", "dir", "#budget_ms"};
-  char *vals[3];
+  static const char *const keys[] = {"cmd", "dir", "#budget_ms", "#chunk_bytes", "#slots", "#hash", "skip"};
+  enum { NKEYS = sizeof keys / sizeof keys[0] };
+  char *vals[NKEYS];
   char err[256];
   int fd = c->fd;
-  if (json_flat_parse(line, n, keys, vals, 3, err, sizeof err) < 0) {
+  if (json_flat_parse(line, n, keys, vals, NKEYS, err, sizeof err) < 0) {
     char msg[300];
     snprintf(msg, sizeof msg, "malformed request: %s", err);
     reply_error(fd, msg);
@@ -123,7 +179,10 @@ static void handle_line(conn *c, const char *line, size_t n) {
       }
       send_ok(c, cmd, &b);
     }
+  } else if (strncmp(cmd, "mem-", 4) == 0) {
+    handle_mem(c, cmd, vals[1], vals[3], vals[4], vals[5], vals[6]);
   } else if (strcmp(cmd, "detach") == 0) {
+    vmm_conn_closed();  // the ring is gone before CRIU dumps the process
     if (!c->lease) {
       reply_error(fd, preempt_state() == 0 ? "detach: not quiesced" : "detach: only the connection that quiesced may detach");
     } else if (preempt_detach(&b)) {
@@ -134,14 +193,19 @@ static void handle_line(conn *c, const char *line, size_t n) {
       send_ok(c, cmd, &b);
     }
   } else if (strcmp(cmd, "resume") == 0) {
-    for (int i = 0; i < MAX_CONN; i++) conns[i].lease = 0;
-    preempt_resume(&b);
-    send_ok(c, cmd, &b);
+    if (vmm_released()) {
+      reply_error(fd, "resume: owned device memory is released; load it first (mem-begin load, mem-fill)");
+    } else {
+      vmm_conn_closed();
+      for (int i = 0; i < MAX_CONN; i++) conns[i].lease = 0;
+      preempt_resume(&b);
+      send_ok(c, cmd, &b);
+    }
   } else {
-    reply_error(fd, "unknown cmd (want status, kernels, dump-modules, quiesce, detach or resume)");
+    reply_error(fd, "unknown cmd (want status, kernels, dump-modules, quiesce, detach, resume or mem-*)");
   }
   free(b.p);
-  for (int i = 0; i < 3; i++) free(vals[i]);
+  for (int i = 0; i < NKEYS; i++) free(vals[i]);
 }
 
 static void conn_close(conn *c) {
@@ -152,7 +216,12 @@ static void conn_close(conn *c) {
   c->buf = NULL;
   if (c->lease) {
     c->lease = 0;
-    if (preempt_state() == 1) {  // quiesced and not detached: the client went away
+    vmm_conn_closed();
+    if (preempt_state() == 1 && vmm_released()) {
+      // Resuming now would run kernels on memory that is not there: stay held until a ptxmig
+      // (a rollback, `ptxmig recover`) loads it and resumes.
+      shim_log("lease connection closed while owned memory is released: the process stays held");
+    } else if (preempt_state() == 1) {  // quiesced and not detached: the client went away
       jbuf b = {0};
       preempt_resume(&b);
       shim_log("lease connection closed before detach: resumed (%s)", b.p ? b.p : "");
@@ -201,6 +270,7 @@ static void conn_read(conn *c) {
     } else if (memchr(c->buf + start, 0, i - start)) {
       reply_error(c->fd, "malformed request: NUL byte");
     } else if (i > start) {
+      c->pos = i + 1;
       handle_line(c, c->buf + start, i - start);
     }
     start = i + 1;

@@ -47,6 +47,8 @@ void config_load(void) {
   cfg.ptx_cubin = env_uint("PTXMIG_PTX_CUBIN", 1) != 0;
   cfg.mid_block = env_uint("PTXMIG_MID_BLOCK", 0) != 0;
   cfg.mid_max_bytes = (uint64_t)env_uint("PTXMIG_MID_BLOCK_MAX_MB", 2048) << 20;
+  cfg.owned = env_uint("PTXMIG_OWNED_MEMORY", 0) != 0;
+  cfg.owned_min = (uint64_t)env_uint("PTXMIG_OWNED_MIN_KB", 1024) << 10;
   const char *pc = getenv("PTXMIG_PTX_CACHE");
   snprintf(cfg.ptx_cache, sizeof cfg.ptx_cache, "%s", pc ? pc : "/var/cache/ptxmig/ptx");
   const char *hp = getenv("PTXMIG_HELPER");
@@ -269,6 +271,9 @@ void *drv_sym(const char *name) {
   X(cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync", 0, 0, 1, 0)          \
   X(cuMemFreeAsync, "cuMemFreeAsync", 0, 0, 0, 0)                                 \
   X(cuMemFreeAsync_ptsz, "cuMemFreeAsync", 0, 0, 1, 0)                            \
+  X(cuMemGetAddressRange_v2, "cuMemGetAddressRange", 3020, 0, 0, 0)              \
+  X(cuPointerGetAttribute, "cuPointerGetAttribute", 0, 0, 0, 0)                   \
+  X(cuIpcGetMemHandle, "cuIpcGetMemHandle", 0, 0, 0, 0)                           \
   X(cuMemCreate, "cuMemCreate", 0, 0, 0, 0)                                       \
   X(cuMemRelease, "cuMemRelease", 0, 0, 0, 0)                                     \
   X(cuMemMap, "cuMemMap", 0, 0, 0, 0)                                             \
@@ -748,17 +753,40 @@ EXPORT void __cudaRegisterFunction(void **fatCubinHandle, const char *hostFun, c
 
 // ---- memory ----
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) {
+  int o = vmm_alloc(p, size);
+  if (o >= 0) {
+    if (o == CUDA_SUCCESS) trk_alloc_add(*p, size, AK_OWNED);
+    return o;
+  }
   CALL_REAL(cuMemAlloc_v2, p, size);
   if (r_ == CUDA_SUCCESS && p) trk_alloc_add(*p, size, AK_DEVICE);
   return r_;
 }
 EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned elem) {
+  // Owned: rows aligned to 512 bytes, which satisfies the pitch alignment of every GPU (the
+  // driver's own choice may differ; any pitch it reports is valid to use). Invalid arguments go
+  // to the driver, which answers them as it does.
+  if (p && pitch && w && h && w <= (1ull << 40) && h <= (1ull << 40) && (elem == 4 || elem == 8 || elem == 16)) {
+    size_t pw = (w + 511) & ~(size_t)511;
+    if (pw / 512 <= (1ull << 46) / 512 / h) {
+      int o = vmm_alloc(p, pw * h);
+      if (o >= 0) {
+        if (o == CUDA_SUCCESS) *pitch = pw, trk_alloc_add(*p, pw * h, AK_OWNED);
+        return o;
+      }
+    }
+  }
   CALL_REAL(cuMemAllocPitch_v2, p, pitch, w, h, elem);
   if (r_ == CUDA_SUCCESS && p && pitch) trk_alloc_add(*p, *pitch * h, AK_PITCH);
   return r_;
 }
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
   preempt_wait_clean();  // a preempted twin's remainder may still use it
+  int o = vmm_free(p);
+  if (o >= 0) {
+    if (o == CUDA_SUCCESS) trk_alloc_remove(p, -1);
+    return o;
+  }
   CALL_REAL(cuMemFree_v2, p);
   if (r_ == CUDA_SUCCESS) trk_alloc_remove(p, -1);
   return r_;
@@ -832,6 +860,32 @@ EXPORT CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
 EXPORT CUresult cuCtxDisablePeerAccess(CUcontext peer) {
   CALL_REAL(cuCtxDisablePeerAccess, peer);
   if (r_ == CUDA_SUCCESS) trk_peer_access(-1);
+  return r_;
+}
+
+// Owned memory answers as one allocation of the size the app asked for (not its mapping's).
+EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+  if (vmm_range(p, base, size)) return CUDA_SUCCESS;
+  CALL_REAL(cuMemGetAddressRange_v2, base, size, p);
+  return r_;
+}
+#define PTR_ATTR_RANGE_START 11
+#define PTR_ATTR_RANGE_SIZE 12
+EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+  CUdeviceptr b;
+  size_t n;
+  if (data && (attr == PTR_ATTR_RANGE_START || attr == PTR_ATTR_RANGE_SIZE) && vmm_range(p, &b, &n)) {
+    if (attr == PTR_ATTR_RANGE_START) memcpy(data, &b, sizeof b);
+    else memcpy(data, &n, sizeof n);
+    return CUDA_SUCCESS;
+  }
+  CALL_REAL(cuPointerGetAttribute, data, attr, p);
+  return r_;
+}
+// CUDA IPC cannot export VMM memory the way it exports cuMemAlloc memory: refused plainly.
+EXPORT CUresult cuIpcGetMemHandle(void *handle, CUdeviceptr p) {
+  if (vmm_ipc_refuse(p)) return 801;  // CUDA_ERROR_NOT_SUPPORTED
+  CALL_REAL(cuIpcGetMemHandle, handle, p);
   return r_;
 }
 

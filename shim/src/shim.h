@@ -36,6 +36,8 @@ typedef struct {
   int ptx_cubin;             // PTXMIG_PTX_CUBIN (default 1): ask the helper for a cubin (ptxas) instead of PTX to JIT
   int mid_block;             // PTXMIG_MID_BLOCK=1 (default 0): twins that also stop inside a block (ptx instrument --mid-block)
   uint64_t mid_max_bytes;    // PTXMIG_MID_BLOCK_MAX_MB (default 2048): save areas of one launch at most
+  int owned;                 // PTXMIG_OWNED_MEMORY=1 (default 0): serve cuMemAlloc* from VMM mappings (vmm.c)
+  uint64_t owned_min;        // PTXMIG_OWNED_MIN_KB (default 1024): smaller allocations go to the driver
   char ptx_cache[256];       // PTXMIG_PTX_CACHE, default /var/cache/ptxmig/ptx ("" or "off": no cache)
   char helper[256];          // PTXMIG_HELPER: the ptxmig binary ("" : none)
   unsigned helper_timeout_ms;  // PTXMIG_HELPER_TIMEOUT_MS (default 60000)
@@ -66,12 +68,13 @@ typedef struct {
 extern intercept_stats istats;
 
 // ---- tracking (track.c) ----
-enum alloc_kind { AK_DEVICE, AK_PITCH, AK_ASYNC, AK_MANAGED, AK_HOST, AK_VMM_PHYS, AK_VMM_MAP, AK_COUNT };
+enum alloc_kind { AK_DEVICE, AK_PITCH, AK_ASYNC, AK_MANAGED, AK_HOST, AK_VMM_PHYS, AK_VMM_MAP, AK_OWNED, AK_COUNT };
 extern const char *const alloc_kind_names[AK_COUNT];
 void trk_alloc_add(uint64_t key, uint64_t size, int kind);
 void trk_alloc_remove(uint64_t key, int kind);
 void trk_vmm_unmap(uint64_t ptr, uint64_t size);
 void trk_peer_access(int delta);  // +1 per peer link enabled, -1 per link disabled
+long trk_peer_links(void);
 
 void trk_ctx_add(CUcontext ctx, CUdevice dev, int primary);
 void trk_ctx_remove(CUcontext ctx);
@@ -224,6 +227,23 @@ int trk_func_attrs(struct krec *r, int attrs[8][2], int *n);
 void samples_drop_ctx(CUcontext ctx);
 void trk_primary_release(CUdevice dev);  // before a primary context release: drop its samples and events
 void samples_harvest(int max, int from_ctl);
+
+// ---- owned device memory (vmm.c) ----
+// vmm_alloc/vmm_free: CUDA_SUCCESS, or -1 when the shim does not serve the call (the driver must).
+int vmm_alloc(CUdeviceptr *p, size_t size);
+int vmm_free(CUdeviceptr p);
+int vmm_range(CUdeviceptr p, CUdeviceptr *base, size_t *size);  // 1 when p is owned memory
+int vmm_ipc_refuse(CUdeviceptr p);                                // 1: owned, refuse the IPC handle
+int vmm_released(void);
+void vmm_report_status(struct jbuf *b);
+void vmm_atfork_child(void);
+void vmm_conn_closed(void);  // the lease connection went away (or detached): drop the transfer session
+int vmm_cmd_begin(int sock, const char *dir, uint64_t chunk, unsigned slots, int hash, char *err, size_t errlen);
+int vmm_cmd_copy(int sock, const char *skip, struct jbuf *b, char *err, size_t errlen);
+int vmm_cmd_fill(int sock, struct jbuf *b, char *err, size_t errlen);
+int vmm_feed(const char *p, size_t n);
+int vmm_cmd_release(struct jbuf *b, char *err, size_t errlen);
+int vmm_cmd_end(struct jbuf *b);
 
 // ---- control socket (ctl.c) ----
 void ctl_ensure_started(void);  // called on first CUDA activity; idempotent and cheap

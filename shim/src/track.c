@@ -15,7 +15,7 @@
 #include "shim.h"
 
 const char *const alloc_kind_names[AK_COUNT] = {"device", "pitch", "async", "managed", "host_pinned",
-                                                "vmm_physical", "vmm_mapped"};
+                                                "vmm_physical", "vmm_mapped", "owned"};
 const char *const module_source_names[MS_COUNT] = {
     "__cudaRegisterFatBinary", "cuModuleLoad",      "cuModuleLoadData",      "cuModuleLoadDataEx",
     "cuModuleLoadFatBinary",   "cuLibraryLoadData", "cuLibraryLoadFromFile", "cuLinkComplete"};
@@ -850,6 +850,7 @@ static void fork_parent(void) {
 static void fork_child(void) {
   fork_parent();
   preempt_atfork_child();
+  vmm_atfork_child();
   pthread_mutex_init(&sample_mu, NULL);
   npending = 0;
   npool = 0;
@@ -1121,6 +1122,7 @@ static void report_devices(jbuf *b) {
 // "peer_access").
 static atomic_long peer_links;
 void trk_peer_access(int delta) { atomic_fetch_add(&peer_links, delta); }
+long trk_peer_links(void) { return atomic_load(&peer_links); }
 
 void report_status(jbuf *b) {
   char exe[512];
@@ -1180,6 +1182,8 @@ void report_status(jbuf *b) {
   jb_printf(b, ",\"sampling\":{\"first\":%u,\"every\":%u}", cfg.sample_first, cfg.sample_every);
   jb_key(b, "preempt");
   preempt_report_status(b);
+  jb_key(b, "owned_memory");
+  vmm_report_status(b);
   jb_s(b, "}");
 }
 

@@ -10,7 +10,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "../src/fatbin.h"
+#include "../src/gpuhash.h"
+#include "../src/gpuhash_ptx.h"
 #include "../src/sha256.h"
 #include "../src/shim.h"
 
@@ -492,6 +497,397 @@ static void test_report(void) {
   end();
 }
 
+// ---- ptxmig-gpuhash-1 (gpuhash.h): the CPU reference of the GPU chunk hash ----
+static void hex16(const uint8_t h[16], char out[33]) {
+  for (int i = 0; i < 16; i++) snprintf(out + 2 * i, 3, "%02x", h[i]);
+}
+// Known answers from an independent Python implementation of the definition in gpuhash.h.
+static void test_gpuhash_vectors(void) {
+  uint8_t h[16];
+  char x[33];
+  uint8_t *z = calloc(1, 4 << 20), *s = malloc(1 << 20);
+  for (size_t i = 0; i < (1 << 20); i++) s[i] = (uint8_t)(i * 7 % 251);
+  ptxmig_gpuhash(z, 8, h);
+  hex16(h, x);
+  CHECK(strcmp(x, "c16687d0b350c3ffae64e26358575acf") == 0, "gpuhash(8 zero bytes) = %s", x);
+  ptxmig_gpuhash(z, 4 << 20, h);
+  hex16(h, x);
+  CHECK(strcmp(x, "e07de5f3f37d2477ab79becc767b5879") == 0, "gpuhash(4 MiB of zeros) = %s", x);
+  ptxmig_gpuhash(s, 1 << 20, h);
+  hex16(h, x);
+  CHECK(strcmp(x, "b10d5d229346ce05003d61f25c221734") == 0, "gpuhash(1 MiB of i*7 mod 251) = %s", x);
+  // In pieces (first_word), from unaligned copies too: the same sums as one call.
+  static const uint64_t cuts[] = {0, 1, 8, 4095, 65536, (1 << 17) - 1, 1 << 17};
+  uint8_t *u = malloc((1 << 20) + 1);
+  memcpy(u + 1, s, 1 << 20);
+  for (size_t k = 0; k < sizeof cuts / sizeof cuts[0]; k++) {
+    uint64_t w = cuts[k], sums[2] = {0, 0};
+    ptxmig_gpuhash_sums(s, 8 * w, 0, sums);
+    ptxmig_gpuhash_sums(u + 1 + 8 * w, (1 << 20) - 8 * w, w, sums);
+    uint8_t hp[16];
+    ptxmig_gpuhash_final(sums, 1 << 20, hp);
+    CHECK(memcmp(hp, h, 16) == 0, "gpuhash in two pieces cut at word %llu differs", (unsigned long long)w);
+  }
+  // Three pieces of the zero chunk.
+  uint64_t sums[2] = {0, 0};
+  ptxmig_gpuhash_sums(z, 8 * 1000, 0, sums);
+  ptxmig_gpuhash_sums(z, 8 * 300000, 1000, sums);
+  ptxmig_gpuhash_sums(z, (4 << 20) - 8 * 301000, 301000, sums);
+  uint8_t hz[16], hz1[16];
+  ptxmig_gpuhash_final(sums, 4 << 20, hz);
+  ptxmig_gpuhash(z, 4 << 20, hz1);
+  CHECK(memcmp(hz, hz1, 16) == 0, "gpuhash of zeros in three pieces differs");
+  free(u);
+  free(z);
+  free(s);
+}
+// Any change of one word changes both halves; swapping two different words changes the hash; the
+// length is part of it (trailing zero words).
+static void test_gpuhash_sensitivity(void) {
+  enum { NW = 512 };
+  uint64_t *b = malloc(NW * 8), seed = 0x1234;
+  for (int i = 0; i < NW; i++) b[i] = (seed = seed * 6364136223846793005ULL + 1442695040888963407ULL);
+  uint8_t h0[16], h[16];
+  ptxmig_gpuhash(b, NW * 8, h0);
+  static const uint64_t deltas[] = {1, 2, 0x80, 1ULL << 32, 1ULL << 63, 0xffffffffffffffffULL, 0x9E3779B97F4A7C15ULL};
+  int same1 = 0, same2 = 0;
+  for (int i = 0; i < NW; i++)
+    for (size_t d = 0; d < sizeof deltas / sizeof deltas[0]; d++) {
+      uint64_t keep = b[i];
+      b[i] = d % 2 ? keep ^ deltas[d] : keep + deltas[d];
+      ptxmig_gpuhash(b, NW * 8, h);
+      b[i] = keep;
+      same1 += memcmp(h, h0, 8) == 0;
+      same2 += memcmp(h + 8, h0 + 8, 8) == 0;
+    }
+  CHECK(same1 == 0 && same2 == 0, "one-word changes left h1 unchanged %d times, h2 %d times", same1, same2);
+  int swaps = 0;
+  for (int i = 0; i < NW; i += 7)
+    for (int j = i + 1; j < NW; j += 13) {
+      uint64_t t = b[i];
+      b[i] = b[j], b[j] = t;
+      ptxmig_gpuhash(b, NW * 8, h);
+      b[j] = b[i], b[i] = t;
+      swaps += memcmp(h, h0, 16) == 0;
+    }
+  uint64_t zz[4] = {0, 0, 0, 0};
+  zz[0] = zz[3] = 5;
+  ptxmig_gpuhash(zz, 32, h0);
+  zz[0] = 0, zz[1] = 5;  // 5 moved from word 0 to word 1 (word 3 keeps one): a swap with a zero
+  ptxmig_gpuhash(zz, 32, h);
+  CHECK(swaps == 0 && memcmp(h, h0, 16) != 0, "word swaps left the hash unchanged %d times", swaps);
+  uint8_t a[16], c[16];
+  memset(zz, 0, sizeof zz);
+  ptxmig_gpuhash(zz, 24, a);
+  ptxmig_gpuhash(zz, 32, c);
+  CHECK(memcmp(a, c, 8) != 0 && memcmp(a + 8, c + 8, 8) != 0, "a trailing zero word left the hash unchanged");
+  free(b);
+}
+// find_ptxas: $PTXAS, else ptxas on PATH, else the toolkit paths the build VM and GPU hosts use.
+static int find_ptxas(char *out, size_t n) {
+  const char *e = getenv("PTXAS");
+  if (e && *e) {
+    snprintf(out, n, "%s", e);
+    return access(out, X_OK) == 0;
+  }
+  const char *path = getenv("PATH");
+  while (path && *path) {
+    size_t k = strcspn(path, ":");
+    snprintf(out, n, "%.*s/ptxas", (int)k, path);
+    if (k && access(out, X_OK) == 0) return 1;
+    path += k + (path[k] == ':');
+  }
+  static const char *const known[] = {"/var/cache/ptxmig/cuda12/toolkit/bin/ptxas", "/usr/local/cuda/bin/ptxas", "/usr/bin/ptxas"};
+  for (size_t i = 0; i < sizeof known / sizeof known[0]; i++) {
+    snprintf(out, n, "%s", known[i]);
+    if (access(out, X_OK) == 0) return 1;
+  }
+  return 0;
+}
+// The embedded PTX names the kernel with the parameter layout the shim and the fake driver use,
+// and a real ptxas assembles it for sm_90 (Hopper; the driver JIT-compiles the same text).
+static void test_gpuhash_ptx(void) {
+  const char *p = ptxmig_gpuhash_ptx;
+  CHECK(strstr(p, ".entry " PTXMIG_GPUHASH_KERNEL "(") != NULL, "embedded PTX lacks .entry %s", PTXMIG_GPUHASH_KERNEL);
+  CHECK(strstr(p, ".param .u64 ptxmig_chunk_hash_param_2,\n\t.param .u32 ptxmig_chunk_hash_param_3,") != NULL,
+        "embedded PTX: parameters are not (u64, u64, u64, u32, u64)");
+  CHECK(strncmp(p, ".version ", 9) == 0 && strstr(p, "\n.target sm_70\n") != NULL, "embedded PTX: header");
+  char ptxas[1024];
+  if (!find_ptxas(ptxas, sizeof ptxas)) {
+    char reason[1200];
+    if (getenv("PTXAS") && *getenv("PTXAS"))
+      snprintf(reason, sizeof reason, "PTXAS=%s is not executable: embedded PTX not assembled", ptxas);
+    else
+      snprintf(reason, sizeof reason, "no ptxas (PTXAS, PATH, /var/cache/ptxmig/cuda12/toolkit/bin, /usr/local/cuda/bin): embedded PTX not assembled");
+    skip("ptxas", reason);
+    return;
+  }
+  char dir[] = "/tmp/gpuhash-ptx.XXXXXX";
+  CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+  char src[64], dst[64], log[64];
+  snprintf(src, sizeof src, "%s/k.ptx", dir);
+  snprintf(dst, sizeof dst, "%s/k.cubin", dir);
+  snprintf(log, sizeof log, "%s/log", dir);
+  FILE *f = fopen(src, "w");
+  CHECK(f && fwrite(p, 1, strlen(p), f) == strlen(p), "writing %s", src);
+  if (f) fclose(f);
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    FILE *l = freopen(log, "w", stderr);
+    if (l) dup2(fileno(l), 1);
+    execl(ptxas, ptxas, "-arch=sm_90", "-o", dst, src, (char *)NULL);
+    _exit(127);
+  }
+  int st = 0;
+  CHECK(pid > 0 && waitpid(pid, &st, 0) == pid, "fork/wait for %s", ptxas);
+  size_t loglen = 0;
+  uint8_t *out = slurp(log, &loglen);
+  CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s -arch=sm_90 rejects the embedded PTX (status %d): %.*s", ptxas, st,
+        (int)(loglen < 600 ? loglen : 600), out ? (const char *)out : "");
+  size_t clen = 0;
+  uint8_t *cubin = slurp(dst, &clen);
+  CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0 && cubin && clen > 64 && memcmp(cubin, "\x7f" "ELF", 4) == 0, "no sm_90 cubin from %s", ptxas);
+  free(cubin);
+  free(out);
+  unlink(src), unlink(dst), unlink(log), rmdir(dir);
+}
+
+// ---- the fake driver's VMM and chunk-hash model (tests/fake/libcuda.c, dlopen'ed) ----
+// The shim's integration tests rely on the fake failing loudly where a GPU would: this checks the
+// fake itself. It is found next to this program (build/fake/libcuda.so.1) or at $FAKE_LIBCUDA.
+typedef unsigned long long dptr;
+typedef struct { int type, handle_types; struct { int type, id; } loc; void *win32; unsigned char flags[8]; } t_prop;
+typedef struct { struct { int type, id; } loc; int flags; } t_access;
+static struct {
+  int (*init)(unsigned);
+  int (*retain)(void **, int);
+  int (*set_ctx)(void *);
+  int (*gran)(size_t *, const t_prop *, int);
+  int (*reserve)(dptr *, size_t, size_t, dptr, unsigned long long);
+  int (*addr_free)(dptr, size_t);
+  int (*create)(unsigned long long *, size_t, const t_prop *, unsigned long long);
+  int (*release)(unsigned long long);
+  int (*map)(dptr, size_t, size_t, unsigned long long, unsigned long long);
+  int (*unmap)(dptr, size_t);
+  int (*set_access)(dptr, size_t, const t_access *, size_t);
+  int (*host_reg)(void *, size_t, unsigned);
+  int (*host_unreg)(void *);
+  int (*range)(dptr *, size_t *, dptr);
+  int (*attr)(void *, int, dptr);
+  int (*ipc)(void *, dptr);
+  int (*alloc)(dptr *, size_t);
+  int (*mfree)(dptr);
+  int (*htod)(dptr, const void *, size_t);
+  int (*dtoh)(void *, dptr, size_t);
+  int (*memset8)(dptr, unsigned char, size_t, void *);
+  int (*memset32)(dptr, unsigned, size_t);
+  int (*ctx_sync)(void);
+  int (*mod_load)(void **, const void *);
+  int (*get_fn)(void **, void *, const char *);
+  int (*launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **);
+  int (*getproc)(const char *, void **, int, unsigned long long, int *);
+  long (*calls)(const char *);
+  long (*vmm)(const char *);
+  void (*clear)(void);
+} fk;
+static void *fake_mods[2];  // kept reachable (the fake never frees modules; LeakSanitizer)
+
+static void *open_fake(char *why, size_t n) {
+  char path[4096];
+  const char *e = getenv("FAKE_LIBCUDA");
+  if (e && *e) {
+    snprintf(path, sizeof path, "%s", e);
+  } else {
+    ssize_t k = readlink("/proc/self/exe", path, sizeof path - 32);
+    if (k <= 0) return snprintf(why, n, "cannot read /proc/self/exe"), NULL;
+    path[k] = 0;
+    char *slash = strrchr(path, '/');
+    snprintf(slash ? slash + 1 : path, 32, "fake/libcuda.so.1");
+  }
+  void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!h) snprintf(why, n, "fake driver not loadable (%s): %s", path, dlerror());
+  return h;
+}
+
+static void test_fake_vmm(void) {
+  char why[4600];
+  void *h = open_fake(why, sizeof why);
+  if (!h) {
+    skip(NULL, why);
+    return;
+  }
+  int missing = 0;
+#define FK(field, name) missing += (*(void **)&fk.field = dlsym(h, name)) == NULL
+  FK(init, "cuInit"), FK(retain, "cuDevicePrimaryCtxRetain"), FK(set_ctx, "cuCtxSetCurrent");
+  FK(gran, "cuMemGetAllocationGranularity"), FK(reserve, "cuMemAddressReserve"), FK(addr_free, "cuMemAddressFree");
+  FK(create, "cuMemCreate"), FK(release, "cuMemRelease"), FK(map, "cuMemMap"), FK(unmap, "cuMemUnmap");
+  FK(set_access, "cuMemSetAccess"), FK(host_reg, "cuMemHostRegister_v2"), FK(host_unreg, "cuMemHostUnregister");
+  FK(range, "cuMemGetAddressRange_v2"), FK(attr, "cuPointerGetAttribute"), FK(ipc, "cuIpcGetMemHandle");
+  FK(alloc, "cuMemAlloc_v2"), FK(mfree, "cuMemFree_v2"), FK(htod, "cuMemcpyHtoD_v2"), FK(dtoh, "cuMemcpyDtoH_v2");
+  FK(memset8, "cuMemsetD8Async"), FK(memset32, "cuMemsetD32_v2"), FK(ctx_sync, "cuCtxSynchronize");
+  FK(mod_load, "cuModuleLoadData"), FK(get_fn, "cuModuleGetFunction"), FK(launch, "cuLaunchKernel");
+  FK(getproc, "cuGetProcAddress_v2"), FK(calls, "fake_calls"), FK(vmm, "fake_vmm"), FK(clear, "fake_clear_error");
+#undef FK
+  CHECK(missing == 0, "fake driver: %d entry points missing", missing);
+  if (missing) return;
+  setenv("FAKE_CUDA_QUIET", "1", 1);  // the bad accesses below are on purpose
+  const size_t G = 2 << 20;
+  void *ctx = NULL;
+  t_prop prop = {.type = 1, .loc = {1, 0}}, bad_prop = {.type = 1, .loc = {1, 1}};
+  t_access rw = {{1, 0}, 3};
+  size_t g = 0;
+  dptr va = 0;
+  unsigned long long ph = 0, ph2 = 0;
+  CHECK(fk.reserve(&va, 2 * G, 0, 0, 0) == 3, "cuMemAddressReserve before cuInit: not CUDA_ERROR_NOT_INITIALIZED");
+  CHECK(fk.init(0) == 0 && fk.retain(&ctx, 0) == 0 && fk.set_ctx(ctx) == 0, "fake: init");
+  CHECK(fk.gran(&g, &prop, 0) == 0 && g == G, "granularity %zu", g);
+  CHECK(fk.gran(&g, &bad_prop, 0) == 0 && fk.gran(&g, NULL, 0) == 1 && fk.gran(&g, &prop, 2) == 1, "granularity argument checks");
+  // Reservations: multiples of the granularity, aligned to it.
+  CHECK(fk.reserve(&va, G + 4096, 0, 0, 0) == 1, "reserve of a size not a multiple of 2 MiB");
+  CHECK(fk.reserve(&va, 4 * G, 0, 0, 0) == 0 && va % G == 0, "reserve 8 MiB: %#llx", va);
+  CHECK(fk.create(&ph, G + 4096, &prop, 0) == 1 && fk.create(&ph, 2 * G, &bad_prop, 0) == 101, "cuMemCreate argument checks");
+  CHECK(fk.create(&ph, 2 * G, &prop, 0) == 0, "cuMemCreate 4 MiB");
+  CHECK(fk.vmm("phys_bytes") == (long)(2 * G) && fk.vmm("handles") == 1 && fk.vmm("reservations") == 1, "fake_vmm counts");
+  CHECK(fk.map(va + 3 * G, 2 * G, 0, ph, 0) == 1, "a mapping past the reservation's end");
+  CHECK(fk.map(va, 2 * G, G, ph, 0) == 801 && fk.map(va, G, 0, ph, 0) == 801, "part of an allocation mapped (the driver refuses)");
+  CHECK(fk.map(va + 4096, 2 * G, 0, ph, 0) == 1, "an unaligned mapping");
+  CHECK(fk.map(va, 2 * G, 0, ph + 999, 0) == 1, "a mapping of an unknown handle");
+  CHECK(fk.map(va, 2 * G, 0, ph, 0) == 0, "cuMemMap");
+  CHECK(fk.create(&ph2, G, &prop, 0) == 0 && fk.map(va + G, G, 0, ph2, 0) == 1, "an overlapping mapping");
+  // Mapped but not accessible: copies and memsets are refused when submitted (as by the driver),
+  // counted as bad accesses, and nothing sticks.
+  uint8_t *buf = malloc(2 * G), *back = malloc(2 * G);
+  for (size_t i = 0; i < 2 * G; i++) buf[i] = (uint8_t)(i * 7 % 251);
+  long bad0 = fk.calls("bad_access");
+  CHECK(fk.htod(va, buf, 64) == 1, "a copy into memory without access is not refused");
+  CHECK(fk.dtoh(back, va + 8, 8) == 1 && fk.memset32(va, 1, 4) == 1 && fk.memset8(va, 0, 8, NULL) == 1, "a read / memsets without access");
+  CHECK(fk.htod(va + 3 * G, buf, 64) == 1 && fk.htod(va + 2 * G - 32, buf, 64) == 1, "copies into unmapped memory");
+  CHECK(fk.calls("bad_access") == bad0 + 6, "bad_access counted %ld, want 6", fk.calls("bad_access") - bad0);
+  CHECK(fk.ctx_sync() == 0, "a refused copy left an error behind");
+  t_access ro = {{1, 0}, 1};
+  CHECK(fk.set_access(va, 2 * G, &ro, 1) == 0 && fk.htod(va, buf, 8) == 1 && fk.dtoh(back, va, 8) == 0, "read-only access");
+  CHECK(fk.set_access(va, 2 * G, &rw, 1) == 0, "cuMemSetAccess");
+  CHECK(fk.set_access(va, 4 * G, &rw, 1) == 1 && fk.set_access(va, G, &rw, 1) == 1, "cuMemSetAccess beyond or inside a mapping");
+  CHECK(fk.htod(va, buf, 2 * G) == 0 && fk.dtoh(back, va, 2 * G) == 0 && memcmp(buf, back, 2 * G) == 0, "copies through the mapping");
+  CHECK(fk.calls("bad_access") == bad0 + 7 && fk.ctx_sync() == 0, "a good copy counted as bad");
+  CHECK(fk.addr_free(va, 4 * G) == 1, "cuMemAddressFree with a mapping left");
+  // Released while mapped: the handle is gone, the memory stays until unmapped.
+  CHECK(fk.release(ph) == 0 && fk.release(ph) == 1 && fk.map(va + 2 * G, 2 * G, 0, ph, 0) == 1, "a released handle stays usable");
+  CHECK(fk.dtoh(back, va + 4096, 4096) == 0 && memcmp(back, buf + 4096, 4096) == 0, "released memory lost while mapped");
+  CHECK(fk.vmm("phys") == 2 && fk.vmm("handles") == 1, "fake_vmm after a release: %ld %ld", fk.vmm("phys"), fk.vmm("handles"));
+  // Pointer queries: the mapping's range, device memory of no context; cuMemAlloc memory; IPC for the latter only.
+  dptr b = 0, d = 0;
+  size_t n = 0;
+  void *c = (void *)1;
+  unsigned mt = 0;
+  int ord = -1;
+  CHECK(fk.range(&b, &n, va + 100) == 0 && b == va && n == 2 * G, "cuMemGetAddressRange of a mapping");
+  // As from the driver: the attributes give the reservation's range, cuMemGetAddressRange the mapping's.
+  CHECK(fk.attr(&b, 11, va + 100) == 0 && b == va && fk.attr(&n, 12, va + 100) == 0 && n == 4 * G, "range attributes");
+  CHECK(fk.attr(&mt, 2, va) == 0 && mt == 2 && fk.attr(&ord, 9, va) == 0 && ord == 0 && fk.attr(&c, 1, va) == 0 && c == NULL,
+        "type/ordinal/context attributes of VMM memory");
+  uint8_t ih[64];
+  CHECK(fk.ipc(ih, va) == 1, "cuIpcGetMemHandle of VMM memory");
+  CHECK(fk.attr(&b, 11, va + 2 * G) == 1 && fk.range(&b, &n, va + 2 * G) == 500, "queries of reserved, unmapped memory");
+  CHECK(fk.attr(&b, 11, (dptr)(uintptr_t)buf) == 1, "a query of plain host memory");
+  CHECK(fk.alloc(&d, 1000) == 0 && fk.range(&b, &n, d + 999) == 0 && b == d && n == 1000, "cuMemAlloc range");
+  CHECK(fk.attr(&c, 1, d + 5) == 0 && c == ctx && fk.attr(&mt, 2, d) == 0 && mt == 2 && fk.ipc(ih, d + 8) == 0, "cuMemAlloc attributes");
+  CHECK(fk.mfree(d + 8) == 1 && fk.mfree(d) == 0 && fk.mfree(d) == 1 && fk.ipc(ih, d) == 1, "cuMemFree of non-bases and twice");
+  // The chunk hash: the embedded PTX, launched over the mapping as the shim does, gives the CPU's sums.
+  void *fn = NULL;
+  CHECK(fk.mod_load(&fake_mods[0], ptxmig_gpuhash_ptx) == 0 && fk.get_fn(&fn, fake_mods[0], PTXMIG_GPUHASH_KERNEL) == 0,
+        "the hash kernel does not load");
+  if (fn) {
+    unsigned long long base = va, len = 2 * G - 24, chunk = G + 8;  // 2 chunks, the last shorter
+    unsigned bpc = 3;
+    dptr sums = 0;
+    uint64_t hs[8] = {0}, want[4] = {0};
+    CHECK(fk.alloc(&sums, 64) == 0 && fk.memset8(sums, 0, 64, NULL) == 0, "sums");
+    dptr o = sums;
+    void *args[] = {&base, &len, &chunk, &bpc, &o};
+    long l0 = fk.calls("ptxmig_chunk_hash");
+    CHECK(fk.launch(fn, 2 * bpc, 1, 1, 256, 1, 1, 0, NULL, args, NULL) == 0, "hash launch");
+    struct __attribute__((packed)) { unsigned long long b, l, c; unsigned bpc, pad; unsigned long long o; } pb = {base, len, chunk, bpc, 0, sums + 32};
+    size_t pbs = sizeof pb;
+    void *extra[] = {(void *)1, &pb, (void *)2, &pbs, NULL};
+    CHECK(fk.launch(fn, 2 * bpc + 5, 1, 1, 100, 1, 1, 0, NULL, NULL, extra) == 0, "hash launch (extra, more blocks)");
+    CHECK(fk.dtoh(hs, sums, 64) == 0 && fk.calls("ptxmig_chunk_hash") == l0 + 2, "hash results");
+    ptxmig_gpuhash_sums(buf, chunk, 0, want);
+    ptxmig_gpuhash_sums(buf + chunk, len - chunk, 0, want + 2);
+    CHECK(memcmp(hs, want, 32) == 0 && memcmp(hs + 4, want, 32) == 0, "fake hash sums differ from the CPU reference");
+    // Part of the grid only (the last chunk's last part missing) and 2 thread rows (sums doubled).
+    uint64_t part[4] = {0};
+    fk.memset8(sums, 0, 64, NULL);
+    CHECK(fk.launch(fn, 2 * bpc - 1, 1, 1, 64, 2, 1, 0, NULL, args, NULL) == 0 && fk.dtoh(hs, sums, 32) == 0, "partial launch");
+    ptxmig_gpuhash_sums(buf, chunk, 0, part);
+    for (uint64_t p = 0; p < bpc - 1; p++)
+      for (uint64_t j = p * 64; j < (len - chunk) / 8; j += bpc * 64)
+        ptxmig_gpuhash_sums(buf + chunk + 8 * j, 8 * ((len - chunk) / 8 - j < 64 ? (len - chunk) / 8 - j : 64), j, part + 2);
+    for (int i = 0; i < 4; i++) part[i] *= 2;
+    CHECK(memcmp(hs, part, 32) == 0 && hs[2] != 2 * want[2], "a partial grid is not modelled block by block");
+    // Over unmapped memory: nothing is read, the launch's error sticks.
+    base = va + G;
+    len = 2 * G;
+    bad0 = fk.calls("bad_access");
+    CHECK(fk.launch(fn, 2 * bpc, 1, 1, 256, 1, 1, 0, NULL, args, NULL) == 0, "the launch itself fails");
+    CHECK(fk.ctx_sync() == 700 && fk.calls("bad_access") == bad0 + 1, "a hash over unmapped memory did not fault");
+    dptr q = 0;
+    CHECK(fk.ctx_sync() == 700 && fk.alloc(&q, 8) == 700, "the fault does not stick");
+    fk.clear();
+    base = va + 4;
+    len = G;
+    fk.launch(fn, 2 * bpc, 1, 1, 256, 1, 1, 0, NULL, args, NULL);
+    CHECK(fk.ctx_sync() == 716, "a misaligned hash did not fail");
+    fk.clear();
+    fk.mfree(sums);
+  }
+  // A k_count kernel writing its counters into memory without access.
+  static const char kptx[] = ".version 8.4\n.target sm_90\n.address_size 64\n.visible .entry k_count(.param .u64 p) { ret; }\n";
+  void *kf = NULL;
+  dptr kout = va + 2 * G;  // reserved, unmapped
+  void *kargs[] = {&kout};
+  bad0 = fk.calls("bad_access");
+  CHECK(fk.mod_load(&fake_mods[1], kptx) == 0 && fk.get_fn(&kf, fake_mods[1], "k_count") == 0, "k_count module");
+  CHECK(kf && fk.launch(kf, 4, 1, 1, 32, 1, 1, 0, NULL, kargs, NULL) == 0 && fk.ctx_sync() == 700 && fk.calls("bad_access") == bad0 + 1,
+        "a k_count kernel into unmapped memory");
+  fk.clear();
+  // Unmapping: whole mappings only; then the memory is gone and the reservation can be freed.
+  CHECK(fk.unmap(va, G) == 1 && fk.unmap(va, 4 * G) == 1, "a partial unmap");
+  CHECK(fk.unmap(va, 2 * G) == 0 && fk.vmm("phys") == 1 && fk.vmm("phys_bytes") == (long)G, "cuMemUnmap frees a released handle");
+  CHECK(fk.htod(va, buf, 8) == 1, "a copy into unmapped memory after cuMemUnmap");
+  CHECK(fk.map(va, G, 0, ph2, 0) == 0 && fk.map(va + G, G, 0, ph2, 0) == 0 && fk.set_access(va, 2 * G, &rw, 1) == 0,
+        "one handle mapped twice");
+  CHECK(fk.htod(va + G - 4, "abcdefgh", 8) == 0 && fk.dtoh(back, va + G - 4, 8) == 0 && memcmp(back, "abcdefgh", 8) == 0,
+        "a copy across two mappings");
+  dptr shared = 0;
+  fk.dtoh(&shared, va + G - 4, 4), fk.dtoh((uint8_t *)&shared + 4, va + 2 * G - 4, 4);
+  CHECK(memcmp(&shared, "abcdabcd", 8) == 0, "two mappings of one handle do not share memory");
+  CHECK(fk.unmap(va, 2 * G) == 0 && fk.release(ph2) == 0 && fk.vmm("phys") == 0 && fk.vmm("phys_bytes") == 0, "unmap both");
+  CHECK(fk.addr_free(va, 2 * G) == 1 && fk.addr_free(va, 4 * G) == 0 && fk.vmm("reservations") == 0, "cuMemAddressFree");
+  // FAKE_CUDA_VMM_LIMIT_MB caps live physical memory.
+  setenv("FAKE_CUDA_VMM_LIMIT_MB", "4", 1);
+  CHECK(fk.create(&ph, 2 * G, &prop, 0) == 0 && fk.create(&ph2, G, &prop, 0) == 2, "FAKE_CUDA_VMM_LIMIT_MB not enforced");
+  CHECK(fk.release(ph) == 0 && fk.create(&ph2, G, &prop, 0) == 0 && fk.release(ph2) == 0, "memory not returned by cuMemRelease");
+  unsetenv("FAKE_CUDA_VMM_LIMIT_MB");
+  CHECK(fk.create(&ph, (size_t)81 << 30, &prop, 0) == 2, "more than the device's 80 GiB");
+  // Page-locked host memory.
+  CHECK(fk.host_reg(buf, 4096, 0) == 0 && fk.host_reg(buf, 4096, 0) == 712 && fk.host_reg(buf + 100, 10, 0) == 712, "host registration");
+  CHECK(fk.host_unreg(buf + 100) == 1 && fk.host_unreg(buf) == 0 && fk.host_unreg(buf) == 713, "host unregistration");
+  // The resolver hands the new entry points out under their versioned names.
+  void *pf = NULL;
+  int st = -1;
+  CHECK(fk.getproc("cuMemHostRegister", &pf, 12000, 0, &st) == 0 && pf == dlsym(h, "cuMemHostRegister_v2"), "resolve cuMemHostRegister");
+  CHECK(fk.getproc("cuMemGetAddressRange", &pf, 12000, 0, &st) == 0 && pf == dlsym(h, "cuMemGetAddressRange_v2"), "resolve cuMemGetAddressRange");
+  static const char *const names[] = {"cuMemGetAllocationGranularity", "cuMemAddressReserve", "cuMemAddressFree", "cuMemCreate", "cuMemRelease",
+                                      "cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuMemHostUnregister", "cuPointerGetAttribute",
+                                      "cuIpcGetMemHandle", "cuMemsetD8Async"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+    CHECK(fk.getproc(names[i], &pf, 12000, 0, &st) == 0 && pf == dlsym(h, names[i]), "resolve %s", names[i]);
+  free(buf);
+  free(back);
+}
+
 static void run_fixtures(const char *dir) {
   char name[300];
   snprintf(name, sizeof name, "fixtures %s", dir);
@@ -509,6 +905,10 @@ int main(int argc, char **argv) {
   begin("synthetic"); test_synthetic(); end();
   begin("elf-text"); test_elf_has_text(); end();
   test_system_codecs();
+  begin("gpuhash/vectors"); test_gpuhash_vectors(); end();
+  begin("gpuhash/sensitivity"); test_gpuhash_sensitivity(); end();
+  begin("gpuhash/ptx"); test_gpuhash_ptx(); end();
+  begin("fake-driver/vmm"); test_fake_vmm(); end();
   if (argc < 2) run_fixtures("testdata/fatbin");
   for (int i = 1; i < argc; i++) run_fixtures(argv[i]);
   printf("%s: %d passed, %d skipped, %d failed (%d failed checks)\n", prog, n_passed, n_skipped, n_failed, failures);

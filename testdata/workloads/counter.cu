@@ -1,13 +1,15 @@
 // counter: a deterministic, self-checking runtime-API workload for checkpoint/restore tests.
 //
-//   counter [--mib N] [--steps K] [--interval-ms M] [--device D] [--busy]
+//   counter [--mib N] [--frozen-mib F] [--steps K] [--interval-ms M] [--device D] [--busy]
 //
 // Allocates N MiB of device memory, seeds it, then runs K steps. Each step advances every word
 // with an LCG step that depends on the step number, reduces the buffer to a 64-bit checksum and
 // prints "step I checksum HEX16". Between steps it sleeps M ms (or, with --busy, keeps the GPU busy
 // with kernels on a separate scratch buffer for M ms). The final line "final checksum HEX16" is a
 // pure function of (N, K): an uninterrupted run reproduces it exactly, so a run that was
-// checkpointed, restored or migrated in between must print the same value.
+// checkpointed, restored or migrated in between must print the same value. --frozen-mib F adds F
+// MiB seeded once and never written again (model weights: what an incremental checkpoint skips);
+// its checksum is printed as "frozen checksum HEX16" before the final line.
 #include <cuda_runtime.h>
 #include <unistd.h>
 #include <time.h>
@@ -36,10 +38,11 @@ static double now_ms() {
 
 int main(int argc, char **argv) {
   if (has_flag(argc, argv, "--help") || has_flag(argc, argv, "-h")) {
-    std::printf("usage: counter [--mib N] [--steps K] [--interval-ms M] [--device D] [--busy]\n");
+    std::printf("usage: counter [--mib N] [--frozen-mib F] [--steps K] [--interval-ms M] [--device D] [--busy]\n");
     return 0;
   }
   size_t mib = std::strtoull(flag(argc, argv, "--mib", "64"), nullptr, 10);
+  size_t frozen_mib = std::strtoull(flag(argc, argv, "--frozen-mib", "0"), nullptr, 10);
   long steps = std::strtol(flag(argc, argv, "--steps", "100"), nullptr, 10);
   long interval = std::strtol(flag(argc, argv, "--interval-ms", "100"), nullptr, 10);
   int dev = std::atoi(flag(argc, argv, "--device", "0"));
@@ -68,6 +71,15 @@ int main(int argc, char **argv) {
   int grid = prop.multiProcessorCount * 8;
   seed<<<grid, 256>>>(a, n);
   CHECK_LAUNCH();
+  size_t fn = frozen_mib * (1u << 20) / sizeof(uint32_t);
+  uint32_t *frozen = nullptr;
+  if (fn) {
+    CHECK(cudaMalloc(&frozen, fn * sizeof(uint32_t)));
+    seed<<<grid, 256>>>(frozen, fn);
+    CHECK_LAUNCH();
+    advance<<<grid, 256>>>(frozen, fn, 0x5eed);
+    CHECK_LAUNCH();
+  }
   unsigned long long host = 0;
   for (long s = 1; s <= steps; s++) {
     advance<<<grid, 256>>>(a, n, (uint32_t)s);
@@ -87,6 +99,15 @@ int main(int argc, char **argv) {
     } else if (interval > 0) {
       usleep((useconds_t)interval * 1000);
     }
+  }
+  if (frozen) {
+    unsigned long long fh = 0;
+    CHECK(cudaMemset(sum, 0, sizeof(*sum)));
+    checksum<<<grid, 256>>>(frozen, fn, sum);
+    CHECK_LAUNCH();
+    CHECK(cudaMemcpy(&fh, sum, sizeof(fh), cudaMemcpyDeviceToHost));
+    std::printf("frozen checksum %016llx\n", fh);
+    CHECK(cudaFree(frozen));
   }
   std::printf("final checksum %016llx\n", host);
   CHECK(cudaFree(a));

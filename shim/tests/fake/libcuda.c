@@ -8,12 +8,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
+
+#include "../../src/gpuhash.h"
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 #define OK 0
 #define E_INVALID_VALUE 1
+#define E_OUT_OF_MEMORY 2
 #define E_NOT_INITIALIZED 3
 #define E_INVALID_IMAGE 200
 #define E_INVALID_HANDLE 400
@@ -26,7 +31,9 @@ enum {
   X(cuLaunchCooperativeKernel) X(cuGraphLaunch) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuModuleLoadData)            \
   X(cuLibraryLoadData) X(cuGetProcAddress) X(cuGetProcAddress_v2) X(cuGetExportTable) X(cuEventRecord)           \
   X(cuMemAllocAsync_ptsz) X(cuCtxCreate_v4) X(cuCtxCreate_v2) X(cuEventCreate) X(cuEventDestroy_v2)        \
-  X(twin_launches) X(twin_stops) X(memset32_async) X(mid_stops) X(mid_resumes) X(mid_forwards) X(mid_bad)
+  X(twin_launches) X(twin_stops) X(memset32_async) X(mid_stops) X(mid_resumes) X(mid_forwards) X(mid_bad)      \
+  X(bad_access) X(ptxmig_chunk_hash) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)      \
+  X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemHostRegister_v2) X(cuMemHostUnregister) X(cuIpcGetMemHandle)
 #define E(n) C_##n,
   CALLS(E)
 #undef E
@@ -250,19 +257,488 @@ EXPORT CUresult cuKernelGetFunction(void **f, void *k) { if (!fn_ok(k)) return E
 EXPORT CUresult cuKernelGetName(const char **n, void *k) { return cuFuncGetName(n, k); }
 
 // ---- memory ----
-EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { COUNT(cuMemAlloc_v2); if (!current) return 201; void *m = malloc(n ? n : 1); *p = (CUdeviceptr)(uintptr_t)m; return OK; }
-EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { COUNT(cuMemFree_v2); free((void *)(uintptr_t)p); return OK; }
+static atomic_int sticky;  // the context's sticky error
+// bad_log reports a bad access on stderr, or appended to the file $FAKE_CUDA_LOG (the first 20 of
+// them; none with FAKE_CUDA_QUIET=1).
+static void bad_log(const char *what, uint64_t a, uint64_t n, int code) {
+  static atomic_int logged;
+  const char *q = getenv("FAKE_CUDA_QUIET"), *path = getenv("FAKE_CUDA_LOG");
+  if ((q && *q == '1') || atomic_fetch_add(&logged, 1) >= 20) return;
+  FILE *f = path && *path ? fopen(path, "a") : NULL;
+  fprintf(f ? f : stderr, "fake-cuda[%d]: bad access (error %d): %s [%#llx, +%llu): %s\n", (int)getpid(), code, what,
+          (unsigned long long)a, (unsigned long long)n, code == 716 ? "misaligned" : "not mapped with the access it needs");
+  if (f) fclose(f);
+}
+static CUresult fault(CUresult code) {
+  COUNT(bad_access);
+  int zero = 0;
+  atomic_compare_exchange_strong(&sticky, &zero, code);
+  return code;
+}
+static CUresult sticky_err(void) { return atomic_load(&sticky); }
+EXPORT void fake_clear_error(void) { atomic_store(&sticky, 0); }
+// cuMemAlloc memory is host memory (malloc) kept in a table, so that cuPointerGetAttribute,
+// cuMemGetAddressRange and cuIpcGetMemHandle answer for it and cuMemFree of anything else fails.
+typedef struct { uint64_t base; size_t size; void *ctx; } dalloc;
+static dalloc *dallocs;
+static size_t ndallocs, capdallocs;
+static pthread_mutex_t dalloc_mu = PTHREAD_MUTEX_INITIALIZER;
+// dalloc_find (dalloc_mu held): the allocation holding p (exact: its base), or -1.
+static long dalloc_find(uint64_t p, int exact) {
+  for (size_t i = 0; i < ndallocs; i++)
+    if (exact ? dallocs[i].base == p : p - dallocs[i].base < (dallocs[i].size ? dallocs[i].size : 1)) return (long)i;
+  return -1;
+}
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
+  COUNT(cuMemAlloc_v2);
+  if (!current) return 201;
+  if (!p) return E_INVALID_VALUE;
+  if (sticky_err()) return sticky_err();
+  void *m = malloc(n ? n : 1);
+  if (!m) return E_OUT_OF_MEMORY;
+  pthread_mutex_lock(&dalloc_mu);
+  if (ndallocs == capdallocs) {
+    size_t c = capdallocs ? 2 * capdallocs : 64;
+    dalloc *x = realloc(dallocs, c * sizeof *x);
+    if (!x) {
+      pthread_mutex_unlock(&dalloc_mu);
+      free(m);
+      return E_OUT_OF_MEMORY;
+    }
+    dallocs = x, capdallocs = c;
+  }
+  dallocs[ndallocs++] = (dalloc){(uint64_t)(uintptr_t)m, n, current};
+  pthread_mutex_unlock(&dalloc_mu);
+  *p = (CUdeviceptr)(uintptr_t)m;
+  return OK;
+}
+// Rows padded to 512 bytes (the texture pitch alignment of current GPUs); one allocation of pitch * h.
+EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned elem) {
+  if (!p || !pitch || !w || !h || (elem != 4 && elem != 8 && elem != 16)) return E_INVALID_VALUE;
+  size_t pp = (w + 511) & ~(size_t)511;
+  CUresult r = cuMemAlloc_v2(p, pp * h);
+  if (r == OK) *pitch = pp;
+  return r;
+}
+// Only the base of a live cuMemAlloc allocation is freed (0 is accepted and ignored).
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+  COUNT(cuMemFree_v2);
+  if (!p) return OK;
+  pthread_mutex_lock(&dalloc_mu);
+  long i = dalloc_find(p, 1);
+  if (i >= 0) dallocs[i] = dallocs[--ndallocs];
+  pthread_mutex_unlock(&dalloc_mu);
+  if (i < 0) return E_INVALID_VALUE;
+  free((void *)(uintptr_t)p);
+  return OK;
+}
 EXPORT CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, void *s) { (void)s; return cuMemAlloc_v2(p, n); }
 EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, void *s) { (void)s; COUNT(cuMemAllocAsync_ptsz); return cuMemAlloc_v2(p, n); }
 EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, void *s) { (void)s; return cuMemFree_v2(p); }
 EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, void *s) { (void)s; return cuMemFree_v2(p); }
 EXPORT CUresult cuMemAllocHost_v2(void **p, size_t n) { *p = malloc(n); return OK; }
 EXPORT CUresult cuMemFreeHost(void *p) { free(p); return OK; }
+
+// ---- virtual memory management (cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess) ----
+// Modelled on host memory so that misuse crashes or fails as on a GPU: a reservation is a
+// PROT_NONE anonymous mapping (2 MiB aligned), a physical allocation a memfd, cuMemMap maps it
+// MAP_SHARED|MAP_FIXED still PROT_NONE, cuMemSetAccess makes it readable/writable, cuMemUnmap puts
+// PROT_NONE anonymous memory back. A handle is invalid after cuMemRelease; its memory lives until
+// it is also unmapped. FAKE_CUDA_VMM_LIMIT_MB caps the bytes of live physical allocations
+// (CUDA_ERROR_OUT_OF_MEMORY beyond; by default the device's 80 GiB). Device memory in a reservation
+// without the access an operation needs is never touched, and the operation counts as
+// fake_calls("bad_access"). As the driver (580, H100) does: copies and memsets are refused when
+// submitted (CUDA_ERROR_INVALID_VALUE, nothing sticks); a kernel (k_count*, ptxmig_chunk_hash)
+// faults when it runs: CUDA_ERROR_ILLEGAL_ADDRESS sticks to the context, returned by later
+// launches, copies, allocations and synchronizations (fake_clear_error() resets it); so does a
+// copy whose memory was unmapped between its submission and its turn.
+#define GRAN ((size_t)2 << 20)
+typedef struct { int type, handle_types; struct { int type, id; } loc; } mem_prop;  // CUmemAllocationProp's head
+typedef struct { struct { int type, id; } loc; int flags; } mem_access;            // CUmemAccessDesc
+typedef struct phys { unsigned long long h; int fd; size_t size; int released, maps; } phys;
+typedef struct vrange { uint64_t base; size_t size; phys *p; int prot; } vrange;  // a reservation or a mapping
+static pthread_rwlock_t vmm_lock = PTHREAD_RWLOCK_INITIALIZER;
+static vrange *resv, *maps;  // each sorted by base, disjoint
+static size_t nresv, capresv, nmaps, capmaps;
+static phys **physs;
+static size_t nphys, capphys, phys_bytes;
+static atomic_int vmm_active;  // set by the first reservation: device accesses are checked from then on
 static unsigned long long next_handle = 0x1000;
-EXPORT CUresult cuMemCreate(unsigned long long *h, size_t n, const void *prop, unsigned long long f) { (void)n; (void)prop; (void)f; *h = next_handle++; return OK; }
-EXPORT CUresult cuMemRelease(unsigned long long h) { (void)h; return OK; }
-EXPORT CUresult cuMemMap(CUdeviceptr p, size_t n, size_t o, unsigned long long h, unsigned long long f) { (void)p; (void)n; (void)o; (void)h; (void)f; return OK; }
-EXPORT CUresult cuMemUnmap(CUdeviceptr p, size_t n) { (void)p; (void)n; return OK; }
+typedef struct { uint64_t base; size_t size; unsigned flags; } hostreg;
+static hostreg *hregs;
+static size_t nhregs, caphregs;
+static pthread_mutex_t hreg_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static int grow(void **a, size_t *cap, size_t n, size_t elem) {
+  if (n < *cap) return 0;
+  size_t c = *cap ? 2 * *cap : 16;
+  void *x = realloc(*a, c * elem);
+  if (!x) return -1;
+  *a = x, *cap = c;
+  return 0;
+}
+static int vr_insert(vrange **a, size_t *n, size_t *cap, vrange v) {
+  if (grow((void **)a, cap, *n, sizeof v)) return -1;
+  size_t i = *n;
+  for (; i > 0 && (*a)[i - 1].base > v.base; i--) (*a)[i] = (*a)[i - 1];
+  (*a)[i] = v;
+  (*n)++;
+  return 0;
+}
+static void vr_delete(vrange *a, size_t *n, size_t i) { memmove(&a[i], &a[i + 1], (*n - i - 1) * sizeof *a), (*n)--; }
+// vr_below: how many ranges start below e (the last of them is the only one that can reach e).
+static size_t vr_below(const vrange *a, size_t n, uint64_t e) {
+  size_t lo = 0, hi = n;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (a[mid].base < e) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+static long vr_find(const vrange *a, size_t n, uint64_t p) {
+  size_t i = vr_below(a, n, p + 1);
+  return i && p - a[i - 1].base < a[i - 1].size ? (long)(i - 1) : -1;
+}
+static int vr_overlaps(const vrange *a, size_t n, uint64_t b, size_t len) {
+  size_t i = vr_below(a, n, b + len);
+  return i && a[i - 1].base + a[i - 1].size > b;
+}
+// vr_span: whether [b, b + len) is exactly a run of adjacent ranges of a (first index in *first,
+// count in *cnt).
+static int vr_span(const vrange *a, size_t n, uint64_t b, size_t len, size_t *first, size_t *cnt) {
+  long i = vr_find(a, n, b);
+  if (i < 0 || a[i].base != b || !len) return 0;
+  uint64_t cur = b, e = b + len;
+  size_t k = (size_t)i;
+  while (k < n && a[k].base == cur && cur < e) cur += a[k++].size;
+  *first = (size_t)i, *cnt = k - (size_t)i;
+  return cur == e;
+}
+// vmm_bad (vmm_lock held): whether [a, a + n) touches a reservation without being mapped throughout
+// with the access `need` (PROT_READ or PROT_WRITE) asks for. Memory outside reservations is the
+// fake's plain host memory: not checked.
+static int vmm_bad(uint64_t a, size_t n, int need) {
+  if (!n || !vr_overlaps(resv, nresv, a, n)) return 0;
+  if (a + n < a) return 1;
+  for (uint64_t cur = a; cur < a + n;) {
+    long i = vr_find(maps, nmaps, cur);
+    if (i < 0 || (maps[i].prot & need) != need) return 1;
+    cur = maps[i].base + maps[i].size;
+  }
+  return 0;
+}
+// The device side of copies, memsets and kernels: vmm_enter takes the read lock once reservations
+// exist (mappings then cannot change under an access) and says whether it did.
+static int vmm_enter(void) {
+  if (!atomic_load(&vmm_active)) return 0;
+  pthread_rwlock_rdlock(&vmm_lock);
+  return 1;
+}
+static void vmm_exit(int locked) { if (locked) pthread_rwlock_unlock(&vmm_lock); }
+// vmm_refused: the driver's check when a copy or memset is submitted.
+static int vmm_refused(const char *what, uint64_t a, size_t n, int need) {
+  int lk = vmm_enter(), bad = lk && vmm_bad(a, n, need);
+  vmm_exit(lk);
+  if (bad) COUNT(bad_access), bad_log(what, a, n, E_INVALID_VALUE);
+  return bad;
+}
+
+static CUresult prop_check(const void *pp) {
+  const mem_prop *p = pp;
+  if (!p || p->type != 1 /* CU_MEM_ALLOCATION_TYPE_PINNED */ || p->loc.type != 1 /* CU_MEM_LOCATION_TYPE_DEVICE */) return E_INVALID_VALUE;
+  return p->loc.id == 0 ? OK : 101;  // CUDA_ERROR_INVALID_DEVICE
+}
+// The driver answers for any property here (a bad device or type included).
+EXPORT CUresult cuMemGetAllocationGranularity(size_t *g, const void *prop, int option) {
+  if (!inited) return E_NOT_INITIALIZED;
+  if (!g || !prop || (option != 0 && option != 1)) return E_INVALID_VALUE;  // MINIMUM, RECOMMENDED
+  *g = GRAN;
+  return OK;
+}
+EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
+  COUNT(cuMemAddressReserve);
+  if (!inited) return E_NOT_INITIALIZED;
+  if (!ptr || !size || size % GRAN || (align & (align - 1)) || flags) return E_INVALID_VALUE;
+  size_t al = align > GRAN ? align : GRAN;
+  const int mf = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+  uint8_t *p = MAP_FAILED;
+  if (addr && addr % al == 0) {  // a hint, honoured where free
+    p = mmap((void *)(uintptr_t)addr, size, PROT_NONE, mf | MAP_FIXED_NOREPLACE, -1, 0);
+    if (p != MAP_FAILED && (uint64_t)(uintptr_t)p != addr) munmap(p, size), p = MAP_FAILED;
+  }
+  if (p == MAP_FAILED) {
+    uint8_t *q = mmap(NULL, size + al, PROT_NONE, mf, -1, 0);
+    if (q == MAP_FAILED) return E_OUT_OF_MEMORY;
+    p = (uint8_t *)(((uintptr_t)q + al - 1) & ~(uintptr_t)(al - 1));
+    if (p > q) munmap(q, (size_t)(p - q));
+    if (q + size + al > p + size) munmap(p + size, (size_t)(q + size + al - (p + size)));
+  }
+  pthread_rwlock_wrlock(&vmm_lock);
+  int bad = vr_insert(&resv, &nresv, &capresv, (vrange){(uint64_t)(uintptr_t)p, size, NULL, 0});
+  if (!bad) atomic_store(&vmm_active, 1);
+  pthread_rwlock_unlock(&vmm_lock);
+  if (bad) {
+    munmap(p, size);
+    return E_OUT_OF_MEMORY;
+  }
+  *ptr = (CUdeviceptr)(uintptr_t)p;
+  return OK;
+}
+// Exactly one whole reservation, with nothing mapped in it.
+EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  COUNT(cuMemAddressFree);
+  pthread_rwlock_wrlock(&vmm_lock);
+  long i = vr_find(resv, nresv, ptr);
+  CUresult r = E_INVALID_VALUE;
+  if (i >= 0 && resv[i].base == ptr && resv[i].size == size && !vr_overlaps(maps, nmaps, ptr, size)) {
+    munmap((void *)(uintptr_t)ptr, size);
+    vr_delete(resv, &nresv, (size_t)i);
+    r = OK;
+  }
+  pthread_rwlock_unlock(&vmm_lock);
+  return r;
+}
+static long phys_find(unsigned long long h) {  // a live (unreleased) handle
+  for (size_t i = 0; i < nphys; i++)
+    if (physs[i]->h == h && !physs[i]->released) return (long)i;
+  return -1;
+}
+static void phys_drop(phys *p) {  // released and unmapped: the memory goes
+  if (!p->released || p->maps) return;
+  for (size_t i = 0; i < nphys; i++)
+    if (physs[i] == p) {
+      physs[i] = physs[--nphys];
+      break;
+    }
+  phys_bytes -= p->size;
+  close(p->fd);
+  free(p);
+}
+EXPORT CUresult cuMemCreate(unsigned long long *h, size_t n, const void *prop, unsigned long long f) {
+  COUNT(cuMemCreate);
+  if (!inited) return E_NOT_INITIALIZED;
+  CUresult r = prop_check(prop);
+  if (r) return r;
+  if (!h || !n || n % GRAN || f) return E_INVALID_VALUE;
+  const char *lim = getenv("FAKE_CUDA_VMM_LIMIT_MB");
+  unsigned long long limit = lim && *lim ? strtoull(lim, NULL, 10) << 20 : 80ULL << 30;  // cuDeviceTotalMem
+  pthread_rwlock_wrlock(&vmm_lock);
+  r = E_OUT_OF_MEMORY;
+  phys *p = NULL;
+  if (phys_bytes + n <= limit && phys_bytes + n >= n && !grow((void **)&physs, &capphys, nphys, sizeof *physs) &&
+      (p = calloc(1, sizeof *p)) != NULL) {
+    p->fd = memfd_create("fake-cuda-vmm", MFD_CLOEXEC);
+    if (p->fd >= 0 && ftruncate(p->fd, (off_t)n) == 0) {
+      p->h = next_handle++;
+      p->size = n;
+      physs[nphys++] = p;
+      phys_bytes += n;
+      *h = p->h;
+      r = OK;
+    } else {
+      if (p->fd >= 0) close(p->fd);
+      free(p);
+    }
+  }
+  pthread_rwlock_unlock(&vmm_lock);
+  return r;
+}
+EXPORT CUresult cuMemRelease(unsigned long long h) {
+  COUNT(cuMemRelease);
+  pthread_rwlock_wrlock(&vmm_lock);
+  long i = phys_find(h);
+  if (i >= 0) {
+    physs[i]->released = 1;
+    phys_drop(physs[i]);
+  }
+  pthread_rwlock_unlock(&vmm_lock);
+  return i >= 0 ? OK : E_INVALID_VALUE;
+}
+// A whole allocation (a non-zero offset or another size: CUDA_ERROR_NOT_SUPPORTED, as from the
+// driver), granule-aligned, inside one reservation (stricter than the driver, which lets a mapping
+// run past a reservation's end), over no other mapping.
+EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t off, unsigned long long h, unsigned long long f) {
+  COUNT(cuMemMap);
+  if (!size || ptr % GRAN || size % GRAN || f) return E_INVALID_VALUE;
+  pthread_rwlock_wrlock(&vmm_lock);
+  CUresult r = E_INVALID_VALUE;
+  long i = phys_find(h), ri = vr_find(resv, nresv, ptr);
+  if (i >= 0 && (off || size != physs[i]->size)) r = 801;
+  else if (i >= 0 && ri >= 0 && ptr + size - resv[ri].base <= resv[ri].size && !vr_overlaps(maps, nmaps, ptr, size)) {
+    phys *p = physs[i];
+    if (vr_insert(&maps, &nmaps, &capmaps, (vrange){ptr, size, p, 0})) {
+      r = E_OUT_OF_MEMORY;
+    } else if (mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, p->fd, 0) == MAP_FAILED) {
+      vr_delete(maps, &nmaps, (size_t)vr_find(maps, nmaps, ptr));
+      r = E_OUT_OF_MEMORY;
+    } else {
+      p->maps++;
+      r = OK;
+    }
+  }
+  pthread_rwlock_unlock(&vmm_lock);
+  return r;
+}
+// Whole mappings only: one, or several adjacent ones. The driver also takes a range with gaps or
+// nothing mapped (it fails only on a mapping cut in two); the fake refuses those, to catch
+// double unmaps.
+EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  COUNT(cuMemUnmap);
+  pthread_rwlock_wrlock(&vmm_lock);
+  size_t first, cnt;
+  int ok = vr_span(maps, nmaps, ptr, size, &first, &cnt);
+  if (ok) {
+    mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    for (size_t k = 0; k < cnt; k++) {
+      phys *p = maps[first].p;
+      vr_delete(maps, &nmaps, first);
+      p->maps--;
+      phys_drop(p);
+    }
+  }
+  pthread_rwlock_unlock(&vmm_lock);
+  return ok ? OK : E_INVALID_VALUE;
+}
+// A fully mapped range of whole mappings; one descriptor for device 0: none, read or read-write.
+EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *descs, size_t count) {
+  COUNT(cuMemSetAccess);
+  const mem_access *d = descs;
+  if (!d || count < 1) return E_INVALID_VALUE;
+  int prot = -1;
+  for (size_t i = 0; i < count; i++) {
+    if (d[i].loc.type != 1) return E_INVALID_VALUE;
+    if (d[i].loc.id != 0) return E_INVALID_VALUE;  // as the driver answers for a device it lacks
+    prot = d[i].flags == 0 ? PROT_NONE : d[i].flags == 1 ? PROT_READ : d[i].flags == 3 ? PROT_READ | PROT_WRITE : -2;
+    if (prot == -2) return E_INVALID_VALUE;
+  }
+  pthread_rwlock_wrlock(&vmm_lock);
+  size_t first, cnt;
+  int ok = vr_span(maps, nmaps, ptr, size, &first, &cnt) && mprotect((void *)(uintptr_t)ptr, size, prot) == 0;
+  for (size_t k = 0; ok && k < cnt; k++) maps[first + k].prot = prot;
+  pthread_rwlock_unlock(&vmm_lock);
+  return ok ? OK : E_INVALID_VALUE;
+}
+// fake_vmm(what): the fake's VMM state, for tests: "phys_bytes" (live physical memory), "phys"
+// (live physical allocations, released ones still mapped included), "handles" (unreleased ones),
+// "reservations", "mappings", "host_registered", "allocs" (live cuMemAlloc allocations); -1 else.
+EXPORT long fake_vmm(const char *what) {
+  long v = -1;
+  pthread_rwlock_rdlock(&vmm_lock);
+  if (strcmp(what, "phys_bytes") == 0) v = (long)phys_bytes;
+  if (strcmp(what, "phys") == 0) v = (long)nphys;
+  if (strcmp(what, "handles") == 0) {
+    v = 0;
+    for (size_t i = 0; i < nphys; i++) v += !physs[i]->released;
+  }
+  if (strcmp(what, "reservations") == 0) v = (long)nresv;
+  if (strcmp(what, "mappings") == 0) v = (long)nmaps;
+  pthread_rwlock_unlock(&vmm_lock);
+  pthread_mutex_lock(&hreg_mu);
+  if (strcmp(what, "host_registered") == 0) v = (long)nhregs;
+  pthread_mutex_unlock(&hreg_mu);
+  pthread_mutex_lock(&dalloc_mu);
+  if (strcmp(what, "allocs") == 0) v = (long)ndallocs;
+  pthread_mutex_unlock(&dalloc_mu);
+  return v;
+}
+
+// ---- page-locked host memory ----
+EXPORT CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) {
+  COUNT(cuMemHostRegister_v2);
+  if (!p || !n) return E_INVALID_VALUE;
+  uint64_t b = (uint64_t)(uintptr_t)p;
+  CUresult r = OK;
+  pthread_mutex_lock(&hreg_mu);
+  for (size_t i = 0; i < nhregs && !r; i++)
+    if (b < hregs[i].base + hregs[i].size && hregs[i].base < b + n) r = 712;  // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+  if (!r && grow((void **)&hregs, &caphregs, nhregs, sizeof *hregs)) r = E_OUT_OF_MEMORY;
+  if (!r) hregs[nhregs++] = (hostreg){b, n, flags};
+  pthread_mutex_unlock(&hreg_mu);
+  return r;
+}
+EXPORT CUresult cuMemHostRegister(void *p, size_t n, unsigned flags) { return cuMemHostRegister_v2(p, n, flags); }
+EXPORT CUresult cuMemHostUnregister(void *p) {
+  COUNT(cuMemHostUnregister);
+  uint64_t b = (uint64_t)(uintptr_t)p;
+  CUresult r = 713;  // CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED; inside a registration: INVALID_VALUE
+  pthread_mutex_lock(&hreg_mu);
+  for (size_t i = 0; i < nhregs && r; i++)
+    if (hregs[i].base == b) hregs[i] = hregs[--nhregs], r = OK;
+    else if (b - hregs[i].base < hregs[i].size) r = E_INVALID_VALUE;
+  pthread_mutex_unlock(&hreg_mu);
+  return r;
+}
+
+// ---- pointer queries ----
+// ptr_lookup: what p lies in: 1 a cuMemAlloc allocation, 2 a VMM mapping, 3 registered host
+// memory; 0 nothing the driver knows. The range: the allocation, the mapping or the registration;
+// *rb, *rs (when given): for a mapping its reservation's range, which cuPointerGetAttribute's
+// RANGE_START_ADDR and RANGE_SIZE give (as from the driver; cuMemGetAddressRange gives the mapping).
+static int ptr_lookup(uint64_t p, uint64_t *base, size_t *size, void **ctx, uint64_t *rb, size_t *rs) {
+  pthread_mutex_lock(&dalloc_mu);
+  long i = dalloc_find(p, 0);
+  if (i >= 0) *base = dallocs[i].base, *size = dallocs[i].size, *ctx = dallocs[i].ctx;
+  pthread_mutex_unlock(&dalloc_mu);
+  if (i >= 0) {
+    if (rb) *rb = *base, *rs = *size;
+    return 1;
+  }
+  pthread_rwlock_rdlock(&vmm_lock);
+  i = vr_find(maps, nmaps, p);
+  if (i >= 0) *base = maps[i].base, *size = maps[i].size, *ctx = NULL;  // VMM memory belongs to no context
+  long ri = i >= 0 ? vr_find(resv, nresv, p) : -1;
+  if (ri >= 0 && rb) *rb = resv[ri].base, *rs = resv[ri].size;
+  pthread_rwlock_unlock(&vmm_lock);
+  if (i >= 0) return 2;
+  pthread_mutex_lock(&hreg_mu);
+  for (size_t k = 0; k < nhregs && i < 0; k++)
+    if (p - hregs[k].base < hregs[k].size) *base = hregs[k].base, *size = hregs[k].size, *ctx = &primary, i = (long)k;
+  if (i >= 0 && rb) *rb = *base, *rs = *size;
+  pthread_mutex_unlock(&hreg_mu);
+  return i >= 0 ? 3 : 0;
+}
+EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+  uint64_t b;
+  size_t n;
+  void *ctx;
+  int k = ptr_lookup(p, &b, &n, &ctx, NULL, NULL);
+  if (k != 1 && k != 2) return E_NOT_FOUND;  // as the driver answers for memory it did not allocate
+  if (base) *base = b;
+  if (size) *size = n;
+  return OK;
+}
+EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+  uint64_t b, rb;
+  size_t n, rs;
+  void *ctx;
+  if (!data) return E_INVALID_VALUE;
+  int k = ptr_lookup(p, &b, &n, &ctx, &rb, &rs);
+  if (!k) return E_INVALID_VALUE;
+  switch (attr) {
+  case 1: *(void **)data = ctx; return OK;                                  // CONTEXT
+  case 2: *(unsigned *)data = k == 3 ? 1 : 2; return OK;                    // MEMORY_TYPE: HOST, DEVICE
+  case 3: *(CUdeviceptr *)data = p; return OK;                              // DEVICE_POINTER
+  case 8: *(int *)data = 0; return OK;                                      // IS_MANAGED
+  case 9: *(int *)data = 0; return OK;                                      // DEVICE_ORDINAL
+  case 10: *(int *)data = k == 1; return OK;                                // IS_LEGACY_CUDA_IPC_CAPABLE
+  case 11: *(CUdeviceptr *)data = rb; return OK;                            // RANGE_START_ADDR
+  case 12: *(size_t *)data = rs; return OK;                                 // RANGE_SIZE
+  case 13: *(int *)data = 1; return OK;                                     // MAPPED
+  default: return 801;  // CUDA_ERROR_NOT_SUPPORTED: an attribute this fake does not model
+  }
+}
+// CUDA IPC exports cuMemAlloc memory only (VMM memory has its own handles).
+EXPORT CUresult cuIpcGetMemHandle(void *handle, CUdeviceptr p) {
+  COUNT(cuIpcGetMemHandle);
+  uint64_t b;
+  size_t n;
+  void *ctx;
+  if (!handle || ptr_lookup(p, &b, &n, &ctx, NULL, NULL) != 1) return E_INVALID_VALUE;
+  uint64_t h[8] = {0x1bcfa4e0ULL, b, n, (uint64_t)getpid()};
+  memcpy(handle, h, 64);
+  return OK;
+}
 
 // ---- streams: each a queue of operations run in order by its own thread ----
 // Operations on an idle stream that take no time (events, copies, memsets) run inline, so simple
@@ -271,7 +747,7 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr p, size_t n) { (void)p; (void)n; return O
 // claim blocks from the control block (last parameter) and stop when its preempt word is set, as
 // ptxstate's twins do.
 typedef struct event { int magic; atomic_int done; double t; } event;
-enum { OP_KERNEL, OP_EVENT, OP_MEMSET32, OP_COPY, OP_HOSTFN, OP_WAITEV };
+enum { OP_KERNEL, OP_EVENT, OP_MEMSET32, OP_COPY, OP_HOSTFN, OP_WAITEV, OP_MEMSET8, OP_HASH };
 typedef struct op {
   struct op *next;
   int kind;
@@ -287,6 +763,8 @@ typedef struct op {
   void (*hfn)(void *);
   void *hdata;
   uint64_t need_rb;  // a mid-block twin: the record bytes its launch needs (0: none)
+  uint64_t hb, hl, hc, ho, hdup;  // ptxmig_chunk_hash: base, len, chunk, out; blocks run gy*gz*by*bz times
+  unsigned hbpc, hgx, hbx;        // its bpc, grid.x, blockDim.x
 } op;
 typedef struct fstream {
   int magic;
@@ -405,7 +883,83 @@ static void v3_run(op *o, uint8_t *c, uint32_t g) {
   }
 }
 
+// kernel_bad: whether a k_count kernel (or twin) would touch reserved memory without access: its
+// counters, control block and save/resume areas, checked at its start (a GPU faults at the first
+// access; memory must not be unmapped under a running kernel, which would crash the fake).
+static int kernel_bad(const op *o) {
+  int lk = vmm_enter(), bad = 0;
+  if (!lk) return 0;
+  const int rw = PROT_READ | PROT_WRITE;
+  uint64_t total = o->total;
+  if (o->ctl) {
+    const uint8_t *c = (const uint8_t *)(uintptr_t)o->ctl;
+    bad = vmm_bad(o->ctl, 64, rw);
+    uint32_t ver = 0, rb = 0, cap = 0, rcount = 0;
+    uint64_t sa = 0, ra = 0;
+    if (!bad) {
+      memcpy(&total, c + 8, 8), memcpy(&ver, c + 48, 4), memcpy(&sa, c + 64, 8);
+      if (o->need_rb && ver >= 3 && sa) bad = vmm_bad(o->ctl, 100, rw);
+    }
+    if (!bad && o->need_rb && ver >= 3 && sa) {
+      memcpy(&rb, c + 72, 4), memcpy(&rcount, c + 80, 4), memcpy(&ra, c + 88, 8), memcpy(&cap, c + 96, 4);
+      bad = vmm_bad(sa, (uint64_t)cap * rb, rw) || (ra && vmm_bad(ra, (uint64_t)rcount * rb, PROT_READ));
+    }
+  }
+  if (!bad && o->out) bad = vmm_bad(o->out, total * 4, rw);
+  vmm_exit(lk);
+  if (bad) {
+    char what[256];
+    snprintf(what, sizeof what, "kernel %s (counters, control block or save areas) at", o->f->name);
+    fault(700), bad_log(what, o->out, total * 4, 700);
+  }
+  return bad;
+}
+
+// hash_exec runs ptxmig_chunk_hash as gpuhash.cu does, for the blocks the launch has: block b sums
+// chunk b / bpc's words of part b % bpc (blockDim.x words every bpc * blockDim.x), and adds them
+// into out[2c], out[2c + 1] once per thread row (gy * gz * by * bz times).
+static void hash_exec(const op *o) {
+  uint64_t base = o->hb, len = o->hl, chunk = o->hc, out = o->ho, bx = o->hbx, bpc = o->hbpc;
+  if (chunk < 8 || !bpc) return;
+  uint64_t nchunks = (len + chunk - 1) / chunk, launched = (o->hgx + bpc - 1) / bpc;
+  uint64_t nc = launched < nchunks ? launched : nchunks;
+  if (!nc) return;
+  if (base % 8 || out % 8) {
+    fault(716);  // CUDA_ERROR_MISALIGNED_ADDRESS
+    bad_log("ptxmig_chunk_hash over", base, len, 716);
+    return;
+  }
+  int lk = vmm_enter(), bad = 0;
+  for (uint64_t c = 0; lk && c < nc && !bad; c++) {
+    uint64_t start = c * chunk, nw = (len - start < chunk ? len - start : chunk) / 8;
+    bad = vmm_bad(base + start / 8 * 8, nw * 8, PROT_READ);
+  }
+  if (lk && !bad) bad = vmm_bad(out, nc * 16, PROT_READ | PROT_WRITE);
+  if (bad) {
+    vmm_exit(lk);
+    fault(700);
+    bad_log("ptxmig_chunk_hash over", base, len, 700);
+    return;
+  }
+  for (uint64_t c = 0; c < nc; c++) {
+    uint64_t start = c * chunk, nw = (len - start < chunk ? len - start : chunk) / 8;
+    const uint8_t *w = (const uint8_t *)(uintptr_t)(base + start / 8 * 8);
+    uint64_t parts = o->hgx - c * bpc < bpc ? o->hgx - c * bpc : bpc, sums[2] = {0, 0};
+    if (parts == bpc) {
+      ptxmig_gpuhash_sums(w, nw * 8, 0, sums);
+    } else {
+      for (uint64_t q = 0; q < parts; q++)
+        for (uint64_t j = q * bx; j < nw; j += bpc * bx) ptxmig_gpuhash_sums(w + 8 * j, 8 * (nw - j < bx ? nw - j : bx), j, sums);
+    }
+    uint64_t *d = (uint64_t *)(uintptr_t)out + 2 * c;
+    __atomic_fetch_add(&d[0], sums[0] * o->hdup, __ATOMIC_SEQ_CST);
+    __atomic_fetch_add(&d[1], sums[1] * o->hdup, __ATOMIC_SEQ_CST);
+  }
+  vmm_exit(lk);
+}
+
 static void op_exec(op *o) {
+  int lk;
   switch (o->kind) {
   case OP_EVENT:
     pthread_mutex_lock(&ev_mu);
@@ -420,15 +974,32 @@ static void op_exec(op *o) {
     pthread_mutex_unlock(&ev_mu);
     break;
   case OP_MEMSET32:
-    for (size_t i = 0; i < o->n; i++) __atomic_store_n((uint32_t *)(uintptr_t)o->dst + i, o->val, __ATOMIC_SEQ_CST);
+    lk = vmm_enter();
+    if (lk && vmm_bad(o->dst, o->n * 4, PROT_WRITE)) fault(700), bad_log("a queued cuMemsetD32 of", o->dst, o->n * 4, 700);
+    else
+      for (size_t i = 0; i < o->n; i++) __atomic_store_n((uint32_t *)(uintptr_t)o->dst + i, o->val, __ATOMIC_SEQ_CST);
+    vmm_exit(lk);
+    break;
+  case OP_MEMSET8:
+    lk = vmm_enter();
+    if (lk && vmm_bad(o->dst, o->n, PROT_WRITE)) fault(700), bad_log("a queued cuMemsetD8 of", o->dst, o->n, 700);
+    else memset((void *)(uintptr_t)o->dst, (int)(o->val & 0xff), o->n);
+    vmm_exit(lk);
     break;
   case OP_COPY:
-    memcpy((void *)(uintptr_t)o->dst, o->src, o->n);
+    lk = vmm_enter();
+    if (lk && vmm_bad(o->dst, o->n, PROT_WRITE)) fault(700), bad_log("a queued copy to", o->dst, o->n, 700);
+    else memcpy((void *)(uintptr_t)o->dst, o->src, o->n);
+    vmm_exit(lk);
+    break;
+  case OP_HASH:
+    hash_exec(o);
     break;
   case OP_HOSTFN:
     o->hfn(o->hdata);
     break;
   case OP_KERNEL: {
+    if (kernel_bad(o)) break;
     uint32_t *out = (uint32_t *)(uintptr_t)o->out;
     unsigned us = block_us();
     if (!o->ctl) {
@@ -498,7 +1069,10 @@ static void *fs_worker(void *arg) {
   }
   return NULL;
 }
-static int instant(const op *o) { return o->kind == OP_EVENT || o->kind == OP_MEMSET32 || o->kind == OP_COPY || (o->kind == OP_KERNEL && !o->out); }
+static int instant(const op *o) {
+  return o->kind == OP_EVENT || o->kind == OP_MEMSET32 || o->kind == OP_MEMSET8 || o->kind == OP_COPY || o->kind == OP_HASH ||
+         (o->kind == OP_KERNEL && !o->out);
+}
 static uint64_t fs_enqueue(fstream *f, op *o) {
   pthread_mutex_lock(&f->mu);
   o->seq = ++f->enq;
@@ -548,6 +1122,28 @@ static op *op_new(int kind) { op *o = calloc(1, sizeof *o); o->kind = kind; retu
 static fstream *streams[MAX_STREAMS];
 static int nstreams;
 static pthread_mutex_t streams_mu = PTHREAD_MUTEX_INITIALIZER;
+// fork: the child gets the fake's tables and streams unlocked even when another thread was inside
+// them at the fork (app_fork: the child records events on the legacy stream and allocates). Lock
+// order: streams_mu, the streams, ev_mu, then the memory tables.
+static void fork_prepare(void) {
+  pthread_mutex_lock(&streams_mu);
+  pthread_mutex_lock(&legacy.mu);
+  for (int i = 0; i < nstreams; i++) pthread_mutex_lock(&streams[i]->mu);
+  pthread_mutex_lock(&ev_mu);
+  pthread_mutex_lock(&dalloc_mu);
+  pthread_mutex_lock(&hreg_mu);
+  pthread_rwlock_wrlock(&vmm_lock);
+}
+static void fork_after(void) {
+  pthread_rwlock_unlock(&vmm_lock);
+  pthread_mutex_unlock(&hreg_mu);
+  pthread_mutex_unlock(&dalloc_mu);
+  pthread_mutex_unlock(&ev_mu);
+  for (int i = nstreams - 1; i >= 0; i--) pthread_mutex_unlock(&streams[i]->mu);
+  pthread_mutex_unlock(&legacy.mu);
+  pthread_mutex_unlock(&streams_mu);
+}
+__attribute__((constructor)) static void fork_handlers(void) { pthread_atfork(fork_prepare, fork_after, fork_after); }
 EXPORT CUresult cuStreamCreate(void **s, unsigned flags) {
   fstream *f = calloc(1, sizeof *f);
   f->magic = FS_MAGIC;
@@ -564,9 +1160,9 @@ EXPORT CUresult cuStreamCreateWithPriority(void **s, unsigned flags, int prio) {
 EXPORT CUresult cuStreamDestroy_v2(void *s) { fstream *f = fs_of(s); if (!f || f == &legacy) return E_INVALID_HANDLE; fs_sync(f); return OK; }
 EXPORT CUresult cuStreamGetCtx(void *s, void **c) { if (!fs_of(s)) return E_INVALID_HANDLE; *c = current ? (void *)current : (void *)&primary; return OK; }
 EXPORT CUresult cuStreamGetFlags(void *s, unsigned *fl) { fstream *f = fs_of(s); if (!f) return E_INVALID_HANDLE; *fl = f->flags; return OK; }
-EXPORT CUresult cuStreamSynchronize(void *s) { fstream *f = fs_of(s); if (!f) return E_INVALID_HANDLE; fs_sync(f); return OK; }
+EXPORT CUresult cuStreamSynchronize(void *s) { fstream *f = fs_of(s); if (!f) return E_INVALID_HANDLE; fs_sync(f); return sticky_err(); }
 EXPORT CUresult cuStreamSynchronize_ptsz(void *s) { return cuStreamSynchronize(s); }
-EXPORT CUresult cuStreamQuery(void *s) { fstream *f = fs_of(s); if (!f) return E_INVALID_HANDLE; return fs_busy(f) ? 600 : OK; }
+EXPORT CUresult cuStreamQuery(void *s) { fstream *f = fs_of(s); if (!f) return E_INVALID_HANDLE; return sticky_err() ? sticky_err() : fs_busy(f) ? 600 : OK; }
 EXPORT CUresult cuStreamQuery_ptsz(void *s) { return cuStreamQuery(s); }
 EXPORT CUresult cuCtxSynchronize(void) {
   fs_sync(&legacy);
@@ -574,7 +1170,7 @@ EXPORT CUresult cuCtxSynchronize(void) {
   int n = nstreams;
   pthread_mutex_unlock(&streams_mu);
   for (int i = 0; i < n; i++) fs_sync(streams[i]);
-  return OK;
+  return sticky_err();
 }
 EXPORT CUresult cuLaunchHostFunc(void *s, void (*fn)(void *), void *data) {
   fstream *f = fs_of(s);
@@ -589,20 +1185,30 @@ EXPORT CUresult cuLaunchHostFunc(void *s, void (*fn)(void *), void *data) {
 static CUresult copy_op(void *s, uint64_t dst, const void *src, size_t n, int sync) {
   fstream *f = fs_of(s);
   if (!f) return E_INVALID_HANDLE;
+  if (vmm_refused("a copy to", dst, n, PROT_WRITE)) return E_INVALID_VALUE;
   op *o = op_new(OP_COPY);
   o->dst = dst, o->n = n;
   o->src = malloc(n ? n : 1);
   memcpy(o->src, src, n);  // staged at call time, as for pageable host memory
   uint64_t seq = fs_enqueue(f, o);
   if (sync) fs_wait(f, seq);
-  return OK;
+  return sticky_err();
 }
 // A device-to-host copy reads the source when it runs (not when it is submitted).
 typedef struct { uint64_t dst; const void *src; size_t n; } d2h;
-static void d2h_run(void *a) { d2h *x = a; memcpy((void *)(uintptr_t)x->dst, x->src, x->n); free(x); }
+static void d2h_run(void *a) {
+  d2h *x = a;
+  int lk = vmm_enter();
+  if (lk && vmm_bad((uint64_t)(uintptr_t)x->src, x->n, PROT_READ))
+    fault(700), bad_log("a queued copy from", (uint64_t)(uintptr_t)x->src, x->n, 700);
+  else memcpy((void *)(uintptr_t)x->dst, x->src, x->n);
+  vmm_exit(lk);
+  free(x);
+}
 static CUresult d2h_op(void *s, void *dst, uint64_t src, size_t n, int sync) {
   fstream *f = fs_of(s);
   if (!f) return E_INVALID_HANDLE;
+  if (vmm_refused("a copy from", src, n, PROT_READ)) return E_INVALID_VALUE;
   d2h *x = malloc(sizeof *x);
   x->dst = (uint64_t)(uintptr_t)dst, x->src = (const void *)(uintptr_t)src, x->n = n;
   op *o = op_new(OP_HOSTFN);
@@ -613,11 +1219,11 @@ static CUresult d2h_op(void *s, void *dst, uint64_t src, size_t n, int sync) {
   if (idle) {  // run inline like the other instant operations
     free(o);
     d2h_run(x);
-    return OK;
+    return sticky_err();
   }
   uint64_t seq = fs_enqueue(f, o);
   if (sync) fs_wait(f, seq);
-  return OK;
+  return sticky_err();
 }
 EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, void *s) { return copy_op(s, d, h, n, 0); }
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) { return copy_op(NULL, d, h, n, 1); }
@@ -629,12 +1235,24 @@ static CUresult memset32(CUdeviceptr p, unsigned v, size_t n, void *s) {
   COUNT(memset32_async);
   fstream *f = fs_of(s);
   if (!f) return E_INVALID_HANDLE;
+  if (vmm_refused("cuMemsetD32 of", p, n * 4, PROT_WRITE)) return E_INVALID_VALUE;
   op *o = op_new(OP_MEMSET32);
   o->dst = p, o->val = v, o->n = n;
   fs_enqueue(f, o);
-  return OK;
+  return sticky_err();
 }
 EXPORT CUresult cuMemsetD32_v2(CUdeviceptr p, unsigned v, size_t n) { return memset32(p, v, n, NULL); }
+static CUresult memset8(CUdeviceptr p, unsigned char v, size_t n, void *s) {
+  fstream *f = fs_of(s);
+  if (!f) return E_INVALID_HANDLE;
+  if (vmm_refused("cuMemsetD8 of", p, n, PROT_WRITE)) return E_INVALID_VALUE;
+  op *o = op_new(OP_MEMSET8);
+  o->dst = p, o->val = v, o->n = n;
+  fs_enqueue(f, o);
+  return sticky_err();
+}
+EXPORT CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, void *s) { return memset8(p, v, n, s); }
+EXPORT CUresult cuMemsetD8_v2(CUdeviceptr p, unsigned char v, size_t n) { return memset8(p, v, n, NULL); }
 
 // ---- events ----
 EXPORT CUresult cuEventCreate(void **e, unsigned f) { (void)f; COUNT(cuEventCreate); if (!current) return 201; event *x = calloc(1, sizeof *x); x->magic = 0xe7; atomic_store(&x->done, 1); *e = x; return OK; }
@@ -649,13 +1267,13 @@ EXPORT CUresult cuEventRecord(void *e, void *s) {
   return OK;
 }
 EXPORT CUresult cuEventRecord_ptsz(void *e, void *s) { return cuEventRecord(e, s); }
-EXPORT CUresult cuEventQuery(void *e) { if (!e || ((event *)e)->magic != 0xe7) return E_INVALID_HANDLE; return atomic_load(&((event *)e)->done) ? OK : 600; }
+EXPORT CUresult cuEventQuery(void *e) { if (!e || ((event *)e)->magic != 0xe7) return E_INVALID_HANDLE; return sticky_err() ? sticky_err() : atomic_load(&((event *)e)->done) ? OK : 600; }
 EXPORT CUresult cuEventSynchronize(void *e) {
   if (!e || ((event *)e)->magic != 0xe7) return E_INVALID_HANDLE;
   pthread_mutex_lock(&ev_mu);
   while (!atomic_load(&((event *)e)->done)) pthread_cond_wait(&ev_cv, &ev_mu);
   pthread_mutex_unlock(&ev_mu);
-  return OK;
+  return sticky_err();
 }
 EXPORT CUresult cuStreamWaitEvent(void *s, void *e, unsigned fl) {
   (void)fl;
@@ -671,11 +1289,36 @@ EXPORT CUresult cuEventElapsedTime_v2(float *ms, void *a, void *b) { if (!atomic
 EXPORT CUresult cuEventDestroy_v2(void *e) { COUNT(cuEventDestroy_v2); if (!e || ((event *)e)->magic != 0xe7) return E_INVALID_HANDLE; ((event *)e)->magic = 0; free(e); return OK; }
 
 // ---- launches ----
-// kernel_op queues a k_count kernel (or its twin); other kernels do nothing.
-static void kernel_op(func *f, unsigned gx, unsigned gy, unsigned gz, unsigned threads, unsigned sh, void *s, void **p, void **x) {
-  if (strncmp(f->name, "k_count", 7) != 0 || f->nparams < 1) return;
+// hash_launch queues ptxmig_chunk_hash (from PTX, with gpuhash.cu's parameters) in stream order.
+static CUresult hash_launch(func *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned byz, void *s, void **p, void **x) {
+  static const unsigned sizes[5] = {8, 8, 8, 4, 8};
+  if (f->nparams != 5) return E_INVALID_VALUE;
+  for (int i = 0; i < 5; i++)
+    if (f->size[i] != sizes[i]) return E_INVALID_VALUE;
   fstream *fs = fs_of(s);
-  if (!fs) return;
+  if (!fs) return E_INVALID_HANDLE;
+  const uint8_t *arg[5];
+  for (int i = 0; i < 5; i++) {
+    if (p) arg[i] = p[i];
+    else if (x && x[0] == (void *)1) arg[i] = (const uint8_t *)x[1] + f->off[i];
+    else return E_INVALID_VALUE;
+  }
+  COUNT(ptxmig_chunk_hash);
+  op *o = op_new(OP_HASH);
+  memcpy(&o->hb, arg[0], 8), memcpy(&o->hl, arg[1], 8), memcpy(&o->hc, arg[2], 8), memcpy(&o->hbpc, arg[3], 4);
+  memcpy(&o->ho, arg[4], 8);
+  o->hgx = gx, o->hbx = bx, o->hdup = (uint64_t)gy * gz * byz;
+  CUresult r = sticky_err();  // a fault of this launch shows at the next call, as on a GPU
+  fs_enqueue(fs, o);
+  return r;
+}
+// kernel_op queues a k_count kernel (or its twin) or the chunk hash; other kernels do nothing.
+static CUresult kernel_op(func *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, void *s, void **p, void **x) {
+  unsigned threads = bx * by * bz;
+  if (f->mod->ptx && strcmp(f->name, PTXMIG_GPUHASH_KERNEL) == 0) return hash_launch(f, gx, gy, gz, bx, by * bz, s, p, x);
+  if (strncmp(f->name, "k_count", 7) != 0 || f->nparams < 1) return sticky_err();
+  fstream *fs = fs_of(s);
+  if (!fs) return sticky_err();
   op *o = op_new(OP_KERNEL);
   o->f = f;
   size_t tl = strlen(f->name), sl = strlen("__ptxmig");
@@ -698,9 +1341,11 @@ static void kernel_op(func *f, unsigned gx, unsigned gy, unsigned gz, unsigned t
         o->need_rb = (64 + (8ull * v[1] + v[4]) * threads + v[2] + sh + 15) & ~15ull;
       }
   }
+  CUresult r = sticky_err();
   fs_enqueue(fs, o);
+  return r;
 }
-#define LAUNCH_BODY(n) COUNT(n); if (!fn_ok(f)) return E_INVALID_HANDLE; if (!gx || !bx) return E_INVALID_VALUE; if (sh > 49152 && (int)sh > ((func *)f)->max_dyn_shmem) return E_INVALID_VALUE; kernel_op(f, gx, gy, gz, bx * by * bz, sh, s, p, x); return OK
+#define LAUNCH_BODY(n) COUNT(n); if (!fn_ok(f)) return E_INVALID_HANDLE; if (!gx || !bx) return E_INVALID_VALUE; if (sh > 49152 && (int)sh > ((func *)f)->max_dyn_shmem) return E_INVALID_VALUE; return kernel_op(f, gx, gy, gz, bx, by, bz, sh, s, p, x)
 EXPORT CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, void *s, void **p, void **x) { (void)by; (void)bz; (void)sh; LAUNCH_BODY(cuLaunchKernel); }
 EXPORT CUresult cuLaunchKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, void *s, void **p, void **x) { (void)by; (void)bz; (void)sh; LAUNCH_BODY(cuLaunchKernel_ptsz); }
 EXPORT CUresult cuLaunchCooperativeKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, void *s, void **p) { (void)by; (void)bz; (void)sh; void **x = NULL; LAUNCH_BODY(cuLaunchCooperativeKernel); }
@@ -736,7 +1381,9 @@ static const struct { const char *name; void *fn; } table[] = {
     T(cuStreamSynchronize_ptsz) T(cuStreamQuery) T(cuStreamQuery_ptsz) T(cuLaunchHostFunc) T(cuMemcpyHtoDAsync_v2)
     T(cuMemcpyHtoD_v2) T(cuMemcpyDtoHAsync_v2) T(cuMemcpyDtoH_v2) T(cuMemsetD32Async) T(cuMemsetD32_v2)
     T(cuEventRecord_ptsz) T(cuEventSynchronize) T(cuStreamWaitEvent) T(cuCtxEnablePeerAccess)
-    T(cuCtxDisablePeerAccess)
+    T(cuCtxDisablePeerAccess) T(cuMemGetAllocationGranularity) T(cuMemAddressReserve) T(cuMemAddressFree)
+    T(cuMemSetAccess) T(cuMemHostRegister) T(cuMemHostRegister_v2) T(cuMemHostUnregister) T(cuMemGetAddressRange_v2)
+    T(cuPointerGetAttribute) T(cuIpcGetMemHandle) T(cuMemsetD8Async) T(cuMemsetD8_v2) T(cuMemAllocPitch_v2)
 #undef T
 };
 // With FAKE_CUDA_INTERNAL_PTRS=1 the resolver hands out internal entry points (distinct addresses
@@ -771,12 +1418,13 @@ static CUresult resolve(const char *sym, void **pfn, int ver, unsigned long long
                                    "cuCtxPushCurrent", "cuCtxPopCurrent", "cuCtxDestroy", "cuEventDestroy",
                                    "cuEventElapsedTime", "cuDevicePrimaryCtxRelease", "cuStreamBeginCapture",
                                    "cuMemcpyHtoD", "cuMemcpyDtoH", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuMemsetD32",
-                                   "cuStreamDestroy"};
+                                   "cuStreamDestroy", "cuMemGetAddressRange", "cuMemsetD8", "cuMemAllocPitch"};
   const char *suffix = "";
   for (size_t i = 0; i < sizeof v2 / sizeof v2[0]; i++)
     if (strcmp(sym, v2[i]) == 0 && ver >= 3020) suffix = "_v2";
   if (strcmp(sym, "cuCtxCreate") == 0) suffix = ver >= 13000 ? "_v4" : "_v2";
   if (strcmp(sym, "cuGetProcAddress") == 0 && ver >= 12000) suffix = "_v2";
+  if (strcmp(sym, "cuMemHostRegister") == 0 && ver >= 6050) suffix = "_v2";
   if (flags == 2) {  // per-thread default stream: the _ptsz variant where one exists
     snprintf(name, sizeof name, "%s%s_ptsz", sym, suffix);
     p = lookup(name);

@@ -1,0 +1,114 @@
+//go:build gpu
+
+package gputest
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/restore"
+)
+
+// TestOwnedMemory: counter under `ptxmig run --owned-memory` (its cudaMalloc memory served from
+// the shim's VMM mappings), with PTXMIG_OWNED_MIB MiB (default 256) it advances every step and a
+// frozen GiB it never writes again. Three checkpoints: --leave-running (every chunk copied, then
+// loaded back from the image being written), --leave-running again (the frozen GiB is unchanged:
+// its chunks are referenced, not copied), and a final one that ends the process; the restore
+// loads the memory back and the run ends with the checksums of an uninterrupted run. The copy
+// and load figures go to $PTXMIG_OUT/gputest/owned.md.
+func TestOwnedMemory(t *testing.T) {
+	need(t, 1)
+	mib := 256
+	if v, err := strconv.Atoi(os.Getenv("PTXMIG_OWNED_MIB")); err == nil && v > 0 {
+		mib = v
+	}
+	args := []string{"--mib", strconv.Itoa(mib), "--frozen-mib", "1024", "--steps", "120", "--interval-ms", "100"}
+	ref := referenceAsync(t, "counter", args...)
+	p := startShimmedCache(t, []string{"--preempt", "auto", "--owned-memory"}, filepath.Join(out, "gputest", "ptxcache"), filepath.Join(workloads, "counter"), args...)
+	waitLine(t, p.log, "step 5 ", 3*time.Minute)
+	owned := func(res []*op.PreemptReport) *op.OwnedMemory {
+		t.Helper()
+		for _, r := range res {
+			if r.PID == p.pid && r.Owned != nil {
+				return r.Owned
+			}
+		}
+		t.Fatalf("no owned-memory report for pid %d: %+v", p.pid, res)
+		return nil
+	}
+	ckpt := func(name string, extra ...string) *checkpoint.Result {
+		t.Helper()
+		so, se, code := ptxmig(t, append(append([]string{"--json", "checkpoint", "--name", name}, extra...), strconv.Itoa(p.pid))...)
+		if code != 0 {
+			t.Fatalf("checkpoint %s: exit %d: %s", name, code, se)
+		}
+		var ck checkpoint.Result
+		if err := json.Unmarshal([]byte(so), &ck); err != nil {
+			t.Fatalf("checkpoint JSON: %v", err)
+		}
+		return &ck
+	}
+	var rows []string
+	row := func(what string, ck *checkpoint.Result, m *op.OwnedMemory) {
+		s := m.Save
+		text := fmt.Sprintf("| %s | %d MiB owned in %d regions | copied %d MiB in %s (%.1f GB/s, hash %s), skipped %d MiB | lock %s, driver checkpoint %s, dump %s, store %s, total %s |",
+			what, s.OwnedBytes>>20, s.Regions, s.CopiedBytes>>20, s.Copy.Round(time.Millisecond), s.Throughput()/1e9, s.Hash.Round(time.Microsecond),
+			s.SkippedBytes>>20, ck.Timings.Of(op.StepLock).Round(time.Millisecond), ck.Timings.Of(op.StepCheckpoint).Round(time.Millisecond),
+			ck.Timings.Of(checkpoint.StepDump).Round(time.Millisecond), ck.Timings.Of(checkpoint.StepStore).Round(time.Millisecond), ck.Total.Round(time.Millisecond))
+		t.Log(text)
+		rows = append(rows, text)
+	}
+
+	ck1 := ckpt("owned-1", "--leave-running")
+	m1 := owned(ck1.Preemption)
+	if m1.Save == nil || m1.Save.CopiedBytes != m1.Save.OwnedBytes || m1.Save.OwnedBytes < int64(mib+1024)<<20 || m1.Load == nil || m1.Released {
+		t.Fatalf("first checkpoint: %+v save %+v load %+v; want everything copied and loaded back", m1, m1.Save, m1.Load)
+	}
+	row("1st, --leave-running", ck1, m1)
+	waitLine(t, p.log, "step 20 ", 3*time.Minute)
+	ck2 := ckpt("owned-2", "--leave-running")
+	m2 := owned(ck2.Preemption)
+	if m2.Save == nil || m2.Save.SkippedBytes < 1024<<20 || m2.Save.Prev != "owned-1" {
+		t.Fatalf("second checkpoint: save %+v; want the frozen GiB referenced from owned-1", m2.Save)
+	}
+	row("2nd, --leave-running", ck2, m2)
+	waitLine(t, p.log, "step 30 ", 3*time.Minute)
+	ck3 := ckpt("owned-3")
+	m3 := owned(ck3.Preemption)
+	row("3rd, process ends", ck3, m3)
+	<-p.done
+	so, se, code := ptxmig(t, "--json", "restore", "owned-3")
+	if code != 0 {
+		t.Fatalf("restore: exit %d: %s", code, se)
+	}
+	var rs restore.Result
+	if err := json.Unmarshal([]byte(so), &rs); err != nil {
+		t.Fatalf("restore JSON: %v", err)
+	}
+	lm := owned(rs.Preemption)
+	if lm.Load == nil || lm.Load.Bytes != m3.Save.OwnedBytes {
+		t.Fatalf("restore: owned memory %+v, want %d bytes loaded", lm.Load, m3.Save.OwnedBytes)
+	}
+	lrow := fmt.Sprintf("| restore | loaded %d MiB in %s (%.1f GB/s, re-map %s) | | CRIU %s, driver restore %s, unlock %s, load %s, total %s |",
+		lm.Load.Bytes>>20, lm.Load.Copy.Round(time.Millisecond), float64(lm.Load.Bytes)/lm.Load.Copy.Seconds()/1e9, lm.Load.Remap.Round(time.Microsecond),
+		rs.Timings.Of(restore.StepCRIURestore).Round(time.Millisecond), rs.Timings.Of(op.StepDriverRestore).Round(time.Millisecond),
+		rs.Timings.Of(op.StepUnlock).Round(time.Millisecond), rs.Timings.Of(op.StepLoadMemory).Round(time.Millisecond), rs.Total.Round(time.Millisecond))
+	t.Log(lrow)
+	rows = append(rows, lrow)
+	waitExit(t, rs.PID, 5*time.Minute)
+	sameResults(t, results(p.log), <-ref)
+	dir := filepath.Join(out, "gputest")
+	_ = os.MkdirAll(dir, 0o755)
+	text := "| checkpoint | owned memory | copy | phases |\n|---|---|---|---|\n" + strings.Join(rows, "\n") + "\n"
+	if err := os.WriteFile(filepath.Join(dir, "owned.md"), []byte(text), 0o644); err != nil {
+		t.Error(err)
+	}
+}

@@ -1,0 +1,974 @@
+// Owned device memory (ptxmig run --owned-memory, PTXMIG_OWNED_MEMORY=1): cuMemAlloc and
+// cuMemAllocPitch of at least PTXMIG_OWNED_MIN_KB are served from VMM mappings the shim creates
+// (cuMemAddressReserve + cuMemCreate + cuMemMap + cuMemSetAccess), one per allocation, so that at a
+// checkpoint the shim can copy them out itself at link speed, release the physical memory (keeping
+// the address reservation) before the driver checkpoint, and at restore re-create it at the same
+// addresses and copy it back (docs/SHIM-PROTOCOL.md, "Owned device memory"). Anything the shim
+// cannot serve this way (too small, no VMM, out of memory, peer access in use) goes to the driver,
+// counted.
+//
+// The transfer runs on the control thread, on the connection holding the quiesce lease, through a
+// ring of slots in a memfd shared with ptxmig (passed with SCM_RIGHTS): no Go runtime and no file
+// of the process's own is involved, and the ring is gone before CRIU dumps the process.
+#include <errno.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gpuhash.h"
+#include "gpuhash_ptx.h"
+#include "shim.h"
+
+typedef struct {
+  struct {
+    int type, id;
+  } location;
+  int flags;  // CUmemAccess_flags (an enum: 12 bytes in all)
+} mem_access_desc;  // CUmemAccessDesc
+_Static_assert(sizeof(mem_access_desc) == 12, "CUmemAccessDesc layout");
+#define ACCESS_RW 3
+#define LOC_DEVICE 1
+#define ALLOC_PINNED 1
+#define CUDA_ERROR_NOT_SUPPORTED 801
+
+static struct {
+  pthread_once_t once;
+  int ok, hash_ok;
+  CUresult (*reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+  CUresult (*addr_free)(CUdeviceptr, size_t);
+  CUresult (*create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+  CUresult (*release)(CUmemGenericAllocationHandle);
+  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+  CUresult (*unmap)(CUdeviceptr, size_t);
+  CUresult (*set_access)(CUdeviceptr, size_t, const mem_access_desc *, size_t);
+  CUresult (*granularity)(size_t *, const CUmemAllocationProp *, int);
+  CUresult (*ctx_get)(CUcontext *);
+  CUresult (*ctx_dev)(CUdevice *);
+  CUresult (*ctx_push)(CUcontext);
+  CUresult (*ctx_pop)(CUcontext *);
+  CUresult (*ctx_sync)(void);
+  CUresult (*host_register)(void *, size_t, unsigned);
+  CUresult (*host_unregister)(void *);
+  CUresult (*stream_create)(CUstream *, unsigned);
+  CUresult (*stream_destroy)(CUstream);
+  CUresult (*stream_sync)(CUstream);
+  CUresult (*ev_create)(CUevent *, unsigned);
+  CUresult (*ev_record)(CUevent, CUstream);
+  CUresult (*ev_query)(CUevent);
+  CUresult (*ev_sync)(CUevent);
+  CUresult (*ev_destroy)(CUevent);
+  CUresult (*dtoh_async)(void *, CUdeviceptr, size_t, CUstream);
+  CUresult (*htod_async)(CUdeviceptr, const void *, size_t, CUstream);
+  CUresult (*memset8_async)(CUdeviceptr, unsigned char, size_t, CUstream);
+  CUresult (*mem_alloc)(CUdeviceptr *, size_t);
+  CUresult (*mem_free)(CUdeviceptr);
+  CUresult (*mod_load)(CUmodule *, const void *);
+  CUresult (*mod_unload)(CUmodule);
+  CUresult (*mod_get_fn)(CUfunction *, CUmodule, const char *);
+  CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                     void **, void **);
+} v = {.once = PTHREAD_ONCE_INIT};
+
+#define VSYM(field, name) (*(void **)&v.field = drv_sym(name))
+static void v_load(void) {
+  VSYM(reserve, "cuMemAddressReserve");
+  VSYM(addr_free, "cuMemAddressFree");
+  VSYM(create, "cuMemCreate");
+  VSYM(release, "cuMemRelease");
+  VSYM(map, "cuMemMap");
+  VSYM(unmap, "cuMemUnmap");
+  VSYM(set_access, "cuMemSetAccess");
+  VSYM(granularity, "cuMemGetAllocationGranularity");
+  VSYM(ctx_get, "cuCtxGetCurrent");
+  VSYM(ctx_dev, "cuCtxGetDevice");
+  VSYM(ctx_push, "cuCtxPushCurrent_v2");
+  VSYM(ctx_pop, "cuCtxPopCurrent_v2");
+  VSYM(ctx_sync, "cuCtxSynchronize");
+  VSYM(host_register, "cuMemHostRegister_v2");
+  VSYM(host_unregister, "cuMemHostUnregister");
+  VSYM(stream_create, "cuStreamCreate");
+  VSYM(stream_destroy, "cuStreamDestroy_v2");
+  VSYM(stream_sync, "cuStreamSynchronize");
+  VSYM(ev_create, "cuEventCreate");
+  VSYM(ev_record, "cuEventRecord");
+  VSYM(ev_query, "cuEventQuery");
+  VSYM(ev_sync, "cuEventSynchronize");
+  VSYM(ev_destroy, "cuEventDestroy_v2");
+  VSYM(dtoh_async, "cuMemcpyDtoHAsync_v2");
+  VSYM(htod_async, "cuMemcpyHtoDAsync_v2");
+  VSYM(memset8_async, "cuMemsetD8Async");
+  VSYM(mem_alloc, "cuMemAlloc_v2");
+  VSYM(mem_free, "cuMemFree_v2");
+  VSYM(mod_load, "cuModuleLoadData");
+  VSYM(mod_unload, "cuModuleUnload");
+  VSYM(mod_get_fn, "cuModuleGetFunction");
+  VSYM(launch, "cuLaunchKernel");
+  v.ok = v.reserve && v.addr_free && v.create && v.release && v.map && v.unmap && v.set_access && v.granularity &&
+         v.ctx_get && v.ctx_dev && v.ctx_push && v.ctx_pop && v.ctx_sync && v.stream_create && v.stream_destroy &&
+         v.stream_sync && v.ev_create && v.ev_record && v.ev_query && v.ev_sync && v.ev_destroy && v.dtoh_async &&
+         v.htod_async;
+  v.hash_ok = v.memset8_async && v.mem_alloc && v.mem_free && v.mod_load && v.mod_unload && v.mod_get_fn && v.launch;
+  if (!v.ok) LOG_ONCE("owned memory: the driver lacks the VMM entry points; allocations go to the driver");
+}
+static int v_ready(void) {
+  pthread_once(&v.once, v_load);
+  return v.ok;
+}
+
+// ---- the region table ----
+// One region per owned allocation: its reservation, mapped whole while live. Sorted by address.
+typedef struct {
+  CUdeviceptr va;
+  size_t size;   // reserved and mapped (a multiple of the granularity)
+  size_t asked;  // what the app asked for
+  CUmemGenericAllocationHandle h;
+  CUdevice dev;
+  CUcontext ctx;
+} region;
+
+static pthread_mutex_t vmm_mu = PTHREAD_MUTEX_INITIALIZER;
+static region *regs;
+static size_t nregs, cregs;
+static int released;  // vmm_mu: every region's physical memory is released (mem-release .. mem-load)
+static uint64_t owned_bytes, owned_peak;
+static atomic_ulong st_owned, st_fallback, st_freed, st_ipc_refused;
+static uint64_t instance;  // random, per process (kept by a restored process): names its memory
+
+static size_t find_le(CUdeviceptr p) {  // index of the last region starting at or before p, or nregs
+  size_t lo = 0, hi = nregs;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (regs[mid].va <= p) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo == 0 ? nregs : lo - 1;
+}
+static region *region_of(CUdeviceptr p) {  // vmm_mu held
+  size_t i = find_le(p);
+  return i < nregs && p - regs[i].va < regs[i].size ? &regs[i] : NULL;
+}
+
+static size_t granularity(CUdevice dev) {
+  static size_t cache[64];
+  if (dev >= 0 && dev < 64 && cache[dev]) return cache[dev];
+  CUmemAllocationProp p;
+  memset(&p, 0, sizeof p);
+  p.type = ALLOC_PINNED;
+  p.location.type = LOC_DEVICE;
+  p.location.id = dev;
+  size_t g = 0;
+  if (v.granularity(&g, &p, 0) != CUDA_SUCCESS || g == 0 || (g & (g - 1))) return 0;
+  if (dev >= 0 && dev < 64) cache[dev] = g;
+  return g;
+}
+
+// map_phys backs [va, va+size) with new physical memory of dev, read-write for dev.
+static CUresult map_phys(CUdeviceptr va, size_t size, CUdevice dev, CUmemGenericAllocationHandle *h) {
+  CUmemAllocationProp p;
+  memset(&p, 0, sizeof p);
+  p.type = ALLOC_PINNED;
+  p.location.type = LOC_DEVICE;
+  p.location.id = dev;
+  CUresult r = v.create(h, size, &p, 0);
+  if (r != CUDA_SUCCESS) return r;
+  r = v.map(va, size, 0, *h, 0);
+  if (r != CUDA_SUCCESS) {
+    v.release(*h);
+    return r;
+  }
+  mem_access_desc a = {.location = {LOC_DEVICE, dev}, .flags = ACCESS_RW};
+  r = v.set_access(va, size, &a, 1);
+  if (r != CUDA_SUCCESS) {
+    v.unmap(va, size);
+    v.release(*h);
+  }
+  return r;
+}
+
+static void unmap_phys(region *g) {
+  v.unmap(g->va, g->size);
+  v.release(g->h);
+  g->h = 0;
+}
+
+static uint64_t vmono(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+int vmm_alloc(CUdeviceptr *p, size_t size) {
+  if (!cfg.owned || size < cfg.owned_min || size > (1ull << 46) || !p || !v_ready()) return -1;
+  if (trk_peer_links() > 0) {
+    LOG_ONCE("owned memory: peer access is enabled; new allocations go to the driver (owned memory is not peer-mapped)");
+    atomic_fetch_add(&st_fallback, 1);
+    return -1;
+  }
+  CUcontext ctx = NULL;
+  CUdevice dev = 0;
+  if (v.ctx_get(&ctx) != CUDA_SUCCESS || !ctx || v.ctx_dev(&dev) != CUDA_SUCCESS) return -1;
+  size_t g = granularity(dev);
+  if (!g) {
+    LOG_ONCE("owned memory: no allocation granularity for device %d; allocations go to the driver", dev);
+    atomic_fetch_add(&st_fallback, 1);
+    return -1;
+  }
+  size_t n = (size + g - 1) & ~(g - 1);
+  sub_enter();  // never while a checkpoint holds the process: the allocation would miss the image
+  CUdeviceptr va = 0;
+  CUmemGenericAllocationHandle h = 0;
+  CUresult r = v.reserve(&va, n, g, 0, 0);
+  if (r == CUDA_SUCCESS) {
+    r = map_phys(va, n, dev, &h);
+    if (r != CUDA_SUCCESS) v.addr_free(va, n);
+  }
+  if (r != CUDA_SUCCESS) {
+    sub_exit();
+    shim_log("owned memory: %zu bytes on device %d: VMM failed (%d); the driver allocates them", size, dev, r);
+    atomic_fetch_add(&st_fallback, 1);
+    return -1;
+  }
+  pthread_mutex_lock(&vmm_mu);
+  if (nregs == cregs) {
+    size_t nc = cregs ? 2 * cregs : 64;
+    region *nr = realloc(regs, nc * sizeof *nr);
+    if (!nr) {
+      pthread_mutex_unlock(&vmm_mu);
+      unmap_phys(&(region){.va = va, .size = n, .h = h});
+      v.addr_free(va, n);
+      sub_exit();
+      atomic_fetch_add(&st_fallback, 1);
+      return -1;
+    }
+    regs = nr;
+    cregs = nc;
+  }
+  size_t i = find_le(va);
+  i = i == nregs ? 0 : i + 1;
+  memmove(&regs[i + 1], &regs[i], (nregs - i) * sizeof *regs);
+  regs[i] = (region){.va = va, .size = n, .asked = size, .h = h, .dev = dev, .ctx = ctx};
+  nregs++;
+  owned_bytes += n;
+  if (owned_bytes > owned_peak) owned_peak = owned_bytes;
+  if (!instance) instance = vmono() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&instance;
+  pthread_mutex_unlock(&vmm_mu);
+  sub_exit();
+  atomic_fetch_add(&st_owned, 1);
+  *p = va;
+  return CUDA_SUCCESS;
+}
+
+int vmm_free(CUdeviceptr p) {
+  if (!cfg.owned || !p) return -1;
+  pthread_mutex_lock(&vmm_mu);
+  region *g = region_of(p);
+  int owned = g && g->va == p;
+  pthread_mutex_unlock(&vmm_mu);
+  if (!owned) return -1;
+  sub_enter();
+  pthread_mutex_lock(&vmm_mu);
+  g = region_of(p);
+  if (!g || g->va != p) {  // freed meanwhile by another thread
+    pthread_mutex_unlock(&vmm_mu);
+    sub_exit();
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  region r = *g;
+  // cudaFree's contract: work queued before it that uses the memory completes first.
+  CUcontext x;
+  if (v.ctx_push(r.ctx) == CUDA_SUCCESS) {
+    v.ctx_sync();
+    v.ctx_pop(&x);
+  }
+  if (!released) v.unmap(r.va, r.size), v.release(r.h);
+  v.addr_free(r.va, r.size);
+  size_t i = (size_t)(g - regs);
+  memmove(&regs[i], &regs[i + 1], (nregs - i - 1) * sizeof *regs);
+  nregs--;
+  owned_bytes -= r.size;
+  pthread_mutex_unlock(&vmm_mu);
+  sub_exit();
+  atomic_fetch_add(&st_freed, 1);
+  return CUDA_SUCCESS;
+}
+
+int vmm_range(CUdeviceptr p, CUdeviceptr *base, size_t *size) {
+  if (!cfg.owned) return 0;
+  pthread_mutex_lock(&vmm_mu);
+  region *g = region_of(p);
+  if (g) {
+    if (base) *base = g->va;
+    if (size) *size = g->asked;
+  }
+  pthread_mutex_unlock(&vmm_mu);
+  return g != NULL;
+}
+
+int vmm_ipc_refuse(CUdeviceptr p) {
+  if (!vmm_range(p, NULL, NULL)) return 0;
+  atomic_fetch_add(&st_ipc_refused, 1);
+  LOG_ONCE("owned memory cannot be shared through CUDA IPC: cuIpcGetMemHandle refused (run without --owned-memory)");
+  return 1;
+}
+
+int vmm_released(void) {
+  pthread_mutex_lock(&vmm_mu);
+  int r = released;
+  pthread_mutex_unlock(&vmm_mu);
+  return r;
+}
+
+void vmm_report_status(jbuf *b) {
+  pthread_mutex_lock(&vmm_mu);
+  jb_printf(b,
+            "{\"enabled\":%s,\"min_bytes\":%llu,\"regions\":%zu,\"bytes\":%llu,\"peak_bytes\":%llu,\"released\":%s,"
+            "\"allocations\":%lu,\"fallbacks\":%lu,\"frees\":%lu,\"ipc_refused\":%lu}",
+            cfg.owned ? "true" : "false", (unsigned long long)cfg.owned_min, nregs, (unsigned long long)owned_bytes,
+            (unsigned long long)owned_peak, released ? "true" : "false", atomic_load(&st_owned),
+            atomic_load(&st_fallback), atomic_load(&st_freed), atomic_load(&st_ipc_refused));
+  pthread_mutex_unlock(&vmm_mu);
+}
+
+void vmm_atfork_child(void) {
+  // The child has no CUDA context of its own: the parent's regions are not its memory.
+  pthread_mutex_init(&vmm_mu, NULL);
+  free(regs);
+  regs = NULL;
+  nregs = cregs = 0;
+  released = 0;
+  owned_bytes = 0;
+}
+
+// ---- the transfer session (control thread, lease connection) ----
+#define MAX_SLOTS 64
+#define NSTREAMS 4
+typedef struct {
+  int active, load;  // load: ptxmig fills the slots (restore) instead of the shim (checkpoint)
+  int memfd;
+  unsigned char *ring;
+  size_t slot_bytes, ring_bytes;
+  int nslots, pinned;
+  uint64_t chunk;  // bytes per chunk
+  CUcontext ctx;   // the context the copies run in (the first region's)
+  CUstream st[NSTREAMS];
+  CUevent ev[MAX_SLOTS];
+  int busy[MAX_SLOTS];
+  uint64_t nchunks;
+  char in[8192];  // line buffer of what ptxmig sent during a copy (it sends at most a slot's worth ahead)
+  size_t inlen;
+} session;
+static session ss = {.memfd = -1};
+
+static uint64_t region_bytes(const region *g) { return (g->asked + 255) & ~(uint64_t)255; }
+static uint64_t chunks_of(const region *g, uint64_t chunk) { return (region_bytes(g) + chunk - 1) / chunk; }
+
+static void session_end(void) {
+  if (!ss.active) return;
+  CUcontext x;
+  int pushed = ss.ctx && v.ctx_push(ss.ctx) == CUDA_SUCCESS;
+  for (int i = 0; i < NSTREAMS; i++)
+    if (ss.st[i]) {
+      if (pushed) v.stream_sync(ss.st[i]), v.stream_destroy(ss.st[i]);
+      ss.st[i] = NULL;
+    }
+  for (int i = 0; i < MAX_SLOTS; i++)
+    if (ss.ev[i]) {
+      if (pushed) v.ev_destroy(ss.ev[i]);
+      ss.ev[i] = NULL;
+    }
+  if (ss.pinned && pushed) v.host_unregister(ss.ring);
+  if (pushed) v.ctx_pop(&x);
+  if (ss.ring) munmap(ss.ring, ss.ring_bytes);
+  if (ss.memfd >= 0) close(ss.memfd);
+  memset(&ss, 0, sizeof ss);
+  ss.memfd = -1;
+}
+
+void vmm_conn_closed(void) { session_end(); }
+
+// vmm_feed hands the session what the connection read past the request line (ptxmig sends its
+// first chunks right behind mem-fill); -1 when it does not fit.
+int vmm_feed(const char *p, size_t n) {
+  if (n > sizeof ss.in - ss.inlen) return -1;
+  memcpy(ss.in + ss.inlen, p, n);
+  ss.inlen += n;
+  return 0;
+}
+
+static int fail(char *err, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int fail(char *err, size_t n, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(err, n, fmt, ap);
+  va_end(ap);
+  return -1;
+}
+
+// sync_all waits for the work queued in every context that owns memory (kernels that did not
+// stop, copies): what is copied out is what the app's work left.
+static int sync_all(char *err, size_t n) {
+  CUcontext done[64];
+  int nd = 0;
+  for (size_t i = 0; i < nregs; i++) {
+    int seen = 0;
+    for (int k = 0; k < nd; k++) seen |= done[k] == regs[i].ctx;
+    if (seen) continue;
+    if (nd < 64) done[nd++] = regs[i].ctx;
+    CUcontext x;
+    if (v.ctx_push(regs[i].ctx) != CUDA_SUCCESS) return fail(err, n, "owned memory: cannot enter the context of %llx", (unsigned long long)regs[i].va);
+    CUresult r = v.ctx_sync();
+    v.ctx_pop(&x);
+    if (r != CUDA_SUCCESS) return fail(err, n, "owned memory: synchronize before the copy failed (%d)", r);
+  }
+  return 0;
+}
+
+static CUmodule hash_mod;
+static CUfunction hash_fn;
+static CUcontext hash_ctx;
+
+// hash_all computes the chunk hashes of every region on its GPU (ptxmig-gpuhash-1) into out
+// (16 bytes per chunk, regions in order). The copy context is current.
+static int hash_all(uint8_t *out, char *err, size_t n) {
+  if (!v.hash_ok) return fail(err, n, "owned memory: the driver lacks what the GPU hash needs");
+  if (hash_ctx != ss.ctx) {
+    if (hash_mod) v.mod_unload(hash_mod);
+    hash_mod = NULL;
+    if (v.mod_load(&hash_mod, ptxmig_gpuhash_ptx) != CUDA_SUCCESS ||
+        v.mod_get_fn(&hash_fn, hash_mod, PTXMIG_GPUHASH_KERNEL) != CUDA_SUCCESS) {
+      hash_mod = NULL;
+      return fail(err, n, "owned memory: the GPU hash kernel did not load");
+    }
+    hash_ctx = ss.ctx;
+  }
+  CUdeviceptr sums = 0;
+  size_t bytes = (size_t)ss.nchunks * 16;
+  if (v.mem_alloc(&sums, bytes ? bytes : 16) != CUDA_SUCCESS) return fail(err, n, "owned memory: no device memory for the hash sums");
+  CUresult r = v.memset8_async(sums, 0, bytes, ss.st[0]);
+  uint64_t first = 0;
+  unsigned bpc = (unsigned)(ss.chunk / (256 * 8 * 32));
+  if (bpc < 1) bpc = 1;
+  for (size_t i = 0; i < nregs && r == CUDA_SUCCESS; i++) {
+    unsigned long long base = regs[i].va, len = region_bytes(&regs[i]), chunk = ss.chunk;
+    CUdeviceptr o = sums + first * 16;
+    uint64_t nc = chunks_of(&regs[i], ss.chunk);
+    void *args[] = {&base, &len, &chunk, &bpc, &o};
+    r = v.launch(hash_fn, (unsigned)(nc * bpc), 1, 1, 256, 1, 1, 0, ss.st[0], args, NULL);
+    first += nc;
+  }
+  uint64_t *host = malloc(bytes ? bytes : 16);
+  if (r == CUDA_SUCCESS && host) r = v.dtoh_async(host, sums, bytes, ss.st[0]);
+  if (r == CUDA_SUCCESS) r = v.stream_sync(ss.st[0]);
+  v.mem_free(sums);
+  if (!host || r != CUDA_SUCCESS) {
+    free(host);
+    return fail(err, n, "owned memory: GPU hash failed (%d)", r);
+  }
+  uint64_t c = 0;
+  for (size_t i = 0; i < nregs; i++)
+    for (uint64_t k = 0, nc = chunks_of(&regs[i], ss.chunk); k < nc; k++, c++) {
+      uint64_t len = region_bytes(&regs[i]) - k * ss.chunk;
+      ptxmig_gpuhash_final(&host[2 * c], len < ss.chunk ? len : ss.chunk, out + 16 * c);
+    }
+  free(host);
+  return 0;
+}
+
+// send_with_fd sends text, with fd attached when fd >= 0.
+static int send_with_fd(int sock, const char *p, size_t n, int fd) {
+  size_t off = 0;
+  while (off < n) {
+    struct iovec io = {.iov_base = (void *)(p + off), .iov_len = n - off};
+    union {
+      char buf[CMSG_SPACE(sizeof(int))];
+      struct cmsghdr align;
+    } u;
+    struct msghdr m = {.msg_iov = &io, .msg_iovlen = 1};
+    if (fd >= 0 && off == 0) {
+      memset(&u, 0, sizeof u);
+      m.msg_control = u.buf;
+      m.msg_controllen = sizeof u.buf;
+      struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int));
+      memcpy(CMSG_DATA(c), &fd, sizeof fd);
+    }
+    ssize_t w = sendmsg(sock, &m, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return -1;
+    off += (size_t)w;
+  }
+  return 0;
+}
+
+static int send_line(int sock, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int send_line(int sock, const char *fmt, ...) {
+  char buf[256];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  if (n < 0 || (size_t)n >= sizeof buf) return -1;
+  return send_with_fd(sock, buf, (size_t)n, -1);
+}
+
+// begin opens a transfer session: "save" (checkpoint: regions live, the process quiesced) or
+// "load" (restore or rollback: regions released; their physical memory is re-created here).
+// The reply lists the regions (and, for save with hash, each chunk's GPU hash) and carries the
+// ring's memfd.
+int vmm_cmd_begin(int sock, const char *dir, uint64_t chunk, unsigned slots, int hash, char *err, size_t errlen) {
+  int load = dir && strcmp(dir, "load") == 0;
+  if (!dir || (!load && strcmp(dir, "save") != 0)) return fail(err, errlen, "mem-begin: dir must be save or load");
+  if (chunk < (64 << 10) || chunk > (64u << 20) || (chunk & 255)) return fail(err, errlen, "mem-begin: chunk_bytes must be a multiple of 256 from 64 KiB to 64 MiB");
+  if (slots < 1 || slots > MAX_SLOTS) return fail(err, errlen, "mem-begin: slots must be 1 to %d", MAX_SLOTS);
+  if (!v_ready()) return fail(err, errlen, "mem-begin: the driver lacks the VMM entry points");
+  int st = preempt_state();
+  if (st == 0) return fail(err, errlen, "mem-begin: not quiesced");
+  session_end();
+  ss.inlen = 0;
+  uint64_t t0 = vmono();
+  pthread_mutex_lock(&vmm_mu);
+  if (load != released) {
+    pthread_mutex_unlock(&vmm_mu);
+    return fail(err, errlen, load ? "mem-begin load: owned memory is not released" : "mem-begin save: owned memory is released (load it first)");
+  }
+  if (!load && sync_all(err, errlen)) {
+    pthread_mutex_unlock(&vmm_mu);
+    return -1;
+  }
+  uint64_t t_sync = vmono();
+  int rc = -1;
+  ss.chunk = chunk;
+  ss.nslots = (int)slots;
+  ss.slot_bytes = chunk;
+  ss.ring_bytes = chunk * slots;
+  ss.ctx = nregs ? regs[0].ctx : NULL;
+  ss.load = load;
+  ss.nchunks = 0;
+  for (size_t i = 0; i < nregs; i++) ss.nchunks += chunks_of(&regs[i], chunk);
+  uint8_t *hashes = NULL;
+  CUcontext x;
+  int pushed = 0;
+  size_t remapped = 0;
+  if (nregs) {
+    if (v.ctx_push(ss.ctx) != CUDA_SUCCESS) {
+      fail(err, errlen, "mem-begin: cannot enter the owning context");
+      goto out;
+    }
+    pushed = 1;
+  }
+  if (load) {
+    // The physical memory again, at the same addresses. A failure unmaps what was re-created.
+    for (; remapped < nregs; remapped++) {
+      CUresult r = map_phys(regs[remapped].va, regs[remapped].size, regs[remapped].dev, &regs[remapped].h);
+      if (r != CUDA_SUCCESS) {
+        fail(err, errlen, "mem-begin load: re-creating %zu bytes at %llx on device %d failed (%d)", regs[remapped].size,
+             (unsigned long long)regs[remapped].va, regs[remapped].dev, r);
+        for (size_t k = 0; k < remapped; k++) unmap_phys(&regs[k]);
+        goto out;
+      }
+    }
+    released = 0;
+  }
+  ss.memfd = memfd_create("ptxmig-devmem", MFD_CLOEXEC);
+  if (ss.memfd < 0 || ftruncate(ss.memfd, (off_t)ss.ring_bytes)) {
+    fail(err, errlen, "mem-begin: memfd: %s", strerror(errno));
+    goto out;
+  }
+  ss.ring = mmap(NULL, ss.ring_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, ss.memfd, 0);
+  if (ss.ring == MAP_FAILED) {
+    ss.ring = NULL;
+    fail(err, errlen, "mem-begin: mmap the ring: %s", strerror(errno));
+    goto out;
+  }
+  ss.active = 1;
+  if (nregs) {
+    ss.pinned = v.host_register && v.host_register(ss.ring, ss.ring_bytes, 0) == CUDA_SUCCESS;
+    if (!ss.pinned) LOG_ONCE("owned memory: the ring could not be pinned; copies run from pageable memory");
+    for (int i = 0; i < NSTREAMS; i++)
+      if (v.stream_create(&ss.st[i], 1 /* non-blocking */) != CUDA_SUCCESS) {
+        fail(err, errlen, "mem-begin: cannot create a copy stream");
+        goto out;
+      }
+    for (int i = 0; i < ss.nslots; i++)
+      if (v.ev_create(&ss.ev[i], 2 /* disable timing */) != CUDA_SUCCESS) {
+        fail(err, errlen, "mem-begin: cannot create an event");
+        goto out;
+      }
+  }
+  uint64_t t_hash = vmono();
+  if (!load && hash && nregs) {
+    hashes = malloc((size_t)ss.nchunks * 16);
+    if (!hashes) {
+      fail(err, errlen, "mem-begin: out of memory");
+      goto out;
+    }
+    if (hash_all(hashes, err, errlen)) goto out;
+  }
+  uint64_t t_end = vmono();
+  jbuf b = {0};
+  jb_printf(&b, "{\"ok\":true,\"proto\":%d,\"cmd\":\"mem-begin\",\"result\":{\"dir\":\"%s\",\"instance\":\"%016llx\",",
+            PTXMIG_PROTO_VERSION, load ? "load" : "save", (unsigned long long)instance);
+  jb_printf(&b, "\"chunk_bytes\":%llu,\"slots\":%d,\"pinned\":%s,\"chunks\":%llu,\"hash\":\"%s\",", (unsigned long long)chunk,
+            ss.nslots, ss.pinned ? "true" : "false", (unsigned long long)ss.nchunks, hashes ? PTXMIG_GPUHASH_NAME : "");
+  jb_printf(&b, "\"sync_us\":%llu,\"remap_us\":%llu,\"hash_us\":%llu,\"regions\":[",
+            (unsigned long long)(t_sync - t0) / 1000, load ? (unsigned long long)(t_hash - t_sync) / 1000 : 0ull,
+            (unsigned long long)(t_end - t_hash) / 1000);
+  uint64_t c = 0;
+  for (size_t i = 0; i < nregs; i++) {
+    jb_printf(&b, "%s{\"va\":%llu,\"size\":%llu,\"asked\":%llu,\"bytes\":%llu,\"device\":%d", i ? "," : "",
+              (unsigned long long)regs[i].va, (unsigned long long)regs[i].size, (unsigned long long)regs[i].asked,
+              (unsigned long long)region_bytes(&regs[i]), regs[i].dev);
+    uint64_t nc = chunks_of(&regs[i], chunk);
+    if (hashes) {
+      jb_s(&b, ",\"hashes\":\"");
+      static const char hx[] = "0123456789abcdef";
+      for (uint64_t k = 0; k < nc; k++, c++) {
+        char h[33];
+        for (int j = 0; j < 16; j++) h[2 * j] = hx[hashes[16 * c + j] >> 4], h[2 * j + 1] = hx[hashes[16 * c + j] & 15];
+        jb_raw(&b, h, 32);
+      }
+      jb_s(&b, "\"");
+    }
+    jb_s(&b, "}");
+  }
+  jb_s(&b, "]}}\n");
+  if (b.oom) {
+    free(b.p);
+    fail(err, errlen, "mem-begin: out of memory building the reply");
+    goto out;
+  }
+  if (send_with_fd(sock, b.p, b.len, ss.memfd)) {
+    free(b.p);
+    fail(err, errlen, "mem-begin: send: %s", strerror(errno));
+    goto out;
+  }
+  free(b.p);
+  rc = 0;
+out:
+  free(hashes);
+  if (pushed) v.ctx_pop(&x);
+  pthread_mutex_unlock(&vmm_mu);
+  if (rc) session_end();
+  if (rc && load && remapped == nregs && nregs) {  // re-created, but the session failed: release again
+    pthread_mutex_lock(&vmm_mu);
+    for (size_t k = 0; k < nregs; k++) unmap_phys(&regs[k]);
+    released = 1;
+    pthread_mutex_unlock(&vmm_mu);
+  }
+  return rc;
+}
+
+// chunk_at maps a global chunk index to its region and offset (vmm_mu held).
+static region *chunk_at(uint64_t c, uint64_t *off, uint64_t *len) {
+  for (size_t i = 0; i < nregs; i++) {
+    uint64_t nc = chunks_of(&regs[i], ss.chunk);
+    if (c < nc) {
+      *off = c * ss.chunk;
+      uint64_t rest = region_bytes(&regs[i]) - *off;
+      *len = rest < ss.chunk ? rest : ss.chunk;
+      return &regs[i];
+    }
+    c -= nc;
+  }
+  return NULL;
+}
+
+// read_msg waits up to ms for one line from ptxmig and parses it: 1 with the keys' values
+// (-1 when absent), 0 on timeout, -1 on error or a malformed line.
+static int read_msg(int sock, int ms, const char *const *keys, long long *out, int nkeys, char *err, size_t errlen) {
+  for (;;) {
+    char *nl = memchr(ss.in, '\n', ss.inlen);
+    if (nl) {
+      size_t n = (size_t)(nl - ss.in);
+      char *vals[4] = {0};
+      char perr[128];
+      int r = json_flat_parse(ss.in, n, keys, vals, (size_t)nkeys, perr, sizeof perr);
+      memmove(ss.in, nl + 1, ss.inlen - n - 1);
+      ss.inlen -= n + 1;
+      if (r < 0) return fail(err, errlen, "malformed message during the copy: %s", perr);
+      for (int i = 0; i < nkeys; i++) {
+        out[i] = -1;
+        if (vals[i]) {
+          char *end;
+          errno = 0;
+          long long x = strtoll(vals[i], &end, 10);
+          if (!errno && !*end && x >= 0) out[i] = x;
+          free(vals[i]);
+        }
+      }
+      return 1;
+    }
+    if (ss.inlen == sizeof ss.in) return fail(err, errlen, "message during the copy longer than %zu bytes", sizeof ss.in);
+    struct pollfd pf = {.fd = sock, .events = POLLIN};
+    int pr = poll(&pf, 1, ms);
+    if (pr < 0 && errno == EINTR) continue;
+    if (pr < 0) return fail(err, errlen, "poll: %s", strerror(errno));
+    if (pr == 0) return 0;
+    ssize_t r = recv(sock, ss.in + ss.inlen, sizeof ss.in - ss.inlen, 0);
+    if (r <= 0) return fail(err, errlen, "ptxmig closed the connection during the copy");
+    ss.inlen += (size_t)r;
+  }
+}
+
+#define PEER_TIMEOUT_MS 60000
+
+// vmm_cmd_copy (save): copies each chunk not marked in skip (hex bitmap, bit c of nibble c/4 is
+// chunk c: 1 skip) into a free slot, in order, and tells ptxmig {"chunk","slot","len"} once it is
+// there; ptxmig answers {"free":slot} when it no longer needs the slot.
+int vmm_cmd_copy(int sock, const char *skip, jbuf *b, char *err, size_t errlen) {
+  if (!ss.active || ss.load) return fail(err, errlen, "mem-copy: no save session (mem-begin save first)");
+  size_t sl = skip ? strlen(skip) : 0;
+  if (sl && sl != (ss.nchunks + 3) / 4) return fail(err, errlen, "mem-copy: skip must have %llu hex digits", (unsigned long long)(ss.nchunks + 3) / 4);
+  for (size_t i = 0; i < sl; i++)
+    if (!((skip[i] >= '0' && skip[i] <= '9') || (skip[i] >= 'a' && skip[i] <= 'f'))) return fail(err, errlen, "mem-copy: skip is not lower-case hex");
+  uint64_t t0 = vmono();
+  pthread_mutex_lock(&vmm_mu);
+  CUcontext x;
+  if (nregs && v.ctx_push(ss.ctx) != CUDA_SUCCESS) {
+    pthread_mutex_unlock(&vmm_mu);
+    return fail(err, errlen, "mem-copy: cannot enter the owning context");
+  }
+  static const char *const keys[] = {"#free"};
+  int order[MAX_SLOTS], head = 0, tail = 0;  // slots in copy order, awaiting notification
+  uint64_t chunk_of_slot[MAX_SLOTS];
+  uint64_t next = 0, copied = 0, bytes = 0, skipped = 0, gpu_ns = 0, peer_ns = 0;
+  int rc = 0;
+  memset(ss.busy, 0, sizeof ss.busy);
+  for (;;) {
+    // Issue copies into free slots.
+    while (next < ss.nchunks) {
+      int skipc = sl && (((skip[next / 4] <= '9' ? skip[next / 4] - '0' : skip[next / 4] - 'a' + 10) >> (next % 4)) & 1);
+      if (skipc) {
+        next++;
+        skipped++;
+        continue;
+      }
+      int s = -1;
+      for (int i = 0; i < ss.nslots && s < 0; i++)
+        if (!ss.busy[i]) s = i;
+      if (s < 0) break;
+      uint64_t off, len;
+      region *g = chunk_at(next, &off, &len);
+      CUstream st = ss.st[next % NSTREAMS];
+      CUresult r = v.dtoh_async(ss.ring + (size_t)s * ss.slot_bytes, g->va + off, len, st);
+      if (r == CUDA_SUCCESS) r = v.ev_record(ss.ev[s], st);
+      if (r != CUDA_SUCCESS) {
+        rc = fail(err, errlen, "mem-copy: copy of chunk %llu failed (%d)", (unsigned long long)next, r);
+        goto out;
+      }
+      ss.busy[s] = 1;
+      chunk_of_slot[s] = next;
+      order[tail++ % MAX_SLOTS] = s;
+      next++;
+    }
+    if (head == tail) break;  // nothing in flight and nothing left
+    // Tell ptxmig about the oldest copy once it landed.
+    int s = order[head % MAX_SLOTS];
+    uint64_t tw = vmono();
+    CUresult r = v.ev_sync(ss.ev[s]);
+    gpu_ns += vmono() - tw;
+    if (r != CUDA_SUCCESS) {
+      rc = fail(err, errlen, "mem-copy: copy of chunk %llu failed (%d)", (unsigned long long)chunk_of_slot[s], r);
+      goto out;
+    }
+    uint64_t off, len;
+    chunk_at(chunk_of_slot[s], &off, &len);
+    if (send_line(sock, "{\"chunk\":%llu,\"slot\":%d,\"len\":%llu}\n", (unsigned long long)chunk_of_slot[s], s, (unsigned long long)len)) {
+      rc = fail(err, errlen, "mem-copy: send: %s", strerror(errno));
+      goto out;
+    }
+    head++;
+    copied++;
+    bytes += len;
+    ss.busy[s] = 2;  // with ptxmig
+    // Collect the slots ptxmig gave back: wait only when no slot is free for the next copy.
+    for (;;) {
+      int any_free = 0, with_peer = 0;
+      for (int i = 0; i < ss.nslots; i++) any_free |= !ss.busy[i], with_peer |= ss.busy[i] == 2;
+      int need = next < ss.nchunks ? !any_free : head == tail && with_peer;
+      long long f[1];
+      uint64_t tp = vmono();
+      int m = read_msg(sock, need ? PEER_TIMEOUT_MS : 0, keys, f, 1, err, errlen);
+      if (need) peer_ns += vmono() - tp;
+      if (m < 0) {
+        rc = -1;
+        goto out;
+      }
+      if (m == 0) {
+        if (need) {
+          rc = fail(err, errlen, "mem-copy: ptxmig gave no slot back for %d s", PEER_TIMEOUT_MS / 1000);
+          goto out;
+        }
+        break;
+      }
+      if (f[0] < 0 || f[0] >= ss.nslots || ss.busy[f[0]] != 2) {
+        rc = fail(err, errlen, "mem-copy: ptxmig freed slot %lld, which it does not hold", f[0]);
+        goto out;
+      }
+      ss.busy[f[0]] = 0;
+    }
+  }
+  jb_printf(b,
+            "{\"chunks\":%llu,\"copied\":%llu,\"skipped\":%llu,\"bytes\":%llu,\"elapsed_us\":%llu,\"gpu_wait_us\":%llu,"
+            "\"peer_wait_us\":%llu}",
+            (unsigned long long)ss.nchunks, (unsigned long long)copied, (unsigned long long)skipped,
+            (unsigned long long)bytes, (unsigned long long)(vmono() - t0) / 1000, (unsigned long long)gpu_ns / 1000,
+            (unsigned long long)peer_ns / 1000);
+out:
+  if (nregs) v.ctx_pop(&x);
+  pthread_mutex_unlock(&vmm_mu);
+  if (rc) session_end();
+  return rc;
+}
+
+// vmm_cmd_fill (load): ptxmig sends {"chunk","slot","len"} for each chunk it put in a slot and
+// {"end":N} after the last (N chunks in all); the shim copies each to the device and answers
+// {"free":slot} once the copy is done.
+int vmm_cmd_fill(int sock, jbuf *b, char *err, size_t errlen) {
+  if (!ss.active || !ss.load) return fail(err, errlen, "mem-fill: no load session (mem-begin load first)");
+  uint64_t t0 = vmono();
+  pthread_mutex_lock(&vmm_mu);
+  CUcontext x;
+  if (nregs && v.ctx_push(ss.ctx) != CUDA_SUCCESS) {
+    pthread_mutex_unlock(&vmm_mu);
+    return fail(err, errlen, "mem-fill: cannot enter the owning context");
+  }
+  static const char *const keys[] = {"#chunk", "#slot", "#len", "#end"};
+  uint8_t *seen = calloc((size_t)ss.nchunks + 1, 1);
+  uint64_t got = 0, bytes = 0, peer_ns = 0;
+  long long end = -1;
+  int rc = 0;
+  memset(ss.busy, 0, sizeof ss.busy);
+  if (!seen) {
+    rc = fail(err, errlen, "mem-fill: out of memory");
+    goto out;
+  }
+  for (;;) {
+    // Give back every slot whose copy landed.
+    int inflight = 0;
+    for (int i = 0; i < ss.nslots; i++) {
+      if (!ss.busy[i]) continue;
+      CUresult q = v.ev_query(ss.ev[i]);
+      if (q == CUDA_SUCCESS) {
+        ss.busy[i] = 0;
+        if (send_line(sock, "{\"free\":%d}\n", i)) {
+          rc = fail(err, errlen, "mem-fill: send: %s", strerror(errno));
+          goto out;
+        }
+      } else if (q != CUDA_ERROR_NOT_READY) {
+        rc = fail(err, errlen, "mem-fill: copy into the device failed (%d)", q);
+        goto out;
+      } else {
+        inflight++;
+      }
+    }
+    if (end >= 0 && !inflight) break;
+    if (end >= 0) {
+      struct timespec ts = {0, 20000};
+      nanosleep(&ts, NULL);
+      continue;
+    }
+    long long f[4];
+    uint64_t tp = vmono();
+    int m = read_msg(sock, inflight ? 0 : PEER_TIMEOUT_MS, keys, f, 4, err, errlen);
+    if (!inflight) peer_ns += vmono() - tp;
+    if (m < 0) {
+      rc = -1;
+      goto out;
+    }
+    if (m == 0) {
+      if (!inflight) {
+        rc = fail(err, errlen, "mem-fill: nothing from ptxmig for %d s", PEER_TIMEOUT_MS / 1000);
+        goto out;
+      }
+      struct timespec ts = {0, 10000};
+      nanosleep(&ts, NULL);
+      continue;
+    }
+    if (f[3] >= 0) {
+      end = f[3];
+      if ((uint64_t)end != got || got != ss.nchunks) {
+        rc = fail(err, errlen, "mem-fill: ended after %llu of %llu chunks", (unsigned long long)got, (unsigned long long)ss.nchunks);
+        goto out;
+      }
+      continue;
+    }
+    uint64_t off, len;
+    region *g = f[0] >= 0 ? chunk_at((uint64_t)f[0], &off, &len) : NULL;
+    if (!g || seen[f[0]] || f[1] < 0 || f[1] >= ss.nslots || ss.busy[f[1]] || f[2] < 0 || (uint64_t)f[2] != len) {
+      rc = fail(err, errlen, "mem-fill: bad chunk message (chunk %lld slot %lld len %lld)", f[0], f[1], f[2]);
+      goto out;
+    }
+    seen[f[0]] = 1;
+    int s = (int)f[1];
+    CUstream st = ss.st[(uint64_t)f[0] % NSTREAMS];
+    CUresult r = v.htod_async(g->va + off, ss.ring + (size_t)s * ss.slot_bytes, len, st);
+    if (r == CUDA_SUCCESS) r = v.ev_record(ss.ev[s], st);
+    if (r != CUDA_SUCCESS) {
+      rc = fail(err, errlen, "mem-fill: copy of chunk %lld failed (%d)", f[0], r);
+      goto out;
+    }
+    ss.busy[s] = 1;
+    got++;
+    bytes += len;
+  }
+  for (int i = 0; i < NSTREAMS; i++) {
+    CUresult r = v.stream_sync(ss.st[i]);
+    if (r != CUDA_SUCCESS) {
+      rc = fail(err, errlen, "mem-fill: copy into the device failed (%d)", r);
+      goto out;
+    }
+  }
+  jb_printf(b, "{\"chunks\":%llu,\"bytes\":%llu,\"elapsed_us\":%llu,\"peer_wait_us\":%llu}", (unsigned long long)got,
+            (unsigned long long)bytes, (unsigned long long)(vmono() - t0) / 1000, (unsigned long long)peer_ns / 1000);
+out:
+  free(seen);
+  if (nregs) v.ctx_pop(&x);
+  pthread_mutex_unlock(&vmm_mu);
+  if (rc) session_end();
+  return rc;
+}
+
+// vmm_cmd_release unmaps and releases the physical memory of every region (the reservations
+// stay): the driver checkpoint then has none of it to copy.
+int vmm_cmd_release(jbuf *b, char *err, size_t errlen) {
+  if (preempt_state() == 0) return fail(err, errlen, "mem-release: not quiesced");
+  session_end();
+  uint64_t t0 = vmono();
+  pthread_mutex_lock(&vmm_mu);
+  if (released) {
+    pthread_mutex_unlock(&vmm_mu);
+    return fail(err, errlen, "mem-release: already released");
+  }
+  uint64_t bytes = 0;
+  if (nregs && sync_all(err, errlen)) {
+    pthread_mutex_unlock(&vmm_mu);
+    return -1;
+  }
+  CUcontext x;
+  int pushed = nregs && v.ctx_push(regs[0].ctx) == CUDA_SUCCESS;
+  for (size_t i = 0; i < nregs; i++) {
+    unmap_phys(&regs[i]);
+    bytes += regs[i].size;
+  }
+  if (pushed) v.ctx_pop(&x);
+  released = 1;
+  pthread_mutex_unlock(&vmm_mu);
+  jb_printf(b, "{\"released_bytes\":%llu,\"regions\":%zu,\"elapsed_us\":%llu}", (unsigned long long)bytes, nregs,
+            (unsigned long long)(vmono() - t0) / 1000);
+  return 0;
+}
+
+int vmm_cmd_end(jbuf *b) {
+  session_end();
+  jb_printf(b, "{\"released\":%s}", vmm_released() ? "true" : "false");
+  return 0;
+}

@@ -1,0 +1,171 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// Reading back what an ingest holds before it commits: a checkpoint that released a process's
+// owned device memory after storing it loads the memory back from its own ingest when it rolls
+// back, or when it leaves the process running.
+
+// ChunkSize is the ingest's chunk size.
+func (in *Ingest) ChunkSize() int { return in.chunkSize }
+
+// HasFile reports whether path was added to the ingest completely.
+func (in *Ingest) HasFile(path string) bool {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	f := in.files[path]
+	return f != nil && f.done
+}
+
+// WriteFile writes the file path, added to the ingest, to w: it waits until the chunks handed to
+// the workers are stored, then reads each of the file's chunks back from the ingest's staged
+// chunk files or the store's, decodes it and checks its hash, several chunks at once (in order
+// to w). It works on a failed ingest too (what was stored stays staged until Close), not after
+// Close.
+func (in *Ingest) WriteFile(ctx context.Context, path string, w io.Writer) (int64, error) {
+	in.mu.Lock()
+	f := in.files[path]
+	closed := in.closed
+	in.mu.Unlock()
+	if closed {
+		return 0, fmt.Errorf("ingest %s: read %s: closed", in.m.Name, path)
+	}
+	if f == nil || !f.done {
+		return 0, fmt.Errorf("ingest %s: read %s: not added", in.m.Name, path)
+	}
+	in.inflight.Wait()
+	staged := in.pw.stage.lookup()
+	workers := min(runtime.NumCPU(), 8)
+	dec, err := newDecoder(workers)
+	if err != nil {
+		return 0, err
+	}
+	defer dec.close()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	type result struct {
+		data []byte
+		err  error
+	}
+	// Chunk i is decoded by a worker into results[i%window], which the writer waits for in order.
+	window := 2 * workers
+	slots := make([]chan result, window)
+	for i := range slots {
+		slots[i] = make(chan result, 1)
+	}
+	free := make(chan []byte, window)
+	for range window {
+		free <- nil
+	}
+	next := make(chan int)
+	go func() {
+		defer close(next)
+		for i := range f.chunks {
+			select {
+			case next <- i:
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var file, scratch []byte
+			for i := range next {
+				var buf []byte
+				select {
+				case buf = <-free:
+				case <-ctx.Done():
+					return
+				}
+				ch := f.chunks[i]
+				var err error
+				if ch.Zero {
+					buf = append(buf[:0], make([]byte, ch.Size)...)
+				} else {
+					if tmp, ok := staged[ch.Hash]; ok {
+						file, err = readFileInto(tmp, ch.Size, file)
+					} else {
+						file, err = in.s.readChunkFile(ch.Hash, ch.Size, file)
+					}
+					if err == nil {
+						buf, scratch, err = dec.decode(file, ch.Hash, buf, scratch)
+					}
+					if err == nil && len(buf) != ch.Size {
+						err = fmt.Errorf("%w: chunk %s holds %d bytes, listed with %d", ErrCorrupt, ch.Hash, len(buf), ch.Size)
+					}
+					if err != nil {
+						err = fmt.Errorf("ingest %s: read %s at offset %d: %w", in.m.Name, path, ch.Offset, err)
+					}
+				}
+				slots[i%window] <- result{buf, err}
+			}
+		}()
+	}
+	defer wg.Wait()
+	defer cancel()
+	var n int64
+	for i := range f.chunks {
+		var r result
+		select {
+		case r = <-slots[i%window]:
+		case <-ctx.Done():
+			return n, ctx.Err()
+		}
+		if r.err != nil {
+			return n, r.err
+		}
+		m, err := w.Write(r.data)
+		n += int64(m)
+		free <- r.data
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// readFileInto reads a staged chunk file (at most a header and size bytes) into buf.
+func readFileInto(path string, size int, buf []byte) ([]byte, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return buf, err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return buf, err
+	}
+	if n := fi.Size(); !fi.Mode().IsRegular() || n < chunkHeaderLen || n > chunkHeaderLen+int64(maxEncodedLen(size)) {
+		return buf, fmt.Errorf("%w: staged chunk file of %d bytes for a chunk of %d", ErrCorrupt, n, size)
+	}
+	if int64(cap(buf)) < fi.Size() {
+		buf = make([]byte, fi.Size())
+	}
+	buf = buf[:fi.Size()]
+	_, err = io.ReadFull(f, buf)
+	return buf, err
+}
+
+// lookup returns the temp file of every chunk staged so far.
+func (cs *chunkStage) lookup() map[ChunkID]string {
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	m := make(map[ChunkID]string, len(cs.staged))
+	for _, t := range cs.staged {
+		m[t.id] = t.tmp
+	}
+	return m
+}
