@@ -42,74 +42,88 @@ type MemorySink func(ctx context.Context) (devmem.Sink, devmem.Source, error)
 func (p *Preemption) SaveMemoryStep(sink MemorySink, prev func(pid int, instance string) *devmem.Prev) Step {
 	var src devmem.Source
 	saved := map[int]*devmem.Index{}
-	return Step{Name: StepSaveMemory,
+	var undo func(ctx context.Context) error
+	do := func(ctx context.Context) error {
+		for pid, c := range p.leases {
+			sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			st, err := c.MemStatus(sctx)
+			cancel()
+			if err != nil || !st.Enabled || st.Regions == 0 {
+				continue // an older shim, or no owned memory: the driver moves it all
+			}
+			r := p.report(pid)
+			s, s2, err := sink(ctx)
+			if s == nil {
+				r.Owned = &OwnedMemory{Note: fmt.Sprintf("left to the driver: %v", err)}
+				continue
+			}
+			src = s2
+			sess, err := c.MemBegin(ctx, "save", int64(s.ChunkSize()), memSlots, true)
+			if err != nil {
+				return fmt.Errorf("owned memory of pid %d: %w", pid, err)
+			}
+			var pv *devmem.Prev
+			if prev != nil {
+				pv = prev(pid, sess.Begin.Instance)
+			}
+			x, rep, err := devmem.Save(ctx, sess, pid, s, pv)
+			cerr := sess.Close(ctx)
+			if err == nil && cerr != nil {
+				err = fmt.Errorf("owned memory of pid %d: end the copy: %w", pid, cerr)
+			}
+			if err != nil {
+				return err
+			}
+			saved[pid] = x // from here on a rollback loads it back (if the release happened)
+			t0 := time.Now()
+			rctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+			_, err = c.MemRelease(rctx)
+			cancel()
+			if err != nil {
+				return fmt.Errorf("owned memory of pid %d: release: %w", pid, err)
+			}
+			rep.Release = time.Since(t0)
+			r.Owned = &OwnedMemory{Save: rep, Released: true}
+		}
+		return nil
+	}
+	undo = func(ctx context.Context) error {
+		var errs []error
+		for pid, x := range saved {
+			c, done, err := p.client(ctx, pid)
+			if err != nil {
+				errs = append(errs, fmt.Errorf("owned memory of pid %d: %w; the process stays held with its memory released", pid, err))
+				continue
+			}
+			sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			st, err := c.MemStatus(sctx)
+			cancel()
+			if err == nil && st.Released {
+				_, err = loadInto(ctx, c, x, src)
+			}
+			done()
+			if err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			if o := p.report(pid).Owned; o != nil {
+				o.Released = false
+			}
+			delete(saved, pid)
+		}
+		return errors.Join(errs...)
+	}
+	return Step{Name: StepSaveMemory, Undo: undo,
+		// A failure after some processes' memory was released loads theirs back here: the
+		// transaction does not undo the step that failed.
 		Do: func(ctx context.Context) error {
-			for pid, c := range p.leases {
-				sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-				st, err := c.MemStatus(sctx)
-				cancel()
-				if err != nil || !st.Enabled || st.Regions == 0 {
-					continue // an older shim, or no owned memory: the driver moves it all
+			err := do(ctx)
+			if err != nil {
+				if uerr := undo(context.WithoutCancel(ctx)); uerr != nil {
+					err = errors.Join(err, fmt.Errorf("load the owned memory back: %w", uerr))
 				}
-				r := p.report(pid)
-				s, s2, err := sink(ctx)
-				if s == nil {
-					r.Owned = &OwnedMemory{Note: fmt.Sprintf("left to the driver: %v", err)}
-					continue
-				}
-				src = s2
-				sess, err := c.MemBegin(ctx, "save", int64(s.ChunkSize()), memSlots, true)
-				if err != nil {
-					return fmt.Errorf("owned memory of pid %d: %w", pid, err)
-				}
-				var pv *devmem.Prev
-				if prev != nil {
-					pv = prev(pid, sess.Begin.Instance)
-				}
-				x, rep, err := devmem.Save(ctx, sess, pid, s, pv)
-				cerr := sess.Close(ctx)
-				if err == nil && cerr != nil {
-					err = fmt.Errorf("owned memory of pid %d: end the copy: %w", pid, cerr)
-				}
-				if err != nil {
-					return err
-				}
-				t0 := time.Now()
-				rctx, cancel := context.WithTimeout(ctx, 60*time.Second)
-				_, err = c.MemRelease(rctx)
-				cancel()
-				if err != nil {
-					return fmt.Errorf("owned memory of pid %d: release: %w", pid, err)
-				}
-				rep.Release = time.Since(t0)
-				saved[pid] = x
-				r.Owned = &OwnedMemory{Save: rep, Released: true}
 			}
-			return nil
-		},
-		Undo: func(ctx context.Context) error {
-			var errs []error
-			for pid, x := range saved {
-				c, done, err := p.client(ctx, pid)
-				if err != nil {
-					errs = append(errs, fmt.Errorf("owned memory of pid %d: %w; the process stays held with its memory released", pid, err))
-					continue
-				}
-				sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-				st, err := c.MemStatus(sctx)
-				cancel()
-				if err == nil && st.Released {
-					_, err = loadInto(ctx, c, x, src)
-				}
-				done()
-				if err != nil {
-					errs = append(errs, err)
-					continue
-				}
-				p.report(pid).Owned.Released = false
-				delete(saved, pid)
-			}
-			return errors.Join(errs...)
+			return err
 		}}
 }
 
