@@ -1,7 +1,6 @@
 package checkpoint
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -425,11 +424,7 @@ func prevMemory(env *op.Env) func(pid int, instance string) *devmem.Prev {
 				return nil, err
 			}
 			defer rd.Close()
-			var b bytes.Buffer
-			if _, err := rd.WriteFile(context.Background(), name, &b); err != nil {
-				return nil, err
-			}
-			return b.Bytes(), nil
+			return devmem.ReadIndexBytes(context.Background(), rd, name)
 		})
 	}
 }

@@ -1,7 +1,6 @@
 package restore
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -107,11 +106,7 @@ func imageHostFiles(ctx context.Context, env *op.Env, m *store.Manifest) ([]host
 		if _, ok := rd.Lookup(name); !ok {
 			return nil, nil
 		}
-		var b bytes.Buffer
-		if _, err := rd.WriteFile(ctx, name, &limitWriter{w: &b, n: hostreq.MaxImageBytes}); err != nil {
-			return nil, err
-		}
-		return b.Bytes(), nil
+		return store.ReadFileLimit(ctx, rd, name, hostreq.MaxImageBytes)
 	}
 	files, err := read(hostreq.FilesImage)
 	if err != nil || files == nil {
@@ -125,20 +120,6 @@ func imageHostFiles(ctx context.Context, env *op.Env, m *store.Manifest) ([]host
 		return nil, err
 	}
 	return hostreq.Decode(files, remaps)
-}
-
-// limitWriter fails once more than n bytes are written.
-type limitWriter struct {
-	w io.Writer
-	n int64
-}
-
-func (l *limitWriter) Write(p []byte) (int, error) {
-	if int64(len(p)) > l.n {
-		return 0, errors.New("larger than a CRIU record may be")
-	}
-	l.n -= int64(len(p))
-	return l.w.Write(p)
 }
 
 // placeFiles puts the planned carried files in place, reading each from the image (open as rd,

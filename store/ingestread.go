@@ -1,6 +1,7 @@
 package store
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -168,4 +169,34 @@ func (cs *chunkStage) lookup() map[ChunkID]string {
 		m[t.id] = t.tmp
 	}
 	return m
+}
+
+// FileWriter is what serves an image's files as streams: an ImageReader, or an Ingest before
+// its commit.
+type FileWriter interface {
+	WriteFile(ctx context.Context, path string, w io.Writer) (int64, error)
+}
+
+// ReadFileLimit reads the file path of src into memory, failing once it holds more than max
+// bytes (a small file read from an image: an index, a record).
+func ReadFileLimit(ctx context.Context, src FileWriter, path string, max int64) ([]byte, error) {
+	var b bytes.Buffer
+	if _, err := src.WriteFile(ctx, path, &limitWriter{w: &b, n: max}); err != nil {
+		return nil, err
+	}
+	return b.Bytes(), nil
+}
+
+// limitWriter fails once more than n bytes are written.
+type limitWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (l *limitWriter) Write(p []byte) (int, error) {
+	if int64(len(p)) > l.n {
+		return 0, fmt.Errorf("larger than the %d bytes expected", l.n)
+	}
+	l.n -= int64(len(p))
+	return l.w.Write(p)
 }

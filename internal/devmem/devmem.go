@@ -33,8 +33,9 @@ const ExtraKey = "devmem"
 
 // Limits on what an index may say (it is read from an image).
 const (
-	maxRegions = 1 << 20
-	maxBytes   = 1 << 46
+	maxRegions    = 1 << 20
+	maxBytes      = 1 << 46
+	maxIndexBytes = 64 << 20
 )
 
 // IndexName is the image file that describes pid's owned memory; DataName holds region i's bytes.
@@ -166,9 +167,7 @@ type Sink interface {
 
 // Source reads a saved file back: an image of the store (restore) or the checkpoint's ingest
 // (a rollback).
-type Source interface {
-	WriteFile(ctx context.Context, path string, w io.Writer) (int64, error)
-}
+type Source = store.FileWriter
 
 // Prev is the previous image of the process: its index and the chunks of its data files.
 type Prev struct {
@@ -287,6 +286,8 @@ func Save(ctx context.Context, sess *shimctl.MemSession, pid int, sink Sink, pre
 		rep.Prev = prev.Image
 	}
 	// One goroutine adds the regions' files in order; the copy hands it the chunks in order.
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	ch := make(chan piece, b.Slots)
 	done := make(chan struct{})
 	var addErr error
@@ -313,8 +314,8 @@ func Save(ctx context.Context, sess *shimctl.MemSession, pid int, sink Sink, pre
 					}
 					c++
 					return store.ChunkPiece{Data: p.data, Release: p.release}, true, nil
-				case <-ctx.Done():
-					return store.ChunkPiece{}, false, ctx.Err()
+				case <-actx.Done():
+					return store.ChunkPiece{}, false, actx.Err()
 				}
 			})
 			if err != nil {
@@ -343,18 +344,9 @@ func Save(ctx context.Context, sess *shimctl.MemSession, pid int, sink Sink, pre
 		}
 	})
 	if err != nil {
-		// The adder may wait for a chunk that never comes.
-		for {
-			select {
-			case p := <-ch:
-				p.release()
-				continue
-			case <-done:
-			case <-time.After(time.Second):
-			}
-			break
-		}
-		if addErr != nil {
+		cancel() // the adder may wait for a chunk that never comes
+		<-done
+		if addErr != nil && !errors.Is(addErr, context.Canceled) {
 			return nil, nil, errors.Join(addErr, err)
 		}
 		return nil, nil, fmt.Errorf("copy owned memory of pid %d: %w", pid, err)
@@ -465,16 +457,21 @@ func Load(ctx context.Context, sess *shimctl.MemSession, x *Index, src Source) (
 	return rep, nil
 }
 
+// ReadIndexBytes reads an index file from src, at most maxIndexBytes of it.
+func ReadIndexBytes(ctx context.Context, src Source, name string) ([]byte, error) {
+	return store.ReadFileLimit(ctx, src, name, maxIndexBytes)
+}
+
 // ReadIndex reads pid's index from src (nil, nil: the image has none).
 func ReadIndex(ctx context.Context, src Source, has func(string) bool, pid int) (*Index, error) {
 	if !has(IndexName(pid)) {
 		return nil, nil
 	}
-	var buf bytes.Buffer
-	if _, err := src.WriteFile(ctx, IndexName(pid), &limitWriter{w: &buf, n: 64 << 20}); err != nil {
+	b, err := ReadIndexBytes(ctx, src, IndexName(pid))
+	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", IndexName(pid), err)
 	}
-	x, err := ParseIndex(buf.Bytes())
+	x, err := ParseIndex(b)
 	if err != nil {
 		return nil, err
 	}
@@ -482,17 +479,4 @@ func ReadIndex(ctx context.Context, src Source, has func(string) bool, pid int) 
 		return nil, fmt.Errorf("%s is the index of pid %d", IndexName(pid), x.PID)
 	}
 	return x, nil
-}
-
-type limitWriter struct {
-	w io.Writer
-	n int64
-}
-
-func (l *limitWriter) Write(p []byte) (int, error) {
-	if int64(len(p)) > l.n {
-		return 0, errors.New("index larger than 64 MiB")
-	}
-	l.n -= int64(len(p))
-	return l.w.Write(p)
 }

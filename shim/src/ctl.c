@@ -24,10 +24,26 @@ static atomic_int started_pid;  // pid that owns the running control thread (0: 
 static int listen_fd = -1;
 static char sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 
-static int send_all(int fd, const char *p, size_t n) {
+int ctl_send(int sock, const char *p, size_t n, int fd) {
   size_t off = 0;
   while (off < n) {
-    ssize_t w = send(fd, p + off, n - off, MSG_NOSIGNAL);
+    struct iovec io = {.iov_base = (void *)(p + off), .iov_len = n - off};
+    union {
+      char buf[CMSG_SPACE(sizeof(int))];
+      struct cmsghdr align;
+    } u;
+    struct msghdr m = {.msg_iov = &io, .msg_iovlen = 1};
+    if (fd >= 0 && off == 0) {
+      memset(&u, 0, sizeof u);
+      m.msg_control = u.buf;
+      m.msg_controllen = sizeof u.buf;
+      struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int));
+      memcpy(CMSG_DATA(c), &fd, sizeof fd);
+    }
+    ssize_t w = sendmsg(sock, &m, MSG_NOSIGNAL);
     if (w < 0 && errno == EINTR) continue;
     if (w <= 0) return -1;
     off += (size_t)w;
@@ -40,7 +56,7 @@ static void reply_error(int fd, const char *msg) {
   jb_printf(&b, "{\"ok\":false,\"proto\":%d,\"error\":", PTXMIG_PROTO_VERSION);
   jb_str(&b, msg, strlen(msg));
   jb_s(&b, "}\n");
-  if (!b.oom) send_all(fd, b.p, b.len);
+  if (!b.oom) ctl_send(fd, b.p, b.len, -1);
   free(b.p);
 }
 
@@ -60,11 +76,6 @@ typedef struct {
 } conn;
 static conn conns[MAX_CONN];
 
-static uint64_t ctl_now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void send_ok(conn *c, const char *cmd, jbuf *res) {
   jbuf b = {0};
@@ -72,7 +83,7 @@ static void send_ok(conn *c, const char *cmd, jbuf *res) {
   jb_s(&b, res->p ? res->p : "{}");
   jb_s(&b, "}\n");
   if (b.oom || res->oom) reply_error(c->fd, "out of memory building the reply");
-  else if (send_all(c->fd, b.p, b.len)) c->close_after = 1;
+  else if (ctl_send(c->fd, b.p, b.len, -1)) c->close_after = 1;
   free(b.p);
 }
 
@@ -249,7 +260,7 @@ static void conn_open(int fd) {
   }
   struct timeval tv = {10, 0};
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  conns[i] = (conn){.fd = fd, .buf = buf, .last_ns = ctl_now()};
+  conns[i] = (conn){.fd = fd, .buf = buf, .last_ns = shim_now_ns()};
 }
 
 // conn_read reads what is there and answers every complete line.
@@ -260,7 +271,7 @@ static void conn_read(conn *c) {
     conn_close(c);
     return;
   }
-  c->last_ns = ctl_now();
+  c->last_ns = shim_now_ns();
   c->len += (size_t)r;
   size_t start = 0;
   for (size_t i = 0; i < c->len && !c->close_after; i++) {
@@ -331,12 +342,12 @@ static int relisten(int lfd) {
 
 static void *ctl_thread(void *arg) {
   int lfd = (int)(intptr_t)arg;
-  uint64_t last_check = ctl_now();
+  uint64_t last_check = shim_now_ns();
   for (int i = 0; i < MAX_CONN; i++) conns[i].fd = -1;
   for (;;) {
-    if (ctl_now() - last_check > 1000000000ull) {
+    if (shim_now_ns() - last_check > 1000000000ull) {
       lfd = relisten(lfd);
-      last_check = ctl_now();
+      last_check = shim_now_ns();
     }
     struct pollfd pf[MAX_CONN + 1];
     int idx[MAX_CONN + 1], np = 0;
@@ -362,7 +373,7 @@ static void *ctl_thread(void *arg) {
     }
     for (int k = 1; r > 0 && k < np; k++)
       if (pf[k].revents && conns[idx[k]].fd >= 0) conn_read(&conns[idx[k]]);
-    uint64_t now = ctl_now();
+    uint64_t now = shim_now_ns();
     for (int i = 0; i < MAX_CONN; i++)
       if (conns[i].fd >= 0 && !conns[i].lease && now - conns[i].last_ns > (uint64_t)IDLE_S * 1000000000ull)
         conn_close(&conns[i]);

@@ -57,6 +57,12 @@ void config_load(void) {
   cfg.helper_max_bytes = (uint64_t)env_uint("PTXMIG_HELPER_MAX_MB", 256) << 20;
 }
 
+uint64_t shim_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
 void shim_log(const char *fmt, ...) {
   if (!cfg.debug) return;
   char buf[512];

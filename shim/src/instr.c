@@ -43,11 +43,6 @@ void instr_stats(jbuf *b) {
             atomic_load(&st_helper_runs), (double)atomic_load(&st_helper_ns) / 1e6);
 }
 
-static uint64_t mono_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 // ---- the device's compute capability (major*10+minor) ----
 static int device_cc(void) {
@@ -441,7 +436,7 @@ static char *cache_read(int dfd, const char *name, size_t max, size_t *len) {
 
 static void cache_write(int dfd, const char *name, const char *data, size_t len) {
   char tmp[160];
-  snprintf(tmp, sizeof tmp, ".%s.%d.%lx.tmp", name, (int)getpid(), (unsigned long)mono_ns());
+  snprintf(tmp, sizeof tmp, ".%s.%d.%lx.tmp", name, (int)getpid(), (unsigned long)shim_now_ns());
   int fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return;
   size_t off = 0;
@@ -565,7 +560,7 @@ static int run_helper(const char *ptx, size_t len, obuf *out, obuf *rep, kinfo_s
     return -1;
   }
   fcntl(in[0], F_SETFL, O_NONBLOCK);
-  uint64_t deadline = mono_ns() + (uint64_t)cfg.helper_timeout_ms * 1000000ull;
+  uint64_t deadline = shim_now_ns() + (uint64_t)cfg.helper_timeout_ms * 1000000ull;
   size_t sent = 0;
   int open_out = 1, open_err = 1, timed_out = 0, failed = 0;
   int sfd = in[0];
@@ -575,7 +570,7 @@ static int run_helper(const char *ptx, size_t len, obuf *out, obuf *rep, kinfo_s
     if (open_out) pf[io = np++] = (struct pollfd){.fd = po[0], .events = POLLIN};
     if (open_err) pf[ie = np++] = (struct pollfd){.fd = pe[0], .events = POLLIN};
     if (sfd >= 0) pf[is = np++] = (struct pollfd){.fd = sfd, .events = POLLOUT};
-    uint64_t now = mono_ns();
+    uint64_t now = shim_now_ns();
     if (now >= deadline) {
       timed_out = 1;
       break;
@@ -754,9 +749,9 @@ int instr_prepare(const void *image, size_t known, const char *path, char **ptx_
     out = NULL;
     atomic_fetch_add(&st_misses, 1);
     obuf o = {.max = cfg.helper_max_bytes}, r = {.max = 16u << 20};
-    uint64_t t0 = mono_ns();
+    uint64_t t0 = shim_now_ns();
     int rc = run_helper(ptx, plen, &o, &r, ks, cc);
-    atomic_fetch_add(&st_helper_ns, mono_ns() - t0);
+    atomic_fetch_add(&st_helper_ns, shim_now_ns() - t0);
     if (rc == 0 && !entries_kept(ks, o.p, o.len)) {
       instr_failed(ks, "instrumentation failed: helper output lacks the original kernels");
       rc = -1;

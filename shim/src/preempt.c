@@ -25,11 +25,6 @@ const char *const preempt_mode_names[3] = {"off", "auto", "always"};
 #define CU_LAUNCH_PARAM_BUFFER_SIZE ((void *)0x02)
 #define ATTR_MULTIPROCESSOR_COUNT 16
 
-static uint64_t mono(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 static void nap_us(unsigned us) {
   struct timespec ts = {0, (long)us * 1000};
   nanosleep(&ts, NULL);
@@ -1035,7 +1030,7 @@ void sub_hold(CUstream s, int ptsz) {
       break;
     }
     if (!w && !pending) break;
-    if (!t0) t0 = mono(), atomic_fetch_add(&st_holds, 1);
+    if (!t0) t0 = shim_now_ns(), atomic_fetch_add(&st_holds, 1);
     if (pending) {
       pthread_cond_wait(&pre_cv, &pre_mu);
       continue;
@@ -1051,11 +1046,11 @@ void sub_hold(CUstream s, int ptsz) {
     // deadlock, so the submission goes ahead and later ones are not held behind it (the twin is
     // then no longer its stream's tail: a quiesce drains it). A twin at the head of its stream
     // runs on the GPU alone and ends.
-    uint64_t since = mono();
+    uint64_t since = shim_now_ns();
     unsigned nap = 20;
     CUresult q;
     while ((q = d.ev_query(ev)) == CUDA_ERROR_NOT_READY && !atomic_load(&gate_closed) &&
-           (started || mono() - since < HOLD_START_NS)) {
+           (started || shim_now_ns() - since < HOLD_START_NS)) {
       nap_us(nap);
       if (nap < 1000) nap *= 2;
       pthread_mutex_lock(&pre_mu);
@@ -1067,7 +1062,7 @@ void sub_hold(CUstream s, int ptsz) {
     pthread_mutex_lock(&pre_mu);
     tl *t = started ? NULL : tl_live(id);
     if (t && q == CUDA_ERROR_NOT_READY && !atomic_load(&gate_closed)) {
-      if (t->state == TL_RUNNING && mono() - since >= HOLD_START_NS) {
+      if (t->state == TL_RUNNING && shim_now_ns() - since >= HOLD_START_NS) {
         t->nohold = 1;
         atomic_fetch_add(&st_hold_gaveup, 1);
         break;
@@ -1077,7 +1072,7 @@ void sub_hold(CUstream s, int ptsz) {
     }
   }
   pthread_mutex_unlock(&pre_mu);
-  if (t0) atomic_fetch_add(&st_hold_ns, mono() - t0);
+  if (t0) atomic_fetch_add(&st_hold_ns, shim_now_ns() - t0);
 }
 
 void preempt_wait_clean(void) {
@@ -1232,7 +1227,7 @@ static void *raiser_main(void *arg) {
         n++;
       }
     pthread_mutex_unlock(&pre_mu);
-    int raise_now = mono() - last_raise >= RERAISE_NS, nended = 0;
+    int raise_now = shim_now_ns() - last_raise >= RERAISE_NS, nended = 0;
     for (int i = 0; i < n; i++) {
       if (d.ctx_push(j[i].ctx) != CUDA_SUCCESS) {
         j[i].ended = 1;  // its context is gone
@@ -1250,7 +1245,7 @@ static void *raiser_main(void *arg) {
       CUcontext x;
       d.ctx_pop(&x);
     }
-    if (raise_now) last_raise = mono();
+    if (raise_now) last_raise = shim_now_ns();
     pthread_mutex_lock(&pre_mu);
     for (int i = 0; i < n && nended; i++) {
       if (!j[i].ended) continue;
@@ -1303,7 +1298,7 @@ static int raiser_kick(void) {
 }
 
 int preempt_quiesce(jbuf *b, unsigned budget_ms) {
-  uint64_t t0 = mono(), deadline = t0 + (uint64_t)budget_ms * 1000000ull;
+  uint64_t t0 = shim_now_ns(), deadline = t0 + (uint64_t)budget_ms * 1000000ull;
   d_ready();
   pthread_mutex_lock(&pre_mu);
   if (pstate != P_RUNNING) {
@@ -1316,7 +1311,7 @@ int preempt_quiesce(jbuf *b, unsigned budget_ms) {
   pthread_mutex_unlock(&pre_mu);
   atomic_fetch_add(&st_quiesces, 1);
   // Calls past the gate finish their submission first: their sequence numbers are then final.
-  while (inflight_total() > 0 && mono() < deadline) nap_us(20);
+  while (inflight_total() > 0 && shim_now_ns() < deadline) nap_us(20);
   int racing = inflight_total() > 0;
   tl *raise[256];
   int nraise = 0;
@@ -1363,7 +1358,7 @@ int preempt_quiesce(jbuf *b, unsigned budget_ms) {
   // now: the flag is raised again every RERAISE_NS until the twin ends, so it also stops.
   uint64_t last_raise = 0;
   for (;;) {
-    if (mono() - last_raise >= RERAISE_NS) {
+    if (shim_now_ns() - last_raise >= RERAISE_NS) {
       for (int i = 0; i < nraise; i++) {
         tl *t = raise[i];
         if (t->ended || d.ctx_push(t->cr->ctx) != CUDA_SUCCESS) continue;
@@ -1373,7 +1368,7 @@ int preempt_quiesce(jbuf *b, unsigned budget_ms) {
         CUcontext x;
         d.ctx_pop(&x);
       }
-      last_raise = mono();
+      last_raise = shim_now_ns();
     }
     // Wait for the raised twins to stop and the others to finish, within the budget.
     int left = 0;
@@ -1389,7 +1384,7 @@ int preempt_quiesce(jbuf *b, unsigned budget_ms) {
       }
     }
     pthread_mutex_unlock(&pre_mu);
-    if (!left || mono() >= deadline) break;
+    if (!left || shim_now_ns() >= deadline) break;
     nap_us(20);
   }
   // Read back the stopped twins' control blocks (on the side stream: it waits for nothing else).
@@ -1402,7 +1397,7 @@ int preempt_quiesce(jbuf *b, unsigned budget_ms) {
   }
   jbuf r = {0};
   jb_printf(&r, "{\"state\":\"quiesced\",\"gate\":\"closed\",\"elapsed_us\":%llu,\"budget_ms\":%u,\"preempted\":[",
-            (unsigned long long)((mono() - t0) / 1000), budget_ms);
+            (unsigned long long)((shim_now_ns() - t0) / 1000), budget_ms);
   int fp = 1, fd = 1, fn = 1, fs = 1;
   jbuf drained = {0}, notst = {0}, stopping = {0};
   pthread_mutex_lock(&pre_mu);
@@ -1537,7 +1532,7 @@ static int cmp_seq(const void *a, const void *b) {
 }
 
 void preempt_resume(jbuf *b) {
-  uint64_t t0 = mono();
+  uint64_t t0 = shim_now_ns();
   d_ready();
   pthread_mutex_lock(&pre_mu);
   int was = pstate;
@@ -1553,8 +1548,8 @@ void preempt_resume(jbuf *b) {
 #define RESUME_WAIT_NS 2000000000ull
   int still = 0;
   if (nstopping) {
-    uint64_t until = mono() + RESUME_WAIT_NS;
-    while (nstopping && raiser_started && mono() < until) {
+    uint64_t until = shim_now_ns() + RESUME_WAIT_NS;
+    while (nstopping && raiser_started && shim_now_ns() < until) {
       pthread_mutex_unlock(&pre_mu);
       nap_us(200);
       pthread_mutex_lock(&pre_mu);
@@ -1563,8 +1558,8 @@ void preempt_resume(jbuf *b) {
     for (tl *t = live; t; t = t->next) t->stopping = 0;
     nstopping = 0;
     // The raiser may be between its snapshot and its raises: wait for its round to end.
-    uint64_t until2 = mono() + RESUME_WAIT_NS;
-    while (raiser_busy && mono() < until2) {
+    uint64_t until2 = shim_now_ns() + RESUME_WAIT_NS;
+    while (raiser_busy && shim_now_ns() < until2) {
       pthread_mutex_unlock(&pre_mu);
       nap_us(100);
       pthread_mutex_lock(&pre_mu);
@@ -1654,7 +1649,7 @@ void preempt_resume(jbuf *b) {
   jb_printf(b,
             "{\"state\":\"running\",\"was\":\"%s\",\"relaunched\":%d,\"still_stopping\":%d,\"errors\":[%s],"
             "\"elapsed_us\":%llu}",
-            pstate_names[was], relaunched, still, errs.p ? errs.p : "", (unsigned long long)((mono() - t0) / 1000));
+            pstate_names[was], relaunched, still, errs.p ? errs.p : "", (unsigned long long)((shim_now_ns() - t0) / 1000));
   free(errs.p);
 }
 

@@ -48,6 +48,8 @@ extern const char *const preempt_mode_names[3];
 extern shim_config cfg;
 void config_load(void);
 
+uint64_t shim_now_ns(void);  // CLOCK_MONOTONIC in nanoseconds
+
 // ---- logging: stderr only with PTXMIG_DEBUG=1; each call site logs once ----
 void shim_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 #define LOG_ONCE(...)                                                  \
@@ -246,7 +248,10 @@ int vmm_cmd_release(struct jbuf *b, char *err, size_t errlen);
 int vmm_cmd_end(struct jbuf *b);
 
 // ---- control socket (ctl.c) ----
-void ctl_ensure_started(void);  // called on first CUDA activity; idempotent and cheap
+void ctl_ensure_started(void);
+// ctl_send sends all of p on the socket (with the descriptor passfd attached, SCM_RIGHTS, unless
+// it is -1); -1 on failure.
+int ctl_send(int sock, const char *p, size_t n, int passfd);  // called on first CUDA activity; idempotent and cheap
 void ctl_atfork_child(void);
 
 // ---- JSON output buffer (json.c) ----

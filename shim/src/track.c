@@ -93,13 +93,8 @@ static int pm_del(pmap *m, uint64_t k, uint64_t *old) {
   return 0;
 }
 
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 static uint64_t start_ns;
-__attribute__((constructor)) static void track_init(void) { start_ns = now_ns(); }
+__attribute__((constructor)) static void track_init(void) { start_ns = shim_now_ns(); }
 
 // ---- allocations ----
 static pthread_mutex_t alloc_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -341,7 +336,7 @@ void trk_module_add(int source, void *handle, const void *image, size_t known, c
   m->source = source;
   m->handle = handle;
   m->loaded = 1;
-  m->loaded_ns = now_ns();
+  m->loaded_ns = shim_now_ns();
   pthread_mutex_lock(&mod_mu);
   uint64_t budget = cfg.capture_max > captured_bytes ? cfg.capture_max - captured_bytes : 0;
   pthread_mutex_unlock(&mod_mu);
@@ -866,15 +861,15 @@ static __thread sample tls_sample;  // the sample in flight on this thread betwe
 // It measures the shim's cost inside the real application, where whole-run A/B timings are too
 // noisy; the two clock reads it adds per side are included, so it is an upper bound. Off by default.
 static atomic_ulong self_launches, self_ns_total;
-static inline uint64_t self_clock(void) { return cfg.self_time ? now_ns() : 0; }
+static inline uint64_t self_clock(void) { return cfg.self_time ? shim_now_ns() : 0; }
 // What one clock read costs here (on some VMs the clock is a system call): each launch's self time
 // includes about two of them, which readers may subtract. Measured at each kernels report with
 // self-timing on (on the control thread, never the app's): the fastest of 16 runs of 64 reads.
 static uint64_t clock_cost_ns(void) {
   uint64_t best = UINT64_MAX;
   for (int r = 0; r < 16; r++) {
-    uint64_t t0 = now_ns(), t1 = t0;
-    for (int i = 0; i < 64; i++) t1 = now_ns();
+    uint64_t t0 = shim_now_ns(), t1 = t0;
+    for (int i = 0; i < 64; i++) t1 = shim_now_ns();
     if ((t1 - t0) / 64 < best) best = (t1 - t0) / 64;
   }
   return best;
@@ -1131,7 +1126,7 @@ void report_status(jbuf *b) {
   jb_printf(b, "{\"pid\":%d,\"shim\":\"%s\",\"proto\":%d,\"exe\":", (int)getpid(), PTXMIG_SHIM_VERSION,
             PTXMIG_PROTO_VERSION);
   jb_str(b, exe, (size_t)el);
-  jb_printf(b, ",\"uptime_s\":%.3f,\"cuda_initialized\":%s", (double)(now_ns() - start_ns) / 1e9,
+  jb_printf(b, ",\"uptime_s\":%.3f,\"cuda_initialized\":%s", (double)(shim_now_ns() - start_ns) / 1e9,
             atomic_load(&cu_inited) ? "true" : "false");
   int dv = 0;
   CUresult (*ver)(int *) = (CUresult(*)(int *))drv_sym("cuDriverGetVersion");

@@ -197,11 +197,6 @@ static void unmap_phys(region *g) {
   g->h = 0;
 }
 
-static uint64_t vmono(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 int vmm_alloc(CUdeviceptr *p, size_t size) {
   if (!cfg.owned || size < cfg.owned_min || size > (1ull << 46) || !p || !v_ready()) return -1;
@@ -256,7 +251,7 @@ int vmm_alloc(CUdeviceptr *p, size_t size) {
   nregs++;
   owned_bytes += n;
   if (owned_bytes > owned_peak) owned_peak = owned_bytes;
-  if (!instance) instance = vmono() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&instance;
+  if (!instance) instance = shim_now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&instance;
   pthread_mutex_unlock(&vmm_mu);
   sub_exit();
   atomic_fetch_add(&st_owned, 1);
@@ -480,33 +475,6 @@ static int hash_all(uint8_t *out, char *err, size_t n) {
   return 0;
 }
 
-// send_with_fd sends text, with fd attached when fd >= 0.
-static int send_with_fd(int sock, const char *p, size_t n, int fd) {
-  size_t off = 0;
-  while (off < n) {
-    struct iovec io = {.iov_base = (void *)(p + off), .iov_len = n - off};
-    union {
-      char buf[CMSG_SPACE(sizeof(int))];
-      struct cmsghdr align;
-    } u;
-    struct msghdr m = {.msg_iov = &io, .msg_iovlen = 1};
-    if (fd >= 0 && off == 0) {
-      memset(&u, 0, sizeof u);
-      m.msg_control = u.buf;
-      m.msg_controllen = sizeof u.buf;
-      struct cmsghdr *c = CMSG_FIRSTHDR(&m);
-      c->cmsg_level = SOL_SOCKET;
-      c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(sizeof(int));
-      memcpy(CMSG_DATA(c), &fd, sizeof fd);
-    }
-    ssize_t w = sendmsg(sock, &m, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return -1;
-    off += (size_t)w;
-  }
-  return 0;
-}
 
 static int send_line(int sock, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int send_line(int sock, const char *fmt, ...) {
@@ -516,7 +484,7 @@ static int send_line(int sock, const char *fmt, ...) {
   int n = vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
   if (n < 0 || (size_t)n >= sizeof buf) return -1;
-  return send_with_fd(sock, buf, (size_t)n, -1);
+  return ctl_send(sock, buf, (size_t)n, -1);
 }
 
 // begin opens a transfer session: "save" (checkpoint: regions live, the process quiesced) or
@@ -533,7 +501,7 @@ int vmm_cmd_begin(int sock, const char *dir, uint64_t chunk, unsigned slots, int
   if (st == 0) return fail(err, errlen, "mem-begin: not quiesced");
   session_end();
   ss.inlen = 0;
-  uint64_t t0 = vmono();
+  uint64_t t0 = shim_now_ns();
   pthread_mutex_lock(&vmm_mu);
   if (load != released) {
     pthread_mutex_unlock(&vmm_mu);
@@ -543,7 +511,7 @@ int vmm_cmd_begin(int sock, const char *dir, uint64_t chunk, unsigned slots, int
     pthread_mutex_unlock(&vmm_mu);
     return -1;
   }
-  uint64_t t_sync = vmono();
+  uint64_t t_sync = shim_now_ns();
   int rc = -1;
   ss.chunk = chunk;
   ss.nslots = (int)slots;
@@ -603,7 +571,7 @@ int vmm_cmd_begin(int sock, const char *dir, uint64_t chunk, unsigned slots, int
         goto out;
       }
   }
-  uint64_t t_hash = vmono();
+  uint64_t t_hash = shim_now_ns();
   if (!load && hash && nregs) {
     hashes = malloc((size_t)ss.nchunks * 16);
     if (!hashes) {
@@ -612,7 +580,7 @@ int vmm_cmd_begin(int sock, const char *dir, uint64_t chunk, unsigned slots, int
     }
     if (hash_all(hashes, err, errlen)) goto out;
   }
-  uint64_t t_end = vmono();
+  uint64_t t_end = shim_now_ns();
   jbuf b = {0};
   jb_printf(&b, "{\"ok\":true,\"proto\":%d,\"cmd\":\"mem-begin\",\"result\":{\"dir\":\"%s\",\"instance\":\"%016llx\",",
             PTXMIG_PROTO_VERSION, load ? "load" : "save", (unsigned long long)instance);
@@ -645,7 +613,7 @@ int vmm_cmd_begin(int sock, const char *dir, uint64_t chunk, unsigned slots, int
     fail(err, errlen, "mem-begin: out of memory building the reply");
     goto out;
   }
-  if (send_with_fd(sock, b.p, b.len, ss.memfd)) {
+  if (ctl_send(sock, b.p, b.len, ss.memfd)) {
     free(b.p);
     fail(err, errlen, "mem-begin: send: %s", strerror(errno));
     goto out;
@@ -729,7 +697,7 @@ int vmm_cmd_copy(int sock, const char *skip, jbuf *b, char *err, size_t errlen) 
   if (sl && sl != (ss.nchunks + 3) / 4) return fail(err, errlen, "mem-copy: skip must have %llu hex digits", (unsigned long long)(ss.nchunks + 3) / 4);
   for (size_t i = 0; i < sl; i++)
     if (!((skip[i] >= '0' && skip[i] <= '9') || (skip[i] >= 'a' && skip[i] <= 'f'))) return fail(err, errlen, "mem-copy: skip is not lower-case hex");
-  uint64_t t0 = vmono();
+  uint64_t t0 = shim_now_ns();
   pthread_mutex_lock(&vmm_mu);
   CUcontext x;
   if (nregs && v.ctx_push(ss.ctx) != CUDA_SUCCESS) {
@@ -772,9 +740,9 @@ int vmm_cmd_copy(int sock, const char *skip, jbuf *b, char *err, size_t errlen) 
     if (head == tail) break;  // nothing in flight and nothing left
     // Tell ptxmig about the oldest copy once it landed.
     int s = order[head % MAX_SLOTS];
-    uint64_t tw = vmono();
+    uint64_t tw = shim_now_ns();
     CUresult r = v.ev_sync(ss.ev[s]);
-    gpu_ns += vmono() - tw;
+    gpu_ns += shim_now_ns() - tw;
     if (r != CUDA_SUCCESS) {
       rc = fail(err, errlen, "mem-copy: copy of chunk %llu failed (%d)", (unsigned long long)chunk_of_slot[s], r);
       goto out;
@@ -795,9 +763,9 @@ int vmm_cmd_copy(int sock, const char *skip, jbuf *b, char *err, size_t errlen) 
       for (int i = 0; i < ss.nslots; i++) any_free |= !ss.busy[i], with_peer |= ss.busy[i] == 2;
       int need = next < ss.nchunks ? !any_free : head == tail && with_peer;
       long long f[1];
-      uint64_t tp = vmono();
+      uint64_t tp = shim_now_ns();
       int m = read_msg(sock, need ? PEER_TIMEOUT_MS : 0, keys, f, 1, err, errlen);
-      if (need) peer_ns += vmono() - tp;
+      if (need) peer_ns += shim_now_ns() - tp;
       if (m < 0) {
         rc = -1;
         goto out;
@@ -820,7 +788,7 @@ int vmm_cmd_copy(int sock, const char *skip, jbuf *b, char *err, size_t errlen) 
             "{\"chunks\":%llu,\"copied\":%llu,\"skipped\":%llu,\"bytes\":%llu,\"elapsed_us\":%llu,\"gpu_wait_us\":%llu,"
             "\"peer_wait_us\":%llu}",
             (unsigned long long)ss.nchunks, (unsigned long long)copied, (unsigned long long)skipped,
-            (unsigned long long)bytes, (unsigned long long)(vmono() - t0) / 1000, (unsigned long long)gpu_ns / 1000,
+            (unsigned long long)bytes, (unsigned long long)(shim_now_ns() - t0) / 1000, (unsigned long long)gpu_ns / 1000,
             (unsigned long long)peer_ns / 1000);
 out:
   if (nregs) v.ctx_pop(&x);
@@ -834,7 +802,7 @@ out:
 // {"free":slot} once the copy is done.
 int vmm_cmd_fill(int sock, jbuf *b, char *err, size_t errlen) {
   if (!ss.active || !ss.load) return fail(err, errlen, "mem-fill: no load session (mem-begin load first)");
-  uint64_t t0 = vmono();
+  uint64_t t0 = shim_now_ns();
   pthread_mutex_lock(&vmm_mu);
   CUcontext x;
   if (nregs && v.ctx_push(ss.ctx) != CUDA_SUCCESS) {
@@ -877,9 +845,9 @@ int vmm_cmd_fill(int sock, jbuf *b, char *err, size_t errlen) {
       continue;
     }
     long long f[4];
-    uint64_t tp = vmono();
+    uint64_t tp = shim_now_ns();
     int m = read_msg(sock, inflight ? 0 : PEER_TIMEOUT_MS, keys, f, 4, err, errlen);
-    if (!inflight) peer_ns += vmono() - tp;
+    if (!inflight) peer_ns += shim_now_ns() - tp;
     if (m < 0) {
       rc = -1;
       goto out;
@@ -928,7 +896,7 @@ int vmm_cmd_fill(int sock, jbuf *b, char *err, size_t errlen) {
     }
   }
   jb_printf(b, "{\"chunks\":%llu,\"bytes\":%llu,\"elapsed_us\":%llu,\"peer_wait_us\":%llu}", (unsigned long long)got,
-            (unsigned long long)bytes, (unsigned long long)(vmono() - t0) / 1000, (unsigned long long)peer_ns / 1000);
+            (unsigned long long)bytes, (unsigned long long)(shim_now_ns() - t0) / 1000, (unsigned long long)peer_ns / 1000);
 out:
   free(seen);
   if (nregs) v.ctx_pop(&x);
@@ -942,7 +910,7 @@ out:
 int vmm_cmd_release(jbuf *b, char *err, size_t errlen) {
   if (preempt_state() == 0) return fail(err, errlen, "mem-release: not quiesced");
   session_end();
-  uint64_t t0 = vmono();
+  uint64_t t0 = shim_now_ns();
   pthread_mutex_lock(&vmm_mu);
   if (released) {
     pthread_mutex_unlock(&vmm_mu);
@@ -963,7 +931,7 @@ int vmm_cmd_release(jbuf *b, char *err, size_t errlen) {
   released = 1;
   pthread_mutex_unlock(&vmm_mu);
   jb_printf(b, "{\"released_bytes\":%llu,\"regions\":%zu,\"elapsed_us\":%llu}", (unsigned long long)bytes, nregs,
-            (unsigned long long)(vmono() - t0) / 1000);
+            (unsigned long long)(shim_now_ns() - t0) / 1000);
   return 0;
 }
 
