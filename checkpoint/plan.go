@@ -112,6 +112,7 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 	if err := env.RequireRoot("ptxmig checkpoint"); err != nil {
 		return nil, err
 	}
+	t0 := time.Now()
 	self := os.Getpid()
 	if o.PID <= 1 || o.PID == self {
 		return nil, op.Refusef("pid %d cannot be checkpointed", o.PID)
@@ -242,6 +243,7 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 	}
 	p.Stream = p.StreamOff == ""
 	p.Steps = p.describe()
+	env.Logger().Debug("planned the checkpoint", "took", time.Since(t0), "cuda", len(p.CUDAPIDs), "processes", len(p.Tree))
 	return p, nil
 }
 

@@ -220,7 +220,8 @@ func TestPlanChildEnded(t *testing.T) {
 		}
 		if who == "live child" {
 			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-				if tr, err := proc.Tree(root); err == nil && len(tr) == 2 {
+				// The first child, killed above, may still be listed until bash reaps it.
+				if tr, err := proc.Tree(root); err == nil && len(tr) == 2 && tr[1].PID != child {
 					break // bash started its second sleep
 				}
 				if time.Now().After(deadline) {

@@ -19,7 +19,10 @@
 #                         changed; then the restore;
 #   baseline              the driver calls made by a tiny C tool (cuckpt, built here: dlopen
 #                         libcuda, cuCheckpointProcess* by PID, each call timed; CUDA only) plus
-#                         plain `criu dump` / `criu restore -d` to the same disk, no store.
+#                         plain `criu dump` / `criu restore -d` to the same disk, no store;
+#   baseline, made durable  the same checkpoint followed by `sync -f` of CRIU's images: what
+#                         ptxmig does before it reports an image (CRIU leaves its files in the
+#                         page cache, so a host crash right after `criu dump` loses them).
 # With two GPUs, also `ptxmig migrate --gpu 1` against the four driver calls back to back.
 # Page cache is dropped before every restore (all sides read cold). Bytes on disk: `du` of the
 # store after the checkpoint vs the CRIU image directory. Wall time is measured around each command.
@@ -175,6 +178,8 @@ advances() { local n; n=$(grep -c '^step ' "$work/counter.log"); for _ in $(seq 
 gone() { for _ in $(seq 600); do [ -e "/proc/$1" ] || return 0; sleep 0.05; done; return 1; }
 jq_ms() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(round(eval(sys.argv[2], {}, {'d': d, 't': {x['step']: x['duration_ns'] for x in d.get('timings', [])}}) / 1e6))" "$@"; }
 phase() { jq_ms "$1" "t.get('$2', 0)"; }
+# outside: wall ms of a command less the sum of its steps (starting ptxmig, probing the host, planning).
+outside() { echo $(( $2 - $(jq_ms "$1" "sum(t.values())") )); }
 # owned: what the save of the owned memory did (copied, skipped, GB/s).
 owned() { python3 -c "
 import json,sys
@@ -240,7 +245,7 @@ for g in "${sizes[@]}"; do
       rs[owned]=${rs[$mode]}
       continue
     fi
-    rows+=("| $g GiB | $label | checkpoint | ${ck[$mode]} (lock $(phase "$c" lock), d->h $(phase "$c" checkpoint), dump $(phase "$c" dump), store $(phase "$c" store)) | $((disk[$mode] >> 20)) MiB |")
+    rows+=("| $g GiB | $label | checkpoint | ${ck[$mode]} (lock $(phase "$c" lock), d->h $(phase "$c" checkpoint), dump $(phase "$c" dump), store $(phase "$c" store), end tree $(phase "$c" finish), outside the steps $(outside "$c" "${ck[$mode]}")) | $((disk[$mode] >> 20)) MiB |")
     rows+=("| $g GiB | $label | restore | ${rs[$mode]} (materialize $(jq_ms "$r" "d['materialize_ns']"), criu $(phase "$r" criu-restore), h->d $(phase "$r" driver-restore), unlock $(phase "$r" unlock)) | |")
   done
   base=$BENCH_DIR/base-$g
@@ -250,7 +255,10 @@ for g in "${sizes[@]}"; do
   t=$(date +%s%N)
   if cuda; then "$work/cuckpt" "$pid" lock:10000 checkpoint >"$raw/base-ck-$g.txt"; fi
   t1=$(date +%s%N); "$CRIU" dump -t "$pid" -D "$base" -o dump.log; b_dump=$(ms "$t1")
-  b_ck=$(ms "$t"); wait "$pid" 2>/dev/null || true; gone "$pid"
+  b_ck=$(ms "$t")
+  # What ptxmig's store does before it reports an image: the files durable on disk (syncfs).
+  t1=$(date +%s%N); sync -f "$base"; b_sync=$(ms "$t1"); b_cks=$((b_ck + b_sync))
+  wait "$pid" 2>/dev/null || true; gone "$pid"
   sync; b_disk=$(du -sb "$base" | cut -f1)
   drop_caches
   t=$(date +%s%N); "$CRIU" restore -d -D "$base" -o restore.log; b_crest=$(ms "$t")
@@ -264,12 +272,13 @@ for g in "${sizes[@]}"; do
   kill -9 "$pid"; gone "$pid" || true; pid=""
   rm -rf "$base"
   rows+=("| $g GiB | baseline | checkpoint | $b_ck ($({ grep -v cuInit "$raw/base-ck-$g.txt" || true; } | tr '\n' ' ')criu dump $b_dump) | $((b_disk >> 20)) MiB |")
+  rows+=("| $g GiB | baseline, made durable | checkpoint | $b_cks (the above, then \`sync -f\` of its images $b_sync) | |")
   rows+=("| $g GiB | baseline | restore | $b_rs (criu restore $b_crest $({ grep -v cuInit "$raw/base-rs-$g.txt" || true; } | tr '\n' ' ')) | |")
   nc="" nr=""
   if [ -n "${ck[staged]:-}" ]; then
     nc=" (--no-stream $(ratio "${ck[staged]}" "$b_ck")×)" nr=" (--no-stream $(ratio "${rs[staged]}" "$b_rs")×)"
   fi
-  rows+=("| $g GiB | **ptxmig / baseline** | | checkpoint **$(ratio "${ck[stream]}" "$b_ck")×**$nc, restore **$(ratio "${rs[stream]}" "$b_rs")×**$nr | $(ratio "${disk[stream]}" "$b_disk")× |")
+  rows+=("| $g GiB | **ptxmig / baseline** | | checkpoint **$(ratio "${ck[stream]}" "$b_ck")×**$nc (**$(ratio "${ck[stream]}" "$b_cks")×** the durable baseline), restore **$(ratio "${rs[stream]}" "$b_rs")×**$nr | $(ratio "${disk[stream]}" "$b_disk")× |")
   if [ -n "${ck[owned]:-}" ]; then
     rows+=("| $g GiB | **ptxmig --owned-memory / baseline** | | checkpoint (1st, full copy) **$(ratio "${ck[owned]}" "$b_ck")×**, 2nd **$(ratio "${ck[owned2]}" "$b_ck")×**, restore **$(ratio "${rs[owned]}" "$b_rs")×** | |")
   fi

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"runtime"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -209,6 +210,13 @@ func BenchmarkWriteFilePipe(b *testing.B) {
 	buf := make([]byte, 1<<20)
 	b.SetBytes(n)
 	for b.Loop() {
+		serveIntoPipe(b, r, buf, n)
+	}
+}
+
+// serveIntoPipe serves pages-1.img of r, n bytes, into an OS pipe of 1 MiB read in pieces of
+// len(buf), as CRIU's restore reads its images from ptxmig.
+func serveIntoPipe(b *testing.B, r *ImageReader, buf []byte, n int64) {
 		pr, pw, err := os.Pipe()
 		if err != nil {
 			b.Fatal(err)
@@ -232,7 +240,6 @@ func BenchmarkWriteFilePipe(b *testing.B) {
 		if err := <-werr; err != nil || k != n {
 			b.Fatalf("%d bytes, %v", k, err)
 		}
-	}
 }
 
 // BenchmarkChunkCost prices one 4 MiB chunk by kind of data, to show where compression pays:
@@ -281,5 +288,164 @@ func BenchmarkChunkCost(b *testing.B) {
 			}
 			b.ReportMetric(float64(n)/float64(len(out)), "ratio")
 		})
+	}
+}
+
+// diskBenchMiB is the size of the disk benchmarks' image (PTXMIG_BENCH_MIB, default 256): large
+// enough to exceed what the disk absorbs in its cache when set to several GiB on a real host.
+func diskBenchMiB(b *testing.B) int {
+	n := 256
+	if v := os.Getenv("PTXMIG_BENCH_MIB"); v != "" {
+		if _, err := fmt.Sscan(v, &n); err != nil || n <= 0 {
+			b.Fatalf("PTXMIG_BENCH_MIB=%q: want a positive number of MiB", v)
+		}
+	}
+	return n
+}
+
+// uniqueRandomReader serves n bytes of incompressible data whose every chunk is distinct (a
+// 64 MiB random block reused, each chunk's first 8 bytes replaced by its number), as CRIU streams
+// the pages of device memory the driver copied out: nothing to compress, nothing to deduplicate.
+type uniqueRandomReader struct {
+	src      []byte
+	off, n   int64
+	chunkLen int64
+}
+
+func newUniqueRandomReader(n int64) *uniqueRandomReader {
+	src := make([]byte, 64<<20)
+	r := rand.New(rand.NewPCG(9, 9))
+	for i := 0; i < len(src); i += 8 {
+		v := r.Uint64()
+		for k := range 8 {
+			src[i+k] = byte(v >> (8 * k))
+		}
+	}
+	return &uniqueRandomReader{src: src, n: n, chunkLen: DefaultChunkSize}
+}
+
+func (u *uniqueRandomReader) Read(p []byte) (int, error) {
+	if u.off >= u.n {
+		return 0, io.EOF
+	}
+	p = p[:min(int64(len(p)), u.n-u.off, 1<<20)]
+	k := copy(p, u.src[u.off%int64(len(u.src)):])
+	for c := (u.off + u.chunkLen - 1) / u.chunkLen * u.chunkLen; c < u.off+int64(k); c += u.chunkLen {
+		if at := c - u.off; at+8 <= int64(k) {
+			for i := range 8 {
+				p[at+int64(i)] = byte(c >> (8 * i))
+			}
+		}
+	}
+	u.off += int64(k)
+	return k, nil
+}
+
+// diskBenchOptions are the store's options for the disk benchmarks: PTXMIG_BENCH_WORKERS and
+// PTXMIG_BENCH_CHUNK_MIB override the defaults (one worker per CPU, 4 MiB chunks).
+func diskBenchOptions(b *testing.B) PutOptions {
+	o := PutOptions{Name: "b"}
+	for _, v := range []struct {
+		env string
+		to  *int
+		mul int
+	}{{"PTXMIG_BENCH_WORKERS", &o.Workers, 1}, {"PTXMIG_BENCH_CHUNK_MIB", &o.ChunkSize, 1 << 20}} {
+		if s := os.Getenv(v.env); s != "" {
+			var n int
+			if _, err := fmt.Sscan(s, &n); err != nil || n <= 0 {
+				b.Fatalf("%s=%q: want a positive number", v.env, s)
+			}
+			*v.to = n * v.mul
+		}
+	}
+	if o.ChunkSize > 0 {
+		o.MemoryLimit = int64(o.ChunkSize) * 8 * int64(max(o.Workers, runtime.NumCPU()))
+	}
+	return o
+}
+
+// BenchmarkIngestDisk streams PTXMIG_BENCH_MIB of incompressible, distinct chunks into a new
+// image on the disk holding $TMPDIR, through an OS pipe written in 1 MiB pieces (as CRIU's
+// streamed dump does), durable commit included. It measures what the store's write path gets out
+// of the disk, to set against `dd oflag=direct` and plain CRIU writing into the page cache.
+func BenchmarkIngestDisk(b *testing.B) {
+	n := int64(diskBenchMiB(b)) << 20
+	b.SetBytes(n)
+	for b.Loop() {
+		b.StopTimer()
+		s := openTestStore(b)
+		src := newUniqueRandomReader(n)
+		o := diskBenchOptions(b)
+		if o.ChunkSize > 0 {
+			src.chunkLen = int64(o.ChunkSize)
+		}
+		b.StartTimer()
+		in, err := s.NewIngest(context.Background(), o)
+		if err != nil {
+			b.Fatal(err)
+		}
+		pr, pw, err := os.Pipe()
+		if err != nil {
+			b.Fatal(err)
+		}
+		_, _ = unix.FcntlInt(pw.Fd(), unix.F_SETPIPE_SZ, 1<<20)
+		go func() {
+			_, _ = io.CopyBuffer(pw, src, make([]byte, 1<<20))
+			pw.Close()
+		}()
+		if _, err := in.AddFile("pages-1.img", 0o600, pr); err != nil {
+			b.Fatal(err)
+		}
+		pr.Close()
+		_, st, err := in.Commit(nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		in.Close()
+		b.StopTimer()
+		b.ReportMetric(st.Ratio(), "ratio")
+		os.RemoveAll(s.Dir())
+		b.StartTimer()
+	}
+}
+
+// BenchmarkWriteFileDisk serves the image of BenchmarkIngestDisk into an OS pipe read in 1 MiB
+// pieces, as CRIU's streamed restore reads it. With PTXMIG_BENCH_DROP_CACHES=1 (root) the page
+// cache is dropped before each run, so the chunks come from the disk, as in bench-cr's restores.
+func BenchmarkWriteFileDisk(b *testing.B) {
+	n := int64(diskBenchMiB(b)) << 20
+	s := openTestStore(b)
+	in, err := s.NewIngest(context.Background(), PutOptions{Name: "b"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := in.AddFile("pages-1.img", 0o600, newUniqueRandomReader(n)); err != nil {
+		b.Fatal(err)
+	}
+	if _, _, err := in.Commit(nil); err != nil {
+		b.Fatal(err)
+	}
+	in.Close()
+	drop := os.Getenv("PTXMIG_BENCH_DROP_CACHES") == "1"
+	if !drop {
+		b.Log("page cache kept (PTXMIG_BENCH_DROP_CACHES=1 drops it before each run)")
+	}
+	buf := make([]byte, 1<<20)
+	b.SetBytes(n)
+	for b.Loop() {
+		if drop {
+			b.StopTimer()
+			unix.Sync()
+			if err := os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0); err != nil {
+				b.Fatalf("drop caches: %v", err)
+			}
+			b.StartTimer()
+		}
+		r, err := s.OpenImage(context.Background(), "b", GetOptions{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		serveIntoPipe(b, r, buf, n)
+		r.Close()
 	}
 }

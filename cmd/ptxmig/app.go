@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"sort"
 	"strings"
+	"time"
 
 	"github.com/urfave/cli/v2"
 
@@ -179,7 +180,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	g := app.Metadata["globals"].(*globals)
 	p, err := normalizeArgs(app, args)
 	if err == nil {
+		t := time.Now()
 		err = app.RunContext(ctx, p.args)
+		g.Log.Debug("command finished", "took", time.Since(t))
 	}
 	if errors.Is(err, errVersionShown) || err == nil {
 		return exitcode.OK

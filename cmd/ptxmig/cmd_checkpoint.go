@@ -121,10 +121,12 @@ func checkpointAction(c *cli.Context) error {
 	if !proc.Alive(pid) {
 		return fmt.Errorf("checkpoint: %w: no running process with pid %d", errNoProcess, pid)
 	}
+	t := time.Now()
 	st, err := checkpointStore(c, dry)
 	if err != nil {
 		return err
 	}
+	g.Log.Debug("opened the store", "took", time.Since(t))
 	e.Store = st
 	if name := c.String("name"); c.IsSet("name") {
 		if m, err := st.Get(name); err == nil && m.Name == name {

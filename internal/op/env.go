@@ -9,6 +9,7 @@ import (
 	"errors"
 	"log/slog"
 	"os"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -160,15 +161,41 @@ func NewEnv(ctx context.Context, storeDir string, log *slog.Logger) (*Env, func(
 		}
 		env.Store = st
 	}
-	if d, err := cudackpt.Open(); err != nil {
-		env.DriverErr = err
-		log.Debug("no CUDA driver", "err", err)
+	// The driver, NVML and CRIU are independent and each takes tens of milliseconds to start
+	// (cuInit, nvmlInit, exec of criu): probe them at once, so a checkpoint does not pay the sum.
+	var (
+		wg                         sync.WaitGroup
+		drv                        *cudackpt.Driver
+		drvErr, invErr, criuErr    error
+		inv                        *gpu.Inventory
+		dumper                     *criu.Dumper
+		criuText                   string
+		drvTook, invTook, criuTook time.Duration
+	)
+	timed := func(took *time.Duration, f func()) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t := time.Now()
+			f()
+			*took = time.Since(t)
+		}()
+	}
+	start := time.Now()
+	timed(&drvTook, func() { drv, drvErr = cudackpt.Open() })
+	timed(&invTook, func() { inv, invErr = gpu.Open() })
+	timed(&criuTook, func() { dumper, criuText, criuErr = criu.NewDumper(ctx) })
+	wg.Wait()
+	log.Debug("probed the host", "took", time.Since(start), "driver", drvTook, "nvml", invTook, "criu", criuTook)
+	if drvErr != nil {
+		env.DriverErr = drvErr
+		log.Debug("no CUDA driver", "err", drvErr)
 	} else {
-		env.Driver = d
+		env.Driver = drv
 	}
 	var di *gpu.DriverInfo
-	if inv, err := gpu.Open(); err != nil {
-		log.Debug("no NVML", "err", err)
+	if invErr != nil {
+		log.Debug("no NVML", "err", invErr)
 	} else {
 		env.GPUs = inv
 		closers = append(closers, func() { _ = inv.Close() })
@@ -178,10 +205,10 @@ func NewEnv(ctx context.Context, storeDir string, log *slog.Logger) (*Env, func(
 		}
 	}
 	env.Host = ReadHostInfo(di)
-	if d, text, err := criu.NewDumper(ctx); err != nil {
-		env.CRIUErr = err
+	if criuErr != nil {
+		env.CRIUErr = criuErr
 	} else {
-		env.CRIU, env.CRIUVersion = d, text
+		env.CRIU, env.CRIUVersion = dumper, criuText
 	}
 	env.Recovery = env.RecoverInterrupted(ctx)
 	return env, closeAll, nil
