@@ -217,29 +217,29 @@ func BenchmarkWriteFilePipe(b *testing.B) {
 // serveIntoPipe serves pages-1.img of r, n bytes, into an OS pipe of 1 MiB read in pieces of
 // len(buf), as CRIU's restore reads its images from ptxmig.
 func serveIntoPipe(b *testing.B, r *ImageReader, buf []byte, n int64) {
-		pr, pw, err := os.Pipe()
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	_, _ = unix.FcntlInt(pw.Fd(), unix.F_SETPIPE_SZ, 1<<20)
+	werr := make(chan error, 1)
+	go func() {
+		_, err := r.WriteFile(context.Background(), "pages-1.img", pw)
+		pw.Close()
+		werr <- err
+	}()
+	var k int64
+	for {
+		m, err := pr.Read(buf)
+		k += int64(m)
 		if err != nil {
-			b.Fatal(err)
+			break
 		}
-		_, _ = unix.FcntlInt(pw.Fd(), unix.F_SETPIPE_SZ, 1<<20)
-		werr := make(chan error, 1)
-		go func() {
-			_, err := r.WriteFile(context.Background(), "pages-1.img", pw)
-			pw.Close()
-			werr <- err
-		}()
-		var k int64
-		for {
-			m, err := pr.Read(buf)
-			k += int64(m)
-			if err != nil {
-				break
-			}
-		}
-		pr.Close()
-		if err := <-werr; err != nil || k != n {
-			b.Fatalf("%d bytes, %v", k, err)
-		}
+	}
+	pr.Close()
+	if err := <-werr; err != nil || k != n {
+		b.Fatalf("%d bytes, %v", k, err)
+	}
 }
 
 // BenchmarkChunkCost prices one 4 MiB chunk by kind of data, to show where compression pays:
