@@ -268,6 +268,7 @@ func usesCUDA(env *op.Env, pid int) (bool, error) {
 	if !cuda {
 		return false, nil
 	}
+	env.OpenGPU() // a tree of CPU processes never needs the driver or NVML
 	if err := env.DriverTooOld(probe.DriverCheckpoint); err != nil {
 		return false, op.Refusef("pid %d uses CUDA, but %w", pid, err)
 	}

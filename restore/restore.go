@@ -164,6 +164,7 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	p := &Plan{Image: m.Name, ImageID: m.ID, PID: meta.PID, Kind: meta.Kind, Tree: tree, opts: o, meta: meta,
 		ShellJob: meta.Extra[op.ExtraShellJob] == "true", Bytes: m.LogicalBytes()}
 	if meta.Kind == op.KindCUDA {
+		env.OpenGPU() // a CPU image never needs the driver or NVML
 		p.cudaPIDs = op.TreePIDs(tree, true)
 		if err := p.planGPUs(env, m.Name); err != nil {
 			return nil, err
@@ -305,6 +306,9 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	}
 	defer lk.Release()
 
+	if len(p.cudaPIDs) > 0 {
+		env.StartDriver() // cuInit overlaps CRIU's restore; the driver steps come after it
+	}
 	res := &Result{Image: p.Image, ImageID: p.ImageID, PID: meta.PID, Kind: meta.Kind, Tree: p.Tree, Pairs: p.Pairs, Remapped: p.Remapped,
 		Stream: p.Stream, StreamOff: p.StreamOff}
 	treePIDs := op.TreePIDs(p.Tree, false)

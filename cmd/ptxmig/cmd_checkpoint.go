@@ -113,7 +113,7 @@ func checkpointAction(c *cli.Context) error {
 	dry := c.Bool("dry-run")
 	// The store is opened here rather than by NewEnv: a dry run must not create it, and a new
 	// store is announced. NewEnv still refuses a non-root caller before anything is opened.
-	e, closeEnv, err := op.NewEnv(c.Context, "", g.Log)
+	e, closeEnv, err := op.NewEnvWith(c.Context, "", g.Log, op.EnvOptions{DeferGPU: true}) // opened for CUDA only
 	defer closeEnv()
 	if err != nil {
 		return opError(g.Err, err)

@@ -95,6 +95,9 @@ var doctorHost = doctorProbes{
 	driver:      probe.DriverVersion,
 	checkpointAPI: func() (string, error) {
 		d, err := cudackpt.Open()
+		if err == nil {
+			err = d.Init()
+		}
 		if err != nil {
 			return "", err
 		}

@@ -91,7 +91,7 @@ func restoreAction(c *cli.Context) error {
 		}
 	}
 	g := env(c)
-	e, closeEnv, err := op.NewEnv(c.Context, "", g.Log)
+	e, closeEnv, err := op.NewEnvWith(c.Context, "", g.Log, op.EnvOptions{DeferGPU: true}) // opened for CUDA only
 	defer closeEnv()
 	if err != nil {
 		return opError(g.Err, err)

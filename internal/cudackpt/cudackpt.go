@@ -279,9 +279,13 @@ type Device struct {
 	MemoryTotal uint64
 }
 
-// Driver is the loaded driver. Its methods are safe for concurrent use.
+// Driver is the loaded driver. Its methods are safe for concurrent use. Each initializes the
+// driver first (Init), once per process.
 type Driver struct {
 	Version int // cuDriverGetVersion, e.g. 13000
+
+	initOnce sync.Once
+	initErr  error
 }
 
 var (
@@ -290,9 +294,11 @@ var (
 	openErr  error
 )
 
-// Open loads libcuda.so.1 and calls cuInit once per process (later calls return the same Driver).
-// It fails with ErrNoDriver when the library is absent and ErrNotSupported when the driver has no
-// checkpoint API.
+// Open loads libcuda.so.1 and reads the driver's version, once per process (later calls return
+// the same Driver). It fails with ErrNoDriver when the library is absent and ErrNotSupported when
+// the driver has no checkpoint API. It does not initialize the driver: cuInit takes 200-300 ms
+// on a GPU that no process is using (2026-11-27, H100, driver 580), which a CPU-only checkpoint
+// or restore never needs; the first method that talks to the driver does it (Init).
 func Open() (*Driver, error) {
 	openOnce.Do(func() { openDrv, openErr = open() })
 	return openDrv, openErr
@@ -311,18 +317,26 @@ func open() (*Driver, error) {
 	case 2:
 		return nil, fmt.Errorf("%w: libcuda has no %s", ErrNotSupported, C.GoString(missing))
 	}
-	if r := C.ptx_init(); r != cuSuccess {
-		err := cuErr("cuInit", r)
-		if int(r) == cuNoDevice {
-			return nil, fmt.Errorf("%w: %w", ErrNoDriver, err)
-		}
-		return nil, err
-	}
-	var v C.int
+	var v C.int // cuDriverGetVersion is one of the calls allowed before cuInit
 	if r := C.ptx_driver_version(&v); r != cuSuccess {
 		return nil, cuErr("cuDriverGetVersion", r)
 	}
 	return &Driver{Version: int(v)}, nil
+}
+
+// Init initializes the driver (cuInit) once; later calls return the first one's result. A host
+// without a usable GPU fails with ErrNoDriver. Calling it early in its own goroutine lets the
+// initialization overlap other work (a restore starts it before CRIU's restore).
+func (d *Driver) Init() error {
+	d.initOnce.Do(func() {
+		if r := C.ptx_init(); r != cuSuccess {
+			d.initErr = cuErr("cuInit", r)
+			if int(r) == cuNoDevice {
+				d.initErr = fmt.Errorf("%w: %w", ErrNoDriver, d.initErr)
+			}
+		}
+	})
+	return d.initErr
 }
 
 // libPath is libcuda.so.1, or $PTXMIG_LIBCUDA (a test or an unusual install).
@@ -349,6 +363,9 @@ func cuErr(op string, r C.CUresult) error {
 
 // State returns the checkpoint state of pid.
 func (d *Driver) State(pid int) (State, error) {
+	if err := d.Init(); err != nil {
+		return 0, err
+	}
 	var st C.int
 	if r := C.ptx_get_state(C.int(pid), &st); r != cuSuccess {
 		return 0, cuErr(fmt.Sprintf("cuCheckpointProcessGetState(pid %d)", pid), r)
@@ -358,6 +375,9 @@ func (d *Driver) State(pid int) (State, error) {
 
 // RestoreThreadID returns the thread of pid that the driver uses to restore it.
 func (d *Driver) RestoreThreadID(pid int) (int, error) {
+	if err := d.Init(); err != nil {
+		return 0, err
+	}
 	var tid C.int
 	if r := C.ptx_restore_tid(C.int(pid), &tid); r != cuSuccess {
 		return 0, cuErr(fmt.Sprintf("cuCheckpointProcessGetRestoreThreadId(pid %d)", pid), r)
@@ -368,6 +388,9 @@ func (d *Driver) RestoreThreadID(pid int) (int, error) {
 // Lock blocks further CUDA calls of pid and waits for submitted work, for at most timeout
 // (0: no limit). On ErrTimeout the process is left running.
 func (d *Driver) Lock(pid int, timeout time.Duration) error {
+	if err := d.Init(); err != nil {
+		return err
+	}
 	if timeout < 0 {
 		// C.uint would wrap a negative count into a 49-day timeout.
 		return fmt.Errorf("cuCheckpointProcessLock(pid %d): negative timeout %s", pid, timeout)
@@ -385,12 +408,18 @@ func (d *Driver) Lock(pid int, timeout time.Duration) error {
 
 // Checkpoint moves pid's device memory into its host memory and releases its GPUs.
 func (d *Driver) Checkpoint(pid int) error {
+	if err := d.Init(); err != nil {
+		return err
+	}
 	return cuErr(fmt.Sprintf("cuCheckpointProcessCheckpoint(pid %d)", pid), C.ptx_checkpoint(C.int(pid)))
 }
 
 // Restore brings pid's GPU state back. With pairs, each checkpointed GPU Old is restored onto New;
 // the driver requires the pairs to list every GPU the process used.
 func (d *Driver) Restore(pid int, pairs []Pair) error {
+	if err := d.Init(); err != nil {
+		return err
+	}
 	var p *C.ptx_gpu_pair
 	if len(pairs) > 0 {
 		cp := (*C.ptx_gpu_pair)(C.calloc(C.size_t(len(pairs)), C.size_t(unsafe.Sizeof(C.ptx_gpu_pair{}))))
@@ -413,6 +442,9 @@ func (d *Driver) Restore(pid int, pairs []Pair) error {
 
 // Unlock lets pid call CUDA again.
 func (d *Driver) Unlock(pid int) error {
+	if err := d.Init(); err != nil {
+		return err
+	}
 	return cuErr(fmt.Sprintf("cuCheckpointProcessUnlock(pid %d)", pid), C.ptx_unlock(C.int(pid)))
 }
 
@@ -424,6 +456,9 @@ const (
 
 // Devices lists the CUDA devices visible to ptxmig (honours CUDA_VISIBLE_DEVICES).
 func (d *Driver) Devices() ([]Device, error) {
+	if err := d.Init(); err != nil {
+		return nil, err
+	}
 	var n C.int
 	if r := C.ptx_device_count(&n); r != cuSuccess {
 		return nil, cuErr("cuDeviceGetCount", r)
