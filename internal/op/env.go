@@ -52,9 +52,9 @@ type ImageStore interface {
 // Env is everything a checkpoint touches. The CLI builds it from the real driver, NVML, CRIU and
 // store (NewEnv); tests substitute parts and inject failures through Hook.
 type Env struct {
-	Driver      Driver     // nil: no usable NVIDIA driver (DriverErr says why)
+	Driver      Driver     // nil: no usable NVIDIA driver (DriverErr says why), or not opened yet (DeferGPU)
 	DriverErr   error      //
-	GPUs        gpu.Lister // nil: no NVML
+	GPUs        gpu.Lister // nil: no NVML, or not opened yet (DeferGPU)
 	CRIU        CRIU       // nil: no usable CRIU (CRIUErr says why)
 	CRIUErr     error      //
 	CRIUVersion string
