@@ -183,17 +183,21 @@ func NewEnvWith(ctx context.Context, storeDir string, log *slog.Logger, o EnvOpt
 		dumper   *criu.Dumper
 		criuText string
 		criuErr  error
+		wg       sync.WaitGroup
 	)
-	start := time.Now()
-	probe := timedProbes{}
-	probe.start("criu", func() { dumper, criuText, criuErr = criu.NewDumper(ctx) })
-	if !o.DeferGPU {
-		env.openGPU(&probe)
-	}
-	probe.wait(log, start)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		start := time.Now()
+		dumper, criuText, criuErr = criu.NewDumper(ctx)
+		log.Debug("probed CRIU", "took", time.Since(start))
+	}()
 	if o.DeferGPU {
 		env.Host = ReadHostInfo(nil)
+	} else {
+		env.openGPU()
 	}
+	wg.Wait()
 	if criuErr != nil {
 		env.CRIUErr = criuErr
 	} else {
@@ -207,78 +211,53 @@ func NewEnvWith(ctx context.Context, storeDir string, log *slog.Logger, o EnvOpt
 // nothing for an Env that opened them already or that a test built. Planning calls it, from one
 // goroutine.
 func (e *Env) OpenGPU() {
-	if !e.gpuDeferred {
-		return
+	if e.gpuDeferred {
+		e.gpuDeferred = false
+		e.openGPU()
 	}
-	e.gpuDeferred = false
-	start := time.Now()
-	probe := timedProbes{}
-	e.openGPU(&probe)
-	probe.wait(e.Logger(), start)
 }
 
-// openGPU starts loading the driver and NVML in probe; once probe is waited for, e has them (or
-// the reasons it has not), the host's driver versions and NVML's closer.
-func (e *Env) openGPU(probe *timedProbes) {
+// openGPU loads the driver and NVML at once and records them (or why not), the host's driver
+// versions and NVML's closer.
+func (e *Env) openGPU() {
 	var (
-		drv    *cudackpt.Driver
-		inv    *gpu.Inventory
-		drvErr error
-		invErr error
+		drv              *cudackpt.Driver
+		inv              *gpu.Inventory
+		drvErr, invErr   error
+		drvTook, invTook time.Duration
+		wg               sync.WaitGroup
 	)
-	// Loaded, not initialized (cudackpt.Open): only CUDA processes need cuInit.
-	probe.start("driver", func() { drv, drvErr = cudackpt.Open() })
-	probe.start("nvml", func() { inv, invErr = gpu.Open() })
-	probe.then = append(probe.then, func() {
-		log := e.Logger()
-		if drvErr != nil {
-			e.DriverErr = drvErr
-			log.Debug("no CUDA driver", "err", drvErr)
-		} else {
-			e.Driver = drv
-		}
-		var di *gpu.DriverInfo
-		if invErr != nil {
-			log.Debug("no NVML", "err", invErr)
-		} else {
-			e.GPUs = inv
-			e.closers = append(e.closers, func() { _ = inv.Close() })
-			if d, err := inv.Driver(); err == nil {
-				di = &d
-				e.DriverVersion = func() (string, error) { return d.Driver, nil }
-			}
-		}
-		e.Host = ReadHostInfo(di)
-	})
-}
-
-// timedProbes runs the host's probes at once and logs how long each took.
-type timedProbes struct {
-	wg   sync.WaitGroup
-	mu   sync.Mutex
-	took []any // slog attributes: name, duration
-	then []func()
-}
-
-func (t *timedProbes) start(name string, f func()) {
-	t.wg.Add(1)
+	start := time.Now()
+	wg.Add(1)
 	go func() {
-		defer t.wg.Done()
-		s := time.Now()
-		f()
-		t.mu.Lock()
-		t.took = append(t.took, name, time.Since(s))
-		t.mu.Unlock()
+		defer wg.Done()
+		// Loaded, not initialized (cudackpt.Open): only CUDA processes need cuInit.
+		drv, drvErr = cudackpt.Open()
+		drvTook = time.Since(start)
 	}()
-}
-
-// wait waits for every probe, logs their times and runs what was to follow them.
-func (t *timedProbes) wait(log *slog.Logger, start time.Time) {
-	t.wg.Wait()
-	log.Debug("probed the host", append([]any{"took", time.Since(start)}, t.took...)...)
-	for _, f := range t.then {
-		f()
+	inv, invErr = gpu.Open()
+	invTook = time.Since(start)
+	wg.Wait()
+	log := e.Logger()
+	log.Debug("probed the GPUs", "took", time.Since(start), "driver", drvTook, "nvml", invTook)
+	if drvErr != nil {
+		e.DriverErr = drvErr
+		log.Debug("no CUDA driver", "err", drvErr)
+	} else {
+		e.Driver = drv
 	}
+	var di *gpu.DriverInfo
+	if invErr != nil {
+		log.Debug("no NVML", "err", invErr)
+	} else {
+		e.GPUs = inv
+		e.closers = append(e.closers, func() { _ = inv.Close() })
+		if d, err := inv.Driver(); err == nil {
+			di = &d
+			e.DriverVersion = func() (string, error) { return d.Driver, nil }
+		}
+	}
+	e.Host = ReadHostInfo(di)
 }
 
 // StartDriver initializes the CUDA driver in the background, for an operation that will need it
