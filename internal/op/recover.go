@@ -468,18 +468,20 @@ func (rb *journalRollback) endHelpers() {
 	}
 }
 
-// tree is the recorded processes still alive as themselves, plus whatever the root's tree holds
-// now (forked since the plan: CRIU froze those too).
+// tree is the recorded processes still alive as themselves, plus whatever their trees hold now
+// (forked since the plan: CRIU froze those too). Each recorded process's tree is walked, not
+// only the root's, so that a process forked since the plan is found even when the root is gone.
 func (rb *journalRollback) tree() []int {
 	h := rb.st.Header
-	var out []int
+	var recorded []int
 	for _, p := range h.Tree {
 		if p.Start != 0 && proc.Same(p.PID, p.Start) {
-			out = append(out, p.PID)
+			recorded = append(recorded, p.PID)
 		}
 	}
-	if len(out) > 0 && out[0] == h.Root {
-		if stats, err := proc.Tree(h.Root); err == nil {
+	out := slices.Clone(recorded)
+	for _, pid := range recorded {
+		if stats, err := proc.Tree(pid); err == nil {
 			for _, s := range stats {
 				if !slices.Contains(out, s.PID) {
 					out = append(out, s.PID)

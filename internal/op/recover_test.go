@@ -238,6 +238,55 @@ func TestGuardianFinishesCommittedCheckpoint(t *testing.T) {
 	}
 }
 
+// TestGuardianFinishesHalfEndedTree: killed while it ended the tree, after the root but before a
+// recorded child, the checkpoint leaves that child stopped under no recorded root, with a process
+// forked since the plan below it. The recovery ends both: it walks the tree of every recorded
+// process still alive, not only the root's.
+func TestGuardianFinishesHalfEndedTree(t *testing.T) {
+	cmd := exec.Command("sh", "-c", `sh -c "sleep 60 & wait" & wait`)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	root := cmd.Process.Pid
+	var tree []proc.Stat
+	for deadline := time.Now().Add(10 * time.Second); len(tree) < 3; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the tree of %d did not grow to three processes: %+v", root, tree)
+		}
+		tree, _ = proc.Tree(root)
+	}
+	pids := proc.PIDs(tree)
+	t.Cleanup(func() { _ = proc.Kill(pids, 5*time.Second) })
+	child, grandchild := pids[1], pids[2]
+	r := newRecoverRig(t)
+	ok := func(context.Context) error { return nil }
+	// The plan saw the root and its child; the grandchild is "forked since".
+	tx := r.begin(t, TxnSpec{Op: journal.OpCheckpoint, Root: root, Tree: []int{root, child}, Steps: []string{"dump", "store", "finish"}},
+		[]Step{{Name: "dump", Do: ok}, {Name: "store", Do: ok, Commit: true}})
+	for _, pid := range pids[1:] {
+		if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := syscall.Kill(root, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	<-done
+	tx.die()
+	rep := r.recoverOne(t, tx)
+	if rep.Outcome != RecoveredFinished || rep.Error != "" {
+		t.Fatalf("recovery %+v", rep)
+	}
+	for _, pid := range []int{child, grandchild} {
+		if proc.Alive(pid) {
+			t.Errorf("pid %d (%s) survived the recovery: %+v", pid, proc.Comm(pid), rep)
+		}
+	}
+}
+
 // TestRecoverTouchesOnlyItsOwnProcesses: the rollback acts on a pid only while it is the process
 // the journal recorded (same start time) or, for a restore, one started after the restore began:
 // a reused pid is left alone.

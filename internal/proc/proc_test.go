@@ -169,3 +169,32 @@ func waitState(t *testing.T, pids []int, stopped bool) {
 		}
 	}
 }
+
+// TestKillOrder: descendants come before their ancestors, so that a Kill interrupted halfway
+// leaves the survivors under a living root (a checkpoint killed while it ends the tree left a
+// stopped orphan that its recovery, which walks the root's tree, could not find).
+func TestKillOrder(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		pids    []int
+		parents map[int]int
+		want    []int
+	}{
+		{"root and child", []int{10, 11}, map[int]int{10: 1, 11: 10}, []int{11, 10}},
+		{"chain", []int{10, 11, 12}, map[int]int{10: 1, 11: 10, 12: 11}, []int{12, 11, 10}},
+		{"siblings keep their order", []int{10, 12, 11}, map[int]int{10: 1, 11: 10, 12: 10}, []int{12, 11, 10}},
+		{"forked since the plan, appended last", []int{10, 11, 20, 21}, map[int]int{10: 1, 11: 10, 20: 11, 21: 10},
+			[]int{20, 11, 21, 10}},
+		{"unrelated pids keep their order", []int{5, 7, 6}, map[int]int{5: 1, 6: 1, 7: 1}, []int{5, 7, 6}},
+		{"gone pids (no parent known) stay at depth 0", []int{10, 99, 11}, map[int]int{10: 1, 11: 10}, []int{11, 10, 99}},
+		{"a parent loop ends", []int{10, 11}, map[int]int{10: 11, 11: 10}, []int{10, 11}},
+		{"empty", nil, nil, []int{}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			got := KillOrder(tt.pids, tt.parents)
+			if !slices.Equal(got, tt.want) && !(len(got) == 0 && len(tt.want) == 0) {
+				t.Errorf("KillOrder(%v) = %v, want %v", tt.pids, got, tt.want)
+			}
+		})
+	}
+}
