@@ -3,6 +3,7 @@ package store
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -180,13 +181,16 @@ func BenchmarkWriteFile(b *testing.B) {
 }
 
 // mixedImage ingests n bytes of mixedData as pages-1.img of a new image and opens it.
-func mixedImage(b *testing.B, n int) *ImageReader {
+func mixedImage(b *testing.B, n int) *ImageReader { return imageOf(b, mixedData(n)) }
+
+// imageOf ingests data as pages-1.img of a new image and opens it.
+func imageOf(b *testing.B, data []byte) *ImageReader {
 	s := openTestStore(b)
 	in, err := s.NewIngest(context.Background(), PutOptions{Name: "b"})
 	if err != nil {
 		b.Fatal(err)
 	}
-	if _, err := in.AddFile("pages-1.img", 0o600, bytes.NewReader(mixedData(n))); err != nil {
+	if _, err := in.AddFile("pages-1.img", 0o600, bytes.NewReader(data)); err != nil {
 		b.Fatal(err)
 	}
 	if _, _, err := in.Commit(nil); err != nil {
@@ -203,15 +207,50 @@ func mixedImage(b *testing.B, n int) *ImageReader {
 
 // BenchmarkWriteFilePipe is BenchmarkWriteFile into an OS pipe of 1 MiB read in 1 MiB pieces, as
 // CRIU's restore reads its images from ptxmig: zero chunks and chunks stored raw are spliced
-// (splice.go), compressed ones copied. The chunk files are in the page cache.
+// (splice.go), compressed ones copied. The chunk files are in the page cache. Kinds of data:
+// "mixed" (random and zero chunks: stored raw and as holes), "floats" (every chunk compressed, with
+// the 4-byte shuffle) and "memhold" (random, random, floats, zeros: the CPU process of bench-cr).
 func BenchmarkWriteFilePipe(b *testing.B) {
 	const n = 64 << 20
-	r := mixedImage(b, n)
-	buf := make([]byte, 1<<20)
-	b.SetBytes(n)
-	for b.Loop() {
-		serveIntoPipe(b, r, buf, n)
+	for _, kind := range []string{"mixed", "floats", "memhold"} {
+		b.Run(kind, func(b *testing.B) {
+			var data []byte
+			switch kind {
+			case "mixed":
+				data = mixedData(n)
+			case "floats":
+				data = floatData(n, 5)
+			case "memhold":
+				data = memholdData(n)
+			}
+			r := imageOf(b, data)
+			buf := make([]byte, 1<<20)
+			b.SetBytes(n)
+			for b.Loop() {
+				serveIntoPipe(b, r, buf, n)
+			}
+			st := r.Stats()
+			b.ReportMetric(float64(st.SplicedBytes)/float64(st.WrittenBytes), "spliced/written")
+		})
 	}
+}
+
+// memholdData is what bench-cr's CPU process (memhold) holds: 4 MiB blocks of random bytes,
+// random bytes, float32 weights and zeros, in turn.
+func memholdData(n int) []byte {
+	data := make([]byte, n)
+	random := mixedData(DefaultChunkSize)
+	for off := 0; off < n; off += DefaultChunkSize {
+		blk := data[off:min(off+DefaultChunkSize, n)]
+		switch (off / DefaultChunkSize) % 4 {
+		case 0, 1:
+			copy(blk, random)
+			binary.LittleEndian.PutUint64(blk, uint64(off)) // distinct chunks, no dedup
+		case 2:
+			copy(blk, floatData(len(blk), uint64(off)))
+		}
+	}
+	return data
 }
 
 // serveIntoPipe serves pages-1.img of r, n bytes, into an OS pipe of 1 MiB read in pieces of
