@@ -3,7 +3,7 @@
 preloaded, waits for it to report "ready", then talks to its control socket like ptxmig does.
 Each case ends as PASS, SKIP or FAIL, appended to $SHIM_RESULTS (tests/results.sh) when set; a
 skipped check counts as a skip of its own. PTXMIG_REQUIRE: a skip for a listed requirement fails."""
-import argparse, hashlib, json, os, re, shutil, socket, stat, subprocess, sys, tempfile
+import argparse, hashlib, json, os, re, shutil, socket, stat, subprocess, sys
 
 import harness
 from harness import Conn, case, check, failures, required, result, skip
@@ -146,7 +146,7 @@ def dump_checks(name, c, tmp, want_ptx_entry, need_ptxas):
 
 def run_app(opts, name, env_extra, expect_kernels, expect_alloc, expect_sources, fake_expect, want_ptx_entry=None,
             need_ptxas=False, expect_peer=0):
-    tmp = tempfile.mkdtemp(prefix=f"ptxmig-shim-{name}-")
+    tmp = harness.scratch(f"ptxmig-shim-{name}-")
     sockdir = os.path.join(tmp, "sock")
     exe = os.path.join(opts.build, name)
     base = dict(os.environ, LD_LIBRARY_PATH=os.path.join(opts.build, "fake"))

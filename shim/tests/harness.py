@@ -1,12 +1,26 @@
 """What drive.py and preempt.py share: per-case results (PASS, SKIP or FAIL, appended to
 $SHIM_RESULTS for tests/results.sh when set), PTXMIG_REQUIRE turning a skip into a failure, and a
 client of the shim's control socket. Set `label` before the first result."""
-import json, os, socket, sys
+import atexit, json, os, shutil, socket, sys, tempfile
 
 failures = []
 tally = {"PASS": 0, "SKIP": 0, "FAIL": 0}
 label = "shim"
 _open_cases = 0  # a skip inside a case fails that case instead of adding a result of its own
+_scratch = []  # directories made by scratch(), removed when their case ends (or at exit)
+
+
+def scratch(prefix):
+    """A new temporary directory, removed when the case that made it ends, whether it passed or not."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    _scratch.append(d)
+    return d
+
+
+@atexit.register
+def _remove_scratch(keep=0):
+    while len(_scratch) > keep:
+        shutil.rmtree(_scratch.pop(), ignore_errors=True)
 
 
 def check(cond, msg):
@@ -54,11 +68,13 @@ class case:
         global _open_cases
         _open_cases += 1
         self.start = len(failures)
+        self.scratch = len(_scratch)
         return self
 
     def __exit__(self, typ, exc, tb):
         global _open_cases
         _open_cases -= 1
+        _remove_scratch(self.scratch)
         if typ is not None:
             check(False, f"{self.name}: {typ.__name__}: {exc}")
         if len(failures) > self.start:

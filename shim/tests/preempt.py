@@ -3,7 +3,7 @@
 (real ptxmig helper, failing helpers, the cache), twin launches with private argument copies, the
 gate, the tail rule, honest synchronisation, the lease, detach/resume, protocol garbage, and the
 control socket after a CRIU dump+restore. Results go to $SHIM_RESULTS like drive.py's."""
-import argparse, json, os, select, shutil, socket, stat, subprocess, sys, tempfile, time
+import argparse, json, os, select, shutil, socket, stat, subprocess, sys, time
 
 import harness
 from harness import Conn, case, check, failures, required, result, skip
@@ -103,7 +103,7 @@ def have_helper():
 
 
 def with_app(name, env=None, exe="app_preempt"):
-    tmp = tempfile.mkdtemp(prefix="ptxmig-preempt-")
+    tmp = harness.scratch("ptxmig-preempt-")
     return tmp, App(tmp, env or {}, exe)
 
 
@@ -513,7 +513,7 @@ def t_cubin(name):
     if not (shutil.which("ptxas") or os.environ.get("PTXAS") or os.path.exists("/usr/local/cuda/bin/ptxas")):
         skip("ptxas", name, "no ptxas for the helper (scripts/install-ptxas.sh)")
         return
-    tmp = tempfile.mkdtemp(prefix="ptxmig-preempt-")
+    tmp = harness.scratch("ptxmig-preempt-")
     cdir = os.path.join(tmp, "cache")
     for run, extra in (("helper", {}), ("cached", {"PTXMIG_HELPER": None})):
         app = App(tmp, dict(extra, PTXMIG_PTX_CUBIN="1"))
@@ -545,7 +545,7 @@ def t_cubin(name):
 
 
 def t_fallback(name, helper_script, want_reason, env=None):
-    tmp = tempfile.mkdtemp(prefix="ptxmig-preempt-")
+    tmp = harness.scratch("ptxmig-preempt-")
     extra = dict(env or {})
     if helper_script is not None:
         h = os.path.join(tmp, "helper.sh")
@@ -572,7 +572,7 @@ def t_fallback(name, helper_script, want_reason, env=None):
 
 
 def t_cache(name):
-    tmp = tempfile.mkdtemp(prefix="ptxmig-preempt-")
+    tmp = harness.scratch("ptxmig-preempt-")
     app = App(tmp, {})
     c = app.conn()
     st = c.req(cmd="status")["result"]["preempt"]["cache"]
@@ -730,7 +730,7 @@ def t_off(name):
 def t_runtime(name):
     """The fake runtime's lazy cuLibraryLoadData of an nvcc fatbin: PTX entry picked and instrumented
     by the real ptxstate; launches through cuLaunchKernelEx of CUkernel handles."""
-    tmp = tempfile.mkdtemp(prefix="ptxmig-preempt-")
+    tmp = harness.scratch("ptxmig-preempt-")
     app = App(tmp, {}, exe="app_runtime")
     c = app.conn()
     for kn in ("fx_scale", "_Z6fx_addIfEvPT_PKS0_i"):
@@ -744,7 +744,7 @@ def t_runtime(name):
 
 
 def t_sass_keep(name):
-    tmp = tempfile.mkdtemp(prefix="ptxmig-preempt-")
+    tmp = harness.scratch("ptxmig-preempt-")
     app = App(tmp, {"PTXMIG_PREEMPT_SASS": "keep"}, exe="app_runtime")
     c = app.conn()
     k = kern(c, "fx_scale")
@@ -851,7 +851,7 @@ def t_criu(name, extra=None):
         return skip("criu", name, "criu not installed")
     if os.geteuid() != 0:
         return skip("criu", name, "criu needs root")
-    tmp = tempfile.mkdtemp(prefix="ptxmig-criu-")
+    tmp = harness.scratch("ptxmig-criu-")
     sockdir = os.path.join(tmp, "sock")
     imgdir = os.path.join(tmp, "img")
     os.makedirs(imgdir)
