@@ -480,9 +480,14 @@ func (rb *journalRollback) tree() []int {
 		}
 	}
 	out := slices.Clone(recorded)
+	walked := map[int]bool{} // in the tree of a recorded process walked already: its own tree is in out
 	for _, pid := range recorded {
+		if walked[pid] {
+			continue
+		}
 		if stats, err := proc.Tree(pid); err == nil {
 			for _, s := range stats {
+				walked[s.PID] = true
 				if !slices.Contains(out, s.PID) {
 					out = append(out, s.PID)
 				}
