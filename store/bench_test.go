@@ -36,26 +36,31 @@ func floatData(n int, seed uint64) []byte {
 	return b
 }
 
-// benchInput writes 64 MiB of one kind into a fresh directory.
-func benchInput(b *testing.B, kind string) string {
-	const n = 64 << 20
-	dir := b.TempDir()
-	var data []byte
+// benchData is n bytes of one kind: "zeros", "random", "floats" (float32 weights), "mixed"
+// (mixedData) or "memhold" (memholdData).
+func benchData(kind string, n int) []byte {
 	switch kind {
-	case "zeros":
-		data = make([]byte, n)
 	case "random":
-		data = make([]byte, n)
+		data := make([]byte, n)
 		r := rand.New(rand.NewPCG(1, 1))
-		for i := 0; i < n; i += 8 {
-			v := r.Uint64()
-			for k := range 8 {
-				data[i+k] = byte(v >> (8 * k))
-			}
+		for i := 0; i+8 <= n; i += 8 {
+			binary.LittleEndian.PutUint64(data[i:], r.Uint64())
 		}
+		return data
 	case "floats":
-		data = floatData(n, 3)
+		return floatData(n, 3)
+	case "mixed":
+		return mixedData(n)
+	case "memhold":
+		return memholdData(n)
 	}
+	return make([]byte, n)
+}
+
+// benchInput writes 64 MiB of one kind (benchData) into a fresh directory.
+func benchInput(b *testing.B, kind string) string {
+	dir := b.TempDir()
+	data := benchData(kind, 64<<20)
 	p := filepath.Join(dir, "pages-1.img")
 	if err := os.WriteFile(p, data, 0o600); err != nil {
 		b.Fatal(err)
@@ -214,16 +219,7 @@ func BenchmarkWriteFilePipe(b *testing.B) {
 	const n = 64 << 20
 	for _, kind := range []string{"mixed", "floats", "memhold"} {
 		b.Run(kind, func(b *testing.B) {
-			var data []byte
-			switch kind {
-			case "mixed":
-				data = mixedData(n)
-			case "floats":
-				data = floatData(n, 5)
-			case "memhold":
-				data = memholdData(n)
-			}
-			r := imageOf(b, data)
+			r := imageOf(b, benchData(kind, n))
 			buf := make([]byte, 1<<20)
 			b.SetBytes(n)
 			for b.Loop() {

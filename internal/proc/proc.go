@@ -307,7 +307,7 @@ func WaitGone(ctx context.Context, pid int, timeout time.Duration) error {
 // timeout in all. Pids already gone are fine. Zombies that are the caller's children (it is their
 // parent or their subreaper, as in tests) are reaped, so that their pids are free again.
 //
-// Descendants are signalled before their ancestors (KillOrder), so that a caller killed halfway
+// Descendants are signalled before their ancestors (killOrder), so that a caller killed halfway
 // leaves every survivor still under a living root: whoever finishes the job (the guardian,
 // `ptxmig recover`) finds them in the root's tree, even those forked after it was recorded.
 func Kill(pids []int, timeout time.Duration) error {
@@ -319,7 +319,7 @@ func Kill(pids []int, timeout time.Duration) error {
 		}
 	}
 	var errs []error
-	for _, pid := range KillOrder(pids, parents) {
+	for _, pid := range killOrder(pids, parents) {
 		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
 			errs = append(errs, fmt.Errorf("kill pid %d: %w", pid, err))
 		}
@@ -337,27 +337,22 @@ func Kill(pids []int, timeout time.Duration) error {
 	return errors.Join(errs...)
 }
 
-// KillOrder orders pids so that each comes after every one of its descendants among them (by
+// killOrder orders pids so that each comes after every one of its descendants among them (by
 // parents: pid → parent pid); pids at the same depth keep their order. Pure, for Kill.
-func KillOrder(pids []int, parents map[int]int) []int {
+func killOrder(pids []int, parents map[int]int) []int {
 	in := make(map[int]bool, len(pids))
 	for _, pid := range pids {
 		in[pid] = true
 	}
-	depth := func(pid int) int {
-		d := 0
-		seen := map[int]bool{pid: true}
-		for p, ok := parents[pid]; ok && in[p] && !seen[p]; p, ok = parents[p] {
-			seen[p] = true
-			d++
-		}
-		return d
-	}
-	out := slices.Clone(pids)
 	depths := make(map[int]int, len(pids))
 	for _, pid := range pids {
-		depths[pid] = depth(pid)
+		d := 0 // a chain longer than the pids is a loop in parents (a pid reused meanwhile): it stops there
+		for p, ok := parents[pid]; ok && in[p] && d < len(pids); p, ok = parents[p] {
+			d++
+		}
+		depths[pid] = d
 	}
+	out := slices.Clone(pids)
 	slices.SortStableFunc(out, func(a, b int) int { return depths[b] - depths[a] })
 	return out
 }
