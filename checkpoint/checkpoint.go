@@ -2,7 +2,6 @@ package checkpoint
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -238,8 +237,15 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		steps = append(steps, qs.QuiesceStep(p.CUDAPIDs), qs.SaveMemoryStep(sink, prevMemory(env)),
 			qs.ExplainLock(op.LockStep(d, p.CUDAPIDs, o.LockTimeout)), op.CheckpointStep(d, p.CUDAPIDs), qs.DetachStep())
 	}
+	criuRan := false // CRIU started: it has touched the tree, whatever it did then
 	dump := criu.DumpOptions{PID: p.PID, ImagesDir: images, LeaveRunning: o.LeaveRunning, LeaveStopped: !o.LeaveRunning,
-		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, OnStart: helper, Stream: p.Stream}
+		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, Stream: p.Stream, Stall: env.Stall(),
+		OnStart: func(pid int) {
+			criuRan = true
+			if helper != nil {
+				helper(pid)
+			}
+		}}
 	// Streamed, CRIU splices the tree's pages into the store's pipes: the pipes hold references to
 	// the live pages, not copies, until the store has read them. A tree CRIU resumed at the end
 	// of its dump (--leave-running) would write into pages still waiting in a pipe, and the image
@@ -251,27 +257,35 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 	}
 	steps = append(steps, op.Step{Name: StepDump,
 		Do: func(ctx context.Context) error {
+			// Resumed as CRIU's --leave-running would: every process but those that were stopped
+			// already.
+			was := stoppedNow(tr.pids())
+			resume := func() error {
+				var run []int
+				for _, pid := range tr.pids() {
+					if !was[pid] {
+						run = append(run, pid)
+					}
+				}
+				if err := proc.Continue(run, 5*time.Second); err != nil {
+					return fmt.Errorf("resume the tree after the dump: %w", err)
+				}
+				return nil
+			}
 			var err error
 			if p.Stream {
-				var was map[int]bool
-				if resumeAfterStream {
-					was = stoppedNow(tr.pids())
-				}
 				if _, err = openIngest(ctx); err == nil {
 					err = streamDump(ctx, env, ing, dump, rec)
 				}
 				if resumeAfterStream {
-					// Resumed as CRIU's --leave-running would: every process but those that were
-					// stopped already. (CRIU resumes the tree itself when its dump fails; SIGCONT
-					// then changes nothing, and a failure to resume is reported either way.)
-					var run []int
-					for _, pid := range tr.pids() {
-						if !was[pid] {
-							run = append(run, pid)
+					// (CRIU resumes the tree itself when its dump fails; SIGCONT then changes
+					// nothing, and a failure to resume is reported either way.)
+					if rerr := resume(); rerr != nil {
+						if err == nil {
+							return rerr
 						}
-					}
-					if cerr := proc.Continue(run, 5*time.Second); cerr != nil {
-						err = errors.Join(err, fmt.Errorf("resume the tree after the dump: %w", cerr))
+						dropEarly()
+						return op.StepUndid(err, rerr)
 					}
 				}
 			} else {
@@ -288,7 +302,16 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 			}
 			if err != nil {
 				dropEarly()
-				return err
+				if !criuRan {
+					return err
+				}
+				// A failed step leaves nothing behind: CRIU resumes the tree when its dump fails,
+				// but a CRIU its watchdog killed could not, and what it had stopped stays so.
+				var rerr error
+				if !resumeAfterStream {
+					rerr = resume()
+				}
+				return op.StepUndid(err, rerr)
 			}
 			tr.refresh() // the tree as dumped (stopped, unless left running)
 			return nil
@@ -448,6 +471,7 @@ func streamDump(ctx context.Context, env *op.Env, ing *store.Ingest, dump criu.D
 		})
 		return err
 	}, func() error {
+		dump.Progress = srv.Moved // what CRIU streamed is progress too
 		_, err := env.CRIU.Dump(ctx, dump)
 		return err
 	})

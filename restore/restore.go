@@ -315,7 +315,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	var restored bool
 	var txn *op.Txn
 	ropts := criu.RestoreOptions{ShellJob: p.ShellJob, TCPEstablished: meta.Extra[op.ExtraTCPEstablished] == "true", IgnoreCgroups: true,
-		Stream: p.Stream}
+		Stream: p.Stream, Stall: env.Stall()}
 	var rd *store.ImageReader // streamed: the image, open in the store
 	criuRestore := func(ctx context.Context) (*criu.RestoreResult, error) {
 		if rd == nil {
@@ -350,7 +350,9 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 			if err != nil {
 				return err
 			}
-			ropts.CgroupDir, ropts.OnStart = dir, txn.Helper
+			began := proc.SinceBoot()
+			criuRan := false // CRIU started: it may have created processes, whatever it did then
+			ropts.CgroupDir, ropts.OnStart = dir, func(pid int) { criuRan = true; txn.Helper(pid) }
 			r, err := criuRestore(ctx)
 			if errors.Is(err, criu.ErrStart) && dir != "" {
 				// CLONE_INTO_CGROUP refused (an old kernel, a cgroup that cannot hold processes):
@@ -362,16 +364,26 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 			if r != nil && r.PID > 0 {
 				restored = true
 			}
-			if err != nil {
-				return err
+			if err == nil && r.PID != meta.PID {
+				err = fmt.Errorf("criu restored pid %d, expected %d", r.PID, meta.PID)
 			}
-			if r.PID != meta.PID {
-				return fmt.Errorf("criu restored pid %d, expected %d", r.PID, meta.PID)
+			if err == nil {
+				if perr := p.cgroups.place(restoredTree(meta.PID, treePIDs), env.Logger()); perr != nil {
+					err = fmt.Errorf("place the restored processes: %w", perr)
+				}
 			}
-			if err := p.cgroups.place(restoredTree(meta.PID, treePIDs), env.Logger()); err != nil {
-				return fmt.Errorf("place the restored processes: %w", err)
+			if err != nil && criuRan {
+				// The step leaves nothing behind. CRIU kills what it restored when it fails, but
+				// not one its watchdog killed, nor a tree restored wrong: what is there is ended,
+				// the image's tree born since the step began.
+				restored = false
+				left := restoredTree(meta.PID, treePIDs)
+				if r != nil && r.PID > 0 && r.PID != meta.PID {
+					left = append(left, r.PID)
+				}
+				return op.StepUndid(err, proc.Kill(bornSince(left, began), 10*time.Second))
 			}
-			return nil
+			return err
 		},
 		Undo: func(context.Context) error {
 			if !restored {
@@ -572,6 +584,18 @@ func restoredTree(root int, recorded []int) []int {
 			if !found {
 				out = append(out, s.PID)
 			}
+		}
+	}
+	return out
+}
+
+// bornSince is those of pids that are processes started at or after t (CLOCK_BOOTTIME): the ones
+// an operation begun at t created, not older processes that took a pid since.
+func bornSince(pids []int, t time.Duration) []int {
+	var out []int
+	for _, pid := range pids {
+		if s, err := proc.ReadStat(pid); err == nil && s.StartedSince(t) {
+			out = append(out, pid)
 		}
 	}
 	return out

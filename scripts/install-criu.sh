@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # install-criu.sh — make a working CRIU (>= 4.0) available to ptxmig.
 #
-# Uses the system's criu when `criu --version` is >= 4.0 and `criu check` passes. Otherwise builds
-# CRIU 4.1.1 from Debian's source tarball (sha256-verified, cached) and installs it to
-# $PREFIX/sbin/criu. Debian 12's own criu 3.17 fails `criu check` on kernel 6.x, hence the build.
+# Uses the system's criu when `criu --version` is >= 4.2.1 and `criu check` passes. Otherwise builds
+# CRIU 4.2.1 from Debian's source tarball (sha256-verified, cached) and installs it to
+# $PREFIX/sbin/criu. Debian 12's own criu 3.17 fails `criu check` on kernel 6.x; CRIU 4.1.1 cannot
+# dump an INET socket on Linux >= 6.16 and hangs where ptrace hardware breakpoints do not fire
+# (docs/PLATFORM.md); 4.2 fixed both, hence the build.
 #
 # Usage: scripts/install-criu.sh [--bundle DIR] [--prefix DIR] [--force-build]
 #   --bundle DIR   also write a relocatable copy (criu, its non-libc shared libraries, and a
@@ -14,9 +16,9 @@
 # Prints the path of the criu it settled on as its last line.
 set -euo pipefail
 
-CRIU_VERSION=4.1.1
+CRIU_VERSION=4.2.1
 CRIU_TARBALL=criu_${CRIU_VERSION}.orig.tar.xz
-CRIU_SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
+CRIU_SHA256=29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9
 CRIU_URL=http://deb.debian.org/debian/pool/main/c/criu/${CRIU_TARBALL}
 BUILD_DEPS=(build-essential libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
   python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev
@@ -40,14 +42,16 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-# criu_ok BIN: version >= 4.0 and `criu check` passes.
+# criu_ok BIN: version >= CRIU_VERSION and `criu check` passes.
 criu_ok() {
-  local bin=$1 ver major
+  local bin=$1 ver
   [ -x "$bin" ] || return 1
   ver=$("$bin" --version 2>/dev/null | sed -n 's/^Version: *//p' | head -n1)
   [ -n "$ver" ] || return 1
-  major=${ver%%.*}
-  [ "$major" -ge 4 ] 2>/dev/null || { log "$bin is version $ver (< 4.0)"; return 1; }
+  if [ "$(printf '%s\n%s\n' "$CRIU_VERSION" "$ver" | sort -V | head -n1)" != "$CRIU_VERSION" ]; then
+    log "$bin is version $ver (< $CRIU_VERSION)"
+    return 1
+  fi
   if ! "$bin" check >/dev/null 2>&1; then
     log "$bin $ver fails 'criu check'"
     return 1

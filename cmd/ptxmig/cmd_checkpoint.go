@@ -69,6 +69,7 @@ func init() {
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
 			&cli.DurationFlag{Name: "lock-timeout", Value: 10 * time.Second, Usage: "how long the driver lock may wait for running kernels (0: forever)"},
 			preemptBudgetFlag(),
+			criuStallFlag(),
 			&cli.BoolFlag{Name: "tcp-established", Usage: "checkpoint established TCP connections (CRIU --tcp-established)"},
 			&cli.BoolFlag{Name: "shell-job", Usage: "dump as a shell job (CRIU --shell-job); on by itself when the tree needs it"},
 			&cli.BoolFlag{Name: "keep-staging", Usage: "keep CRIU's image directory after storing it (implies --no-stream)"},
@@ -109,6 +110,10 @@ func checkpointAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
+	stall, err := criuStall(c)
+	if err != nil {
+		return err
+	}
 	g := env(c)
 	dry := c.Bool("dry-run")
 	// The store is opened here rather than by NewEnv: a dry run must not create it, and a new
@@ -118,6 +123,7 @@ func checkpointAction(c *cli.Context) error {
 	if err != nil {
 		return opError(g.Err, err)
 	}
+	e.CRIUStall = stall
 	if !proc.Alive(pid) {
 		return fmt.Errorf("checkpoint: %w: no running process with pid %d", errNoProcess, pid)
 	}

@@ -65,6 +65,7 @@ func init() {
 			&cli.StringFlag{Name: "cgroup", Usage: "put the whole tree into the existing cgroup v2 `PATH` (default: where each process was)"},
 			&cli.BoolFlag{Name: "keep-staging", Usage: "keep the materialized image and CRIU's log (implies --no-stream)"},
 			&cli.BoolFlag{Name: "overwrite-files", Usage: "let a file the image carries (checkpoint --carry-files) replace a different one at its path; the one there is moved aside, not deleted"},
+			criuStallFlag(),
 			&cli.BoolFlag{Name: "no-stream", Usage: "materialize the image into the staging directory before CRIU reads it, instead of streaming it"},
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
 		},
@@ -90,12 +91,17 @@ func restoreAction(c *cli.Context) error {
 			return exitcode.Usagef("--cgroup: %v", err)
 		}
 	}
+	stall, err := criuStall(c)
+	if err != nil {
+		return err
+	}
 	g := env(c)
 	e, closeEnv, err := op.NewEnvWith(c.Context, "", g.Log, op.EnvOptions{DeferGPU: true}) // opened for CUDA only
 	defer closeEnv()
 	if err != nil {
 		return opError(g.Err, err)
 	}
+	e.CRIUStall = stall
 	st, err := openStoreRead(c) // restore only reads the store: never created, read-only is fine
 	if err != nil {
 		return err

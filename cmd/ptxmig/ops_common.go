@@ -15,7 +15,9 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
+	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
@@ -83,6 +85,24 @@ func preemptBudget(c *cli.Context) (time.Duration, error) {
 	d := c.Duration("preempt-budget")
 	if d < time.Millisecond || d > time.Minute {
 		return 0, exitcode.Usagef("--preempt-budget %s: want 1ms to 1m", d)
+	}
+	return d, nil
+}
+
+// criuStallFlag is --criu-stall, shared by checkpoint and restore.
+func criuStallFlag() cli.Flag {
+	return &cli.DurationFlag{Name: "criu-stall", Value: criu.DefaultStall,
+		Usage: "end CRIU and roll back when its dump or restore makes no progress (log, CPU time, bytes streamed) for `DURATION` (1s to 24h; 0: never)"}
+}
+
+// criuStall reads --criu-stall as op.Env's CRIUStall (where < 0 is no bound).
+func criuStall(c *cli.Context) (time.Duration, error) {
+	d := c.Duration("criu-stall")
+	switch {
+	case d == 0:
+		return -1, nil
+	case d < time.Second || d > journal.MaxCRIUStall:
+		return 0, exitcode.Usagef("--criu-stall %s: want 1s to 24h, or 0 for no bound", d)
 	}
 	return d, nil
 }

@@ -115,7 +115,12 @@ func command(bin string, args []string, extra *os.File, sp spawn) error {
 	if sp.onStart != nil {
 		sp.onStart(cmd.Process.Pid)
 	}
-	if err := cmd.Wait(); err != nil {
+	wd := watch(cmd.Process.Pid, sp.logPath, sp.stall, sp.progress)
+	err := cmd.Wait()
+	if serr := wd.stop(); serr != nil {
+		return serr
+	}
+	if err != nil {
 		if s := strings.TrimSpace(out.String()); s != "" {
 			return fmt.Errorf("%w; criu output: %s", err, s)
 		}
@@ -125,7 +130,7 @@ func command(bin string, args []string, extra *os.File, sp spawn) error {
 }
 
 // streamDump runs a dump whose images go to the streamer socket in o.ImagesDir.
-func (d *Dumper) streamDump(opts *rpc.CriuOpts, o DumpOptions) error {
+func (d *Dumper) streamDump(opts *rpc.CriuOpts, o DumpOptions, sp spawn) error {
 	dir, f, err := streamDir(o.ImagesDir)
 	if err != nil {
 		return err
@@ -137,7 +142,7 @@ func (d *Dumper) streamDump(opts *rpc.CriuOpts, o DumpOptions) error {
 	if err != nil {
 		return err
 	}
-	return command(d.Bin, args, f, spawn{onStart: o.OnStart})
+	return command(d.Bin, args, f, sp)
 }
 
 // streamRestore runs a restore reading its images from the streamer socket in o.ImagesDir and

@@ -30,12 +30,17 @@ var ErrStart = errors.New("cannot start criu")
 type Error struct {
 	Op      string   // "dump pid 42", "restore"
 	Msg     string   // CRIU's RPC message or the transport failure
+	Err     error    // what failed (a *StallError when the watchdog ended CRIU)
 	Cause   string   // the first real error line of the log ("" when none was found)
 	LogPath string   // full log
 	Tail    []string // last lines of the log
 }
 
 func (e *Error) Error() string {
+	// A CRIU killed for making no progress logged no error: the stall is the cause.
+	if errors.Is(e.Err, ErrStalled) {
+		return fmt.Sprintf("criu %s: %v", e.Op, e.Err)
+	}
 	// CRIU's RPC message is often just the first error line of its log, harmless ones included:
 	// the cause found in the log leads, and the log's path is left to the caller (it keeps the
 	// log somewhere the staging directory's removal does not reach).
@@ -45,8 +50,8 @@ func (e *Error) Error() string {
 	return fmt.Sprintf("criu %s: %s", e.Op, e.Msg)
 }
 
-func newError(op, msg, logPath string) *Error {
-	return &Error{Op: op, Msg: msg, Cause: LogCause(logPath), LogPath: logPath, Tail: LogTail(logPath, 20)}
+func newError(op string, err error, logPath string) *Error {
+	return &Error{Op: op, Msg: err.Error(), Err: err, Cause: LogCause(logPath), LogPath: logPath, Tail: LogTail(logPath, 20)}
 }
 
 // harmless are error lines CRIU logs that do not make an operation fail (it goes on after them);
@@ -102,6 +107,9 @@ func errorLine(line string) (string, bool) {
 // Is makes every *Error match ErrFailed.
 func (e *Error) Is(target error) bool { return target == ErrFailed }
 
+// Unwrap gives what failed (errors.Is(err, ErrStalled) for a CRIU the watchdog ended).
+func (e *Error) Unwrap() error { return e.Err }
+
 // LogTail returns the last n lines of the file at path (fewer when it is shorter), or nil.
 func LogTail(path string, n int) []string {
 	f, err := os.Open(path)
@@ -131,6 +139,11 @@ const maxReply = 1 << 20
 type spawn struct {
 	onStart  func(pid int) // called once CRIU runs, before the request is sent
 	cgroupFD int           // > 0: start CRIU in this cgroup v2 directory (CLONE_INTO_CGROUP)
+	// The watchdog: CRIU is killed when it makes no progress (its log at logPath, its CPU time,
+	// progress()) for stall; 0 watches nothing.
+	stall    time.Duration
+	logPath  string
+	progress func() int64
 }
 
 // swrk runs one `criu swrk` process for one request. Unlike go-criu's own loop it creates the
@@ -167,9 +180,13 @@ func swrk(bin string, req *rpc.CriuReq, onNotify func(*rpc.CriuNotify) error, sp
 	if sp.onStart != nil {
 		sp.onStart(cmd.Process.Pid)
 	}
+	wd := watch(cmd.Process.Pid, sp.logPath, sp.stall, sp.progress)
 	resp, err := exchange(cln, req, onNotify)
 	cln.Close() // CRIU exits when its socket closes
 	werr := cmd.Wait()
+	if serr := wd.stop(); serr != nil {
+		return resp, serr
+	}
 	if err != nil {
 		if out := strings.TrimSpace(stderr.String()); out != "" {
 			err = fmt.Errorf("%w; criu output: %s", err, out)
@@ -249,6 +266,11 @@ type DumpOptions struct {
 	// imgstream), which the caller serves, instead of writing them; only its log (and stats)
 	// land in ImagesDir.
 	Stream bool
+	// Stall: CRIU is killed (and the dump fails with ErrStalled) when it makes no progress for
+	// this long: its log does not grow, it uses no CPU time and Progress does not change.
+	// 0 means no bound.
+	Stall    time.Duration
+	Progress func() int64 // optional: a counter of the caller's (bytes streamed)
 }
 
 // RestoreOptions describe one restore. The restored process is detached: it outlives ptxmig.
@@ -270,7 +292,9 @@ type RestoreOptions struct {
 	OnStart       func(pid int) // as DumpOptions.OnStart
 	// Stream: CRIU reads its image files from the streamer socket in ImagesDir, which the caller
 	// serves (package imgstream).
-	Stream bool
+	Stream   bool
+	Stall    time.Duration // as DumpOptions.Stall
+	Progress func() int64  // as DumpOptions.Progress
 }
 
 // BuildDumpOpts turns DumpOptions into CRIU's RPC options with the images dir as fd imgFD.
@@ -366,15 +390,16 @@ func (d *Dumper) Dump(ctx context.Context, o DumpOptions) (*DumpResult, error) {
 		return nil, err
 	}
 	logPath := filepath.Join(o.ImagesDir, opts.GetLogFile())
+	sp := spawn{onStart: o.OnStart, stall: o.Stall, logPath: logPath, progress: o.Progress}
 	t0 := time.Now()
 	if o.Stream {
-		err = d.streamDump(opts, o)
+		err = d.streamDump(opts, o, sp)
 	} else {
-		_, err = swrk(d.Bin, &rpc.CriuReq{Type: rpc.CriuReqType_DUMP.Enum(), Opts: opts}, nil, spawn{onStart: o.OnStart})
+		_, err = swrk(d.Bin, &rpc.CriuReq{Type: rpc.CriuReqType_DUMP.Enum(), Opts: opts}, nil, sp)
 	}
 	res := &DumpResult{Duration: time.Since(t0), LogPath: logPath}
 	if err != nil {
-		return res, newError(fmt.Sprintf("dump pid %d", o.PID), err.Error(), logPath)
+		return res, newError(fmt.Sprintf("dump pid %d", o.PID), err, logPath)
 	}
 	return res, nil
 }
@@ -409,7 +434,7 @@ func (d *Dumper) Restore(ctx context.Context, o RestoreOptions) (*RestoreResult,
 	}
 	opts := BuildRestoreOpts(o, int(dir.Fd()), workFD)
 	logPath := filepath.Join(logDir, opts.GetLogFile())
-	sp := spawn{onStart: o.OnStart}
+	sp := spawn{onStart: o.OnStart, stall: o.Stall, logPath: logPath, progress: o.Progress}
 	if o.CgroupDir != "" {
 		cg, err := openDir(o.CgroupDir)
 		if err != nil {
@@ -426,7 +451,7 @@ func (d *Dumper) Restore(ctx context.Context, o RestoreOptions) (*RestoreResult,
 			return res, err
 		}
 		if err != nil {
-			return res, newError("restore", err.Error(), logPath)
+			return res, newError("restore", err, logPath)
 		}
 		return res, nil
 	}
@@ -442,14 +467,14 @@ func (d *Dumper) Restore(ctx context.Context, o RestoreOptions) (*RestoreResult,
 		return res, err
 	}
 	if err != nil {
-		return res, newError("restore", err.Error(), logPath)
+		return res, newError("restore", err, logPath)
 	}
 	res.PID = int(resp.GetRestore().GetPid())
 	if res.PID <= 0 {
 		res.PID = int(notifiedPID)
 	}
 	if res.PID <= 0 {
-		return res, newError("restore", "criu reported success but no pid", logPath)
+		return res, newError("restore", errors.New("criu reported success but no pid"), logPath)
 	}
 	return res, nil
 }

@@ -85,10 +85,11 @@ type Stats struct {
 
 // Server is one listening streamer socket, for one CRIU operation.
 type Server struct {
-	mode Mode
-	ln   *net.UnixListener
-	path string
-	once sync.Once
+	mode  Mode
+	ln    *net.UnixListener
+	path  string
+	once  sync.Once
+	moved atomic.Int64 // bytes received (as they arrive) or served (once each file is done)
 }
 
 // Listen creates the socket for mode in dir (owner-only). CRIU must be started after Listen
@@ -221,10 +222,7 @@ func (s *Server) Capture(ctx context.Context, sink func(name string, r io.Reader
 		return Stats{}, errors.New("imgstream: Capture on a serve socket")
 	}
 	return s.run(ctx, func(ctx context.Context, name string, f *os.File, st *stats) error {
-		cr := &countingReader{r: f}
-		err := sink(name, cr)
-		st.bytes.Add(cr.n)
-		return err
+		return sink(name, &countingReader{r: f, n: &s.moved})
 	})
 }
 
@@ -246,7 +244,7 @@ func (s *Server) Serve(ctx context.Context, src Source) (Stats, error) {
 	}
 	return s.run(ctx, func(ctx context.Context, name string, f *os.File, st *stats) error {
 		n, err := src.WriteFile(ctx, name, f)
-		st.bytes.Add(n)
+		s.moved.Add(n)
 		if errors.Is(err, syscall.EPIPE) {
 			return nil // CRIU read what it needed
 		}
@@ -256,19 +254,21 @@ func (s *Server) Serve(ctx context.Context, src Source) (Stats, error) {
 
 type stats struct {
 	files, missing int
-	bytes          atomic.Int64
 }
 
 type countingReader struct {
 	r io.Reader
-	n int64
+	n *atomic.Int64
 }
 
 func (c *countingReader) Read(p []byte) (int, error) {
 	n, err := c.r.Read(p)
-	c.n += int64(n)
+	c.n.Add(int64(n))
 	return n, err
 }
+
+// Moved is how many bytes have moved so far: read while Capture runs, it is CRIU's progress.
+func (s *Server) Moved() int64 { return s.moved.Load() }
 
 // run is the connection loop shared by both modes: requests are read one after the other, each
 // file is handled in its own goroutine by xfer.
@@ -371,7 +371,7 @@ func (s *Server) run(ctx context.Context, xfer func(context.Context, string, *os
 		}()
 	}
 	wg.Wait()
-	out := Stats{Files: st.files, Missing: st.missing, Bytes: st.bytes.Load()}
+	out := Stats{Files: st.files, Missing: st.missing, Bytes: s.moved.Load()}
 	mu.Lock()
 	defer mu.Unlock()
 	if first != nil {

@@ -141,7 +141,13 @@ type Header struct {
 	Store        string    `json:"store,omitempty"`
 	Image        string    `json:"image,omitempty"`
 	Steps        []string  `json:"steps"` // in order
+	// CRIUStall: how long the operation's CRIU may make no progress before it is killed (0: no
+	// bound); a guardian holds CRIU to the same bound.
+	CRIUStall time.Duration `json:"criu_stall_ns,omitempty"`
 }
+
+// MaxCRIUStall is the longest stall bound a journal may record.
+const MaxCRIUStall = 24 * time.Hour
 
 // Record is one line.
 type Record struct {
@@ -268,6 +274,8 @@ func (h *Header) Validate() error {
 		return bad("bad image name %q", h.Image)
 	case len(h.Steps) == 0 || len(h.Steps) > MaxSteps:
 		return bad("%d steps", len(h.Steps))
+	case h.CRIUStall < 0 || h.CRIUStall > MaxCRIUStall:
+		return bad("CRIU stall bound %s", h.CRIUStall)
 	}
 	seen := map[int]bool{}
 	for _, p := range h.Tree {

@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/proc"
@@ -399,15 +400,17 @@ func (rb *journalRollback) run(ctx context.Context) string {
 	}
 }
 
-// HelperWait is how long a rollback waits for the operation's CRIU to finish by itself before
-// killing it.
+// HelperWait is the longest a rollback waits for the operation's CRIU to finish by itself before
+// killing it, even while it makes progress; one that makes none (criu.Activity) is killed once
+// the operation's stall bound (journal.Header.CRIUStall) has passed.
 var HelperWait = 10 * time.Minute
 
 // endHelpers makes sure the operation's CRIU processes are gone before anything is resumed or
 // killed. CRIU is left to finish: killed while its parasite code runs inside a process being
 // dumped, it can kill that process; once done it finds ptxmig's end of its socket closed and
-// exits (a dump leaves the tree stopped, which the rollback then resumes). Only a CRIU still
-// running after HelperWait is killed, with its process group (the helpers it forked share it).
+// exits (a dump leaves the tree stopped, which the rollback then resumes). Only a CRIU that made
+// no progress for the operation's stall bound, or still runs after HelperWait, is killed, with
+// its process group (the helpers it forked share it).
 // A CRIU that ptxmig started but could not journal before it died is found by what it must be:
 // a process named criu, leader of its own process group, in ptxmig's session, started after the
 // step that starts it began.
@@ -437,9 +440,22 @@ func (rb *journalRollback) endHelpers() {
 		}
 		return out
 	}
+	activity := func(pids []int) uint64 {
+		var n uint64
+		for _, pid := range pids {
+			n += criu.Activity(pid)
+		}
+		return n
+	}
 	t0 := time.Now()
 	running := alive()
+	var idle criu.Idle
+	stalled := false
 	for len(running) > 0 && time.Since(t0) < HelperWait {
+		if bound := st.Header.CRIUStall; bound > 0 && idle.Observe(activity(running), time.Now()) >= bound {
+			stalled = true
+			break
+		}
 		time.Sleep(10 * time.Millisecond)
 		running = alive()
 	}
@@ -460,9 +476,12 @@ func (rb *journalRollback) endHelpers() {
 			rb.fail(fmt.Errorf("CRIU (pid %d): %w", hp.PID, err))
 			continue
 		}
-		if slices.Contains(running, hp.PID) {
+		switch {
+		case slices.Contains(running, hp.PID) && stalled:
+			rb.note("killed CRIU (pid %s): no progress for %s", pidText(pids), rb.st.Header.CRIUStall)
+		case slices.Contains(running, hp.PID):
 			rb.note("killed CRIU (pid %s) still running after %s", pidText(pids), HelperWait)
-		} else {
+		default:
 			rb.note("ended what CRIU (pid %d) left running (pid %s)", hp.PID, pidText(pids))
 		}
 	}

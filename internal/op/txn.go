@@ -82,6 +82,19 @@ func (e *StepError) Unwrap() error { return e.Err }
 // commit: then nothing was rolled back).
 func (e *StepError) RolledBack() bool { return e.Touched && e.UndoErr == nil && !e.Committed }
 
+// StepUndid marks the error of a step that had begun to act on the process before it failed and
+// undid its own part (a dump that CRIU began: the tree was frozen, then resumed); undoErr says how
+// that went (nil: it completed). The transaction counts the process as touched and the step as
+// undone, so that a complete rollback reads as one (exit status 4), and reports a failure of the
+// step's own undo as a failed rollback. A step that fails before touching anything returns its
+// error as it is.
+func StepUndid(err, undoErr error) error { return &undidError{err: err, undo: undoErr} }
+
+type undidError struct{ err, undo error }
+
+func (e *undidError) Error() string { return e.err.Error() }
+func (e *undidError) Unwrap() error { return e.err }
+
 // Hook runs before each step's Do; an error it returns fails that step. Tests use it to inject
 // failures; the GPU tests use it to change the world between steps.
 type Hook func(ctx context.Context, step string) error
@@ -156,13 +169,21 @@ func execute(ctx context.Context, steps []Step, hook Hook, rollbackTimeout time.
 
 func rollback(ctx context.Context, done []Step, e *StepError, timeout time.Duration, log *slog.Logger, obs observer) error {
 	e.Touched = len(done) > 0
+	var errs []error
+	if ue := (*undidError)(nil); errors.As(e.Err, &ue) {
+		e.Touched = true
+		if ue.undo != nil {
+			errs = append(errs, fmt.Errorf("undo %s: %w", e.Step, ue.undo))
+		} else {
+			e.Undone = append(e.Undone, e.Step)
+		}
+	}
 	if timeout <= 0 {
 		timeout = 5 * time.Minute
 	}
 	// The caller's context may be cancelled (that may be why we are here); the rollback must run.
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
 	defer cancel()
-	var errs []error
 	for i := len(done) - 1; i >= 0; i-- {
 		s := done[i]
 		if s.Undo == nil {

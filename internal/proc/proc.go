@@ -43,6 +43,7 @@ type Stat struct {
 	SID        int    `json:"sid"`
 	TTY        int    `json:"tty_nr"` // controlling terminal's device number; 0: none
 	StartTicks uint64 `json:"-"`      // start time after boot, in clock ticks
+	CPUTicks   uint64 `json:"-"`      // CPU time used (user + system), in clock ticks
 }
 
 // Zombie reports whether the process has exited and waits to be reaped (or is dead).
@@ -65,7 +66,8 @@ func ParseStat(b []byte) (Stat, error) {
 	}
 	s.PID, s.Comm = pid, string(b[open+1:end])
 	f := bytes.Fields(b[end+1:])
-	// f[0] is field 3 (state), f[1] ppid, f[2] pgrp, f[3] session, f[4] tty_nr, f[19] starttime.
+	// f[0] is field 3 (state), f[1] ppid, f[2] pgrp, f[3] session, f[4] tty_nr, f[11] utime,
+	// f[12] stime, f[19] starttime.
 	if len(f) < 20 {
 		return s, fmt.Errorf("malformed stat: %d fields after comm", len(f))
 	}
@@ -83,6 +85,13 @@ func ParseStat(b []byte) (Stat, error) {
 	}
 	if s.StartTicks, err = strconv.ParseUint(string(f[19]), 10, 64); err != nil {
 		return s, fmt.Errorf("malformed stat: starttime: %w", err)
+	}
+	for i, name := range []string{"utime", "stime"} {
+		v, err := strconv.ParseUint(string(f[11+i]), 10, 64)
+		if err != nil {
+			return s, fmt.Errorf("malformed stat: %s: %w", name, err)
+		}
+		s.CPUTicks += v
 	}
 	return s, nil
 }
