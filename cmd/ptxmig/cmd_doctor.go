@@ -24,21 +24,27 @@ import (
 	"github.com/ptxmig/ptxmig/store"
 )
 
+// selfTestBound bounds doctor's dump and restore of a test process (each CRIU: half of it).
+const selfTestBound = 20 * time.Second
+
 func init() {
 	register(&cli.Command{
 		Name:  "doctor",
 		Usage: "check this host before the first checkpoint: root, CRIU, driver, GPUs, store, shim; says how to fix",
 		Description: "Checks, one line each with ok, warn or fail and the fix: root and the capabilities CRIU needs;\n" +
-			"CRIU's version (>= 4.0) and `criu check`; the NVIDIA driver and what it allows (checkpoint and\n" +
+			"CRIU's version (>= 4.0; >= 4.2 to dump TCP/UDP sockets on Linux >= 6.16) and `criu check`; a\n" +
+			"real dump and restore of a sleeping test process in a scratch directory, bounded in time, which\n" +
+			"proves CRIU works here (`criu check` passed where every dump hung) and says whether ptrace\n" +
+			"hardware breakpoints fire; the NVIDIA driver and what it allows (checkpoint and\n" +
 			"restore on the same GPUs need >= 570, restore onto another GPU, migrate and rebalance >= 580)\n" +
 			"and its checkpoint API; the GPUs (MIG is not supported) and their persistence mode; the store\n" +
 			"(location, symlink target, owner, mode, read-only, free space; a missing store is fine if its\n" +
 			"parent exists: the first checkpoint creates it); the staging and failure-log directories;\n" +
 			"libptxmig.so (for `ptxmig run`), ptxas and the shim's socket directory; and operations a\n" +
 			"ptxmig that died left interrupted (their journals, read only: `ptxmig recover` handles them).\n" +
-			"Nothing is created or changed. Exits 1 when any check fails, 0 otherwise (warnings\n" +
-			"included). A host without an NVIDIA driver can still checkpoint CPU processes: the GPU lines\n" +
-			"are warnings there.\n\n" +
+			"Nothing else is created or changed: the test process and its scratch directory are removed.\n" +
+			"Exits 1 when any check fails, 0 otherwise (warnings included). A host without an NVIDIA driver\n" +
+			"can still checkpoint CPU processes: the GPU lines are warnings there.\n\n" +
 			"Examples:\n" +
 			"   ptxmig doctor\n" +
 			"   ptxmig doctor --json\n" +
@@ -70,6 +76,8 @@ type doctorProbes struct {
 	missingCaps   func() ([]probe.Capability, error)
 	criu          func(ctx context.Context) (probe.CRIUInfo, error)
 	criuCheck     func(ctx context.Context, bin string) error
+	criuSelfTest  func(ctx context.Context, bin string) (*criu.SelfTest, error)
+	kernel        func() string // uname -r
 	driver        func() (string, error)
 	checkpointAPI func() (cudaVersion string, err error)
 	gpus          func() ([]probe.GPUState, error)
@@ -92,7 +100,13 @@ var doctorHost = doctorProbes{
 	missingCaps: func() ([]probe.Capability, error) { return probe.MissingCapabilities(probe.CRIUCapabilities) },
 	criu:        probe.HaveCRIU,
 	criuCheck:   criu.CheckKernel,
-	driver:      probe.DriverVersion,
+	criuSelfTest: func(ctx context.Context, bin string) (*criu.SelfTest, error) {
+		ctx, cancel := context.WithTimeout(ctx, selfTestBound)
+		defer cancel()
+		return criu.RunSelfTest(ctx, bin, "", selfTestBound/2)
+	},
+	kernel: func() string { return op.ReadHostInfo(nil).Kernel },
+	driver: probe.DriverVersion,
 	checkpointAPI: func() (string, error) {
 		d, err := cudackpt.Open()
 		if err == nil {
@@ -243,25 +257,51 @@ func runDoctor(ctx context.Context, p doctorProbes, storeDir, sockDir string) do
 	}
 
 	// CRIU.
+	const criuFix = "scripts/install-criu.sh builds CRIU 4.2.1 (or set PTXMIG_CRIU to a CRIU >= 4.2)"
 	ci, err := p.criu(ctx)
 	switch {
 	case errors.Is(err, probe.ErrNotSupported):
-		add("criu", "fail", fmt.Sprintf("%s at %s: %v", ci.Version, ci.Path, err), "scripts/install-criu.sh builds CRIU 4.1.1 (or set PTXMIG_CRIU to a CRIU >= 4.0)")
+		add("criu", "fail", fmt.Sprintf("%s at %s: %v", ci.Version, ci.Path, err), criuFix)
 	case err != nil:
-		add("criu", "fail", err.Error(), "scripts/install-criu.sh builds CRIU 4.1.1 (or set PTXMIG_CRIU to a CRIU >= 4.0)")
+		add("criu", "fail", err.Error(), criuFix)
+	case probe.PassCredRestricted(p.kernel()) && probe.CRIUSockets.Check(ci.Version) != nil:
+		add("criu", "warn", fmt.Sprintf("%s (%s) on Linux %s: %v; such a dump fails (and rolls back)", ci.Version, ci.Path, p.kernel(),
+			probe.CRIUSockets.Check(ci.Version)), criuFix)
 	default:
 		add("criu", "ok", fmt.Sprintf("%s (%s)", ci.Version, ci.Path), "")
 	}
 	switch {
 	case err != nil:
 		add("criu check", "warn", "skipped: no usable CRIU", "")
+		add("criu self-test", "warn", "skipped: no usable CRIU", "")
 	case !root:
 		add("criu check", "warn", "skipped: `criu check` needs root", "run ptxmig doctor as root")
+		add("criu self-test", "warn", "skipped: a dump and restore need root", "run ptxmig doctor as root")
 	default:
 		if cerr := p.criuCheck(ctx, ci.Path); cerr != nil {
 			add("criu check", "fail", cerr.Error(), "run `criu check --all` for details; CRIU needs a kernel with CONFIG_CHECKPOINT_RESTORE and friends")
 		} else {
 			add("criu check", "ok", "the kernel has what CRIU needs", "")
+		}
+		// `criu check` said "Looks good" on a VM where every dump hung: only a dump proves it.
+		st, serr := p.criuSelfTest(ctx, ci.Path)
+		var bp criu.Breakpoints
+		if st != nil {
+			bp = st.Breakpoints
+		}
+		note := map[criu.Breakpoints]string{
+			criu.BreakpointsWork:    "hardware breakpoints work",
+			criu.BreakpointsBroken:  "hardware breakpoints do not fire here (CRIU traps without them)",
+			criu.BreakpointsUnknown: "this CRIU cannot tell whether hardware breakpoints fire",
+		}[bp]
+		switch {
+		case serr != nil && bp == criu.BreakpointsBroken:
+			add("criu self-test", "fail", fmt.Sprintf("%v; hardware breakpoints do not fire here", serr),
+				"CRIU < 4.2 hangs where ptrace hardware breakpoints do not fire: "+criuFix)
+		case serr != nil:
+			add("criu self-test", "fail", serr.Error(), "read the CRIU log named above; "+criuFix)
+		default:
+			add("criu self-test", "ok", fmt.Sprintf("dumped and restored a test process (%s, %s); %s", ms(st.Dump), ms(st.Restore), note), "")
 		}
 	}
 

@@ -27,9 +27,13 @@ func fakeHost(good bool) doctorProbes {
 		euid:        func() int { return 0 },
 		missingCaps: func() ([]probe.Capability, error) { return nil, nil },
 		criu: func(context.Context) (probe.CRIUInfo, error) {
-			return probe.CRIUInfo{Path: "/usr/local/sbin/criu", Version: "4.1.1"}, nil
+			return probe.CRIUInfo{Path: "/usr/local/sbin/criu", Version: "4.2.1"}, nil
 		},
 		criuCheck:     func(context.Context, string) error { return nil },
+		criuSelfTest: func(context.Context, string) (*criu.SelfTest, error) {
+			return &criu.SelfTest{Dump: 120 * time.Millisecond, Restore: 130 * time.Millisecond, Breakpoints: criu.BreakpointsWork}, nil
+		},
+		kernel: func() string { return "6.18.44" },
 		driver:        func() (string, error) { return "580.95.05", nil },
 		checkpointAPI: func() (string, error) { return "13.0", nil },
 		gpus: func() ([]probe.GPUState, error) {
@@ -164,6 +168,28 @@ func TestDoctorStates(t *testing.T) {
 	p.criuCheck = func(context.Context, string) error { return errors.New("criu check: exit status 1: Looks bad") }
 	if c := find(runDoctor(context.Background(), p, "/s", ""), "criu check"); c.Status != "fail" {
 		t.Errorf("criu check failing: %+v", c)
+	}
+	// `criu check` passes but a real dump hangs (CRIU 4.1.1 where hardware breakpoints never fire):
+	// the self-test fails, says so and names the fix.
+	p = fakeHost(true)
+	p.criuSelfTest = func(context.Context, string) (*criu.SelfTest, error) {
+		return &criu.SelfTest{Breakpoints: criu.BreakpointsBroken},
+			fmt.Errorf("dump of a sleeping process: %w", &criu.StallError{PID: 77, Bound: 10 * time.Second})
+	}
+	r = runDoctor(context.Background(), p, "/s", "")
+	if c := find(r, "criu self-test"); c.Status != "fail" || !strings.Contains(c.Message, "made no progress for 10s") ||
+		!strings.Contains(c.Message, "hardware breakpoints do not fire") || !strings.Contains(c.Fix, "4.2.1") || find(r, "criu check").Status != "ok" {
+		t.Errorf("hanging dump: %+v", r.Checks)
+	}
+	// CRIU 4.1.1 on Linux >= 6.16 cannot dump TCP/UDP sockets: a warning with the fix; not on 6.15.
+	p = fakeHost(true)
+	p.criu = func(context.Context) (probe.CRIUInfo, error) { return probe.CRIUInfo{Path: "/usr/local/sbin/criu", Version: "4.1.1"}, nil }
+	if c := find(runDoctor(context.Background(), p, "/s", ""), "criu"); c.Status != "warn" || !strings.Contains(c.Message, "TCP or UDP sockets") {
+		t.Errorf("CRIU 4.1.1 on 6.18: %+v", c)
+	}
+	p.kernel = func() string { return "6.15.2" }
+	if c := find(runDoctor(context.Background(), p, "/s", ""), "criu"); c.Status != "ok" {
+		t.Errorf("CRIU 4.1.1 on 6.15: %+v", c)
 	}
 	// Interrupted operations: a warning whose fix is ptxmig recover; each one named.
 	p = fakeHost(true)

@@ -1,6 +1,7 @@
 package criu
 
 import (
+	"context"
 	"errors"
 	"os"
 	"os/exec"
@@ -9,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ptxmig/ptxmig/internal/proc"
 )
@@ -120,4 +123,33 @@ func TestWatchdogOff(t *testing.T) {
 	if err := w.stop(); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestSelfTest runs doctor's proof that CRIU works here: a real dump and restore of a sleeping
+// process, which ends running, then gone; and CRIU (>= 4.2) says whether breakpoints fire.
+func TestSelfTest(t *testing.T) {
+	d := usableCRIU(t)
+	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) // the restored process comes back to this test
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	dir := t.TempDir()
+	res, err := RunSelfTest(ctx, d.Bin, dir, 10*time.Second)
+	if err != nil {
+		t.Fatalf("self-test: %v", err)
+	}
+	if res.Dump <= 0 || res.Restore <= 0 || res.Breakpoints == "" {
+		t.Fatalf("result %+v", res)
+	}
+	if v, _, err := Version(ctx, d.Bin); err == nil && v >= 40200 && res.Breakpoints == BreakpointsUnknown {
+		t.Errorf("CRIU %d answers `check --feature breakpoints`, but the self-test read no answer", v)
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 0 {
+		t.Errorf("scratch left behind: %v", ents)
+	}
+	for _, s := range proc.Group(0) {
+		if s.PPID == os.Getpid() && s.Comm == "sleep" {
+			t.Errorf("the test process (pid %d) outlived the self-test", s.PID)
+		}
+	}
+	t.Logf("dump %s, restore %s, hardware breakpoints: %s", res.Dump, res.Restore, res.Breakpoints)
 }

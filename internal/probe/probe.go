@@ -62,7 +62,18 @@ var (
 	DriverGPURemap = Feature{Name: "restore onto another GPU (GPU pairs: restore --gpu, migrate, rebalance)", Component: "NVIDIA driver", Minimum: "580"}
 	// CRIU: ptxmig drives CRIU >= 4.0 over its RPC (older CRIU fails on current kernels).
 	CRIU = Feature{Name: "checkpoint and restore of process trees", Component: "CRIU", Minimum: "4.0"}
+	// CRIUSockets: Linux 6.16 allows SO_PASSCRED/SO_PASSSEC on unix and netlink sockets only, and
+	// CRIU < 4.2 reads them on every socket, so it cannot dump a process with a TCP or UDP socket
+	// there ("Can't get 1:16 opt", measured 2026-11-28 with 4.1.1 on kernel 6.18).
+	CRIUSockets = Feature{Name: "checkpoint of processes with TCP or UDP sockets on Linux >= 6.16", Component: "CRIU", Minimum: "4.2"}
 )
+
+// PassCredRestricted reports whether the kernel release (uname -r) is Linux >= 6.16, where
+// CRIUSockets applies. A release that does not parse is not.
+func PassCredRestricted(release string) bool {
+	v, err := ParseVersion(release)
+	return err == nil && !v.Less(Version{6, 16})
+}
 
 // Check reports whether version (of f.Component) provides f: nil, or an *UnsupportedFeatureError.
 // A version that does not parse is an error of its own (not ErrNotSupported).

@@ -27,6 +27,9 @@ func TestFeatureCheck(t *testing.T) {
 		{CRIU, "4.0", nil},
 		{CRIU, "4.1.1", nil},
 		{CRIU, "garbage", errParse},
+		{CRIUSockets, "4.1.1", ErrNotSupported},
+		{CRIUSockets, "4.2", nil},
+		{CRIUSockets, "4.2.1", nil},
 	}
 	for _, tt := range tests {
 		err := tt.f.Check(tt.version)
@@ -43,6 +46,17 @@ func TestFeatureCheck(t *testing.T) {
 }
 
 var errParse = errors.New("parse")
+
+func TestPassCredRestricted(t *testing.T) {
+	for release, want := range map[string]bool{
+		"6.18.44-fc-v769": true, "6.16.0": true, "6.16": true, "7.0.1": true,
+		"6.15.9-arch1": false, "6.1.0-28-amd64": false, "5.15.0": false, "weird": false,
+	} {
+		if got := PassCredRestricted(release); got != want {
+			t.Errorf("PassCredRestricted(%q) = %v, want %v", release, got, want)
+		}
+	}
+}
 
 func TestVersionLess(t *testing.T) {
 	for _, tt := range []struct {
