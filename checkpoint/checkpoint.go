@@ -239,7 +239,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 	}
 	criuRan := false // CRIU started: it has touched the tree, whatever it did then
 	dump := criu.DumpOptions{PID: p.PID, ImagesDir: images, LeaveRunning: o.LeaveRunning, LeaveStopped: !o.LeaveRunning,
-		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, Stream: p.Stream, Stall: env.Stall(),
+		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, Stream: p.Stream, Stall: env.CRIUStall,
 		OnStart: func(pid int) {
 			criuRan = true
 			if helper != nil {

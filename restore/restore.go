@@ -315,7 +315,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	var restored bool
 	var txn *op.Txn
 	ropts := criu.RestoreOptions{ShellJob: p.ShellJob, TCPEstablished: meta.Extra[op.ExtraTCPEstablished] == "true", IgnoreCgroups: true,
-		Stream: p.Stream, Stall: env.Stall()}
+		Stream: p.Stream, Stall: env.CRIUStall}
 	var rd *store.ImageReader // streamed: the image, open in the store
 	criuRestore := func(ctx context.Context) (*criu.RestoreResult, error) {
 		if rd == nil {

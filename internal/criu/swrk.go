@@ -140,7 +140,7 @@ type spawn struct {
 	onStart  func(pid int) // called once CRIU runs, before the request is sent
 	cgroupFD int           // > 0: start CRIU in this cgroup v2 directory (CLONE_INTO_CGROUP)
 	// The watchdog: CRIU is killed when it makes no progress (its log at logPath, its CPU time,
-	// progress()) for stall; 0 watches nothing.
+	// progress()) for stall (see Bound: 0 is DefaultStall, < 0 no bound).
 	stall    time.Duration
 	logPath  string
 	progress func() int64
@@ -268,7 +268,7 @@ type DumpOptions struct {
 	Stream bool
 	// Stall: CRIU is killed (and the dump fails with ErrStalled) when it makes no progress for
 	// this long: its log does not grow, it uses no CPU time and Progress does not change.
-	// 0 means no bound.
+	// 0 means DefaultStall, < 0 no bound.
 	Stall    time.Duration
 	Progress func() int64 // optional: a counter of the caller's (bytes streamed)
 }

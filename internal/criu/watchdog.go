@@ -21,6 +21,17 @@ var ErrStalled = errors.New("criu made no progress")
 // neither is a hang, not a slow disk.
 const DefaultStall = 30 * time.Second
 
+// Bound resolves a stall option: 0 is DefaultStall, < 0 no bound (returned as 0).
+func Bound(stall time.Duration) time.Duration {
+	switch {
+	case stall < 0:
+		return 0
+	case stall == 0:
+		return DefaultStall
+	}
+	return stall
+}
+
 // StallError is a CRIU killed by its watchdog.
 type StallError struct {
 	PID   int
@@ -77,9 +88,10 @@ type watchdog struct {
 	fired   bool
 }
 
-// watch starts a watchdog for the CRIU process pid (leader of its own process group); bound <=
-// 0 watches nothing. stop it once CRIU has exited.
-func watch(pid int, logPath string, bound time.Duration, extra func() int64) *watchdog {
+// watch starts a watchdog for the CRIU process pid (leader of its own process group), with the
+// stall option's bound (see Bound). stop it once CRIU has exited.
+func watch(pid int, logPath string, stall time.Duration, extra func() int64) *watchdog {
+	bound := Bound(stall)
 	w := &watchdog{pid: pid, logPath: logPath, bound: bound, extra: extra, done: make(chan struct{})}
 	if bound <= 0 {
 		return w

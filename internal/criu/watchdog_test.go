@@ -16,6 +16,14 @@ import (
 	"github.com/ptxmig/ptxmig/internal/proc"
 )
 
+func TestBound(t *testing.T) {
+	for in, want := range map[time.Duration]time.Duration{0: DefaultStall, -1: 0, -time.Hour: 0, time.Second: time.Second} {
+		if got := Bound(in); got != want {
+			t.Errorf("Bound(%s) = %s, want %s", in, got, want)
+		}
+	}
+}
+
 func TestIdleObserve(t *testing.T) {
 	t0 := time.Unix(1000, 0)
 	var i Idle
@@ -112,10 +120,10 @@ func TestWatchdogSparesProgress(t *testing.T) {
 	}
 }
 
-// TestWatchdogOff: bound 0 watches nothing.
+// TestWatchdogOff: a negative stall option watches nothing.
 func TestWatchdogOff(t *testing.T) {
 	cmd := startGroup(t, "sleep 600")
-	w := watch(cmd.Process.Pid, "", 0, nil)
+	w := watch(cmd.Process.Pid, "", -1, nil)
 	time.Sleep(200 * time.Millisecond)
 	if err := syscall.Kill(cmd.Process.Pid, 0); err != nil {
 		t.Fatalf("killed without a bound: %v", err)

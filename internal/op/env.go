@@ -59,8 +59,8 @@ type Env struct {
 	CRIUErr     error      //
 	CRIUVersion string
 	// CRIUStall bounds how long a CRIU dump or restore may make no progress before it is killed
-	// and the operation rolled back (criu.ErrStalled); 0 means criu.DefaultStall, < 0 no bound.
-	// The journal records it, so that a guardian applies the same bound.
+	// and the operation rolled back (criu.ErrStalled); 0 means criu.DefaultStall, < 0 no bound
+	// (criu.Bound). The journal records it, so that a guardian applies the same bound.
 	CRIUStall   time.Duration
 	Store       ImageStore
 	Host        HostInfo
@@ -112,17 +112,6 @@ func (e *Env) DriverTooOld(f probe.Feature) error {
 		return err
 	}
 	return nil
-}
-
-// Stall is the bound CRIU is held to (CRIUStall resolved): 0 means none.
-func (e *Env) Stall() time.Duration {
-	switch {
-	case e.CRIUStall < 0:
-		return 0
-	case e.CRIUStall == 0:
-		return criu.DefaultStall
-	}
-	return e.CRIUStall
 }
 
 // Logger is e.Log, or slog's default when unset.

@@ -12,6 +12,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/proc"
 )
@@ -90,7 +91,7 @@ func (e *Env) Begin(ctx context.Context, spec TxnSpec) (*Txn, error) {
 	}
 	h := journal.Header{V: journal.Version, Op: spec.Op, ID: id, Boot: boot, Time: time.Now().UTC(),
 		Owner: journal.Proc{PID: self.PID, Start: self.StartTicks}, Session: self.SID, Root: spec.Root,
-		CUDA: spec.CUDA, LeaveRunning: spec.LeaveRunning, Store: spec.Store, Image: spec.Image, CRIUStall: e.Stall()}
+		CUDA: spec.CUDA, LeaveRunning: spec.LeaveRunning, Store: spec.Store, Image: spec.Image, CRIUStall: criu.Bound(e.CRIUStall)}
 	for _, pid := range spec.Tree {
 		p := journal.Proc{PID: pid}
 		if s, err := proc.ReadStat(pid); err == nil && !s.Zombie() {

@@ -842,6 +842,9 @@ def t_mid_block_off(name, env, want_refused, layout=False):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+CRIU_TIMEOUT = 60  # seconds one CRIU dump or restore of the test app may take
+
+
 def t_criu(name, extra=None):
     """CRIU dump of a detached (quiesced) shimmed app, restore, then status and resume on the
     restored process's socket; the remainder runs and every block ran exactly once. With
@@ -882,8 +885,15 @@ def t_criu(name, extra=None):
         check(a.req(cmd="detach")["ok"], f"{name}: detach")
         a.f.readline()
         a.close()
-        d = subprocess.run([criu, "dump", "-t", str(pid), "-D", imgdir, "-v4", "-o", "dump.log"],
-                           capture_output=True, text=True)
+        # Bounded: a CRIU that hangs (4.1.1 where hardware breakpoints never fire) fails the case
+        # instead of the suite; subprocess.run kills it on the timeout, `finally` kills the app.
+        try:
+            d = subprocess.run([criu, "dump", "-t", str(pid), "-D", imgdir, "-v4", "-o", "dump.log"],
+                               capture_output=True, text=True, timeout=CRIU_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            check(False, f"{name}: criu dump still running after {CRIU_TIMEOUT} s (killed): "
+                  f"{open(os.path.join(imgdir, 'dump.log')).read()[-800:]}")
+            return
         try:
             p.wait(10)  # dumped processes are killed (no --leave-running)
         except subprocess.TimeoutExpired:
@@ -891,8 +901,13 @@ def t_criu(name, extra=None):
         if not check(d.returncode == 0, f"{name}: criu dump failed: {d.stderr[-300:]} "
                      f"{open(os.path.join(imgdir, 'dump.log')).read()[-1500:]}"):
             return
-        rs = subprocess.run([criu, "restore", "-D", imgdir, "-d", "-v4", "-o", "restore.log"],
-                            capture_output=True, text=True)
+        try:
+            rs = subprocess.run([criu, "restore", "-D", imgdir, "-d", "-v4", "-o", "restore.log"],
+                                capture_output=True, text=True, timeout=CRIU_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            check(False, f"{name}: criu restore still running after {CRIU_TIMEOUT} s (killed): "
+                  f"{open(os.path.join(imgdir, 'restore.log')).read()[-800:]}")
+            return
         if not check(rs.returncode == 0, f"{name}: criu restore failed: {rs.stderr[-300:]} "
                      f"{open(os.path.join(imgdir, 'restore.log')).read()[-1500:]}"):
             return
