@@ -1,5 +1,5 @@
 # ptxmig build. `make` builds bin/ptxmig and bin/libptxmig.so; `make test` installs what the tests
-# need (CRIU >= 4.0, ptxas) and runs everything that needs no GPU, ending with pass/skip/fail counts;
+# need (CRIU 4.2.1, ptxas) and runs everything that needs no GPU, ending with pass/skip/fail counts;
 # `make lint` runs the static checks (CI runs both); `make gpu-test` runs the GPU suite.
 GO        ?= go
 # Install locations (make install; DESTDIR for staging, e.g. packaging).

@@ -109,7 +109,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	res.Timings, res.Preemption = timings, pre.Reports
 	if err != nil {
 		// Keep CRIU's log before the staging directory goes.
-		ferr := op.NewFailure(err, "checkpoint", p.PID, []string{filepath.Join(images, "dump.log")}, tr.pids())
+		ferr := env.NewFailure(err, "checkpoint", p.PID, []string{filepath.Join(images, "dump.log")}, tr.pids(), p.CUDAPIDs)
 		txn.End(err, o.KeepStaging)
 		return nil, ferr
 	}
@@ -239,7 +239,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 	}
 	criuRan := false // CRIU started: it has touched the tree, whatever it did then
 	dump := criu.DumpOptions{PID: p.PID, ImagesDir: images, LeaveRunning: o.LeaveRunning, LeaveStopped: !o.LeaveRunning,
-		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, Stream: p.Stream, Stall: env.CRIUStall,
+		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, NetworkLock: p.meta.Extra[op.ExtraNetworkLock], Stream: p.Stream, Stall: env.CRIUStall,
 		OnStart: func(pid int) {
 			criuRan = true
 			if helper != nil {

@@ -207,6 +207,7 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 
 	if o.TCPEstablished {
 		p.meta.Extra[op.ExtraTCPEstablished] = "true"
+		p.meta.Extra[op.ExtraNetworkLock] = env.CRIU.NetworkLock()
 	}
 	if o.LeaveRunning {
 		p.meta.Extra[op.ExtraLeftRunning] = "true"
@@ -254,6 +255,11 @@ func streamOff(o Options) string {
 		return "--no-stream"
 	case o.KeepStaging:
 		return "--keep-staging keeps CRIU's image files, so they are written to the staging directory"
+	case o.LeaveRunning && o.TCPEstablished:
+		// A streamed dump must leave the tree stopped until its pages are read (see buildSteps),
+		// and CRIU keeps the connections locked (in repair mode, behind the network lock) unless
+		// it resumes the tree itself: they would never carry data again.
+		return "--leave-running with --tcp-established: CRIU lets the connections go only when it resumes the tree itself, which a streamed dump cannot let it do"
 	}
 	return ""
 }

@@ -243,7 +243,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	res.Lock, res.Checkpoint = timings.Of(StepLock), timings.Of(StepCheckpoint)
 	res.Restore, res.Unlock = timings.Of(StepRestore), timings.Of(StepUnlock)
 	if err != nil {
-		return res, op.NewFailure(err, "migrate", p.PID, nil, []int{p.PID})
+		return res, env.NewFailure(err, "migrate", p.PID, nil, []int{p.PID}, []int{p.PID})
 	}
 	res.Downtime = time.Since(t0)
 	return res, nil

@@ -145,6 +145,14 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if err != nil {
 		return nil, op.Refusef("image %q: %w", o.Image, err)
 	}
+	// A missing or truncated chunk file is refused here (one stat per chunk), not met part-way.
+	if cc, ok := env.Store.(interface {
+		CheckChunkFiles(context.Context, *store.Manifest) error
+	}); ok {
+		if err := cc.CheckChunkFiles(ctx, m); err != nil {
+			return nil, op.Refusef("%w", err)
+		}
+	}
 	meta := m.Meta
 	if meta.PID <= 1 {
 		return nil, op.Refusef("image %s records no valid pid (%d): not a process image", m.Name, meta.PID)
@@ -156,6 +164,11 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 		return nil, op.Refusef("image %s holds processes that had a controlling terminal: CRIU restores them only by "+
 			"handing them the restoring process's own terminal, which ptxmig does not do yet; checkpoint such a job "+
 			"started without a terminal (setsid, nohup, a service manager) instead", m.Name)
+	}
+	switch nl := meta.Extra[op.ExtraNetworkLock]; nl {
+	case "", criu.NetworkLockIptables, criu.NetworkLockNftables:
+	default:
+		return nil, op.Refusef("image %s records an unknown CRIU network lock method %q", m.Name, nl)
 	}
 	tree, err := op.ImageTree(meta)
 	if err != nil {
@@ -314,7 +327,10 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	treePIDs := op.TreePIDs(p.Tree, false)
 	var restored bool
 	var txn *op.Txn
-	ropts := criu.RestoreOptions{ShellJob: p.ShellJob, TCPEstablished: meta.Extra[op.ExtraTCPEstablished] == "true", IgnoreCgroups: true,
+	// An image of established TCP connections is restored with them, locked the way the dump locked
+	// them (PlanRestore checked the method): no flag to remember.
+	ropts := criu.RestoreOptions{ShellJob: p.ShellJob, TCPEstablished: meta.Extra[op.ExtraTCPEstablished] == "true",
+		NetworkLock: meta.Extra[op.ExtraNetworkLock], IgnoreCgroups: true,
 		Stream: p.Stream, Stall: env.CRIUStall}
 	var rd *store.ImageReader // streamed: the image, open in the store
 	criuRestore := func(ctx context.Context) (*criu.RestoreResult, error) {
@@ -473,7 +489,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		res.Bytes = p.Bytes
 	}
 	if err != nil {
-		ferr := op.NewFailure(err, "restore", meta.PID, []string{filepath.Join(work, "restore.log")}, treePIDs)
+		ferr := env.NewFailure(err, "restore", meta.PID, []string{filepath.Join(work, "restore.log")}, treePIDs, p.cudaPIDs)
 		txn.End(err, o.KeepStaging)
 		return nil, ferr
 	}

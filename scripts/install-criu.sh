@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# install-criu.sh — make a working CRIU (>= 4.0) available to ptxmig.
+# install-criu.sh — make a working CRIU (>= 4.2.1) available to ptxmig.
 #
 # Uses the system's criu when `criu --version` is >= 4.2.1 and `criu check` passes. Otherwise builds
 # CRIU 4.2.1 from Debian's source tarball (sha256-verified, cached) and installs it to

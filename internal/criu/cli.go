@@ -59,6 +59,17 @@ func cliArgs(verb string, opts *rpc.CriuOpts, imagesDir, workDir string) ([]stri
 			*b.v = nil
 		}
 	}
+	if rest.NetworkLock != nil {
+		switch rest.GetNetworkLock() {
+		case rpc.CriuNetworkLockMethod_IPTABLES:
+			args = append(args, "--network-lock", NetworkLockIptables)
+		case rpc.CriuNetworkLockMethod_NFTABLES:
+			args = append(args, "--network-lock", NetworkLockNftables)
+		default:
+			return nil, fmt.Errorf("criu %s --stream: network lock %s has no rendering here", verb, rest.GetNetworkLock())
+		}
+		rest.NetworkLock = nil
+	}
 	if rest.ManageCgroupsMode != nil {
 		if rest.GetManageCgroupsMode() != rpc.CriuCgMode_IGNORE {
 			return nil, fmt.Errorf("criu %s --stream: cgroup mode %s has no rendering here", verb, rest.GetManageCgroupsMode())

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -257,6 +258,7 @@ type DumpOptions struct {
 	LeaveStopped   bool   // leave it stopped (SIGSTOP) after the dump instead of killing it
 	ShellJob       bool   // the process belongs to a shell's session/terminal
 	TCPEstablished bool   // dump established TCP connections
+	NetworkLock    string // how CRIU blocks the connections meanwhile: "" (CRIU's default, iptables), "iptables" or "nftables"
 	FileLocks      bool
 	ExtUnixSk      bool
 	// OnStart is called with CRIU's pid once it runs (the operation's journal records it, so
@@ -280,6 +282,7 @@ type RestoreOptions struct {
 	LogFile        string // default "restore.log"
 	ShellJob       bool
 	TCPEstablished bool
+	NetworkLock    string // as DumpOptions.NetworkLock: the dump's method
 	FileLocks      bool
 	ExtUnixSk      bool
 	// CgroupDir, when set, is a cgroup v2 directory (under the cgroup2 mount) CRIU starts in, so
@@ -311,6 +314,9 @@ func BuildDumpOpts(o DumpOptions, imgFD int) (*rpc.CriuOpts, error) {
 		LogLevel:    proto.Int32(4),
 		LogFile:     proto.String(orDefault(o.LogFile, "dump.log")),
 	}
+	if err := setNetworkLock(opts, o.NetworkLock); err != nil {
+		return nil, fmt.Errorf("dump: %w", err)
+	}
 	setBool(&opts.LeaveRunning, o.LeaveRunning)
 	setBool(&opts.LeaveStopped, o.LeaveStopped)
 	setBool(&opts.ShellJob, o.ShellJob)
@@ -322,11 +328,14 @@ func BuildDumpOpts(o DumpOptions, imgFD int) (*rpc.CriuOpts, error) {
 
 // BuildRestoreOpts turns RestoreOptions into CRIU's RPC options (images dir fd imgFD, work dir
 // fd workFD or -1).
-func BuildRestoreOpts(o RestoreOptions, imgFD, workFD int) *rpc.CriuOpts {
+func BuildRestoreOpts(o RestoreOptions, imgFD, workFD int) (*rpc.CriuOpts, error) {
 	opts := &rpc.CriuOpts{
 		ImagesDirFd: proto.Int32(int32(imgFD)),
 		LogLevel:    proto.Int32(4),
 		LogFile:     proto.String(orDefault(o.LogFile, "restore.log")),
+	}
+	if err := setNetworkLock(opts, o.NetworkLock); err != nil {
+		return nil, fmt.Errorf("restore: %w", err)
 	}
 	if workFD >= 0 {
 		opts.WorkDirFd = proto.Int32(int32(workFD))
@@ -338,7 +347,27 @@ func BuildRestoreOpts(o RestoreOptions, imgFD, workFD int) *rpc.CriuOpts {
 	if o.IgnoreCgroups || o.CgroupDir != "" {
 		opts.ManageCgroupsMode = rpc.CriuCgMode_IGNORE.Enum()
 	}
-	return opts
+	return opts, nil
+}
+
+// Network lock methods (DumpOptions.NetworkLock).
+const (
+	NetworkLockIptables = "iptables"
+	NetworkLockNftables = "nftables"
+)
+
+// setNetworkLock sets the RPC's network lock method; "" leaves CRIU's default.
+func setNetworkLock(opts *rpc.CriuOpts, method string) error {
+	switch method {
+	case "":
+	case NetworkLockIptables:
+		opts.NetworkLock = rpc.CriuNetworkLockMethod_IPTABLES.Enum()
+	case NetworkLockNftables:
+		opts.NetworkLock = rpc.CriuNetworkLockMethod_NFTABLES.Enum()
+	default:
+		return fmt.Errorf("unknown network lock method %q (want iptables or nftables)", method)
+	}
+	return nil
 }
 
 func setBool(dst **bool, v bool) {
@@ -356,7 +385,25 @@ func orDefault(s, def string) string {
 
 // Dumper runs CRIU dumps and restores with the binary Bin.
 type Dumper struct {
-	Bin string
+	Bin     string
+	netLock func() string
+}
+
+// NetworkLock is how this CRIU should block established TCP connections while it dumps and
+// restores them: nftables where it can (CRIU's default, iptables, needs the iptables command,
+// which many hosts lack), else iptables. Asked once.
+func (d *Dumper) NetworkLock() string {
+	if d.netLock == nil {
+		d.netLock = sync.OnceValue(func() string {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			if _, err := output(ctx, d.Bin, "check", "--feature", "network_lock_nftables"); err == nil {
+				return NetworkLockNftables
+			}
+			return NetworkLockIptables
+		})
+	}
+	return d.netLock()
 }
 
 // NewDumper finds CRIU (see Find) and checks its version.
@@ -432,7 +479,10 @@ func (d *Dumper) Restore(ctx context.Context, o RestoreOptions) (*RestoreResult,
 		workFD = int(wd.Fd())
 		logDir = o.WorkDir
 	}
-	opts := BuildRestoreOpts(o, int(dir.Fd()), workFD)
+	opts, err := BuildRestoreOpts(o, int(dir.Fd()), workFD)
+	if err != nil {
+		return nil, err
+	}
 	logPath := filepath.Join(logDir, opts.GetLogFile())
 	sp := spawn{onStart: o.OnStart, stall: o.Stall, logPath: logPath, progress: o.Progress}
 	if o.CgroupDir != "" {

@@ -60,14 +60,20 @@ func TestBuildDumpOpts(t *testing.T) {
 }
 
 func TestBuildRestoreOpts(t *testing.T) {
-	o := strings.ReplaceAll(BuildRestoreOpts(RestoreOptions{ShellJob: true}, 5, 6).String(), " ", "")
+	o := strings.ReplaceAll(must(BuildRestoreOpts(RestoreOptions{ShellJob: true}, 5, 6)).String(), " ", "")
 	for _, w := range []string{"images_dir_fd:5", "work_dir_fd:6", "shell_job:true", `log_file:"restore.log"`, "log_level:4"} {
 		if !strings.Contains(o, w) {
 			t.Errorf("restore opts %s lack %s", o, w)
 		}
 	}
-	if o2 := BuildRestoreOpts(RestoreOptions{}, 5, -1).String(); strings.Contains(o2, "work_dir_fd") {
+	if o2 := must(BuildRestoreOpts(RestoreOptions{}, 5, -1)).String(); strings.Contains(o2, "work_dir_fd") {
 		t.Errorf("restore opts %s set a work dir", o2)
+	}
+	if _, err := BuildRestoreOpts(RestoreOptions{NetworkLock: "pf"}, 5, -1); err == nil || !strings.Contains(err.Error(), `"pf"`) {
+		t.Errorf("an unknown network lock method: %v", err)
+	}
+	if o3 := must(BuildRestoreOpts(RestoreOptions{TCPEstablished: true, NetworkLock: NetworkLockNftables}, 5, -1)).String(); !strings.Contains(o3, "NFTABLES") {
+		t.Errorf("restore opts %s lack the nftables lock", o3)
 	}
 }
 

@@ -118,12 +118,13 @@ func (p *Preemption) SaveMemoryStep(sink MemorySink, prev func(pid int, instance
 		// transaction does not undo the step that failed.
 		Do: func(ctx context.Context) error {
 			err := do(ctx)
-			if err != nil {
-				if uerr := undo(context.WithoutCancel(ctx)); uerr != nil {
-					err = errors.Join(err, fmt.Errorf("load the owned memory back: %w", uerr))
-				}
+			if err == nil || len(saved) == 0 {
+				return err
 			}
-			return err
+			if uerr := undo(context.WithoutCancel(ctx)); uerr != nil {
+				return StepUndid(err, fmt.Errorf("load the owned memory back: %w", uerr))
+			}
+			return StepUndid(err, nil)
 		}}
 }
 

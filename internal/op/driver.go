@@ -22,51 +22,68 @@ const (
 // needed, so a step that failed halfway (two of three processes locked) rolls back cleanly.
 
 // LockStep locks each pid (waiting up to timeout for running kernels); undo unlocks those still
-// locked.
+// locked. When one pid fails, the step unlocks the ones it locked before failing: it leaves
+// nothing behind (StepUndid).
 func LockStep(d Driver, pids []int, timeout time.Duration) Step {
+	undo := func(pids []int) error {
+		return eachPID(pids, func(pid int) error {
+			if st, err := d.State(pid); err == nil && st != cudackpt.Locked {
+				return nil // running again (or gone)
+			}
+			return d.Unlock(pid)
+		})
+	}
 	return Step{Name: StepLock,
 		Do: func(context.Context) error {
-			for _, pid := range pids {
+			return eachDo(pids, func(pid int) error {
 				if err := d.Lock(pid, timeout); err != nil {
 					return fmt.Errorf("lock pid %d: %w", pid, err)
 				}
-			}
-			return nil
+				return nil
+			}, undo)
 		},
-		Undo: func(context.Context) error {
-			return eachPID(pids, func(pid int) error {
-				if st, err := d.State(pid); err == nil && st != cudackpt.Locked {
-					return nil // running again (or gone)
-				}
-				return d.Unlock(pid)
-			})
-		}}
+		Undo: func(context.Context) error { return undo(pids) }}
 }
 
 // CheckpointStep moves each pid's device memory to host memory; undo restores those still
-// checkpointed onto their own GPUs (no pairs: the identity, which every driver accepts).
+// checkpointed onto their own GPUs (no pairs: the identity, which every driver accepts). When
+// one pid fails, the step restores those it checkpointed (the failed one too, should the driver
+// have left it checkpointed) before failing.
 func CheckpointStep(d Driver, pids []int) Step {
+	undo := func(pids []int) error {
+		return eachPID(pids, func(pid int) error {
+			st, err := d.State(pid)
+			if err == nil && st != cudackpt.Checkpointed {
+				return nil // restored already (the lock's undo unlocks)
+			}
+			if rerr := d.Restore(pid, nil); rerr != nil {
+				return fmt.Errorf("restore pid %d onto its own GPUs (state %v, %v): %w", pid, st, err, rerr)
+			}
+			return nil
+		})
+	}
 	return Step{Name: StepCheckpoint,
 		Do: func(context.Context) error {
-			for _, pid := range pids {
+			return eachDo(pids, func(pid int) error {
 				if err := d.Checkpoint(pid); err != nil {
 					return fmt.Errorf("checkpoint pid %d: %w", pid, err)
 				}
-			}
-			return nil
-		},
-		Undo: func(context.Context) error {
-			return eachPID(pids, func(pid int) error {
-				st, err := d.State(pid)
-				if err == nil && st != cudackpt.Checkpointed {
-					return nil // restored already (the lock's undo unlocks)
-				}
-				if rerr := d.Restore(pid, nil); rerr != nil {
-					return fmt.Errorf("restore pid %d onto its own GPUs (state %v, %v): %w", pid, st, err, rerr)
-				}
 				return nil
-			})
-		}}
+			}, undo)
+		},
+		Undo: func(context.Context) error { return undo(pids) }}
+}
+
+// eachDo runs do for every pid in order. When one fails, undo runs over the pids done so far
+// and the failed one (undos look at the driver's real state), and the error says the step undid
+// its own part (StepUndid), so no step over several processes leaves some of them changed.
+func eachDo(pids []int, do func(pid int) error, undo func(pids []int) error) error {
+	for i, pid := range pids {
+		if err := do(pid); err != nil {
+			return StepUndid(err, undo(pids[:i+1]))
+		}
+	}
+	return nil
 }
 
 // RestoreStep restores each pid's device memory (with pairs, nil for the identity). check, when

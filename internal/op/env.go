@@ -34,6 +34,8 @@ type Driver interface {
 type CRIU interface {
 	Dump(ctx context.Context, o criu.DumpOptions) (*criu.DumpResult, error)
 	Restore(ctx context.Context, o criu.RestoreOptions) (*criu.RestoreResult, error)
+	// NetworkLock is the method to block established TCP connections with (criu.NetworkLock*).
+	NetworkLock() string
 }
 
 // ImageStore is the part of the store checkpoint and restore use (*store.Store implements it).

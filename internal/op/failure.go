@@ -2,8 +2,12 @@ package op
 
 import (
 	"errors"
+	"fmt"
+	"strconv"
+	"strings"
 
 	"github.com/ptxmig/ptxmig/internal/criu"
+	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/proc"
 )
 
@@ -28,8 +32,10 @@ func (f *Failure) Error() string {
 
 // NewFailure wraps the error of Execute. err must be a *StepError (anything else is returned
 // as is); logs are the files to keep (see KeepLogs); pids are the processes whose state the
-// operator needs to know about.
-func NewFailure(err error, op string, root int, logs []string, pids []int) error {
+// operator needs to know about, cuda those of them the driver holds. Their state is read, never
+// assumed: /proc says running, stopped or gone, and the driver (when e has one) which CUDA
+// processes it still holds locked or checkpointed.
+func (e *Env) NewFailure(err error, op string, root int, logs []string, pids, cuda []int) error {
 	f := &Failure{}
 	if !errors.As(err, &f.StepError) {
 		return err
@@ -48,5 +54,36 @@ func NewFailure(err error, op string, root int, logs []string, pids []int) error
 	if len(pids) > 0 {
 		f.State = proc.Describe(pids)
 	}
+	if held := e.driverHeld(cuda); held != "" {
+		f.State = strings.TrimPrefix(f.State+"; "+held, "; ")
+	}
 	return f
+}
+
+// driverHeld says which of the live pids the driver holds in another state than running
+// ("locked by the driver: pid 42"), "" when none (or no driver to ask).
+func (e *Env) driverHeld(pids []int) string {
+	if e.Driver == nil {
+		return ""
+	}
+	by := map[cudackpt.State][]string{}
+	var order []cudackpt.State
+	for _, pid := range pids {
+		if !proc.Alive(pid) {
+			continue
+		}
+		st, err := e.Driver.State(pid)
+		if err != nil || st == cudackpt.Running {
+			continue
+		}
+		if by[st] == nil {
+			order = append(order, st)
+		}
+		by[st] = append(by[st], strconv.Itoa(pid))
+	}
+	var parts []string
+	for _, st := range order {
+		parts = append(parts, fmt.Sprintf("%s by the driver: pid %s", st, strings.Join(by[st], ", ")))
+	}
+	return strings.Join(parts, "; ")
 }

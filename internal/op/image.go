@@ -26,6 +26,7 @@ const (
 	ExtraShellJob       = "criu.shell_job"
 	ExtraTTY            = "criu.tty" // a process had a controlling terminal (restore needs one to inherit)
 	ExtraTCPEstablished = "criu.tcp_established"
+	ExtraNetworkLock    = "criu.network_lock" // how the dump blocked the connections: the restore does the same
 	ExtraComm           = "comm"
 	ExtraLeftRunning    = "left_running"
 	ExtraTree           = "tree" // JSON list of TreeProc: the checkpointed process tree

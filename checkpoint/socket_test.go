@@ -1,0 +1,207 @@
+package checkpoint_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/criu"
+	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/testproc"
+	"github.com/ptxmig/ptxmig/internal/testreq"
+	"github.com/ptxmig/ptxmig/restore"
+)
+
+// Sockets with real CRIU: Linux >= 6.16 refuses SO_PASSCRED on TCP sockets, which CRIU < 4.2 read
+// on every socket, so neither case below could be dumped with CRIU 4.1.1 on such a kernel.
+
+// startDaemon starts a python3 program in a session of its own, its output in a file (CRIU
+// dumps a tree whose descriptors lead nowhere outside it).
+func startDaemon(t *testing.T, dir string, args ...string) int {
+	t.Helper()
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		testreq.Skip(t, "python3", "the socket tests run python3 programs: %v", err)
+	}
+	out, err := os.Create(filepath.Join(dir, "daemon.out"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer out.Close()
+	cmd := exec.Command(py, args...)
+	cmd.Dir = dir
+	cmd.Stdout, cmd.Stderr = out, out
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	pid := cmd.Process.Pid
+	go func() { _ = cmd.Wait() }()
+	t.Cleanup(func() {
+		if stats, err := proc.Tree(pid); err == nil {
+			_ = proc.Kill(proc.PIDs(stats), 10*time.Second)
+		}
+		reapZombies()
+	})
+	return pid
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// get fetches url within a few seconds; it returns the status and body, or the error.
+func get(url string) (int, string, error) {
+	c := http.Client{Timeout: 5 * time.Second}
+	resp, err := c.Get(url)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b), err
+}
+
+// TestListeningSocket checkpoints an HTTP server (python3 -m http.server) with its listening TCP
+// socket, which ends it, restores it, and fetches a file from it: the restored server answers.
+func TestListeningSocket(t *testing.T) {
+	f := setup(t)
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "hello.txt"), []byte("hello from before the checkpoint\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	port := freePort(t)
+	pid := startDaemon(t, dir, "-m", "http.server", "--bind", "127.0.0.1", strconv.Itoa(port))
+	url := fmt.Sprintf("http://127.0.0.1:%d/hello.txt", port)
+	var code int
+	var err error
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		if code, _, err = get(url); err == nil {
+			break
+		}
+	}
+	if code != http.StatusOK {
+		t.Fatalf("the server does not answer before the checkpoint: %d %v", code, err)
+	}
+	if _, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: pid, Name: "http", StagingRoot: f.stage}); err != nil {
+		t.Fatalf("checkpoint of a listening server: %v", err)
+	}
+	waitGone(t, pid)
+	if _, _, err := get(url); err == nil {
+		t.Fatal("the server still answers after a checkpoint that ended it")
+	}
+	r := f.restore(t, "http")
+	if r.PID != pid {
+		t.Fatalf("restored pid %d, want %d", r.PID, pid)
+	}
+	code, body, err := get(url)
+	if err != nil || code != http.StatusOK || body != "hello from before the checkpoint\n" {
+		t.Fatalf("the restored server: %d %q %v", code, body, err)
+	}
+}
+
+// pingPong is a tree holding both ends of an established loopback TCP connection: the parent
+// serves, its child connects; they pass a counter back and forth (each checks it got what it
+// sent plus one, or exits), and the parent writes the count to a file every 200 round trips.
+const pingPong = `import os, socket, sys, time
+state = sys.argv[1]
+srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+srv.bind(("127.0.0.1", 0)); srv.listen(1)
+port = srv.getsockname()[1]
+if os.fork() == 0:
+    srv.close()
+    c = socket.create_connection(("127.0.0.1", port))
+    while True:
+        b = c.recv(8)
+        if len(b) != 8:
+            os._exit(3)
+        c.sendall((int.from_bytes(b, "big") + 1).to_bytes(8, "big"))
+conn, _ = srv.accept()
+srv.close()
+n = 0
+while True:
+    conn.sendall(n.to_bytes(8, "big"))
+    b = b""
+    while len(b) < 8:
+        r = conn.recv(8 - len(b))
+        if not r:
+            sys.exit(4)
+        b += r
+    if int.from_bytes(b, "big") != n + 1:
+        sys.exit(5)
+    n += 2
+    if n % 200 == 0:
+        with open(state + ".tmp", "w") as f: f.write(str(n))
+        os.replace(state + ".tmp", state)
+    time.sleep(0.0005)
+`
+
+// TestEstablishedConnection checkpoints (--tcp-established) a tree holding both ends of a
+// loopback TCP connection that carries a counter, once leaving it running and once ending it,
+// and restores the image with no flag: the connection carries on from where it was, in order.
+// CRIU blocks the connection meanwhile with the method this host has (nftables where CRIU can).
+func TestEstablishedConnection(t *testing.T) {
+	f := setup(t)
+	dir := t.TempDir()
+	script := filepath.Join(dir, "pingpong.py")
+	if err := os.WriteFile(script, []byte(pingPong), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	state := filepath.Join(dir, "count")
+	pid := startDaemon(t, dir, script, state)
+	waitCount(t, state, 400)
+	res, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: pid, Name: "tcp-live", StagingRoot: f.stage,
+		TCPEstablished: true, LeaveRunning: true})
+	if err != nil {
+		t.Fatalf("checkpoint --tcp-established --leave-running: %v", err)
+	}
+	if len(res.Tree) != 2 {
+		t.Fatalf("checkpointed tree %+v, want the server and its client", res.Tree)
+	}
+	n := waitCount(t, state, readCount(state)+400) // carries on after a --leave-running checkpoint
+
+	if _, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: pid, Name: "tcp", StagingRoot: f.stage,
+		TCPEstablished: true}); err != nil {
+		t.Fatalf("checkpoint --tcp-established: %v", err)
+	}
+	waitGone(t, pid)
+	at := readCount(state)
+	if at < n {
+		t.Fatalf("count went back from %d to %d", n, at)
+	}
+	m, err := f.st.Get("tcp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Meta.Extra[op.ExtraTCPEstablished] != "true" || (m.Meta.Extra[op.ExtraNetworkLock] != criu.NetworkLockNftables &&
+		m.Meta.Extra[op.ExtraNetworkLock] != criu.NetworkLockIptables) {
+		t.Fatalf("the image does not record its connections and their lock: %v", m.Meta.Extra)
+	}
+	r, err := restore.Run(context.Background(), f.env, restore.Options{Image: "tcp", StagingRoot: f.stage})
+	if err != nil {
+		t.Fatalf("restore of an image with established connections, no flag given: %v", err)
+	}
+	t.Cleanup(func() { _ = testproc.KillPID(r.PID, 10*time.Second) })
+	waitCount(t, state, at+400) // carries on after the restore
+	if !proc.Alive(pid) || len(proc.Children(pid)) != 1 {
+		t.Fatalf("the restored tree lost a process: server alive %v, children %v", proc.Alive(pid), proc.Children(pid))
+	}
+	t.Logf("network lock %s; count %d at the checkpoint, carried on after the restore", m.Meta.Extra[op.ExtraNetworkLock], at)
+}
