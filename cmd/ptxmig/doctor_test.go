@@ -29,11 +29,11 @@ func fakeHost(good bool) doctorProbes {
 		criu: func(context.Context) (probe.CRIUInfo, error) {
 			return probe.CRIUInfo{Path: "/usr/local/sbin/criu", Version: "4.2.1"}, nil
 		},
-		criuCheck:     func(context.Context, string) error { return nil },
+		criuCheck: func(context.Context, string) error { return nil },
 		criuSelfTest: func(context.Context, string) (*criu.SelfTest, error) {
 			return &criu.SelfTest{Dump: 120 * time.Millisecond, Restore: 130 * time.Millisecond, Breakpoints: criu.BreakpointsWork}, nil
 		},
-		kernel: func() string { return "6.18.44" },
+		kernel:        func() string { return "6.18.44" },
 		driver:        func() (string, error) { return "580.95.05", nil },
 		checkpointAPI: func() (string, error) { return "13.0", nil },
 		gpus: func() ([]probe.GPUState, error) {
@@ -183,7 +183,9 @@ func TestDoctorStates(t *testing.T) {
 	}
 	// CRIU 4.1.1 on Linux >= 6.16 cannot dump TCP/UDP sockets: a warning with the fix; not on 6.15.
 	p = fakeHost(true)
-	p.criu = func(context.Context) (probe.CRIUInfo, error) { return probe.CRIUInfo{Path: "/usr/local/sbin/criu", Version: "4.1.1"}, nil }
+	p.criu = func(context.Context) (probe.CRIUInfo, error) {
+		return probe.CRIUInfo{Path: "/usr/local/sbin/criu", Version: "4.1.1"}, nil
+	}
 	if c := find(runDoctor(context.Background(), p, "/s", ""), "criu"); c.Status != "warn" || !strings.Contains(c.Message, "TCP or UDP sockets") {
 		t.Errorf("CRIU 4.1.1 on 6.18: %+v", c)
 	}

@@ -63,12 +63,12 @@ type Env struct {
 	// CRIUStall bounds how long a CRIU dump or restore may make no progress before it is killed
 	// and the operation rolled back (criu.ErrStalled); 0 means criu.DefaultStall, < 0 no bound
 	// (criu.Bound). The journal records it, so that a guardian applies the same bound.
-	CRIUStall   time.Duration
-	Store       ImageStore
-	Host        HostInfo
-	Hook        Hook // runs before each step; tests inject failures with it
-	Log         *slog.Logger
-	Euid        int
+	CRIUStall time.Duration
+	Store     ImageStore
+	Host      HostInfo
+	Hook      Hook // runs before each step; tests inject failures with it
+	Log       *slog.Logger
+	Euid      int
 	// UsesCUDA reports whether a process has the CUDA driver loaded; nil means
 	// gpu.MapsCUDA. Tests with a fake driver make CPU processes count as CUDA ones.
 	UsesCUDA func(pid int) (bool, error)
