@@ -146,12 +146,8 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 		return nil, op.Refusef("image %q: %w", o.Image, err)
 	}
 	// A missing or truncated chunk file is refused here (one stat per chunk), not met part-way.
-	if cc, ok := env.Store.(interface {
-		CheckChunkFiles(context.Context, *store.Manifest) error
-	}); ok {
-		if err := cc.CheckChunkFiles(ctx, m); err != nil {
-			return nil, op.Refusef("%w", err)
-		}
+	if err := env.Store.CheckChunkFiles(ctx, m); err != nil {
+		return nil, op.Refusef("%w", err)
 	}
 	meta := m.Meta
 	if meta.PID <= 1 {

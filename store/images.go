@@ -13,17 +13,38 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// readManifest reads and decodes the manifest of the image called name.
+// readManifest reads and decodes the manifest of the image called name. A manifest that is not a
+// regular file (a symlink, a directory, a FIFO, a device) is never followed or opened: the image
+// is damaged, an error wrapping ErrCorrupt (*DamagedError).
 func (s *Store) readManifest(name string) (*Manifest, error) {
 	p := s.manifestPath(name)
-	f, err := os.OpenFile(p, os.O_RDONLY|unix.O_NOFOLLOW, 0)
+	fi, err := os.Lstat(p)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("%w: %s", ErrNotFound, name)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("read manifest %s: %w", p, err)
 	}
+	if !fi.Mode().IsRegular() {
+		return nil, notRegular(name, p, fi.Mode())
+	}
+	// O_NONBLOCK: should it have become a FIFO since the Lstat, the open must not wait for a writer.
+	f, err := os.OpenFile(p, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return nil, fmt.Errorf("%w: %s", ErrNotFound, name)
+	case errors.Is(err, unix.ELOOP):
+		return nil, notRegular(name, p, fs.ModeSymlink) // replaced by a symlink since the Lstat
+	case err != nil:
+		return nil, fmt.Errorf("read manifest %s: %w", p, err)
+	}
 	defer f.Close()
+	if fi, err = f.Stat(); err != nil {
+		return nil, fmt.Errorf("read manifest %s: %w", p, err)
+	}
+	if !fi.Mode().IsRegular() {
+		return nil, notRegular(name, p, fi.Mode())
+	}
 	b, err := io.ReadAll(io.LimitReader(f, maxManifestBytes+1))
 	if err != nil {
 		return nil, fmt.Errorf("read manifest %s: %w", p, err)
@@ -38,7 +59,47 @@ func (s *Store) readManifest(name string) (*Manifest, error) {
 	return m, nil
 }
 
-// names lists the image names in the store, sorted.
+// DamagedError is the error of an image whose manifest (images/NAME.json) is not a regular
+// file: a symbolic link, a directory, a FIFO, a socket or a device. Such a manifest is never
+// followed, opened or read; the image is damaged (errors.Is ErrCorrupt) until the entry is
+// removed (Remove removes it, whatever it is, without following it).
+type DamagedError struct {
+	Name   string // the image name
+	Path   string // its manifest's path
+	Reason string // what the entry is instead of a manifest
+}
+
+func (e *DamagedError) Error() string {
+	return fmt.Sprintf("image %s: %v: its manifest %s is %s, not a regular file (never followed or read)", e.Name, ErrCorrupt, e.Path, e.Reason)
+}
+
+func (e *DamagedError) Unwrap() error { return ErrCorrupt }
+
+// notRegular describes a manifest entry of type mode as a *DamagedError.
+func notRegular(name, p string, mode fs.FileMode) error {
+	var what string
+	switch t := mode.Type(); {
+	case t&fs.ModeSymlink != 0:
+		what = "a symbolic link"
+		if target, err := os.Readlink(p); err == nil { // the link's text: nothing is followed
+			what = fmt.Sprintf("a symbolic link (to %q)", target)
+		}
+	case t&fs.ModeDir != 0:
+		what = "a directory"
+	case t&fs.ModeNamedPipe != 0:
+		what = "a named pipe"
+	case t&fs.ModeSocket != 0:
+		what = "a socket"
+	case t&fs.ModeDevice != 0:
+		what = "a device"
+	default:
+		what = "not a regular file"
+	}
+	return &DamagedError{Name: name, Path: p, Reason: what}
+}
+
+// names lists the image names in the store, sorted: every entry of images/ named NAME.json for a
+// valid NAME, whatever its type (one that is not a regular file is a damaged image).
 func (s *Store) names() ([]string, error) {
 	ents, err := os.ReadDir(s.imagesDir())
 	if err != nil {
@@ -47,7 +108,7 @@ func (s *Store) names() ([]string, error) {
 	var names []string
 	for _, e := range ents {
 		n, ok := strings.CutSuffix(e.Name(), ".json")
-		if !ok || ValidateName(n) != nil || !e.Type().IsRegular() {
+		if !ok || ValidateName(n) != nil {
 			continue
 		}
 		names = append(names, n)
@@ -92,29 +153,41 @@ func (s *Store) Get(ref string) (*Manifest, error) {
 }
 
 // List returns every readable image, sorted by creation time then name. Manifests that cannot
-// be read are logged and skipped; Check reports them.
+// be read (damaged images) are logged and skipped; ListDamaged returns them, Verify reports them.
 func (s *Store) List() ([]*Manifest, error) {
 	ms, bad, err := s.listAll()
 	for _, b := range bad {
-		slog.Warn("skipping unreadable image", "err", b)
+		slog.Warn("skipping damaged image", "image", b.Name, "err", b.Err)
 	}
 	return ms, err
 }
 
-func (s *Store) listAll() ([]*Manifest, []error, error) {
+// Damaged is an image whose manifest cannot be used: not a regular file (*DamagedError), or it
+// cannot be read, decoded or authenticated. Err says why (it wraps ErrCorrupt,
+// ErrUnsupportedVersion or an I/O error).
+type Damaged struct {
+	Name string
+	Err  error
+}
+
+// ListDamaged is List that also returns the damaged images, sorted by name, instead of logging
+// them.
+func (s *Store) ListDamaged() ([]*Manifest, []Damaged, error) { return s.listAll() }
+
+func (s *Store) listAll() ([]*Manifest, []Damaged, error) {
 	names, err := s.names()
 	if err != nil {
 		return nil, nil, err
 	}
 	var ms []*Manifest
-	var bad []error
+	var bad []Damaged
 	for _, n := range names {
 		m, err := s.readManifest(n)
 		if errors.Is(err, ErrNotFound) {
 			continue // removed meanwhile
 		}
 		if err != nil {
-			bad = append(bad, err)
+			bad = append(bad, Damaged{Name: n, Err: err})
 			continue
 		}
 		ms = append(ms, m)
@@ -129,7 +202,8 @@ func (s *Store) listAll() ([]*Manifest, []error, error) {
 }
 
 // Remove deletes an image's manifest; its chunks stay until GC. A name whose manifest cannot be
-// decoded is still removed.
+// decoded is still removed, and so is a manifest entry that is not a regular file (a symlink is
+// removed itself, never what it points to; a directory only when empty).
 func (s *Store) Remove(ref string) error {
 	name := ref
 	if m, err := s.Get(ref); err == nil {

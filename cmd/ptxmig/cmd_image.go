@@ -99,11 +99,12 @@ func init() {
 				Name:      "verify",
 				Usage:     "re-read images and check every chunk; names each bad file and offset",
 				ArgsUsage: "[NAME|ID...]",
-				Description: "Without arguments every image is verified. Every NAME|ID must exist before any is read\n" +
-					"(else exit 6). Each problem names the file and the offset, or the manifest field that was\n" +
-					"edited. A format 1.0 image (its manifest predates sealing) verifies with a warning: its\n" +
-					"chunks are checked, its manifest cannot be. Exits 1 if any image is damaged; --json prints\n" +
-					"one document with every report (and the error).\n\n" +
+				Description: "Without arguments every image is verified, damaged ones included: a manifest that is\n" +
+					"not a regular file (a symlink is never followed) is a problem. Every NAME|ID must exist\n" +
+					"before any is read (else exit 6). Each problem names the file and the offset, or the\n" +
+					"manifest field that was edited. A format 1.0 image (its manifest predates sealing)\n" +
+					"verifies with a warning: its chunks are checked, its manifest cannot be. Exits 1 if any\n" +
+					"image is damaged; --json prints one document with every report (and the error).\n\n" +
 					"Examples:\n" +
 					"   ptxmig image verify\n" +
 					"   ptxmig image verify --workers 2 trainer-1 trainer-2",
@@ -115,7 +116,9 @@ func init() {
 				Usage:     "remove images (their chunks are freed by gc)",
 				ArgsUsage: "NAME|ID...",
 				Description: "Removes the manifests; `ptxmig image gc` frees the chunks no image uses. Every NAME|ID is\n" +
-					"checked first: when one does not exist (exit 6) or is ambiguous (exit 2), nothing is removed.\n\n" +
+					"checked first: when one does not exist (exit 6) or is ambiguous (exit 2), nothing is removed.\n" +
+					"A damaged image (by NAME) is removed too, also when its manifest is not a regular file: a\n" +
+					"symlink is removed itself, never what it points to.\n\n" +
 					"Examples:\n" +
 					"   ptxmig image rm trainer-1\n" +
 					"   ptxmig image rm trainer-1 trainer-2 && ptxmig image gc",
@@ -125,8 +128,12 @@ func init() {
 				Name:  "gc",
 				Usage: "delete chunks no image references, leftovers of interrupted writers, and old failure logs",
 				Description: "Takes the store lock exclusively: waits for running puts and reads, which wait for it.\n" +
-					"Refuses to run while a manifest is unreadable (remove or repair that image first), and on a\n" +
-					"read-only store. Also prunes the logs that failed operations keep in /var/log/ptxmig\n" +
+					"Refuses (exit 3, nothing removed) while an image is damaged, since the chunks it needs cannot\n" +
+					"be known: a manifest that cannot be read, or that is not a regular file (a symlink is never\n" +
+					"followed); the refusal names each one (remove it with `ptxmig image rm NAME`, or repair it).\n" +
+					"Refuses on a read-only store too. Temp files of killed writers are removed: all of tmp/, and\n" +
+					"hidden .NAME.tmp-PID-* files in the store directory and images/ whose writer is gone (each\n" +
+					"named). Also prunes the logs that failed operations keep in /var/log/ptxmig\n" +
 					"($PTXMIG_LOG_DIR) to the newest 20 and none older than 14 days; --logs removes them all.\n\n" +
 					"Examples:\n" +
 					"   ptxmig image gc\n" +
@@ -139,7 +146,11 @@ func init() {
 				Usage:     "write an image and all its chunks as one stream, to a file or stdout",
 				ArgsUsage: "NAME|ID",
 				Description: "Moves an image between hosts. With stdout as the stream (a pipe, never a terminal) the\n" +
-					"--json document goes to stderr. -o FILE is written atomically: a failed export leaves no file.\n\n" +
+					"--json document goes to stderr. -o FILE is written atomically: a failed export leaves no file,\n" +
+					"and neither does a killed one: the stream goes into a file without a name in FILE's directory\n" +
+					"(O_TMPFILE), linked as FILE when complete. Where the file system cannot make one, a hidden\n" +
+					".FILE.tmp-PID-* file is used instead; the next export to FILE removes those that exports\n" +
+					"killed meanwhile left (their process gone), and says so.\n\n" +
 					"Examples:\n" +
 					"   ptxmig image export job42 | ssh host2 ptxmig image import\n" +
 					"   ptxmig image export -o /tmp/job42.ptxmig job42",
@@ -605,6 +616,10 @@ func imageGC(c *cli.Context) error {
 		return err
 	}
 	st, err := s.GC(c.Context)
+	var dm *store.DamagedImagesError
+	if errors.As(err, &dm) {
+		return exitcode.Wrap(exitcode.Refused, fmt.Errorf("%w; to remove them: %s", err, hint(c, append([]string{"image", "rm"}, dm.Names()...)...)))
+	}
 	if err != nil {
 		return err
 	}
@@ -624,6 +639,9 @@ func imageGC(c *cli.Context) error {
 			*store.GCStats
 			LogsRemoved []string `json:"logs_removed"`
 		}{st, logs})
+	}
+	for _, p := range st.StaleTemp {
+		fmt.Fprintf(env(c).Out, "gc: removed %s, left by a writer that was killed\n", esc(p))
 	}
 	fmt.Fprintf(env(c).Out, "gc: %d images, %d chunks kept, %d removed (%s), %d temp files removed, %d failure logs removed, %.2f s\n",
 		st.Images, st.ChunksKept, st.ChunksRemoved, bytesize.Format(st.BytesRemoved), st.TempRemoved, len(logs), st.Duration.Seconds())
@@ -658,14 +676,21 @@ func imageExport(c *cli.Context) error {
 		return err
 	}
 	var tmp *atomicfile.File
+	stale := []string{}
 	if out != "" {
-		// Write next to the target and rename on success: a failed export leaves no partial file.
-		tmp, err = atomicfile.Create(out, 0o600)
+		// Write next to the target, in a file without a name, and link it on success: a failed or
+		// killed export leaves no partial file. Temp files that killed exports left where that
+		// cannot be done are removed first.
+		tmp, err = atomicfile.Create(out, 0o600, atomicfile.Unnamed())
 		if err != nil {
 			return fmt.Errorf("image export: %w", err)
 		}
 		defer tmp.Abort()
 		w = tmp
+		stale = tmp.StaleRemoved()
+		for _, p := range stale {
+			fmt.Fprintf(env(c).Err, "ptxmig: removed %s, left by an export that was killed\n", esc(p))
+		}
 	}
 	st, err := s.ExportWith(c.Context, ref, w, g)
 	bar.Done()
@@ -678,7 +703,8 @@ func imageExport(c *cli.Context) error {
 		}
 	}
 	if env(c).JSON {
-		return writeJSON(info, map[string]any{"image": ref, "output": out, "stream_bytes": st.WrittenBytes, "stats": newStatsJSON(st)})
+		return writeJSON(info, map[string]any{"image": ref, "output": out, "stream_bytes": st.WrittenBytes, "stale_removed": stale,
+			"stats": newStatsJSON(st)})
 	}
 	dest := out
 	if dest == "" {

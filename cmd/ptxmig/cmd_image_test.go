@@ -2,10 +2,20 @@ package main
 
 import (
 	"encoding/json"
+	"fmt"
+	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 // TestImageCommands drives add, images, inspect, verify, extract, export, import, rm and gc
@@ -181,5 +191,257 @@ func TestImageAuthentication(t *testing.T) {
 	out, errOut, code = runCLI(t, "--store", st, "image", "verify", "img")
 	if code != 1 || !strings.Contains(out, `(manifest) field meta.extra["job"]: changed since the image was written`) {
 		t.Errorf("verify of an edited manifest: exit %d\n%s%s", code, out, errOut)
+	}
+}
+
+// buildPtxmig builds the ptxmig binary into dir.
+func buildPtxmig(t *testing.T, dir string) string {
+	t.Helper()
+	if _, err := exec.LookPath("go"); err != nil {
+		testreq.Skip(t, "go", "building ptxmig needs the go command: %v", err)
+	}
+	bin := filepath.Join(dir, "ptxmig")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("cannot build ptxmig: %v: %s", err, out)
+	}
+	return bin
+}
+
+// writingTo returns the size of the file under dir that process pid has open for writing, or -1
+// (read from /proc/PID/fd: an O_TMPFILE file shows there as "DIR/#INODE (deleted)").
+func writingTo(pid int, dir string) int64 {
+	fdDir := fmt.Sprintf("/proc/%d/fd", pid)
+	ents, _ := os.ReadDir(fdDir)
+	for _, e := range ents {
+		if l, err := os.Readlink(filepath.Join(fdDir, e.Name())); err == nil && strings.HasPrefix(l, dir+"/") {
+			if fi, err := os.Stat(filepath.Join(fdDir, e.Name())); err == nil && fi.Mode().IsRegular() {
+				return fi.Size()
+			}
+		}
+	}
+	return -1
+}
+
+// TestExportKilled (issue 36): the real binary, exporting a large image with -o, is SIGKILLed
+// mid-write. Nothing is left beside the output (the stream went into an O_TMPFILE file); where the
+// file system cannot make one, the hidden temp file it left is removed by the next export to the
+// same path, which says so. A temp file of a killed export is also removed when the store's
+// file system has O_TMPFILE (one left by an older ptxmig, or made on another file system).
+func TestExportKilled(t *testing.T) {
+	dir := t.TempDir()
+	st, src, outDir := filepath.Join(dir, "store"), filepath.Join(dir, "src"), filepath.Join(dir, "out")
+	os.MkdirAll(src, 0o755)
+	os.MkdirAll(outDir, 0o755)
+	f, err := os.Create(filepath.Join(src, "pages-1.img"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rng, buf := rand.NewChaCha8([32]byte{36}), make([]byte, 1<<20)
+	for range 256 { // incompressible: the stream is as large as the image
+		rng.Read(buf)
+		if _, err := f.Write(buf); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.Close()
+	if _, errOut, code := runCLI(t, "--store", st, "image", "add", "big", src); code != 0 {
+		t.Fatalf("image add: exit %d %s", code, errOut)
+	}
+	os.RemoveAll(src)
+	bin := buildPtxmig(t, dir)
+
+	out := filepath.Join(outDir, "big.ptxmig")
+	cmd := exec.Command(bin, "--store", st, "image", "export", "--workers", "1", "-o", out, "big")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	var written int64 = -1
+	deadline := time.Now().Add(60 * time.Second)
+	for written < 8<<20 {
+		select {
+		case err := <-exited:
+			t.Fatalf("the export ended (%v) before it was seen writing 8 MiB (last seen: %d bytes)", err, written)
+		default:
+		}
+		if time.Now().After(deadline) {
+			cmd.Process.Kill()
+			t.Fatalf("the export was not seen writing into %s", outDir)
+		}
+		written = writingTo(cmd.Process.Pid, outDir)
+		time.Sleep(time.Millisecond)
+	}
+	cmd.Process.Signal(syscall.SIGKILL)
+	if err := <-exited; err == nil {
+		t.Fatal("the export completed: it was not killed mid-write")
+	}
+	t.Logf("killed the export after %d bytes", written)
+
+	fd, terr := unix.Open(outDir, unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+	tmpfile := terr == nil
+	if tmpfile {
+		unix.Close(fd)
+	}
+	left := dirNames(t, outDir)
+	switch {
+	case tmpfile && len(left) != 0:
+		t.Fatalf("a killed export left %q in %s", left, outDir)
+	case !tmpfile && (len(left) != 1 || !strings.HasPrefix(left[0], ".big.ptxmig.tmp-")):
+		t.Fatalf("no O_TMPFILE here (%v): want the killed export's temp file, found %q", terr, left)
+	case tmpfile:
+		// Leave one as a killed export does where the file system has no O_TMPFILE.
+		left = []string{fmt.Sprintf(".big.ptxmig.tmp-%d-12345", cmd.Process.Pid)}
+		if err := os.WriteFile(filepath.Join(outDir, left[0]), buf, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A live writer's temp file is left alone.
+	live := fmt.Sprintf(".big.ptxmig.tmp-%d-1", os.Getppid())
+	os.WriteFile(filepath.Join(outDir, live), nil, 0o600)
+
+	stdout, errOut, code := runCLI(t, "--store", st, "--json", "image", "export", "-o", out, "big")
+	var res struct {
+		StaleRemoved []string `json:"stale_removed"`
+	}
+	if err := json.Unmarshal([]byte(stdout), &res); code != 0 || err != nil {
+		t.Fatalf("the next export: exit %d %v %s %s", code, err, stdout, errOut)
+	}
+	stale := filepath.Join(outDir, left[0])
+	if len(res.StaleRemoved) != 1 || res.StaleRemoved[0] != stale || !strings.Contains(errOut, "removed "+stale+", left by an export that was killed") {
+		t.Errorf("the next export reported %q, stderr %q; want %s removed", res.StaleRemoved, errOut, stale)
+	}
+	if got := dirNames(t, outDir); len(got) != 2 || got[0] != live || got[1] != "big.ptxmig" {
+		t.Errorf("after the next export %s holds %q, want [%s big.ptxmig]", outDir, got, live)
+	}
+	if _, errOut, code := runCLI(t, "--store", t.TempDir(), "image", "import", out); code != 0 {
+		t.Errorf("import of the export: exit %d %s", code, errOut)
+	}
+}
+
+// dirNames lists the names in dir, sorted.
+func dirNames(t *testing.T, dir string) []string {
+	t.Helper()
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	names := []string{}
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	return names
+}
+
+// addImage stores a directory holding one file of content as the image name, through the CLI.
+func addImage(t *testing.T, st, name, content string, args ...string) {
+	t.Helper()
+	src := t.TempDir()
+	os.WriteFile(filepath.Join(src, "pages-1.img"), []byte(content), 0o600)
+	if out, errOut, code := runCLI(t, append(append([]string{"--store", st, "image", "add"}, args...), name, src)...); code != 0 {
+		t.Fatalf("image add %s: exit %d %s %s", name, code, out, errOut)
+	}
+}
+
+// TestDamagedManifestCLI (issue 36): an image whose manifest was replaced by a symlink (to a copy
+// of that very manifest: following it would find nothing wrong) is listed as damaged by `images`
+// (table, --json, -q), fails `image verify`, makes gc refuse (exit 3) and remove nothing, naming
+// it and the way out, and goes with `image rm`, which removes the link and not its target.
+func TestDamagedManifestCLI(t *testing.T) {
+	st := filepath.Join(t.TempDir(), "store")
+	addImage(t, st, "kept", strings.Repeat("kept", 50000))
+	addImage(t, st, "victim", strings.Repeat("victim", 50000))
+	chunks := func() int {
+		files, _ := filepath.Glob(filepath.Join(st, "chunks", "*", "*"))
+		return len(files)
+	}
+	before := chunks()
+	manifest := filepath.Join(st, "images", "victim.json")
+	outside := filepath.Join(t.TempDir(), "victim.json")
+	b, err := os.ReadFile(manifest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(outside, b, 0o600)
+	os.Remove(manifest)
+	if err := os.Symlink(outside, manifest); err != nil {
+		t.Fatal(err)
+	}
+	cli := func(args ...string) (string, string, int) {
+		return runCLI(t, append([]string{"--store", st}, args...)...)
+	}
+
+	out, errOut, code := cli("images")
+	if code != 0 || !regexp.MustCompile(`(?m)^victim +DAMAGED +-`).MatchString(out) ||
+		!strings.Contains(out, "victim is DAMAGED: image victim: store data corrupt: its manifest "+manifest+" is a symbolic link") ||
+		!strings.Contains(out, "remove it with: ptxmig --store "+st+" image rm victim") {
+		t.Errorf("images: exit %d\n%s%s", code, out, errOut)
+	}
+	out, _, code = cli("--json", "images")
+	var rows []map[string]any
+	if err := json.Unmarshal([]byte(out), &rows); code != 0 || err != nil || len(rows) != 2 || rows[0]["name"] != "kept" ||
+		rows[1]["name"] != "victim" || rows[1]["id"] != "" || !strings.Contains(fmt.Sprint(rows[1]["damaged"]), "is a symbolic link") {
+		t.Errorf("images --json: exit %d %v\n%s", code, err, out)
+	}
+	out, errOut, code = cli("images", "-q")
+	if code != 0 || len(strings.Fields(out)) != 1 || !strings.Contains(errOut, "image victim is DAMAGED") {
+		t.Errorf("images -q: exit %d %q %q", code, out, errOut)
+	}
+	out, errOut, code = cli("image", "verify")
+	if code != 1 || !strings.Contains(out, "ok   kept") || !strings.Contains(out, "BAD  victim") || !strings.Contains(out, "is a symbolic link") {
+		t.Errorf("image verify: exit %d\n%s%s", code, out, errOut)
+	}
+	out, errOut, code = cli("image", "gc")
+	if code != 3 || !strings.Contains(errOut, "refusing to run with 1 unreadable image(s)") || !strings.Contains(errOut, "its manifest "+manifest+" is a symbolic link") ||
+		!strings.Contains(errOut, "to remove them: ptxmig --store "+st+" image rm victim") {
+		t.Errorf("image gc with a damaged image: exit %d\n%s%s", code, out, errOut)
+	}
+	if n := chunks(); n != before {
+		t.Errorf("a refused gc changed the chunk files from %d to %d", before, n)
+	}
+	if out, errOut, code := cli("image", "rm", "victim"); code != 0 {
+		t.Fatalf("image rm victim: exit %d %s %s", code, out, errOut)
+	}
+	if _, err := os.Stat(outside); err != nil {
+		t.Errorf("image rm touched the symlink's target: %v", err)
+	}
+	if out, errOut, code := cli("image", "gc"); code != 0 || chunks() >= before {
+		t.Errorf("image gc after rm: exit %d, %d of %d chunk files left\n%s%s", code, chunks(), before, out, errOut)
+	}
+	if out, errOut, code := cli("image", "verify"); code != 0 {
+		t.Errorf("image verify after rm: exit %d\n%s%s", code, out, errOut)
+	}
+}
+
+// TestRestoreTruncatedChunk (issue 36): a chunk file shorter than the manifest records is refused
+// by restore's preflight (exit 3, nothing started) naming the chunk's file, and the image is left
+// as it was.
+func TestRestoreTruncatedChunk(t *testing.T) {
+	if os.Geteuid() != 0 {
+		testreq.Skip(t, "root", "ptxmig restore needs root")
+	}
+	t.Setenv("PTXMIG_LOCK_DIR", t.TempDir())
+	st := filepath.Join(t.TempDir(), "store")
+	addImage(t, st, "img", strings.Repeat("page", 100000), "--kind", "cpu")
+	chunks, _ := filepath.Glob(filepath.Join(st, "chunks", "*", "*"))
+	if len(chunks) == 0 {
+		t.Fatal("the image has no chunk file")
+	}
+	fi, err := os.Stat(chunks[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(chunks[0], fi.Size()-1); err != nil {
+		t.Fatal(err)
+	}
+	out, errOut, code := runCLI(t, "--store", st, "restore", "img")
+	if strings.Contains(errOut, "CRIU is not usable") {
+		testreq.Skip(t, "criu", "restore's preflight needs CRIU: %s", errOut)
+	}
+	if code != 3 || !strings.Contains(errOut, "store data corrupt: chunk ") || !strings.Contains(errOut, chunks[0]) {
+		t.Errorf("restore of an image with a truncated chunk: exit %d, want 3 naming %s\n%s%s", code, chunks[0], out, errOut)
+	}
+	if _, errOut, code := runCLI(t, "--store", st, "image", "inspect", "img"); code != 0 {
+		t.Errorf("the image is gone after the refusal: exit %d %s", code, errOut)
 	}
 }

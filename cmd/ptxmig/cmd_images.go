@@ -15,7 +15,11 @@ import (
 const imagesDescription = "Columns: name, short id, creation time, source host and GPUs, logical size, stored size\n" +
 	"(compressed, distinct chunks of the image; chunks shared with other images count in each).\n" +
 	"-q prints only the full ids, one a line, for scripts; --json gives every field. A missing\n" +
-	"store is an error (exit 6), never created; a read-only store is listed as any other."
+	"store is an error (exit 6), never created; a read-only store is listed as any other.\n" +
+	"A damaged image (its manifest is not a regular file, e.g. a symlink, which is never followed,\n" +
+	"or cannot be read or authenticated) is listed as DAMAGED with the reason (--json: name, an\n" +
+	"empty id and \"damaged\"; -q: the reason on stderr). `image verify` fails on it, gc removes\n" +
+	"nothing while it exists, and `image rm NAME` removes it."
 
 func imagesFlags() []cli.Flag {
 	return []cli.Flag{&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "print only image ids, one a line"}}
@@ -49,6 +53,14 @@ type imageRow struct {
 	StoredBytes  int64       `json:"stored_bytes"`
 }
 
+// damagedRow is the --json form of a damaged image in `ptxmig images`: its manifest cannot be
+// used, so only its name is known.
+type damagedRow struct {
+	Name    string `json:"name"`
+	ID      string `json:"id"` // always ""
+	Damaged string `json:"damaged"`
+}
+
 func imagesList(c *cli.Context) error {
 	if err := argsExactly(c, 0); err != nil {
 		return err
@@ -57,7 +69,7 @@ func imagesList(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	ms, err := s.List()
+	ms, damaged, err := s.ListDamaged()
 	if err != nil {
 		return err
 	}
@@ -68,18 +80,31 @@ func imagesList(c *cli.Context) error {
 	}
 	switch {
 	case env(c).JSON:
-		return printJSON(c, rows)
+		all := make([]any, 0, len(rows)+len(damaged))
+		for _, r := range rows {
+			all = append(all, r)
+		}
+		for _, d := range damaged {
+			all = append(all, damagedRow{Name: d.Name, Damaged: d.Err.Error()})
+		}
+		return printJSON(c, all)
 	case c.Bool("quiet"):
 		for _, r := range rows {
 			fmt.Fprintln(env(c).Out, r.ID)
 		}
+		for _, d := range damaged { // no id to print: said on stderr, so scripts' stdout stays ids
+			fmt.Fprintf(env(c).Err, "ptxmig: image %s is DAMAGED: %s\n", esc(d.Name), esc(d.Err.Error()))
+		}
 		return nil
 	}
-	writeImages(env(c).Out, rows)
+	writeImages(env(c).Out, rows, damaged)
+	for _, d := range damaged {
+		fmt.Fprintf(env(c).Out, "%s is DAMAGED: %s\n  remove it with: %s\n", esc(d.Name), esc(d.Err.Error()), hint(c, "image", "rm", d.Name))
+	}
 	return nil
 }
 
-func writeImages(w io.Writer, rows []imageRow) {
+func writeImages(w io.Writer, rows []imageRow, damaged []store.Damaged) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "NAME\tID\tCREATED\tHOST\tGPU\tLOGICAL\tSTORED")
 	for _, r := range rows {
@@ -95,6 +120,9 @@ func writeImages(w io.Writer, rows []imageRow) {
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", esc(r.Name), shortID(r.ID), r.Created.Local().Format("2006-01-02 15:04:05"),
 			host, gpu, bytesize.Format(r.LogicalBytes), bytesize.Format(r.StoredBytes))
+	}
+	for _, d := range damaged {
+		fmt.Fprintf(tw, "%s\tDAMAGED\t-\t-\t-\t-\t-\n", esc(d.Name))
 	}
 	tw.Flush()
 }

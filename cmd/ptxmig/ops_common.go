@@ -212,7 +212,8 @@ func opError(stderr io.Writer, err error) error {
 }
 
 // withOpExitCode attaches the exit status of a checkpoint/restore/migrate failure: refused by
-// preflight 3, busy 5, failed and rolled back 4, anything else 1.
+// preflight 3, busy 5, failed and rolled back 4, interrupted by a signal before touching
+// anything 130, anything else 1.
 func withOpExitCode(err error) error {
 	var se *op.StepError
 	switch {
@@ -222,6 +223,10 @@ func withOpExitCode(err error) error {
 		return exitcode.Wrap(exitcode.Busy, err)
 	case errors.As(err, &se) && se.RolledBack():
 		return exitcode.Wrap(exitcode.RolledBack, err)
+	case errors.As(err, &se) && se.Cancelled && !se.Touched && !se.Committed:
+		// A signal ended the operation before it touched anything (the step it stopped failed
+		// for that reason: CRIU's pipes closed under it).
+		return exitcode.Wrap(exitcode.Interrupted, err)
 	}
 	return exitcode.Wrap(exitcode.Failed, err)
 }
@@ -281,6 +286,10 @@ func (a absentStore) OpenImage(context.Context, string, store.GetOptions) (*stor
 
 func (a absentStore) List() ([]*store.Manifest, error) {
 	return nil, fmt.Errorf("store %s: %w", a.dir, store.ErrNoStore)
+}
+
+func (a absentStore) CheckChunkFiles(context.Context, *store.Manifest) error {
+	return fmt.Errorf("store %s: %w", a.dir, store.ErrNoStore)
 }
 
 func (a absentStore) Dir() string {

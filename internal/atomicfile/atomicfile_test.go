@@ -5,7 +5,10 @@ import (
 	"errors"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -221,5 +224,125 @@ func TestDeviceAndFIFO(t *testing.T) {
 	}
 	if left := entries(t, filepath.Dir(fifo)); len(left) != 1 {
 		t.Errorf("files left beside the FIFO: %v", left)
+	}
+}
+
+// TestUnnamed: with Unnamed nothing is visible in the directory before Commit (O_TMPFILE), Commit
+// creates or replaces the target with exactly mode, NoReplace refuses an existing target, and
+// Abort leaves nothing. Where the file system has no O_TMPFILE the named temp file is used.
+func TestUnnamed(t *testing.T) {
+	for _, fallback := range []bool{false, true} {
+		name := "tmpfile"
+		if fallback {
+			name = "fallback"
+		}
+		t.Run(name, func(t *testing.T) {
+			noTmpfile = fallback
+			defer func() { noTmpfile = false }()
+			old := syscall.Umask(0o077)
+			defer syscall.Umask(old)
+			dir := t.TempDir()
+			p := filepath.Join(dir, "out")
+			f, err := Create(p, 0o640, Unnamed())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := entries(t, dir); !fallback && len(got) != 0 {
+				t.Errorf("directory holds %q before Commit, want nothing (O_TMPFILE)", got)
+			} else if fallback && (len(got) != 1 || !strings.HasPrefix(got[0], ".out.tmp-"+strconv.Itoa(os.Getpid())+"-")) {
+				t.Errorf("directory holds %q before Commit, want one .out.tmp-PID-* file", got)
+			}
+			f.Write([]byte("first"))
+			if err := f.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			wantFile(t, p, "first", "out")
+			if fi, err := os.Stat(p); err != nil || fi.Mode().Perm() != 0o640 {
+				t.Errorf("mode %v (%v), want 0640", fi.Mode().Perm(), err)
+			}
+			if err := WriteFile(p, []byte("second"), 0o600, Unnamed()); err != nil {
+				t.Fatal(err)
+			}
+			wantFile(t, p, "second", "out")
+			if err := WriteFile(p, []byte("third"), 0o600, Unnamed(), NoReplace()); !errors.Is(err, fs.ErrExist) {
+				t.Errorf("NoReplace over an existing target: %v, want ErrExist", err)
+			}
+			wantFile(t, p, "second", "out")
+			f, err = Create(p, 0o600, Unnamed())
+			if err != nil {
+				t.Fatal(err)
+			}
+			f.Write([]byte("aborted"))
+			f.Abort()
+			wantFile(t, p, "second", "out")
+			if err := WriteFile(filepath.Join(dir, "no", "such"), []byte("x"), 0o600, Unnamed()); !errors.Is(err, fs.ErrNotExist) {
+				t.Errorf("write into a missing directory: %v", err)
+			}
+		})
+	}
+}
+
+// deadPID returns the pid of a process that has exited.
+func deadPID(t *testing.T) int {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("run a short-lived process: %v", err)
+	}
+	return cmd.Process.Pid
+}
+
+// TestRemoveStale: the temp files of dead writers are removed, by RemoveStale and by Create with
+// Unnamed for its own target; those of live writers (a live pid, or a held flock), of other
+// targets, of unknown form, and anything not a regular file stay.
+func TestRemoveStale(t *testing.T) {
+	dir := t.TempDir()
+	dead, live := strconv.Itoa(deadPID(t)), strconv.Itoa(os.Getppid())
+	write := func(name string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte("partial"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	staleOut := write(".out.tmp-" + dead + "-123")
+	write(".out.tmp-" + live + "-123")                      // its writer runs
+	write(".out.tmp-" + strconv.Itoa(os.Getpid()) + "-123") // this process's own
+	write(".out.tmp-123456")                                // an older version's: no pid
+	write("out.tmp-" + dead + "-1")                         // not hidden: not a temp file
+	staleOther := write(".other.tmp-" + dead + "-7")
+	locked := write(".out.tmp-" + dead + "-456") // a writer in another pid namespace holds it
+	lf, err := os.Open(locked)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lf.Close()
+	if err := syscall.Flock(int(lf.Fd()), syscall.LOCK_EX); err != nil {
+		testreq.Skip(t, "flock", "flock: %v", err)
+	}
+	os.Mkdir(filepath.Join(dir, ".out.tmp-"+dead+"-789"), 0o700)
+	before := entries(t, dir)
+
+	f, err := Create(filepath.Join(dir, "out"), 0o600, Unnamed())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := f.StaleRemoved(); len(got) != 1 || got[0] != staleOut {
+		t.Errorf("StaleRemoved = %q, want [%s]", got, staleOut)
+	}
+	f.Abort()
+	if got := entries(t, dir); len(got) != len(before)-1 {
+		t.Errorf("after Create: %q, want %q less %s", got, before, staleOut)
+	}
+	removed, err := RemoveStale(dir, "")
+	if err != nil || len(removed) != 1 || removed[0] != staleOther {
+		t.Errorf("RemoveStale(any) = %q, %v; want [%s]", removed, err, staleOther)
+	}
+	lf.Close() // the writer is gone now too
+	if removed, err := RemoveStale(dir, "out"); err != nil || len(removed) != 1 || removed[0] != locked {
+		t.Errorf("RemoveStale after the lock was released = %q, %v; want [%s]", removed, err, locked)
+	}
+	if got := entries(t, dir); len(got) != len(before)-3 {
+		t.Errorf("left: %q", got)
 	}
 }

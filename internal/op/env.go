@@ -7,6 +7,7 @@ package op
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"sync"
@@ -49,6 +50,9 @@ type ImageStore interface {
 	OpenImage(ctx context.Context, ref string, o store.GetOptions) (*store.ImageReader, error)
 	List() ([]*store.Manifest, error)
 	Dir() string
+	// CheckChunkFiles checks that every chunk of an image is there at its recorded size (a stat
+	// each): restore's preflight refuses a truncated or missing one.
+	CheckChunkFiles(ctx context.Context, m *store.Manifest) error
 }
 
 // Env is everything a checkpoint touches. The CLI builds it from the real driver, NVML, CRIU and
@@ -204,6 +208,11 @@ func NewEnvWith(ctx context.Context, storeDir string, log *slog.Logger, o EnvOpt
 		env.openGPU()
 	}
 	wg.Wait()
+	if err := ctx.Err(); err != nil {
+		// A signal during the probes kills them (`criu --version`): that is an interruption, not
+		// an unusable CRIU.
+		return nil, closeAll, fmt.Errorf("interrupted while probing the host: %w", err)
+	}
 	if criuErr != nil {
 		env.CRIUErr = criuErr
 	} else {
