@@ -489,6 +489,12 @@ func TestStreamFailureMidDump(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "stream the dump into the store") || !errors.Is(err, unix.ENOSPC) {
 		t.Fatalf("checkpoint into a store that fills up: %v", err)
 	}
+	// The dump had frozen the process and the rollback resumed it: rolled back (exit status 4),
+	// not a bare failure (1), whichever step the full disk failed.
+	var se *op.StepError
+	if !errors.As(err, &se) || !se.RolledBack() {
+		t.Fatalf("checkpoint into a store that fills up: %v; want a rolled-back failure", err)
+	}
 	if !testproc.Alive(p.PID) {
 		t.Fatal("process died")
 	}

@@ -2,6 +2,7 @@ package op
 
 import (
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"os"
@@ -34,5 +35,20 @@ func TestNewEnvDeferGPU(t *testing.T) {
 	env.OpenGPU()
 	if env.Driver != driver || env.DriverErr != derr {
 		t.Error("a second OpenGPU opened again")
+	}
+}
+
+// TestNewEnvInterrupted: a signal (the cancelled context) while the host is probed kills the
+// probes; NewEnvWith says it was interrupted (exit 130 upstream), not that CRIU is unusable.
+func TestNewEnvInterrupted(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("NewEnvWith refuses a non-root caller; run as root")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, closeEnv, err := NewEnvWith(ctx, "", slog.New(slog.NewTextHandler(io.Discard, nil)), EnvOptions{DeferGPU: true})
+	closeEnv()
+	if !errors.Is(err, context.Canceled) || errors.Is(err, ErrRefused) {
+		t.Fatalf("NewEnvWith with a cancelled context: %v; want an interruption, not a refusal", err)
 	}
 }

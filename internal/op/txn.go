@@ -59,9 +59,12 @@ type StepError struct {
 
 func (e *StepError) Error() string {
 	var b strings.Builder
-	if e.Cancelled && e.Step == "" {
+	switch {
+	case e.Cancelled && e.Step == "":
 		b.WriteString("interrupted")
-	} else {
+	case e.Cancelled:
+		fmt.Fprintf(&b, "%s (interrupted by a signal)", e.Step)
+	default:
 		fmt.Fprintf(&b, "%s", e.Step)
 	}
 	fmt.Fprintf(&b, ": %v", e.Err)
