@@ -115,7 +115,7 @@ install: build docs
 	install -D -m 0644 bin/completion/ptxmig $(DESTDIR)$(BASHCOMPDIR)/ptxmig
 	install -D -m 0644 bin/completion/_ptxmig $(DESTDIR)$(ZSHCOMPDIR)/_ptxmig
 	install -d -m 0755 $(DESTDIR)$(UNITDIR) $(DESTDIR)$(DOCDIR)/examples
-	for f in ptxmig-rebalance.service ptxmig-rebalance.timer; do \
+	for f in ptxmig-rebalance.service ptxmig-rebalance.timer ptxmig-recover.service; do \
 		$(INSTALL_SED) scripts/$$f >$(DESTDIR)$(UNITDIR)/$$f && chmod 0644 $(DESTDIR)$(UNITDIR)/$$f && \
 		install -m 0644 $(DESTDIR)$(UNITDIR)/$$f $(DESTDIR)$(DOCDIR)/examples/$$f || exit 1; \
 	done
@@ -135,7 +135,8 @@ install: build docs
 uninstall:
 	rm -f $(DESTDIR)$(BINDIR)/ptxmig $(DESTDIR)$(LIBDIR)/libptxmig.so $(DESTDIR)$(MANDIR)/man1/ptxmig.1 \
 		$(DESTDIR)$(BASHCOMPDIR)/ptxmig $(DESTDIR)$(ZSHCOMPDIR)/_ptxmig \
-		$(DESTDIR)$(UNITDIR)/ptxmig-rebalance.service $(DESTDIR)$(UNITDIR)/ptxmig-rebalance.timer
+		$(DESTDIR)$(UNITDIR)/ptxmig-rebalance.service $(DESTDIR)$(UNITDIR)/ptxmig-rebalance.timer \
+		$(DESTDIR)$(UNITDIR)/ptxmig-recover.service
 	rm -rf $(DESTDIR)$(DOCDIR)
 
 demo: deps build

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,6 +19,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/testproc"
+	"github.com/ptxmig/ptxmig/internal/testreq"
 	"github.com/ptxmig/ptxmig/restore"
 	"github.com/ptxmig/ptxmig/store"
 )
@@ -205,4 +207,95 @@ func TestGuardianEndsStalledCRIU(t *testing.T) {
 	if _, err := f.st.Get("guarded"); !errors.Is(err, store.ErrNotFound) {
 		t.Fatalf("image after the rolled-back checkpoint: %v", err)
 	}
+}
+
+// TestCgroupKillThenRecover: a service manager kills the whole cgroup of a ptxmig checkpoint
+// (ptxmig, its guardian and CRIU together: `systemctl stop`, a unit's timeout) after the dump
+// stopped the process and before the image was stored. Nothing is left to roll it back: the
+// process stays stopped with no image. What ptxmig-recover.service runs (`ptxmig recover`, from
+// the failed unit's OnFailure=) then resumes it exactly; no image is left.
+func TestCgroupKillThenRecover(t *testing.T) {
+	r := newFaultRig(t)
+	mounts, err := proc.CgroupMounts()
+	if err != nil {
+		t.Fatal(err)
+	}
+	v2 := ""
+	for _, m := range mounts {
+		if m.V2 {
+			v2 = m.Dir
+		}
+	}
+	if v2 == "" {
+		testreq.Skip(t, "cgroup2", "no cgroup v2 hierarchy is mounted: %+v", mounts)
+	}
+	dir := filepath.Join(v2, fmt.Sprintf("ptxmig-test-kill-%d", os.Getpid()))
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		testreq.Skip(t, "cgroup2", "cannot create a cgroup v2 directory: %v", err)
+	}
+	defer os.Remove(dir)
+	if _, err := os.Stat(filepath.Join(dir, "cgroup.kill")); err != nil {
+		testreq.Skip(t, "cgroup2", "the kernel has no cgroup.kill (Linux >= 5.14): %v", err)
+	}
+	cg, err := os.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cg.Close()
+	p, m := r.f.startMiB(t, "state", 4)
+	cmd := exec.Command(r.bin, "--store", r.f.st.Dir(), "checkpoint", "--name", "killed", strconv.Itoa(p.PID))
+	cmd.Env = append(os.Environ(), op.FaultStopAfter+"="+checkpoint.StepDump)
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(cg.Fd())}
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+		if s, err := proc.ReadStat(cmd.Process.Pid); err == nil && s.Stopped() {
+			break
+		}
+		select {
+		case <-exited:
+			t.Fatalf("ptxmig exited before stopping after the dump:\n%s", out.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("ptxmig did not stop after the dump")
+		}
+	}
+	members, _ := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+	if n := len(strings.Fields(string(members))); n < 2 {
+		t.Fatalf("the cgroup holds %d processes (%q); want ptxmig and its guardian", n, members)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "cgroup.kill"), []byte("1"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	<-exited
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		reapZombies()
+		if b, _ := os.ReadFile(filepath.Join(dir, "cgroup.procs")); len(strings.TrimSpace(string(b))) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the cgroup is not empty after cgroup.kill")
+		}
+	}
+	if st := realState(p.PID); st != "stopped" {
+		t.Fatalf("after the cgroup kill the process is %s; this test is about the one left stopped", st)
+	}
+	if so, code := r.cli(t, "recover"); code != 0 {
+		t.Fatalf("ptxmig recover: exit %d\n%s", code, so)
+	}
+	if st := realState(p.PID); st != "running" {
+		t.Fatalf("after ptxmig recover the process is %s", st)
+	}
+	now, _ := testproc.ReadState(p.StateFile)
+	advancesExactly(t, p.StateFile, m, now.Step, 5)
+	if _, err := r.f.st.Get("killed"); !errors.Is(err, store.ErrNotFound) {
+		t.Fatalf("image after the recovery: %v", err)
+	}
+	r.settle(t)
 }

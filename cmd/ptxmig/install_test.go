@@ -45,6 +45,7 @@ func TestMakeInstall(t *testing.T) {
 		"opt/ptxmig/share/zsh/site-functions/_ptxmig":                   0o644,
 		"opt/ptxmig/lib/systemd/system/ptxmig-rebalance.service":        0o644,
 		"opt/ptxmig/lib/systemd/system/ptxmig-rebalance.timer":          0o644,
+		"opt/ptxmig/lib/systemd/system/ptxmig-recover.service":          0o644,
 		"opt/ptxmig/share/doc/ptxmig/examples/ptxmig-rebalance.cron":    0o644,
 		"opt/ptxmig/share/doc/ptxmig/examples/ptxmig-rebalance.service": 0o644,
 		"opt/ptxmig/share/doc/ptxmig/examples/rebalance.json":           0o644,
@@ -62,6 +63,12 @@ func TestMakeInstall(t *testing.T) {
 		if fi.Mode().Perm() != mode {
 			t.Errorf("%s: mode %v, want %v", f, fi.Mode().Perm(), mode)
 		}
+	}
+	// A rebalance killed with its cgroup (its guardian too) is recovered at once, by the installed binary.
+	recov, _ := os.ReadFile(filepath.Join(dest, "opt/ptxmig/lib/systemd/system/ptxmig-recover.service"))
+	rebal, _ := os.ReadFile(filepath.Join(dest, "opt/ptxmig/lib/systemd/system/ptxmig-rebalance.service"))
+	if !strings.Contains(string(recov), "ExecStart=/opt/ptxmig/bin/ptxmig recover") || !strings.Contains(string(rebal), "OnFailure=ptxmig-recover.service") {
+		t.Errorf("the recover unit does not run the installed ptxmig recover, or the rebalancer does not name it in OnFailure:\n%s\n%s", recov, rebal)
 	}
 	// The unit runs the installed binary with the installed policy, and its Documentation= exists.
 	unit, _ := os.ReadFile(filepath.Join(dest, "opt/ptxmig/lib/systemd/system/ptxmig-rebalance.service"))

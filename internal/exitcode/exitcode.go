@@ -46,16 +46,16 @@ type Code struct {
 // Codes is the one table of exit statuses, in the order help and the man page list them.
 var Codes = []Code{
 	{OK, "ok", "success"},
-	{Failed, "failed", "the operation failed"},
+	{Failed, "failed", "the operation failed; the error and --json's process_state say each process's state, read from /proc and the driver"},
 	{Usage, "usage", "usage error: bad command, flag or argument (also an invalid image name or an ambiguous id prefix)"},
 	{Refused, "refused", "refused by preflight: nothing was touched"},
-	{RolledBack, "rolled-back", "failed after touching the process, and rolled back: it runs as before"},
+	{RolledBack, "rolled-back", "failed after touching the process, and rolled back: it runs as before (also when the failed step undid its own part: a stalled CRIU ended, a full disk mid-dump)"},
 	{Busy, "busy", "busy: another ptxmig operation holds the same target"},
 	{NotFound, "not-found", "not found: no such image, process or store (nothing was touched)"},
 	{RunFailed, "run-failed", "ptxmig run: ptxmig itself failed, the command was not started"},
 	{RunNoExec, "cannot-execute", "ptxmig run: the command was found but cannot be executed"},
 	{RunNotFound, "command-not-found", "ptxmig run: the command was not found"},
-	{Interrupted, "interrupted", "interrupted by SIGINT or SIGTERM (an operation that had touched a process rolls back: 4)"},
+	{Interrupted, "interrupted", "interrupted by SIGINT or SIGTERM before anything was touched (an operation that had touched a process rolls back: 4)"},
 }
 
 // Error attaches an exit status to an error without hiding it from errors.Is/As.
