@@ -234,6 +234,11 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 			}
 			return in, in, nil
 		}
+		if len(p.CUDAPIDs) > 1 {
+			// A job (NCCL ranks): stop every rank right after the same collective first, so that
+			// no rank's collective kernel waits for one already locked.
+			steps = append(steps, qs.AlignStep(p.CUDAPIDs, o.LockTimeout))
+		}
 		steps = append(steps, qs.QuiesceStep(p.CUDAPIDs), qs.SaveMemoryStep(sink, prevMemory(env)),
 			qs.ExplainLock(op.LockStep(d, p.CUDAPIDs, o.LockTimeout)), op.CheckpointStep(d, p.CUDAPIDs), qs.DetachStep())
 	}

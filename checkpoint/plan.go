@@ -174,7 +174,7 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 		}
 	}
 	stats = kept
-	if err := op.RefusePeerAccess(context.Background(), p.CUDAPIDs); err != nil {
+	if err := op.RefuseUnrestorable(context.Background(), p.CUDAPIDs); err != nil {
 		return nil, err
 	}
 	p.Tree = op.TreeOf(stats, cuda)
@@ -473,6 +473,9 @@ func (p *Plan) describe() []op.PlanStep {
 		s = append(s, op.PlanStep{Step: step, Action: fmt.Sprintf(format, a...)})
 	}
 	if len(p.CUDAPIDs) > 0 {
+		if len(p.CUDAPIDs) > 1 {
+			add(op.StepAlign, "processes under the shim that launch collectives (NCCL ranks): stop each right after the same collective (waits up to %s)", timeoutText(p.opts.LockTimeout))
+		}
 		add(op.StepQuiesce, "processes under the ptxmig shim: stop preemptible kernels between blocks (budget %s), hold new launches", budgetText(p.opts.PreemptBudget))
 		add(StepLock, "driver lock of pid %s (waits up to %s for running kernels)", pidList(p.CUDAPIDs), timeoutText(p.opts.LockTimeout))
 		add(StepCheckpoint, "driver checkpoint: copy %s of GPU memory to host memory, release the GPUs", bytesize.FormatU(p.Estimate.GPUBytes))

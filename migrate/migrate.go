@@ -123,7 +123,7 @@ func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 	if st != cudackpt.Running {
 		return nil, op.Refusef("pid %d is %s, not running: another tool (or a failed operation) holds it", pid, st)
 	}
-	if err := op.RefusePeerAccess(context.Background(), []int{pid}); err != nil {
+	if err := op.RefuseUnrestorable(context.Background(), []int{pid}); err != nil {
 		return nil, err
 	}
 	if len(o.GPUs) == 0 && len(o.GPUMap) == 0 {

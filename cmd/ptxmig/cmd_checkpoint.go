@@ -29,9 +29,14 @@ func init() {
 			"locked by another tool, has a controlling terminal, or belongs to a session whose leader is\n" +
 			"outside this PID namespace (docker exec: CRIU cannot dump it); CRIU is missing; the store is\n" +
 			"read-only or lacks room for the estimate (resident memory + GPU memory); a CUDA process under\n" +
-			"the shim has enabled peer access between its GPUs (driver 580 checkpoints it but cannot\n" +
-			"restore it). With --leave-running, a warning names other processes on its GPUs (a context\n" +
-			"the driver restored has been killed by Xid 109 beside another process's long kernels).\n" +
+			"the shim has enabled peer access between its GPUs or shares GPU memory with another process\n" +
+			"(CUDA IPC, VMM shareable handles, memory pools: NCCL's default transports; the error names\n" +
+			"NCCL's socket transports as the way out), which driver 580 checkpoints but cannot restore. A\n" +
+			"tree of several CUDA processes under the shim that launch collectives (NCCL ranks) is first\n" +
+			"stopped right after the same collective in every rank (within --lock-timeout), so that no\n" +
+			"rank's collective waits for one already locked. With --leave-running, a warning names other\n" +
+			"processes on its GPUs (a context the driver restored has been killed by Xid 109 beside another\n" +
+			"process's long kernels).\n" +
 			"A tree that belongs to a shell's session is dumped as a shell job (said in the output) instead\n" +
 			"of failing in CRIU.\n" +
 			"--dry-run prints the plan and stops there, creating nothing (not even the store). The first\n" +
@@ -84,7 +89,7 @@ func init() {
 
 // checkpointLabels name the steps of a checkpoint in its output and status line.
 var checkpointLabels = map[string]string{
-	op.StepQuiesce: "quiesce", op.StepDetach: "detach", op.StepResume: "resume", checkpoint.StepLock: "lock",
+	op.StepAlign: "align", op.StepQuiesce: "quiesce", op.StepDetach: "detach", op.StepResume: "resume", checkpoint.StepLock: "lock",
 	checkpoint.StepCheckpoint: "device->host", checkpoint.StepDump: "criu dump", checkpoint.StepRestore: "driver restore",
 	checkpoint.StepUnlock: "unlock", checkpoint.StepStore: "store", checkpoint.StepFinish: "stop processes",
 }

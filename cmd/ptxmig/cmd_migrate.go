@@ -24,8 +24,10 @@ func init() {
 			"keeps its pid, memory addresses and handles; CUDA device ordinals inside it stay the same while\n" +
 			"the physical GPU changes. Preflight checks the targets (same chip family, enough\n" +
 			"free memory) and refuses (exit 3) a process under the shim that enabled peer access between\n" +
-			"its GPUs (driver 580 cannot restore it); a warning names other processes on the targets (a\n" +
-			"context the driver restored has been killed by Xid 109 beside another process's long kernels).\n" +
+			"its GPUs or shares GPU memory with another process (CUDA IPC, VMM shareable handles, memory\n" +
+			"pools: NCCL's default transports; driver 580 cannot restore it); a warning names other\n" +
+			"processes on the targets (a context the driver restored has been killed by Xid 109 beside\n" +
+			"another process's long kernels).\n" +
 			"The driver needs a pair for every GPU of the host, whatever CUDA_VISIBLE_DEVICES\n" +
 			"the process has (driver 580): the GPUs it uses go where --gpu/--gpu-map say, the others keep\n" +
 			"their GPU or take the ones left free (moving 0 to 1 on two GPUs pairs 0->1 and 1->0); --dry-run\n" +

@@ -2,40 +2,101 @@ package op
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"time"
+
+	"github.com/ptxmig/ptxmig/internal/shimctl"
 )
 
-// RefusePeerAccess refuses an operation on a process that runs under the ptxmig shim and has
-// enabled peer access between its GPU contexts (the shim counts cuCtxEnablePeerAccess links in
-// its status). Driver 580 checkpoints such a process, but cuCheckpointProcessRestore then fails
-// with CUDA_ERROR_INVALID_VALUE, in place as well as onto other GPUs (measured on 2x H100, driver
-// 580.159.04; docs/PLATFORM.md): the process could be neither restored nor rolled back. A
-// process without the shim cannot be asked; the operation goes ahead as before.
-func RefusePeerAccess(ctx context.Context, pids []int) error {
+// RefuseUnrestorable refuses, before anything is touched, an operation on a process that runs
+// under the ptxmig shim and holds GPU state the NVIDIA driver can checkpoint but not restore, as
+// its shim reports it:
+//   - peer access enabled between its GPU contexts (cuCtxEnablePeerAccess links): driver 580
+//     checkpoints such a process, but cuCheckpointProcessRestore then fails with
+//     CUDA_ERROR_INVALID_VALUE, in place as well as onto other GPUs (measured on 2x H100, driver
+//     580.159.04; docs/PLATFORM.md);
+//   - GPU memory shared with another process, exported (CUDA IPC, VMM shareable handles, memory
+//     pools) or imported: cuCheckpointProcessRestore fails with CUDA_ERROR_NOT_SUPPORTED, so a
+//     --leave-running checkpoint cannot roll back either (measured on 2x H200, driver 580.159.04,
+//     a PyTorch DDP rank with NCCL's default transports).
+//
+// Either way the process could be neither restored nor rolled back. A process without the shim
+// (or whose shim does not answer) cannot be asked; the operation goes ahead as before, and a shim
+// that predates the "ipc" counts is asked about peer links only.
+func RefuseUnrestorable(ctx context.Context, pids []int) error {
 	for _, pid := range pids {
-		if n := peerLinks(ctx, pid); n > 0 {
-			return Refusef("pid %d has enabled peer access between its GPUs (%d link(s), reported by the ptxmig shim): "+
+		st := shimStatus(ctx, pid)
+		if st == nil {
+			continue
+		}
+		var found, fixes []string
+		if n := st.PeerAccess; n > 0 {
+			found = append(found, fmt.Sprintf("has enabled peer access between its GPUs (%d link(s), reported by the ptxmig shim): "+
 				"the NVIDIA driver checkpoints such a process but cannot restore it (cuCheckpointProcessRestore fails with "+
-				"CUDA_ERROR_INVALID_VALUE, in place or onto other GPUs; measured with driver 580.159.04), so it would be lost; "+
-				"nothing was touched. Have the application disable peer access first (cuCtxDisablePeerAccess / "+
-				"cudaDeviceDisablePeerAccess; NCCL: NCCL_P2P_DISABLE=1)", pid, n)
+				"CUDA_ERROR_INVALID_VALUE, in place or onto other GPUs; measured with driver 580.159.04)", n))
+			fixes = append(fixes, "Have the application disable peer access first (cuCtxDisablePeerAccess / "+
+				"cudaDeviceDisablePeerAccess; NCCL: NCCL_P2P_DISABLE=1)")
+		}
+		if s := st.IPC; s != nil && (s.Exported > 0 || s.Imported > 0) {
+			found = append(found, fmt.Sprintf("shares GPU memory with other processes (%s; reported by the ptxmig shim): "+
+				"the NVIDIA driver cannot restore a process whose GPU memory another process maps, or that maps another "+
+				"process's (cuCheckpointProcessRestore fails with CUDA_ERROR_NOT_SUPPORTED, so a --leave-running checkpoint "+
+				"cannot roll back either; measured on 2x H200, driver 580.159.04, with a PyTorch DDP rank using NCCL's "+
+				"default transports)", describeSharing(s)))
+			fixes = append(fixes, "For NCCL, start the job with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_CUMEM_ENABLE=0, "+
+				"so that ranks exchange data through sockets; for another application, stop sharing GPU memory between "+
+				"processes (CUDA IPC, cuMemExportToShareableHandle, exported memory pools)")
+		}
+		if len(found) > 0 {
+			return Refusef("pid %d %s, so it would be lost; nothing was touched. %s", pid,
+				strings.Join(found, "; it also "), strings.Join(fixes, ". "))
 		}
 	}
 	return nil
 }
 
-// peerLinks returns the peer links pid's shim reports (0 without a shim or an answer).
-func peerLinks(ctx context.Context, pid int) int {
+// describeSharing says what the shim counted: "exported 2 (CUDA IPC: 1, VMM shareable handles:
+// 1); imported 1 (memory pools: 1)".
+func describeSharing(s *shimctl.IPC) string {
+	kinds := []struct {
+		name string
+		c    shimctl.ShareCount
+	}{{"CUDA IPC", s.IPCMem}, {"VMM shareable handles", s.VMM}, {"memory pools", s.Pool}, {"memory pool pointers", s.PoolPointer}}
+	dir := func(what string, total int, of func(shimctl.ShareCount) int) string {
+		var by []string
+		for _, k := range kinds {
+			if n := of(k.c); n > 0 {
+				by = append(by, fmt.Sprintf("%s: %d", k.name, n))
+			}
+		}
+		if len(by) == 0 {
+			return fmt.Sprintf("%s %d", what, total)
+		}
+		return fmt.Sprintf("%s %d (%s)", what, total, strings.Join(by, ", "))
+	}
+	var out []string
+	if s.Exported > 0 {
+		out = append(out, dir("exported", s.Exported, func(c shimctl.ShareCount) int { return c.Exported }))
+	}
+	if s.Imported > 0 {
+		out = append(out, dir("imported", s.Imported, func(c shimctl.ShareCount) int { return c.Imported }))
+	}
+	return strings.Join(out, "; ")
+}
+
+// shimStatus returns pid's shim status (nil without a shim or an answer).
+func shimStatus(ctx context.Context, pid int) *shimctl.Status {
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	c, err := dial(ctx, pid)
 	if err != nil {
-		return 0
+		return nil
 	}
 	defer c.Close()
 	st, err := c.Status(ctx)
 	if err != nil {
-		return 0
+		return nil
 	}
-	return st.PeerAccess
+	return st
 }

@@ -12,24 +12,50 @@ import (
 	"github.com/ptxmig/ptxmig/internal/shimctl/shimctltest"
 )
 
-// TestRefusePeerAccess: a process whose shim reports peer links is refused (a refusal: exit 3,
-// nothing touched); no shim, a shim reporting none, or a shim that does not answer lets the
-// operation go ahead.
-func TestRefusePeerAccess(t *testing.T) {
+// TestRefuseUnrestorable: a process whose shim reports peer links, or GPU memory exported to or
+// imported from another process, is refused (a refusal: exit 3, nothing touched) with a message
+// naming the pid, what was found, why and the way out; no shim, a shim reporting none, an older
+// shim without the fields, or a shim that does not answer lets the operation go ahead.
+func TestRefuseUnrestorable(t *testing.T) {
 	pid := os.Getpid()
-	status := func(links int) string {
-		return reply("status", fmt.Sprintf(`{"pid":%d,"proto":2,"peer_access":%d}`, pid, links), 2)
+	status := func(fields string) map[string]string {
+		return map[string]string{"status": reply("status", fmt.Sprintf(`{"pid":%d,"proto":2%s}`, pid, fields), 2)}
 	}
+	ipc := func(exp, imp int, kinds string) string {
+		return fmt.Sprintf(`,"peer_access":0,"ipc":{"exported":%d,"imported":%d,%s"export_calls":9,"import_calls":9,`+
+			`"untracked":{"exported":0,"imported":0}}`, exp, imp, kinds)
+	}
+	peerWhy := []string{"has enabled peer access between its GPUs (2 link(s), reported by the ptxmig shim)",
+		"CUDA_ERROR_INVALID_VALUE", "nothing was touched", "cuCtxDisablePeerAccess", "NCCL_P2P_DISABLE=1"}
+	shareWhy := []string{"shares GPU memory with other processes", "reported by the ptxmig shim",
+		"cuCheckpointProcessRestore fails with CUDA_ERROR_NOT_SUPPORTED", "--leave-running checkpoint cannot roll back",
+		"2x H200, driver 580.159.04", "PyTorch DDP rank using NCCL's default transports", "nothing was touched",
+		"NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_CUMEM_ENABLE=0", "through sockets",
+		"stop sharing GPU memory between processes"}
 	tests := []struct {
 		name    string
 		replies map[string]string // nil: no socket at all
-		refused bool
+		want    []string          // nil: not refused
+		notWant []string
 	}{
 		{name: "no shim"},
-		{name: "no peer links", replies: map[string]string{"status": status(0)}},
-		{name: "an older shim without the field", replies: map[string]string{"status": reply("status", fmt.Sprintf(`{"pid":%d,"proto":2}`, pid), 2)}},
+		{name: "nothing shared", replies: status(ipc(0, 0, ""))},
+		{name: "an older shim without the fields", replies: status("")},
 		{name: "garbled status", replies: map[string]string{"status": "{nope\n"}},
-		{name: "two peer links", replies: map[string]string{"status": status(2)}, refused: true},
+		{name: "peer links", replies: status(`,"peer_access":2,"ipc":{"exported":0,"imported":0}`),
+			want: append([]string{fmt.Sprintf("pid %d has enabled peer access", pid)}, peerWhy...), notWant: []string{"shares GPU memory"}},
+		{name: "peer links from a shim without ipc", replies: status(`,"peer_access":2`), want: peerWhy},
+		{name: "exported", replies: status(ipc(2, 0, `"ipc_mem":{"exported":1,"imported":0},"vmm":{"exported":1,"imported":0},`)),
+			want:    append([]string{fmt.Sprintf("pid %d shares GPU memory", pid), "exported 2 (CUDA IPC: 1, VMM shareable handles: 1)"}, shareWhy...),
+			notWant: []string{"imported", "peer access"}},
+		{name: "imported", replies: status(ipc(0, 3, `"pool":{"exported":0,"imported":1},"pool_ptr":{"exported":0,"imported":2},`)),
+			want:    append([]string{"imported 3 (memory pools: 1, memory pool pointers: 2)"}, shareWhy...),
+			notWant: []string{"(exported", "peer access"}},
+		{name: "exported and imported, no breakdown", replies: status(ipc(1, 1, "")),
+			want: append([]string{"exported 1; imported 1;"}, shareWhy...)},
+		{name: "peer links and imported",
+			replies: status(`,"peer_access":2,"ipc":{"exported":0,"imported":1,"vmm":{"exported":0,"imported":1}}`),
+			want:    append(append([]string{"; it also shares GPU memory", "imported 1 (VMM shareable handles: 1)"}, peerWhy...), shareWhy...)},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -38,16 +64,44 @@ func TestRefusePeerAccess(t *testing.T) {
 			if tt.replies != nil {
 				shimctltest.Serve(t, filepath.Join(dir, fmt.Sprintf("%d.sock", pid)), tt.replies)
 			}
-			err := RefusePeerAccess(context.Background(), []int{pid})
-			if !tt.refused {
+			err := RefuseUnrestorable(context.Background(), []int{pid})
+			if tt.want == nil {
 				if err != nil {
 					t.Fatalf("refused: %v", err)
 				}
 				return
 			}
-			if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "peer access") || !strings.Contains(err.Error(), "2 link(s)") {
-				t.Fatalf("err = %v, want a refusal naming the 2 peer links", err)
+			if !errors.Is(err, ErrRefused) {
+				t.Fatalf("err = %v, want a refusal", err)
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("refusal lacks %q:\n%v", w, err)
+				}
+			}
+			for _, w := range tt.notWant {
+				if strings.Contains(err.Error(), w) {
+					t.Errorf("refusal has %q:\n%v", w, err)
+				}
 			}
 		})
+	}
+}
+
+// TestRefuseUnrestorablePeerMessage: the peer-access refusal reads as it did before the sharing
+// check was added.
+func TestRefuseUnrestorablePeerMessage(t *testing.T) {
+	pid := os.Getpid()
+	dir := t.TempDir()
+	t.Setenv("PTXMIG_SOCKET_DIR", dir)
+	shimctltest.Serve(t, filepath.Join(dir, fmt.Sprintf("%d.sock", pid)),
+		map[string]string{"status": reply("status", fmt.Sprintf(`{"pid":%d,"proto":2,"peer_access":2}`, pid), 2)})
+	want := fmt.Sprintf("pid %d has enabled peer access between its GPUs (2 link(s), reported by the ptxmig shim): "+
+		"the NVIDIA driver checkpoints such a process but cannot restore it (cuCheckpointProcessRestore fails with "+
+		"CUDA_ERROR_INVALID_VALUE, in place or onto other GPUs; measured with driver 580.159.04), so it would be lost; "+
+		"nothing was touched. Have the application disable peer access first (cuCtxDisablePeerAccess / "+
+		"cudaDeviceDisablePeerAccess; NCCL: NCCL_P2P_DISABLE=1)", pid)
+	if err := RefuseUnrestorable(context.Background(), []int{pid}); err == nil || err.Error() != want {
+		t.Fatalf("err = %v\nwant    %s", err, want)
 	}
 }

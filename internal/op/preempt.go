@@ -31,6 +31,7 @@ type PreemptReport struct {
 	QuiesceDur time.Duration    `json:"quiesce_ns"`             // round trip of the quiesce request
 	StopWait   time.Duration    `json:"stop_wait_ns,omitempty"` // then, waiting for twins still stopping
 	Resume     *shimctl.Resume  `json:"resume,omitempty"`
+	Align      *AlignReport     `json:"align,omitempty"` // a job's process stopped after a collective first (AlignStep)
 	Owned      *OwnedMemory     `json:"owned_memory,omitempty"` // device memory the shim owns (--owned-memory)
 }
 
@@ -43,6 +44,7 @@ type Preemption struct {
 	Budget  time.Duration // per quiesce; 0 means DefaultPreemptBudget
 	Reports []*PreemptReport
 	leases  map[int]*shimctl.Client // open quiesce leases by pid
+	aligned map[int]*shimctl.Client // armed by AlignStep: the quiesce takes the connection over
 	log     func(msg string, args ...any)
 }
 
@@ -88,9 +90,14 @@ func (p *Preemption) QuiesceStep(pids []int) Step {
 
 func (p *Preemption) quiesce(ctx context.Context, pid int) {
 	r := p.report(pid)
-	dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	c, err := dial(dctx, pid)
-	cancel()
+	c, err := p.aligned[pid], error(nil)
+	if c != nil {
+		delete(p.aligned, pid) // the arming lease becomes the quiesce lease
+	} else {
+		dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		c, err = dial(dctx, pid)
+		cancel()
+	}
 	if err != nil {
 		if errors.Is(err, shimctl.ErrNoShim) {
 			r.Note = "not running under the ptxmig shim: the driver lock waits for its kernels"
@@ -223,11 +230,13 @@ func (p *Preemption) resumeAll(ctx context.Context, pids []int, onlyQuiesced boo
 	return errors.Join(errs...)
 }
 
-// Close ends any lease still open (the shim then resumes by itself).
+// Close ends any lease still open (the shim then resumes, or disarms, by itself).
 func (p *Preemption) Close() {
-	for pid, c := range p.leases {
-		c.Close()
-		delete(p.leases, pid)
+	for _, m := range []map[int]*shimctl.Client{p.leases, p.aligned} {
+		for pid, c := range m {
+			c.Close()
+			delete(m, pid)
+		}
 	}
 }
 

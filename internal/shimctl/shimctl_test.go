@@ -30,8 +30,21 @@ func TestClient(t *testing.T) {
 			reply: `{"ok":true,"proto":1,"cmd":"status","result":{"pid":42,"shim":"ptxmig-shim 1","devices":[{"ordinal":0,"name":"H200","total_bytes":1}],"modules":[{"id":1,"source":"cuLibraryLoadData","format":"fatbin","bytes":10,"ptx":1,"elf":2,"archs":"sm_90,compute_90"}]}}` + "\n",
 			check: func(t *testing.T, c *Client) {
 				s, err := c.Status(context.Background())
-				if err != nil || s.PID != 42 || len(s.Modules) != 1 || s.Modules[0].ELF != 2 || s.Devices[0].Name != "H200" {
+				if err != nil || s.PID != 42 || len(s.Modules) != 1 || s.Modules[0].ELF != 2 || s.Devices[0].Name != "H200" ||
+					s.IPC != nil || s.PeerAccess != 0 { // a shim before "peer_access" and "ipc"
 					t.Fatalf("status = %+v, %v", s, err)
+				}
+			}},
+		{name: "status with sharing", cmd: "status",
+			reply: `{"ok":true,"proto":2,"cmd":"status","result":{"pid":42,"peer_access":1,"ipc":{"exported":3,"imported":1,` +
+				`"ipc_mem":{"exported":1,"imported":0},"vmm":{"exported":1,"imported":1},"pool":{"exported":0,"imported":0},` +
+				`"pool_ptr":{"exported":1,"imported":0},"export_calls":7,"import_calls":2,"untracked":{"exported":0,"imported":0}}}}` + "\n",
+			check: func(t *testing.T, c *Client) {
+				s, err := c.Status(context.Background())
+				want := IPC{Exported: 3, Imported: 1, IPCMem: ShareCount{Exported: 1}, VMM: ShareCount{Exported: 1, Imported: 1},
+					PoolPointer: ShareCount{Exported: 1}, ExportCalls: 7, ImportCalls: 2}
+				if err != nil || s.PeerAccess != 1 || s.IPC == nil || *s.IPC != want {
+					t.Fatalf("status = %+v (ipc %+v), %v", s, s.IPC, err)
 				}
 			}},
 		{name: "kernels", cmd: "kernels",

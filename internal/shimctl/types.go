@@ -9,7 +9,9 @@ type Status struct {
 	UptimeS         float64           `json:"uptime_s"`
 	CUDAInitialized bool              `json:"cuda_initialized"`
 	DriverCUDA      int               `json:"driver_cuda_version,omitempty"`
-	PeerAccess      int               `json:"peer_access"` // peer links enabled between the process's contexts
+	PeerAccess      int               `json:"peer_access"`           // peer links enabled between the process's contexts
+	IPC             *IPC              `json:"ipc,omitempty"`         // nil from a shim that predates it
+	Collectives     *Collectives      `json:"collectives,omitempty"` // NCCL launches and the alignment hold (older shims: nil)
 	Devices         []Device          `json:"devices"`
 	Contexts        []Context         `json:"contexts"`
 	Allocations     map[string]any    `json:"allocations"`
@@ -18,6 +20,28 @@ type Status struct {
 	Launches        map[string]uint64 `json:"launches"`
 	Sampling        map[string]uint64 `json:"sampling"`
 	Preempt         *PreemptStatus    `json:"preempt,omitempty"` // protocol 2
+}
+
+// IPC is the GPU memory a process shares with other processes, as its shim counts it (status
+// "ipc"; docs/SHIM-PROTOCOL.md says exactly what is counted): live exports (memory of this
+// process another process may map) and imports (memory of another process this one maps), in
+// total and per mechanism.
+type IPC struct {
+	Exported    int        `json:"exported"`
+	Imported    int        `json:"imported"`
+	IPCMem      ShareCount `json:"ipc_mem"`  // CUDA IPC: cuIpcGetMemHandle, cuIpcOpenMemHandle
+	VMM         ShareCount `json:"vmm"`      // cuMemExportToShareableHandle, cuMemImportFromShareableHandle
+	Pool        ShareCount `json:"pool"`     // cuMemPoolExportToShareableHandle, cuMemPoolImportFromShareableHandle
+	PoolPointer ShareCount `json:"pool_ptr"` // cuMemPoolExportPointer, cuMemPoolImportPointer
+	ExportCalls uint64     `json:"export_calls"`
+	ImportCalls uint64     `json:"import_calls"`
+	Untracked   ShareCount `json:"untracked"` // records the shim could not keep: counted in the totals for good
+}
+
+// ShareCount is one mechanism's live exports and imports.
+type ShareCount struct {
+	Exported int `json:"exported"`
+	Imported int `json:"imported"`
 }
 
 // PreemptStatus is the shim's preemption state (protocol 2).

@@ -89,6 +89,12 @@ typedef struct {
   } allocFlags;
 } CUmemAllocationProp;
 
+// Cross-process sharing (cuda.h): a CUDA IPC memory handle (CU_IPC_HANDLE_SIZE 64 bytes, passed
+// by value), a pool pointer's export data, and the shareable handle type enum.
+typedef struct { char reserved[64]; } CUipcMemHandle;
+typedef struct { unsigned char reserved[64]; } CUmemPoolPtrExportData;
+typedef int CUmemAllocationHandleType;
+
 // Runtime API.
 typedef int cudaError_t;
 #define cudaSuccess 0

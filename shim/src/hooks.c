@@ -280,6 +280,17 @@ void *drv_sym(const char *name) {
   X(cuMemGetAddressRange_v2, "cuMemGetAddressRange", 3020, 0, 0, 0)              \
   X(cuPointerGetAttribute, "cuPointerGetAttribute", 0, 0, 0, 0)                   \
   X(cuIpcGetMemHandle, "cuIpcGetMemHandle", 0, 0, 0, 0)                           \
+  X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle", 0, 11000, 0, 0)                     \
+  X(cuIpcOpenMemHandle_v2, "cuIpcOpenMemHandle", 11000, 0, 0, 0)                  \
+  X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", 0, 0, 0, 0)                       \
+  X(cuMemExportToShareableHandle, "cuMemExportToShareableHandle", 0, 0, 0, 0)     \
+  X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle", 0, 0, 0, 0) \
+  X(cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle", 0, 0, 0, 0)       \
+  X(cuMemPoolExportToShareableHandle, "cuMemPoolExportToShareableHandle", 0, 0, 0, 0) \
+  X(cuMemPoolImportFromShareableHandle, "cuMemPoolImportFromShareableHandle", 0, 0, 0, 0) \
+  X(cuMemPoolExportPointer, "cuMemPoolExportPointer", 0, 0, 0, 0)                 \
+  X(cuMemPoolImportPointer, "cuMemPoolImportPointer", 0, 0, 0, 0)                 \
+  X(cuMemPoolDestroy, "cuMemPoolDestroy", 0, 0, 0, 0)                             \
   X(cuMemCreate, "cuMemCreate", 0, 0, 0, 0)                                       \
   X(cuMemRelease, "cuMemRelease", 0, 0, 0, 0)                                     \
   X(cuMemMap, "cuMemMap", 0, 0, 0, 0)                                             \
@@ -794,7 +805,7 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
     return o;
   }
   CALL_REAL(cuMemFree_v2, p);
-  if (r_ == CUDA_SUCCESS) trk_alloc_remove(p, -1);
+  if (r_ == CUDA_SUCCESS) trk_alloc_remove(p, -1), trk_share_free(p);
   return r_;
 }
 EXPORT CUresult cuMemAllocManaged(CUdeviceptr *p, size_t size, unsigned flags) {
@@ -849,7 +860,10 @@ ALLOC_POOL(cuMemAllocFromPoolAsync_ptsz, 1)
 #define FREE_ASYNC(fn, ptsz)                               \
   EXPORT CUresult fn(CUdeviceptr p, CUstream s) {          \
     GATED(fn, s, ptsz, p, s);                              \
-    if (r_ == CUDA_SUCCESS) trk_alloc_remove(p, AK_ASYNC); \
+    if (r_ == CUDA_SUCCESS) {                              \
+      trk_alloc_remove(p, AK_ASYNC);                       \
+      trk_share_free(p);                                   \
+    }                                                      \
     return r_;                                             \
   }
 FREE_ASYNC(cuMemFreeAsync, 0)
@@ -888,10 +902,85 @@ EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
   CALL_REAL(cuPointerGetAttribute, data, attr, p);
   return r_;
 }
+// ---- cross-process sharing ----
+// Driver 580 cannot restore a process whose GPU memory another process maps, or that maps another
+// process's (cuCheckpointProcessRestore: CUDA_ERROR_NOT_SUPPORTED), so the shim counts exports and
+// imports (status "ipc", track.c) and ptxmig refuses such a checkpoint before touching the process.
+
+// The allocation an IPC handle exports is the one holding p (keyed by its base, which cuMemFree
+// takes); p itself when the driver cannot say.
+static uint64_t alloc_base(CUdeviceptr p) {
+  CUresult (*range)(CUdeviceptr *, size_t *, CUdeviceptr) =
+      (CUresult(*)(CUdeviceptr *, size_t *, CUdeviceptr))drv_sym("cuMemGetAddressRange_v2");
+  CUdeviceptr b = 0;
+  size_t n = 0;
+  if (range && range(&b, &n, p) == CUDA_SUCCESS && b && p - b < n) return b;
+  return p;
+}
 // CUDA IPC cannot export VMM memory the way it exports cuMemAlloc memory: refused plainly.
 EXPORT CUresult cuIpcGetMemHandle(void *handle, CUdeviceptr p) {
   if (vmm_ipc_refuse(p)) return 801;  // CUDA_ERROR_NOT_SUPPORTED
   CALL_REAL(cuIpcGetMemHandle, handle, p);
+  if (r_ == CUDA_SUCCESS) trk_share_export(SK_IPC_MEM, alloc_base(p));
+  return r_;
+}
+// cuda.h maps cuIpcOpenMemHandle to _v2 (same parameters); the plain symbol serves older binaries.
+#define IPC_OPEN(fn)                                                          \
+  EXPORT CUresult fn(CUdeviceptr *p, CUipcMemHandle h, unsigned int flags) { \
+    CALL_REAL(fn, p, h, flags);                                               \
+    if (r_ == CUDA_SUCCESS && p) trk_share_import(SK_IPC_MEM, *p);            \
+    return r_;                                                                \
+  }
+IPC_OPEN(cuIpcOpenMemHandle)
+IPC_OPEN(cuIpcOpenMemHandle_v2)
+EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+  preempt_wait_clean();  // a preempted twin's remainder may still use it
+  CALL_REAL(cuIpcCloseMemHandle, p);
+  if (r_ == CUDA_SUCCESS) trk_share_ipc_close(p);
+  return r_;
+}
+EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, CUmemAllocationHandleType t,
+                                             unsigned long long flags) {
+  CALL_REAL(cuMemExportToShareableHandle, out, h, t, flags);
+  if (r_ == CUDA_SUCCESS) trk_share_export(SK_VMM, h);
+  return r_;
+}
+EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os, CUmemAllocationHandleType t) {
+  CALL_REAL(cuMemImportFromShareableHandle, h, os, t);
+  if (r_ == CUDA_SUCCESS && h) trk_share_import(SK_VMM, *h);
+  return r_;
+}
+// A retained handle needs one more cuMemRelease (NCCL frees with retain, release, unmap, release).
+EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr) {
+  CALL_REAL(cuMemRetainAllocationHandle, h, addr);
+  if (r_ == CUDA_SUCCESS && h) trk_share_retain(*h);
+  return r_;
+}
+EXPORT CUresult cuMemPoolExportToShareableHandle(void *out, CUmemoryPool pool, CUmemAllocationHandleType t,
+                                                 unsigned long long flags) {
+  CALL_REAL(cuMemPoolExportToShareableHandle, out, pool, t, flags);
+  if (r_ == CUDA_SUCCESS) trk_share_export(SK_POOL, (uint64_t)(uintptr_t)pool);
+  return r_;
+}
+EXPORT CUresult cuMemPoolImportFromShareableHandle(CUmemoryPool *pool, void *h, CUmemAllocationHandleType t,
+                                                   unsigned long long flags) {
+  CALL_REAL(cuMemPoolImportFromShareableHandle, pool, h, t, flags);
+  if (r_ == CUDA_SUCCESS && pool) trk_share_import(SK_POOL, (uint64_t)(uintptr_t)*pool);
+  return r_;
+}
+EXPORT CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *out, CUdeviceptr p) {
+  CALL_REAL(cuMemPoolExportPointer, out, p);
+  if (r_ == CUDA_SUCCESS) trk_share_export(SK_POOL_PTR, p);
+  return r_;
+}
+EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *p, CUmemoryPool pool, CUmemPoolPtrExportData *data) {
+  CALL_REAL(cuMemPoolImportPointer, p, pool, data);
+  if (r_ == CUDA_SUCCESS && p) trk_share_import(SK_POOL_PTR, *p);
+  return r_;
+}
+EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
+  CALL_REAL(cuMemPoolDestroy, pool);
+  if (r_ == CUDA_SUCCESS) trk_share_pool_destroy((uint64_t)(uintptr_t)pool);
   return r_;
 }
 
@@ -904,19 +993,19 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const 
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
   preempt_wait_clean();  // a preempted twin's remainder may still use it
   CALL_REAL(cuMemRelease, h);
-  if (r_ == CUDA_SUCCESS) trk_alloc_remove(h, AK_VMM_PHYS);
+  if (r_ == CUDA_SUCCESS) trk_alloc_remove(h, AK_VMM_PHYS), trk_share_release(h);
   return r_;
 }
 EXPORT CUresult cuMemMap(CUdeviceptr p, size_t size, size_t off, CUmemGenericAllocationHandle h,
                          unsigned long long flags) {
   CALL_REAL(cuMemMap, p, size, off, h, flags);
-  if (r_ == CUDA_SUCCESS) trk_alloc_add(p, size, AK_VMM_MAP);
+  if (r_ == CUDA_SUCCESS) trk_alloc_add(p, size, AK_VMM_MAP), trk_share_map(p, size, h);
   return r_;
 }
 EXPORT CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
   preempt_wait_clean();
   CALL_REAL(cuMemUnmap, p, size);
-  if (r_ == CUDA_SUCCESS) trk_vmm_unmap(p, size);
+  if (r_ == CUDA_SUCCESS) trk_vmm_unmap(p, size), trk_share_unmap(p, size);
   return r_;
 }
 

@@ -77,6 +77,18 @@ void trk_alloc_remove(uint64_t key, int kind);
 void trk_vmm_unmap(uint64_t ptr, uint64_t size);
 void trk_peer_access(int delta);  // +1 per peer link enabled, -1 per link disabled
 long trk_peer_links(void);
+// Cross-process GPU memory sharing (status "ipc"; docs/SHIM-PROTOCOL.md says what is counted).
+// Each is called after the driver call succeeded.
+enum share_kind { SK_IPC_MEM, SK_VMM, SK_POOL, SK_POOL_PTR, SK_COUNT };
+void trk_share_export(int kind, uint64_t key);  // key: allocation base, VMM handle, pool or pointer
+void trk_share_import(int kind, uint64_t key);
+void trk_share_ipc_close(uint64_t ptr);         // cuIpcCloseMemHandle
+void trk_share_free(uint64_t ptr);              // cuMemFree/cuMemFreeAsync of ptr
+void trk_share_pool_destroy(uint64_t pool);     // cuMemPoolDestroy
+void trk_share_map(uint64_t ptr, uint64_t size, uint64_t handle);  // cuMemMap
+void trk_share_unmap(uint64_t ptr, uint64_t size);                 // cuMemUnmap
+void trk_share_retain(uint64_t handle);         // cuMemRetainAllocationHandle
+void trk_share_release(uint64_t handle);        // cuMemRelease
 
 void trk_ctx_add(CUcontext ctx, CUdevice dev, int primary);
 void trk_ctx_remove(CUcontext ctx);

@@ -149,6 +149,166 @@ void trk_vmm_unmap(uint64_t ptr, uint64_t size) {
   pthread_mutex_unlock(&alloc_mu);
 }
 
+// ---- cross-process GPU memory sharing (status "ipc") ----
+// Memory of this process that another process may map (exports) and memory of another process
+// this process maps (imports), as far as the calls the shim sees tell (docs/SHIM-PROTOCOL.md,
+// "ipc"). share_mu guards these tables only, for memory work: never held across a driver call.
+static pthread_mutex_t share_mu = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int share_any;     // something was ever exported or imported: frees look it up
+static const char *const share_kind_names[SK_COUNT] = {"ipc_mem", "vmm", "pool", "pool_ptr"};
+// Exports and imports other than VMM handles, by key (allocation base, opened pointer, pool,
+// pool pointer); the value of an opened CUDA IPC pointer counts its opens not yet closed (the
+// driver returns the same pointer again and counts references), the others are 1.
+static pmap sh_exp[SK_COUNT], sh_imp[SK_COUNT];
+// A VMM handle exported or imported: SV_EXPORTED | SV_IMPORTED | holds << 8, where holds counts
+// the references this process has on it (the create or import, retains) not yet released. It
+// stays shared while held or mapped: memory mapped stays alive after its handle is released.
+#define SV_EXPORTED 1ull
+#define SV_IMPORTED 2ull
+static pmap sh_vmm;
+static long sh_vmm_n[2];         // handles in sh_vmm exported, imported
+// Every cuMemMap mapping (of any handle: one may be exported after it was mapped): address ->
+// handle and size; and per handle, its mappings.
+static pmap vm_handle, vm_size, vm_count;
+static int vm_incomplete;        // a mapping went unrecorded: released shared handles stay counted
+static unsigned long sh_calls[2], sh_lost[2];  // successful export/import calls; records lost (no memory)
+
+static void sh_vmm_settle(uint64_t h) {  // share_mu held: forget h once neither held nor mapped
+  uint64_t *v = pm_find(&sh_vmm, h);
+  if (!v || *v >> 8 || vm_incomplete || pm_find(&vm_count, h)) return;
+  if (*v & SV_EXPORTED) sh_vmm_n[0]--;
+  if (*v & SV_IMPORTED) sh_vmm_n[1]--;
+  pm_del(&sh_vmm, h, NULL);
+}
+
+// share_add records one export (dir 0) or import (dir 1); -1 when out of memory.
+static int share_add(int dir, int kind, uint64_t key) {
+  if (kind == SK_VMM) {
+    uint64_t flag = dir ? SV_IMPORTED : SV_EXPORTED;
+    uint64_t *v = pm_find(&sh_vmm, key), old = v ? *v : 0;
+    // an export holds the reference the handle already is; each import returns one more
+    uint64_t holds = (old >> 8) + (dir || !v ? 1 : 0);
+    if (pm_put(&sh_vmm, key, holds << 8 | (old & 3) | flag)) return -1;
+    if (!(old & flag)) sh_vmm_n[dir]++;
+    return 0;
+  }
+  pmap *m = dir ? &sh_imp[kind] : &sh_exp[kind];
+  uint64_t *v = pm_find(m, key);
+  if (v && kind == SK_IPC_MEM && dir) return ++*v, 0;
+  return v ? 0 : pm_put(m, key, 1);
+}
+static void share_note(int dir, int kind, uint64_t key) {
+  if (kind < 0 || kind >= SK_COUNT) return;
+  pthread_mutex_lock(&share_mu);
+  sh_calls[dir]++;
+  int lost = share_add(dir, kind, key) != 0;
+  if (lost) sh_lost[dir]++;  // counted for good: never under-report
+  atomic_store(&share_any, 1);
+  pthread_mutex_unlock(&share_mu);
+  if (lost) LOG_ONCE("sharing table: out of memory; an export or import stays counted for good");
+}
+void trk_share_export(int kind, uint64_t key) { share_note(0, kind, key); }
+void trk_share_import(int kind, uint64_t key) { share_note(1, kind, key); }
+
+void trk_share_ipc_close(uint64_t ptr) {
+  if (!atomic_load(&share_any)) return;
+  pthread_mutex_lock(&share_mu);
+  uint64_t *v = pm_find(&sh_imp[SK_IPC_MEM], ptr);
+  if (v && --*v == 0) pm_del(&sh_imp[SK_IPC_MEM], ptr, NULL);
+  pthread_mutex_unlock(&share_mu);
+}
+// A freed allocation is no longer exported (its IPC export or its pool pointer export), and a
+// freed imported pool pointer no longer imported.
+void trk_share_free(uint64_t ptr) {
+  if (!atomic_load(&share_any)) return;
+  pthread_mutex_lock(&share_mu);
+  pm_del(&sh_exp[SK_IPC_MEM], ptr, NULL);
+  pm_del(&sh_exp[SK_POOL_PTR], ptr, NULL);
+  pm_del(&sh_imp[SK_POOL_PTR], ptr, NULL);
+  pthread_mutex_unlock(&share_mu);
+}
+void trk_share_pool_destroy(uint64_t pool) {
+  if (!atomic_load(&share_any)) return;
+  pthread_mutex_lock(&share_mu);
+  pm_del(&sh_exp[SK_POOL], pool, NULL);
+  pm_del(&sh_imp[SK_POOL], pool, NULL);
+  pthread_mutex_unlock(&share_mu);
+}
+
+static void vm_unmap_one(uint64_t ptr) {  // share_mu held; ptr is a recorded mapping
+  uint64_t h = 0, *c;
+  pm_del(&vm_handle, ptr, &h);
+  pm_del(&vm_size, ptr, NULL);
+  if ((c = pm_find(&vm_count, h)) && --*c == 0) pm_del(&vm_count, h, NULL);
+  sh_vmm_settle(h);
+}
+void trk_share_map(uint64_t ptr, uint64_t size, uint64_t handle) {
+  pthread_mutex_lock(&share_mu);
+  if (pm_find(&vm_size, ptr)) vm_unmap_one(ptr);  // a mapping whose unmap went unseen
+  uint64_t *c = pm_find(&vm_count, handle);
+  int bad = pm_put(&vm_handle, ptr, handle) != 0;
+  if (!bad && pm_put(&vm_size, ptr, size ? size : 1)) bad = 1, pm_del(&vm_handle, ptr, NULL);
+  if (!bad && !c && pm_put(&vm_count, handle, 0)) bad = 1, pm_del(&vm_handle, ptr, NULL), pm_del(&vm_size, ptr, NULL);
+  if (!bad) ++*pm_find(&vm_count, handle);
+  else vm_incomplete = 1;
+  pthread_mutex_unlock(&share_mu);
+  if (bad) LOG_ONCE("mapping table: out of memory; released shared VMM handles stay counted");
+}
+// cuMemUnmap takes whole mappings, one or several adjacent ones: walked from ptr; a range that
+// does not start at a recorded mapping (or has gaps) is searched.
+void trk_share_unmap(uint64_t ptr, uint64_t size) {
+  uint64_t end = ptr + size < ptr ? UINT64_MAX : ptr + size, cur = ptr, *n;
+  pthread_mutex_lock(&share_mu);
+  while (cur < end && (n = pm_find(&vm_size, cur))) {
+    uint64_t next = cur + *n;
+    vm_unmap_one(cur);
+    if (next <= cur) break;
+    cur = next;
+  }
+  for (size_t i = 0; cur < end && i < vm_size.cap && vm_size.n; i++) {
+    uint64_t k = vm_size.keys[i];
+    if (k != PM_EMPTY && k != PM_TOMB && k >= cur && k < end) vm_unmap_one(k);  // marks tombstones only
+  }
+  pthread_mutex_unlock(&share_mu);
+}
+void trk_share_retain(uint64_t handle) {
+  if (!atomic_load(&share_any)) return;
+  pthread_mutex_lock(&share_mu);
+  uint64_t *v = pm_find(&sh_vmm, handle);
+  if (v) *v += 1ull << 8;
+  pthread_mutex_unlock(&share_mu);
+}
+void trk_share_release(uint64_t handle) {
+  if (!atomic_load(&share_any)) return;
+  pthread_mutex_lock(&share_mu);
+  uint64_t *v = pm_find(&sh_vmm, handle);
+  if (v && *v >> 8) *v -= 1ull << 8;
+  sh_vmm_settle(handle);
+  pthread_mutex_unlock(&share_mu);
+}
+
+static void share_counts_locked(long exp[SK_COUNT], long imp[SK_COUNT]) {
+  for (int k = 0; k < SK_COUNT; k++) {
+    exp[k] = k == SK_VMM ? sh_vmm_n[0] : (long)sh_exp[k].n;
+    imp[k] = k == SK_VMM ? sh_vmm_n[1] : (long)sh_imp[k].n;
+  }
+}
+static void report_share(jbuf *b) {
+  long exp[SK_COUNT], imp[SK_COUNT], te = 0, ti = 0;
+  unsigned long calls[2], lost[2];
+  pthread_mutex_lock(&share_mu);
+  share_counts_locked(exp, imp);
+  memcpy(calls, sh_calls, sizeof calls);
+  memcpy(lost, sh_lost, sizeof lost);
+  pthread_mutex_unlock(&share_mu);
+  for (int k = 0; k < SK_COUNT; k++) te += exp[k], ti += imp[k];
+  jb_printf(b, "{\"exported\":%ld,\"imported\":%ld", te + (long)lost[0], ti + (long)lost[1]);
+  for (int k = 0; k < SK_COUNT; k++)
+    jb_printf(b, ",\"%s\":{\"exported\":%ld,\"imported\":%ld}", share_kind_names[k], exp[k], imp[k]);
+  jb_printf(b, ",\"export_calls\":%lu,\"import_calls\":%lu,\"untracked\":{\"exported\":%lu,\"imported\":%lu}}",
+            calls[0], calls[1], lost[0], lost[1]);
+}
+
 // ---- contexts ----
 #define MAX_CTX 256
 static pthread_mutex_t ctx_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -835,8 +995,10 @@ static void fork_prepare(void) {
   pthread_mutex_lock(&alloc_mu);
   pthread_mutex_lock(&mod_mu);
   pthread_mutex_lock(&k_mu);
+  pthread_mutex_lock(&share_mu);
 }
 static void fork_parent(void) {
+  pthread_mutex_unlock(&share_mu);
   pthread_mutex_unlock(&k_mu);
   pthread_mutex_unlock(&mod_mu);
   pthread_mutex_unlock(&alloc_mu);
@@ -1132,6 +1294,8 @@ void report_status(jbuf *b) {
   CUresult (*ver)(int *) = (CUresult(*)(int *))drv_sym("cuDriverGetVersion");
   if (ver && ver(&dv) == CUDA_SUCCESS) jb_printf(b, ",\"driver_cuda_version\":%d", dv);
   jb_printf(b, ",\"peer_access\":%ld", atomic_load(&peer_links));
+  jb_key(b, "ipc");
+  report_share(b);
   jb_key(b, "devices");
   report_devices(b);
   jb_key(b, "contexts");

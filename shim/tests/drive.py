@@ -48,7 +48,20 @@ def fake_counts(lines):
     return {}
 
 
-def common_checks(name, sockdir, app, expect_kernels, expect_alloc, expect_sources, expect_peer=0):
+SHARE_KINDS = ("ipc_mem", "vmm", "pool", "pool_ptr")
+
+
+def share_counts(exported, imported, kinds, calls=(0, 0)):
+    """The status "ipc" object: live totals, per kind (exported, imported), successful calls."""
+    d = {"exported": exported, "imported": imported, "export_calls": calls[0], "import_calls": calls[1],
+         "untracked": {"exported": 0, "imported": 0}}
+    for k in SHARE_KINDS:
+        e, i = kinds.get(k, (0, 0))
+        d[k] = {"exported": e, "imported": i}
+    return d
+
+
+def common_checks(name, sockdir, app, expect_kernels, expect_alloc, expect_sources, expect_peer=0, expect_ipc=None):
     path = os.path.join(sockdir, f"{app.p.pid}.sock")
     check(os.path.exists(path), f"{name}: no control socket at {path}")
     if not os.path.exists(path):
@@ -69,6 +82,8 @@ def common_checks(name, sockdir, app, expect_kernels, expect_alloc, expect_sourc
         if m["loaded"]:
             check(m.get("sha256") and m["bytes"] > 0, f"{name}: module not captured: {m}")
     check(r.get("peer_access") == expect_peer, f"{name}: peer_access {r.get('peer_access')}, want {expect_peer}")
+    want_ipc = expect_ipc or share_counts(0, 0, {})
+    check(r.get("ipc") == want_ipc, f"{name}: ipc {r.get('ipc')}, want {want_ipc}")
     check(r["interception"]["unmatched"] == 0, f"{name}: unmatched resolver pointers {r['interception']}")
     k = c.req(cmd="kernels")
     check(k["ok"], f"{name}: kernels: {k}")
@@ -145,7 +160,8 @@ def dump_checks(name, c, tmp, want_ptx_entry, need_ptxas):
 
 
 def run_app(opts, name, env_extra, expect_kernels, expect_alloc, expect_sources, fake_expect, want_ptx_entry=None,
-            need_ptxas=False, expect_peer=0):
+            need_ptxas=False, expect_peer=0, expect_ipc=None, after=None):
+    """after(c, app), when given, runs once the checks are done, while the app still waits."""
     tmp = harness.scratch(f"ptxmig-shim-{name}-")
     sockdir = os.path.join(tmp, "sock")
     exe = os.path.join(opts.build, name)
@@ -161,11 +177,13 @@ def run_app(opts, name, env_extra, expect_kernels, expect_alloc, expect_sources,
     counts = fake_counts(app.lines)
     for k, v in fake_expect.items():
         check(counts.get(k) == str(v), f"{name}: fake driver saw {k}={counts.get(k)}, want {v}")
-    res = common_checks(name, sockdir, app, expect_kernels, expect_alloc, expect_sources, expect_peer)
+    res = common_checks(name, sockdir, app, expect_kernels, expect_alloc, expect_sources, expect_peer, expect_ipc)
     if res:
         c, status, kernels = res
         protocol_checks(name, c)
         dump_checks(name, c, tmp, want_ptx_entry, need_ptxas)
+        if after:
+            after(c, app)
         c.s.close()
     rc, rest, err = app.finish()
     check(rc == rc0 == 0, f"{name}: exit {rc} (without shim {rc0}); stderr: {err[-2000:]}")
@@ -198,6 +216,27 @@ def main():
                     want["clock_ns"] = 0
                 check(all(st[k] == v for k, v in want.items()) and (st["ns"] > 0) == bool(self_time),
                       f"app_direct PTXMIG_SELF_TIME={self_time!r}: self_time {st}")
+    # Memory shared with other processes (CUDA IPC, VMM shareable handles, pools; ptxmig refuses to
+    # checkpoint such a process): the live exports and imports in status, then none once undone.
+    with case("app_direct[APP_SHARE=1]"):
+        calls = (9, 9)  # exports: 3 IPC, 3 VMM, 1 pool, 2 pool pointers; imports: 4 IPC opens, 2 VMM, 2 pools, 1 pointer
+        live = share_counts(5, 3, {"ipc_mem": (1, 1), "vmm": (2, 1), "pool": (1, 1), "pool_ptr": (1, 0)}, calls)
+
+        def undo(c, app):
+            app.p.stdin.write("cleanup\n")
+            app.p.stdin.flush()
+            line = app.p.stdout.readline().rstrip("\n")
+            check(line == "clean", f"app_direct sharing: cleanup answered {line!r}")
+            s = c.req(cmd="status")
+            want = share_counts(0, 0, {}, calls)
+            check(s["ok"] and s["result"].get("ipc") == want, f"app_direct sharing undone: ipc {s.get('result', {}).get('ipc')}, want {want}")
+
+        run_app(opts, "app_direct", {"APP_SHARE": "1"},
+                {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
+                {"device": 2 << 20, "async": 4096, "vmm_mapped": 3 * (2 << 20)}, ["cuModuleLoadData"],
+                {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3, "cuIpcOpenMemHandle_v2": 3, "cuIpcOpenMemHandle": 1,
+                 "cuMemExportToShareableHandle": 3, "cuMemImportFromShareableHandle": 2},
+                expect_peer=1, expect_ipc=live, after=undo)
     # Every launch sampled: the shim reuses idle events instead of creating two per sampled launch.
     with case("app_direct[PTXMIG_SAMPLE_FIRST=100]"):
         res = run_app(opts, "app_direct", {"PTXMIG_SAMPLE_FIRST": "100", "FAKE_CUDA_EVENT_STATS": "1"},

@@ -2,6 +2,7 @@
 // (versioned and _ptsz variants) and resolver behaviour as the real driver, plus counters
 // (fake_calls) so tests can check that every call the app made reached the "driver" through the
 // variant the app asked for.
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -9,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -33,7 +35,10 @@ enum {
   X(cuMemAllocAsync_ptsz) X(cuCtxCreate_v4) X(cuCtxCreate_v2) X(cuEventCreate) X(cuEventDestroy_v2)        \
   X(twin_launches) X(twin_stops) X(memset32_async) X(mid_stops) X(mid_resumes) X(mid_forwards) X(mid_bad)      \
   X(bad_access) X(ptxmig_chunk_hash) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)      \
-  X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemHostRegister_v2) X(cuMemHostUnregister) X(cuIpcGetMemHandle)
+  X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemHostRegister_v2) X(cuMemHostUnregister) X(cuIpcGetMemHandle)   \
+  X(cuIpcOpenMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle) X(cuMemExportToShareableHandle)              \
+  X(cuMemImportFromShareableHandle) X(cuMemRetainAllocationHandle) X(cuMemPoolExportToShareableHandle)               \
+  X(cuMemPoolImportFromShareableHandle) X(cuMemPoolExportPointer) X(cuMemPoolImportPointer) X(cuMemPoolDestroy)
 #define E(n) C_##n,
   CALLS(E)
 #undef E
@@ -289,11 +294,9 @@ static long dalloc_find(uint64_t p, int exact) {
     if (exact ? dallocs[i].base == p : p - dallocs[i].base < (dallocs[i].size ? dallocs[i].size : 1)) return (long)i;
   return -1;
 }
-EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
-  COUNT(cuMemAlloc_v2);
-  if (!current) return 201;
-  if (!p) return E_INVALID_VALUE;
-  if (sticky_err()) return sticky_err();
+// dalloc_new: a new allocation of n bytes in the current context (what cuMemAlloc_v2 and an
+// imported pool pointer get; cuMemFree frees both).
+static CUresult dalloc_new(CUdeviceptr *p, size_t n) {
   void *m = malloc(n ? n : 1);
   if (!m) return E_OUT_OF_MEMORY;
   pthread_mutex_lock(&dalloc_mu);
@@ -311,6 +314,13 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
   pthread_mutex_unlock(&dalloc_mu);
   *p = (CUdeviceptr)(uintptr_t)m;
   return OK;
+}
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
+  COUNT(cuMemAlloc_v2);
+  if (!current) return 201;
+  if (!p) return E_INVALID_VALUE;
+  if (sticky_err()) return sticky_err();
+  return dalloc_new(p, n);
 }
 // Rows padded to 512 bytes (the texture pitch alignment of current GPUs); one allocation of pitch * h.
 EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned elem) {
@@ -355,7 +365,7 @@ EXPORT CUresult cuMemFreeHost(void *p) { free(p); return OK; }
 #define GRAN ((size_t)2 << 20)
 typedef struct { int type, handle_types; struct { int type, id; } loc; } mem_prop;  // CUmemAllocationProp's head
 typedef struct { struct { int type, id; } loc; int flags; } mem_access;            // CUmemAccessDesc
-typedef struct phys { unsigned long long h; int fd; size_t size; int released, maps; } phys;
+typedef struct phys { unsigned long long h; int fd; size_t size; int released, maps, holds; } phys;  // holds: create/import + retains
 typedef struct vrange { uint64_t base; size_t size; phys *p; int prot; } vrange;  // a reservation or a mapping
 static pthread_rwlock_t vmm_lock = PTHREAD_RWLOCK_INITIALIZER;
 static vrange *resv, *maps;  // each sorted by base, disjoint
@@ -532,6 +542,7 @@ EXPORT CUresult cuMemCreate(unsigned long long *h, size_t n, const void *prop, u
     if (p->fd >= 0 && ftruncate(p->fd, (off_t)n) == 0) {
       p->h = next_handle++;
       p->size = n;
+      p->holds = 1;
       physs[nphys++] = p;
       phys_bytes += n;
       *h = p->h;
@@ -548,7 +559,7 @@ EXPORT CUresult cuMemRelease(unsigned long long h) {
   COUNT(cuMemRelease);
   pthread_rwlock_wrlock(&vmm_lock);
   long i = phys_find(h);
-  if (i >= 0) {
+  if (i >= 0 && --physs[i]->holds == 0) {
     physs[i]->released = 1;
     phys_drop(physs[i]);
   }
@@ -738,6 +749,159 @@ EXPORT CUresult cuIpcGetMemHandle(void *handle, CUdeviceptr p) {
   uint64_t h[8] = {0x1bcfa4e0ULL, b, n, (uint64_t)getpid()};
   memcpy(handle, h, 64);
   return OK;
+}
+// Opening a handle maps the exported allocation at a pointer of its own (host memory here), the
+// same pointer again for the same handle with a reference count, as the driver does. Unlike the
+// driver, the fake also opens handles its own process exported (one process can test both sides).
+typedef struct { char reserved[64]; } ipc_handle;
+typedef struct { uint64_t base, pid; CUdeviceptr p; long refs; } ipc_open;
+static ipc_open ipc_opens[64];
+static pthread_mutex_t ipc_mu = PTHREAD_MUTEX_INITIALIZER;
+static CUresult ipc_open_handle(CUdeviceptr *p, ipc_handle h, unsigned flags) {
+  uint64_t w[8];
+  memcpy(w, h.reserved, sizeof w);
+  if (!p || w[0] != 0x1bcfa4e0ULL || flags > 1) return E_INVALID_VALUE;
+  if (!current) return 201;
+  CUresult r = E_OUT_OF_MEMORY;
+  pthread_mutex_lock(&ipc_mu);
+  int fr = -1;
+  for (int i = 0; i < 64; i++) {
+    if (ipc_opens[i].refs && ipc_opens[i].base == w[1] && ipc_opens[i].pid == w[3]) {
+      ipc_opens[i].refs++, *p = ipc_opens[i].p, r = OK;
+      break;
+    }
+    if (!ipc_opens[i].refs && fr < 0) fr = i;
+  }
+  void *m;
+  if (r != OK && fr >= 0 && (m = calloc(1, w[2] ? w[2] : 1)) != NULL) {
+    ipc_opens[fr] = (ipc_open){w[1], w[3], (CUdeviceptr)(uintptr_t)m, 1};
+    *p = ipc_opens[fr].p, r = OK;
+  }
+  pthread_mutex_unlock(&ipc_mu);
+  return r;
+}
+EXPORT CUresult cuIpcOpenMemHandle(CUdeviceptr *p, ipc_handle h, unsigned flags) { COUNT(cuIpcOpenMemHandle); return ipc_open_handle(p, h, flags); }
+EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, ipc_handle h, unsigned flags) { COUNT(cuIpcOpenMemHandle_v2); return ipc_open_handle(p, h, flags); }
+EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+  COUNT(cuIpcCloseMemHandle);
+  CUresult r = E_INVALID_VALUE;
+  pthread_mutex_lock(&ipc_mu);
+  for (int i = 0; i < 64 && r; i++)
+    if (ipc_opens[i].refs && ipc_opens[i].p == p) {
+      if (--ipc_opens[i].refs == 0) free((void *)(uintptr_t)p);
+      r = OK;
+    }
+  pthread_mutex_unlock(&ipc_mu);
+  return r;
+}
+
+// VMM shareable handles: a POSIX file descriptor (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 1) of
+// the physical allocation's memfd; an import is a new handle on the same memory.
+EXPORT CUresult cuMemExportToShareableHandle(void *out, unsigned long long h, int type, unsigned long long f) {
+  COUNT(cuMemExportToShareableHandle);
+  if (!out || type != 1 || f) return E_INVALID_VALUE;
+  pthread_rwlock_rdlock(&vmm_lock);
+  long i = phys_find(h);
+  int fd = i >= 0 ? dup(physs[i]->fd) : -1;
+  pthread_rwlock_unlock(&vmm_lock);
+  if (i < 0) return E_INVALID_VALUE;
+  if (fd < 0) return E_OUT_OF_MEMORY;
+  *(int *)out = fd;
+  return OK;
+}
+EXPORT CUresult cuMemImportFromShareableHandle(unsigned long long *h, void *os, int type) {
+  COUNT(cuMemImportFromShareableHandle);
+  struct stat st;
+  int fd = (int)(intptr_t)os;
+  if (!h || type != 1 || fstat(fd, &st) || st.st_size <= 0 || (size_t)st.st_size % GRAN) return E_INVALID_VALUE;
+  phys *p = calloc(1, sizeof *p);
+  if (!p || (p->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0)) < 0) {
+    free(p);
+    return E_OUT_OF_MEMORY;
+  }
+  pthread_rwlock_wrlock(&vmm_lock);
+  CUresult r = E_OUT_OF_MEMORY;
+  if (!grow((void **)&physs, &capphys, nphys, sizeof *physs)) {
+    p->h = next_handle++, p->size = (size_t)st.st_size, p->holds = 1;
+    physs[nphys++] = p;
+    phys_bytes += p->size;
+    *h = p->h;
+    r = OK;
+  }
+  pthread_rwlock_unlock(&vmm_lock);
+  if (r) close(p->fd), free(p);
+  return r;
+}
+// The handle of the mapping holding addr, with one more reference (released by cuMemRelease).
+EXPORT CUresult cuMemRetainAllocationHandle(unsigned long long *h, void *addr) {
+  COUNT(cuMemRetainAllocationHandle);
+  if (!h) return E_INVALID_VALUE;
+  pthread_rwlock_wrlock(&vmm_lock);
+  long i = vr_find(maps, nmaps, (uint64_t)(uintptr_t)addr);
+  if (i >= 0) maps[i].p->holds++, maps[i].p->released = 0, *h = maps[i].p->h;  // valid again until released
+  pthread_rwlock_unlock(&vmm_lock);
+  return i >= 0 ? OK : E_INVALID_VALUE;
+}
+
+// Memory pools: handles only (allocations come from cuMemAlloc memory). A pool exports as a memfd
+// descriptor; an exported pointer's data names the allocation; importing it gives a new
+// allocation of that size, which cuMemFree frees.
+typedef struct { int magic, imported; } fpool;
+#define POOL_MAGIC 0x9001
+static int pool_ok(const void *p) { return p && ((const fpool *)p)->magic == POOL_MAGIC; }
+EXPORT CUresult cuMemPoolCreate(void **pool, const void *props) {
+  if (!pool || !props) return E_INVALID_VALUE;
+  fpool *x = calloc(1, sizeof *x);
+  if (!x) return E_OUT_OF_MEMORY;
+  x->magic = POOL_MAGIC;
+  *pool = x;
+  return OK;
+}
+EXPORT CUresult cuMemPoolDestroy(void *pool) {
+  COUNT(cuMemPoolDestroy);
+  if (!pool_ok(pool)) return E_INVALID_VALUE;
+  ((fpool *)pool)->magic = 0;
+  free(pool);
+  return OK;
+}
+EXPORT CUresult cuMemPoolExportToShareableHandle(void *out, void *pool, int type, unsigned long long f) {
+  COUNT(cuMemPoolExportToShareableHandle);
+  if (!out || !pool_ok(pool) || type != 1 || f) return E_INVALID_VALUE;
+  int fd = memfd_create("fake-cuda-pool", MFD_CLOEXEC);
+  if (fd < 0) return E_OUT_OF_MEMORY;
+  *(int *)out = fd;
+  return OK;
+}
+EXPORT CUresult cuMemPoolImportFromShareableHandle(void **pool, void *h, int type, unsigned long long f) {
+  COUNT(cuMemPoolImportFromShareableHandle);
+  struct stat st;
+  if (!pool || type != 1 || f || fstat((int)(intptr_t)h, &st)) return E_INVALID_VALUE;
+  fpool *x = calloc(1, sizeof *x);
+  if (!x) return E_OUT_OF_MEMORY;
+  x->magic = POOL_MAGIC, x->imported = 1;
+  *pool = x;
+  return OK;
+}
+typedef struct { unsigned char reserved[64]; } pool_ptr_data;
+EXPORT CUresult cuMemPoolExportPointer(pool_ptr_data *out, CUdeviceptr p) {
+  COUNT(cuMemPoolExportPointer);
+  if (!out) return E_INVALID_VALUE;
+  pthread_mutex_lock(&dalloc_mu);
+  long i = dalloc_find(p, 1);
+  uint64_t w[8] = {0x9001da7aULL, p, i >= 0 ? dallocs[i].size : 0};
+  pthread_mutex_unlock(&dalloc_mu);
+  if (i < 0) return E_INVALID_VALUE;
+  memcpy(out->reserved, w, sizeof w);
+  return OK;
+}
+EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *p, void *pool, pool_ptr_data *data) {
+  COUNT(cuMemPoolImportPointer);
+  uint64_t w[8];
+  if (!p || !data || !pool_ok(pool) || !((fpool *)pool)->imported) return E_INVALID_VALUE;
+  memcpy(w, data->reserved, sizeof w);
+  if (w[0] != 0x9001da7aULL) return E_INVALID_VALUE;
+  if (!current) return 201;
+  return dalloc_new(p, w[2]);
 }
 
 // ---- streams: each a queue of operations run in order by its own thread ----
@@ -1384,6 +1548,10 @@ static const struct { const char *name; void *fn; } table[] = {
     T(cuCtxDisablePeerAccess) T(cuMemGetAllocationGranularity) T(cuMemAddressReserve) T(cuMemAddressFree)
     T(cuMemSetAccess) T(cuMemHostRegister) T(cuMemHostRegister_v2) T(cuMemHostUnregister) T(cuMemGetAddressRange_v2)
     T(cuPointerGetAttribute) T(cuIpcGetMemHandle) T(cuMemsetD8Async) T(cuMemsetD8_v2) T(cuMemAllocPitch_v2)
+    T(cuIpcOpenMemHandle) T(cuIpcOpenMemHandle_v2) T(cuIpcCloseMemHandle) T(cuMemExportToShareableHandle)
+    T(cuMemImportFromShareableHandle) T(cuMemRetainAllocationHandle) T(cuMemPoolCreate) T(cuMemPoolDestroy)
+    T(cuMemPoolExportToShareableHandle) T(cuMemPoolImportFromShareableHandle) T(cuMemPoolExportPointer)
+    T(cuMemPoolImportPointer)
 #undef T
 };
 // With FAKE_CUDA_INTERNAL_PTRS=1 the resolver hands out internal entry points (distinct addresses
@@ -1425,6 +1593,7 @@ static CUresult resolve(const char *sym, void **pfn, int ver, unsigned long long
   if (strcmp(sym, "cuCtxCreate") == 0) suffix = ver >= 13000 ? "_v4" : "_v2";
   if (strcmp(sym, "cuGetProcAddress") == 0 && ver >= 12000) suffix = "_v2";
   if (strcmp(sym, "cuMemHostRegister") == 0 && ver >= 6050) suffix = "_v2";
+  if (strcmp(sym, "cuIpcOpenMemHandle") == 0 && ver >= 11000) suffix = "_v2";
   if (flags == 2) {  // per-thread default stream: the _ptsz variant where one exists
     snprintf(name, sizeof name, "%s%s_ptsz", sym, suffix);
     p = lookup(name);
