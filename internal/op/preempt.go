@@ -31,7 +31,7 @@ type PreemptReport struct {
 	QuiesceDur time.Duration    `json:"quiesce_ns"`             // round trip of the quiesce request
 	StopWait   time.Duration    `json:"stop_wait_ns,omitempty"` // then, waiting for twins still stopping
 	Resume     *shimctl.Resume  `json:"resume,omitempty"`
-	Align      *AlignReport     `json:"align,omitempty"` // a job's process stopped after a collective first (AlignStep)
+	Align      *AlignReport     `json:"align,omitempty"`        // a job's process stopped after a collective first (AlignStep)
 	Owned      *OwnedMemory     `json:"owned_memory,omitempty"` // device memory the shim owns (--owned-memory)
 }
 
