@@ -31,7 +31,8 @@ type AlignReport struct {
 // a rank already locked, and the lock would time out (measured: a 2-rank DDP job over NCCL
 // sockets). Each process's gate is armed to close right after its collective number N = the
 // highest count + 1: every rank launches collective N, whose kernels then all run to their end,
-// and submits nothing after it. wait bounds how long the ranks may take to get there (0: no bound). Fewer than
+// and submits nothing after it (a rank that raced past N before it was armed makes the alignment
+// start again, further ahead). wait bounds how long the ranks may take to get there (0: no bound). Fewer than
 // two such processes: nothing to do. A failure disarms every process (StepUndid): the job runs
 // on as before. The undo disarms too; the arming connections become the quiesce leases.
 func (p *Preemption) AlignStep(pids []int, wait time.Duration) Step {
@@ -54,7 +55,7 @@ func (p *Preemption) align(ctx context.Context, pids []int, wait time.Duration) 
 	counts := map[int]uint64{}
 	for _, pid := range pids {
 		dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		c, err := dial(dctx, pid)
+		c, err := p.dial(dctx, pid)
 		cancel()
 		if err != nil {
 			continue // no shim: the driver lock decides, as for any process without one
@@ -80,9 +81,10 @@ func (p *Preemption) align(ctx context.Context, pids []int, wait time.Duration) 
 		order = append(order, pid)
 	}
 	for attempt := 1; attempt <= alignAttempts; attempt++ {
+		// The next collective, then further ahead each time a rank raced past it.
 		var at uint64
 		for _, n := range counts {
-			at = max(at, n+1)
+			at = max(at, n+1<<(attempt-1))
 		}
 		// The ranks furthest on are armed first: they are the nearest to passing at.
 		slices.SortFunc(order, func(a, b int) int { return int(counts[b]) - int(counts[a]) })

@@ -46,6 +46,9 @@ type Preemption struct {
 	leases  map[int]*shimctl.Client // open quiesce leases by pid
 	aligned map[int]*shimctl.Client // armed by AlignStep: the quiesce takes the connection over
 	log     func(msg string, args ...any)
+	// dialer reaches a pid's shim (nil: dial, through the socket directory in its environment);
+	// tests serve several fake shims from one process.
+	dialer func(ctx context.Context, pid int) (*shimctl.Client, error)
 }
 
 // NewPreemption prepares the preemption of an operation.
@@ -65,6 +68,14 @@ func (p *Preemption) report(pid int) *PreemptReport {
 	r := &PreemptReport{PID: pid}
 	p.Reports = append(p.Reports, r)
 	return r
+}
+
+// dial reaches pid's shim (see dialer).
+func (p *Preemption) dial(ctx context.Context, pid int) (*shimctl.Client, error) {
+	if p.dialer != nil {
+		return p.dialer(ctx, pid)
+	}
+	return dial(ctx, pid)
 }
 
 // dial reaches pid's shim in the socket directory of pid's own environment.

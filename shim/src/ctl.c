@@ -72,6 +72,7 @@ typedef struct {
   char *buf;
   size_t len, pos;  // pos: past the line being handled
   int discarding, lease, close_after;
+  int armed;  // this connection armed the collective alignment: closing it disarms
   uint64_t last_ns;
 } conn;
 static conn conns[MAX_CONN];
@@ -154,7 +155,7 @@ static void handle_mem(conn *c, const char *cmd, const char *dir, const char *ch
 
 // handle_line answers one request.
 static void handle_line(conn *c, const char *line, size_t n) {
-  static const char *const keys[] = {"cmd", "dir", "#budget_ms", "#chunk_bytes", "#slots", "#hash", "skip"};
+  static const char *const keys[] = {"cmd", "dir", "#budget_ms", "#chunk_bytes", "#slots", "#hash", "skip", "#at"};
   enum { NKEYS = sizeof keys / sizeof keys[0] };
   char *vals[NKEYS];
   char err[256];
@@ -186,9 +187,24 @@ static void handle_line(conn *c, const char *line, size_t n) {
     } else {
       if (preempt_quiesce(&b, (unsigned)budget)) {
         c->lease = 1;  // this connection holds the quiesce: closing it resumes
+        c->armed = 0;  // (and the resume ends the alignment)
         shim_log("quiesced (lease on this connection)");
       }
       send_ok(c, cmd, &b);
+    }
+  } else if (strcmp(cmd, "align") == 0) {
+    unsigned long long at = parse_u64(vals[7], ~0ull);
+    if (at == ~0ull) {
+      reply_error(fd, "align: \"at\" must be a collective count (0 disarms)");
+    } else {
+      int r = preempt_align(&b, at, err, sizeof err);
+      if (r < 0) {
+        reply_error(fd, err);
+      } else {
+        if (r > 0) c->armed = 1;
+        if (at == 0) c->armed = 0;
+        send_ok(c, cmd, &b);
+      }
     }
   } else if (strncmp(cmd, "mem-", 4) == 0) {
     handle_mem(c, cmd, vals[1], vals[3], vals[4], vals[5], vals[6]);
@@ -213,7 +229,7 @@ static void handle_line(conn *c, const char *line, size_t n) {
       send_ok(c, cmd, &b);
     }
   } else {
-    reply_error(fd, "unknown cmd (want status, kernels, dump-modules, quiesce, detach, resume or mem-*)");
+    reply_error(fd, "unknown cmd (want status, kernels, dump-modules, align, quiesce, detach, resume or mem-*)");
   }
   free(b.p);
   for (int i = 0; i < NKEYS; i++) free(vals[i]);
@@ -225,6 +241,13 @@ static void conn_close(conn *c) {
   c->fd = -1;
   free(c->buf);
   c->buf = NULL;
+  if (c->armed) {  // the aligning ptxmig went away before quiescing: let the process run on
+    c->armed = 0;
+    jbuf b = {0};
+    char err[64];
+    if (preempt_align(&b, 0, err, sizeof err) >= 0) shim_log("align connection closed: disarmed");
+    free(b.p);
+  }
   if (c->lease) {
     c->lease = 0;
     vmm_conn_closed();

@@ -1531,11 +1531,78 @@ static int cmp_seq(const void *a, const void *b) {
   return (x->seq > y->seq) - (x->seq < y->seq);
 }
 
+// ---- collective alignment ----
+// A job's ranks locked one by one as they run can deadlock: a rank's collective kernel waits for
+// its peers' kernels of the same collective, and one peer is already locked. ptxmig asks every
+// rank for its count of collective launches, then arms each to close its gate right after launch
+// number `at` (the highest count + 1): every rank launches that collective, whose kernels then
+// all end, and submits nothing after it. The count and the hold are process-wide.
+static atomic_ullong coll_count, coll_at;  // launches seen; armed at (0: not armed)
+static atomic_int coll_held;               // the gate is closed by the alignment
+
+void preempt_collective_launched(void) {
+  unsigned long long n = atomic_fetch_add(&coll_count, 1) + 1, at = atomic_load(&coll_at);
+  if (!at || n != at) return;
+  pthread_mutex_lock(&pre_mu);
+  // Re-read under the lock: an "align" that found this launch's count past `at` disarmed.
+  if (atomic_load(&coll_at) == at && pstate == P_RUNNING) {
+    atomic_store(&coll_held, 1);
+    atomic_store(&gate_closed, 1);  // this thread's next submission waits here, with every other's
+  }
+  pthread_mutex_unlock(&pre_mu);
+}
+
+// align_release_locked disarms and reopens a gate the alignment closed (pre_mu held).
+static void align_release_locked(void) {
+  atomic_store(&coll_at, 0);
+  if (atomic_exchange(&coll_held, 0) && pstate == P_RUNNING) {
+    atomic_store(&gate_closed, 0);
+    pthread_cond_broadcast(&pre_cv);
+  }
+}
+
+int preempt_align(jbuf *b, unsigned long long at, char *err, size_t errlen) {
+  pthread_mutex_lock(&pre_mu);
+  const char *state;
+  int armed = 0;
+  if (at == 0) {
+    align_release_locked();
+    state = "running";
+  } else if (pstate != P_RUNNING) {
+    pthread_mutex_unlock(&pre_mu);
+    snprintf(err, errlen, "align: not running (%s)", pstate_names[pstate]);
+    return -1;
+  } else if (atomic_load(&coll_held)) {
+    state = atomic_load(&coll_at) == at ? "held" : "passed";  // held after another collective
+  } else {
+    // Armed first, then the count read: a launch that reaches `at` in between holds (and waits
+    // for this lock), one that passed it before is seen here and the arming is undone.
+    atomic_store(&coll_at, at);
+    if (atomic_load(&coll_count) >= at) {
+      atomic_store(&coll_at, 0);
+      state = "passed";
+    } else {
+      state = "armed";
+      armed = 1;
+    }
+  }
+  unsigned long long n = atomic_load(&coll_count);
+  pthread_mutex_unlock(&pre_mu);
+  jb_printf(b, "{\"state\":\"%s\",\"collectives\":%llu,\"at\":%llu}", state, n, at);
+  return armed;
+}
+
+void preempt_collectives_report(jbuf *b) {
+  jb_printf(b, "{\"count\":%llu,\"hold_at\":%llu,\"held\":%s}", (unsigned long long)atomic_load(&coll_count),
+            (unsigned long long)atomic_load(&coll_at), atomic_load(&coll_held) ? "true" : "false");
+}
+
 void preempt_resume(jbuf *b) {
   uint64_t t0 = shim_now_ns();
   d_ready();
   pthread_mutex_lock(&pre_mu);
   int was = pstate;
+  align_release_locked();  // a resume ends any alignment (held or armed)
   if (was == P_RUNNING) {
     pthread_mutex_unlock(&pre_mu);
     jb_s(b, "{\"state\":\"running\",\"was\":\"running\",\"relaunched\":0,\"errors\":[],\"elapsed_us\":0}");
@@ -1729,6 +1796,9 @@ void preempt_atfork_child(void) {
   pthread_cond_init(&raiser_cv, NULL);
   raiser_started = raiser_busy = nstopping = 0;  // the parent's raiser thread is not in the child
   atomic_store(&gate_closed, 0);
+  atomic_store(&coll_count, 0);  // a child's collectives are its own
+  atomic_store(&coll_at, 0);
+  atomic_store(&coll_held, 0);
   for (int i = 0; i < SHARDS; i++) atomic_store(&inflight[i].n, 0);
   pstate = P_RUNNING;
   live = NULL;  // the parent's records are leaked, never touched

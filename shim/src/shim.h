@@ -140,6 +140,7 @@ int trk_instrumented_modules(void);
 typedef struct krec {
   void *fn;
   char *_Atomic name;
+  atomic_int coll;  // a collective kernel (NCCL's): 0 not known yet, 1 yes, 2 no
   atomic_int module_id;
   int is_graph;
   atomic_ulong seen, launches, failed, cooperative;
@@ -231,6 +232,11 @@ int preempt_quiesce(struct jbuf *b, unsigned budget_ms);  // 1: this call quiesc
 int preempt_detach(struct jbuf *b);
 void preempt_resume(struct jbuf *b);
 int preempt_state(void);  // 0 running, 1 quiesced, 2 detached
+// Collective alignment (preempt.c): every launch of a collective kernel counts; "align" arms the
+// gate to close right after launch number `at` (0 disarms and reopens a gate it closed).
+void preempt_collective_launched(void);
+int preempt_align(struct jbuf *b, unsigned long long at, char *err, size_t errlen);  // 1: armed
+void preempt_collectives_report(struct jbuf *b);
 void preempt_report_status(struct jbuf *b);
 void preempt_atfork_child(void);
 void preempt_drop_ctx(CUcontext ctx);

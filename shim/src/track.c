@@ -1110,6 +1110,18 @@ static void count_shape(krec *r, const unsigned d[6]) {
 }
 
 static void launch_post_track(launch_tok *t, CUresult r);
+
+// krec_collective says whether k is a collective kernel: NCCL's (ncclDevKernel_* since NCCL 2.19,
+// ncclKernel_* before), decided once its name is known and remembered in the record.
+static int krec_collective(krec *k) {
+  int c = atomic_load_explicit(&k->coll, memory_order_relaxed);
+  if (c) return c == 1;
+  const char *n = atomic_load(&k->name);
+  if (!n) return 0;
+  c = strncmp(n, "ncclDevKernel", 13) == 0 || strncmp(n, "ncclKernel", 10) == 0 ? 1 : 2;
+  atomic_store_explicit(&k->coll, c, memory_order_relaxed);
+  return c == 1;
+}
 void launch_post(launch_tok *t, CUresult r) {
   uint64_t t0 = self_clock();
   launch_post_track(t, r);
@@ -1127,6 +1139,7 @@ static void launch_post_track(launch_tok *t, CUresult r) {
     atomic_fetch_add(&k->launches, 1);
     atomic_fetch_add(&total_launches, 1);
     count_shape(k, t->dims);
+    if (krec_collective(k)) preempt_collective_launched();
   } else {
     atomic_fetch_add(&k->failed, 1);
   }
@@ -1339,6 +1352,8 @@ void report_status(jbuf *b) {
   jb_printf(b, ",\"launches\":{\"kernels\":%lu,\"distinct_kernels\":%zu,\"graph_execs\":%zu}",
             atomic_load(&total_launches), nk, ng);
   jb_printf(b, ",\"sampling\":{\"first\":%u,\"every\":%u}", cfg.sample_first, cfg.sample_every);
+  jb_key(b, "collectives");
+  preempt_collectives_report(b);
   jb_key(b, "preempt");
   preempt_report_status(b);
   jb_key(b, "owned_memory");

@@ -3,7 +3,7 @@
 preloaded, waits for it to report "ready", then talks to its control socket like ptxmig does.
 Each case ends as PASS, SKIP or FAIL, appended to $SHIM_RESULTS (tests/results.sh) when set; a
 skipped check counts as a skip of its own. PTXMIG_REQUIRE: a skip for a listed requirement fails."""
-import argparse, hashlib, json, os, re, shutil, socket, stat, subprocess, sys
+import argparse, hashlib, json, os, re, select, shutil, socket, stat, subprocess, sys, time
 
 import harness
 from harness import Conn, case, check, failures, required, result, skip
@@ -237,6 +237,66 @@ def main():
                 {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3, "cuIpcOpenMemHandle_v2": 3, "cuIpcOpenMemHandle": 1,
                  "cuMemExportToShareableHandle": 3, "cuMemImportFromShareableHandle": 2},
                 expect_peer=1, expect_ipc=live, after=undo)
+    # Collective alignment (a job's ranks stop right after the same collective before ptxmig locks
+    # them): the count of NCCL-named launches, "passed", a hold right after launch `at` with the
+    # next launch blocked, release by align 0, by closing the arming connection, and by resume.
+    with case("app_direct[APP_COLL=1]"):
+        def coll(c, app):
+            path = c.s.getpeername()
+
+            def send(n):
+                app.p.stdin.write(f"coll {n}\n")
+                app.p.stdin.flush()
+
+            def line(timeout):
+                r, _, _ = select.select([app.p.stdout], [], [], timeout)
+                return app.p.stdout.readline().rstrip("\n") if r else None
+
+            def st():
+                return c.req(cmd="status")["result"].get("collectives")
+
+            def wait(pred, what):
+                for _ in range(500):
+                    if pred(st()):
+                        return True
+                    time.sleep(0.01)
+                return check(False, f"app_direct collectives: {what}: {st()}")
+
+            check(st() == {"count": 0, "hold_at": 0, "held": False}, f"app_direct collectives at start: {st()}")
+            send(3)
+            check(line(10) == "coll done" and st()["count"] == 3, f"app_direct collectives: 3 launches: {st()}")
+            a = Conn(path)
+            r = a.req(cmd="align", at=2)
+            check(r["ok"] and r["result"] == {"state": "passed", "collectives": 3, "at": 2}, f"align past the count: {r}")
+            r = a.req(cmd="align", at=5)
+            check(r["ok"] and r["result"] == {"state": "armed", "collectives": 3, "at": 5}, f"align at 5: {r}")
+            send(4)  # launches 4 and 5 go; the gate closes after 5; the 6th waits
+            wait(lambda x: x == {"count": 5, "hold_at": 5, "held": True}, "not held right after launch 5")
+            check(line(0.3) is None, "app_direct collectives: a launch went past the alignment's gate")
+            r = a.req(cmd="align", at=5)
+            check(r["ok"] and r["result"]["state"] == "held", f"align again while held: {r}")
+            r = a.req(cmd="align", at=0)
+            check(r["ok"] and r["result"]["state"] == "running", f"align 0: {r}")
+            check(line(10) == "coll done", "app_direct collectives: the held launch did not go on after align 0")
+            check(st() == {"count": 7, "hold_at": 0, "held": False}, f"after the release: {st()}")
+            a.req(cmd="align", at=9)
+            a.close()  # the arming is the connection's lease
+            wait(lambda x: x["hold_at"] == 0, "closing the arming connection did not disarm")
+            send(3)
+            check(line(10) == "coll done" and st() == {"count": 10, "hold_at": 0, "held": False}, f"after the lease: {st()}")
+            b = Conn(path)
+            b.req(cmd="align", at=12)
+            send(3)
+            wait(lambda x: x["held"] and x["count"] == 12, "not held at 12")
+            r = b.req(cmd="resume")
+            check(r["ok"] and line(10) == "coll done" and st() == {"count": 13, "hold_at": 0, "held": False},
+                  f"resume ends the alignment: {r} {st()}")
+            b.close()
+
+        run_app(opts, "app_direct", {"APP_COLL": "1"},
+                {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
+                {"device": 1 << 20}, ["cuModuleLoadData", "cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3},
+                expect_peer=1, after=coll)
     # Every launch sampled: the shim reuses idle events instead of creating two per sampled launch.
     with case("app_direct[PTXMIG_SAMPLE_FIRST=100]"):
         res = run_app(opts, "app_direct", {"PTXMIG_SAMPLE_FIRST": "100", "FAKE_CUDA_EVENT_STATS": "1"},

@@ -16,6 +16,21 @@ import (
 // closed, like the shim after "detach".
 func Serve(t testing.TB, path string, replies map[string]string) {
 	t.Helper()
+	ServeFunc(t, path, func(line string) string {
+		var reply string
+		for k, v := range replies {
+			if strings.Contains(line, `"cmd":"`+k+`"`) {
+				reply = v
+			}
+		}
+		return reply
+	})
+}
+
+// ServeFunc is Serve with the reply to each request line computed by answer ("" closes the
+// connection), for a fake whose answers depend on what it was asked before.
+func ServeFunc(t testing.TB, path string, answer func(line string) string) {
+	t.Helper()
 	l, err := net.Listen("unix", path)
 	if err != nil {
 		t.Fatal(err)
@@ -31,13 +46,7 @@ func Serve(t testing.TB, path string, replies map[string]string) {
 				defer c.Close()
 				sc := bufio.NewScanner(c)
 				for sc.Scan() {
-					line := sc.Text()
-					var reply string
-					for k, v := range replies {
-						if strings.Contains(line, `"cmd":"`+k+`"`) {
-							reply = v
-						}
-					}
+					reply := answer(sc.Text())
 					if reply == "" {
 						return
 					}

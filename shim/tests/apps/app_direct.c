@@ -153,6 +153,31 @@ static void share_cleanup(void) {
   CK(cuMemPoolDestroy(pool));
 }
 
+// With APP_COLL=1, after the rest, a module with a kernel named like NCCL's collectives; on each
+// stdin line "coll N" the app launches it N times and answers "coll done" (a launch held by the
+// collective alignment blocks until the gate opens); end of input ends it.
+static const char coll_ptx[] =
+    ".version 7.0\n.target sm_70\n.address_size 64\n"
+    ".visible .entry ncclDevKernel_AllReduce_Sum_f32_RING_LL()\n{\n\tret;\n}\n";
+
+static int coll_loop(void) {
+  void *cmod, *cfn;
+  CK(cuModuleLoadData(&cmod, coll_ptx));
+  CK(cuModuleGetFunction(&cfn, cmod, "ncclDevKernel_AllReduce_Sum_f32_RING_LL"));
+  printf("ready\n");
+  fflush(stdout);
+  char line[64];
+  int n;
+  while (fgets(line, sizeof line, stdin)) {
+    if (sscanf(line, "coll %d", &n) != 1 || n < 0 || n > 1000) return 7;
+    for (int i = 0; i < n; i++) CK(cuLaunchKernel(cfn, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL));
+    printf("coll done\n");
+    fflush(stdout);
+  }
+  CK(cuModuleUnload(cmod));
+  return 0;
+}
+
 int main(void) {
   void *ctx, *mod, *fn;
   unsigned long long d;
@@ -188,7 +213,11 @@ int main(void) {
            fake_calls("cuMemExportToShareableHandle"), fake_calls("cuMemImportFromShareableHandle"),
            fake_calls("cuMemRetainAllocationHandle"), fake_calls("cuMemPoolImportPointer"));
   printf("\n");
-  if (share) {
+  const char *co = getenv("APP_COLL");
+  if (co && co[0] == '1') {
+    int rc = coll_loop();
+    if (rc) return rc;
+  } else if (share) {
     printf("ready\n");
     fflush(stdout);
     char line[64];
