@@ -6,6 +6,7 @@
 package checkpoint
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -174,6 +175,9 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 		}
 	}
 	stats = kept
+	if err := refuseIOURing(stats); err != nil {
+		return nil, err
+	}
 	if err := op.RefuseUnrestorable(context.Background(), p.CUDAPIDs); err != nil {
 		return nil, err
 	}
@@ -538,4 +542,23 @@ func timeoutText(d time.Duration) string {
 		return "no limit"
 	}
 	return d.String()
+}
+
+// refuseIOURing refuses a tree in which a process has an io_uring instance mapped: CRIU (4.2.1)
+// cannot dump one ("Unknown shit 600 (anon_inode:[io_uring])"), and on 2x H200 (2026-11-28) a
+// 2-rank PyTorch DDP job whose dump failed there stopped making progress after the rollback. The
+// maps are read before anything is touched.
+func refuseIOURing(tree []proc.Stat) error {
+	for _, s := range tree {
+		b, err := proc.ReadFile("", s.PID, "maps", 64<<20)
+		if err != nil {
+			continue // gone, or unreadable: CRIU will say
+		}
+		if bytes.Contains(b, []byte("anon_inode:[io_uring]")) {
+			return op.Refusef("pid %d (%s) has an io_uring instance, which CRIU cannot checkpoint; nothing was touched. "+
+				"Start the job without io_uring (libuv, used by PyTorch's TCPStore: UV_USE_IO_URING=0; or the program's own "+
+				"switch)", s.PID, s.Comm)
+		}
+	}
+	return nil
 }

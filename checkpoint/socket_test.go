@@ -2,6 +2,7 @@ package checkpoint_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -10,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -204,4 +206,68 @@ func TestEstablishedConnection(t *testing.T) {
 		t.Fatalf("the restored tree lost a process: server alive %v, children %v", proc.Alive(pid), proc.Children(pid))
 	}
 	t.Logf("network lock %s; count %d at the checkpoint, carried on after the restore", m.Meta.Extra[op.ExtraNetworkLock], at)
+}
+
+// ioURingProgram maps an io_uring instance's submission ring, says "ready" and waits.
+const ioURingProgram = `#include <linux/io_uring.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+  struct io_uring_params p = {0};
+  int fd = (int)syscall(__NR_io_uring_setup, 4, &p);
+  if (fd < 0) return 2;
+  void *m = mmap(0, p.sq_off.array + p.sq_entries * 4, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, IORING_OFF_SQ_RING);
+  if (m == MAP_FAILED) return 3;
+  if (write(1, "ready\n", 6) != 6) return 4;
+  for (;;) pause();
+}
+`
+
+// TestIOURingRefused: CRIU cannot dump an io_uring instance (and a DDP job whose dump failed on
+// one stopped making progress after the rollback): preflight refuses the tree, exit 3's error,
+// before anything is frozen.
+func TestIOURingRefused(t *testing.T) {
+	f := setup(t)
+	dir := t.TempDir()
+	src, bin := filepath.Join(dir, "uring.c"), filepath.Join(dir, "uring")
+	if err := os.WriteFile(src, []byte(ioURingProgram), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("cc", "-O2", "-o", bin, src).CombinedOutput(); err != nil {
+		testreq.Skip(t, "cc", "cannot build the io_uring program: %v\n%s", err, out)
+	}
+	out, err := os.Create(filepath.Join(dir, "out"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer out.Close()
+	cmd := exec.Command(bin)
+	cmd.Stdout, cmd.SysProcAttr = out, &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if b, _ := os.ReadFile(out.Name()); string(b) == "ready\n" {
+			break
+		}
+		select {
+		case err := <-exited:
+			t.Skipf("this kernel gives no io_uring (sysctl kernel.io_uring_disabled, seccomp): the program exited: %v", err)
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the io_uring program did not get ready")
+		}
+	}
+	_, err = checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: cmd.Process.Pid, Name: "uring", StagingRoot: f.stage})
+	if !errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), "io_uring") {
+		t.Fatalf("checkpoint of a process with io_uring: %v; want a refusal naming it", err)
+	}
+	if s, err := proc.ReadStat(cmd.Process.Pid); err != nil || s.Stopped() {
+		t.Fatalf("after the refusal the process is %+v (%v)", s, err)
+	}
 }

@@ -59,6 +59,10 @@ func cliArgs(verb string, opts *rpc.CriuOpts, imagesDir, workDir string) ([]stri
 			*b.v = nil
 		}
 	}
+	if rest.GhostLimit != nil {
+		args = append(args, "--ghost-limit", strconv.FormatUint(uint64(rest.GetGhostLimit()), 10))
+		rest.GhostLimit = nil
+	}
 	if rest.NetworkLock != nil {
 		switch rest.GetNetworkLock() {
 		case rpc.CriuNetworkLockMethod_IPTABLES:

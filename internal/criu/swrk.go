@@ -317,6 +317,7 @@ func BuildDumpOpts(o DumpOptions, imgFD int) (*rpc.CriuOpts, error) {
 	if err := setNetworkLock(opts, o.NetworkLock); err != nil {
 		return nil, fmt.Errorf("dump: %w", err)
 	}
+	opts.GhostLimit = proto.Uint32(GhostLimit)
 	setBool(&opts.LeaveRunning, o.LeaveRunning)
 	setBool(&opts.LeaveStopped, o.LeaveStopped)
 	setBool(&opts.ShellJob, o.ShellJob)
@@ -349,6 +350,11 @@ func BuildRestoreOpts(o RestoreOptions, imgFD, workFD int) (*rpc.CriuOpts, error
 	}
 	return opts, nil
 }
+
+// GhostLimit is the largest deleted file still open in the tree (a "ghost" file, whose content CRIU
+// must save) that a dump takes (CRIU's default: 1 MiB). NCCL keeps a deleted 33 MiB /dev/shm file
+// open in each rank even with its shared-memory transport off (2x H200, NCCL 2.28.9, 2026-11-28).
+const GhostLimit = 1 << 30
 
 // Network lock methods (DumpOptions.NetworkLock).
 const (

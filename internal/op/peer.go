@@ -22,11 +22,16 @@ import (
 //     a PyTorch DDP rank with NCCL's default transports).
 //
 // Either way the process could be neither restored nor rolled back. A process without the shim
-// (or whose shim does not answer) cannot be asked; the operation goes ahead as before, and a shim
-// that predates the "ipc" counts is asked about peer links only.
+// cannot be asked; the operation goes ahead as before, and a shim that predates the "ipc" counts
+// is asked about peer links only. One whose shim does not answer is refused.
 func RefuseUnrestorable(ctx context.Context, pids []int) error {
 	for _, pid := range pids {
-		st := shimStatus(ctx, pid)
+		st, err := shimStatus(ctx, pid)
+		if err != nil {
+			return Refusef("pid %d runs under the ptxmig shim, which did not say whether it shares GPU memory with other "+
+				"processes or enabled peer access (%v): the driver could checkpoint it and then not restore it; nothing was "+
+				"touched. Try again; `ptxmig ps` shows the shim's state", pid, err)
+		}
 		if st == nil {
 			continue
 		}
@@ -85,18 +90,23 @@ func describeSharing(s *shimctl.IPC) string {
 	return strings.Join(out, "; ")
 }
 
-// shimStatus returns pid's shim status (nil without a shim or an answer).
-func shimStatus(ctx context.Context, pid int) *shimctl.Status {
-	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+// shimStatus returns pid's shim status; nil without a shim. A process that has the shim mapped
+// but whose status cannot be read is an error: it may share GPU memory, and going ahead could
+// lose it (seen on 2x H200: a DDP rank on NCCL's default transports was checkpointed and could
+// not be restored when its shim was not asked).
+func shimStatus(ctx context.Context, pid int) (*shimctl.Status, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	c, err := dial(ctx, pid)
-	if err != nil {
-		return nil
+	if err == nil {
+		defer c.Close()
+		var st *shimctl.Status
+		if st, err = c.Status(ctx); err == nil {
+			return st, nil
+		}
 	}
-	defer c.Close()
-	st, err := c.Status(ctx)
-	if err != nil {
-		return nil
+	if mapped, merr := shimctl.MapsHaveShim(pid); merr != nil || !mapped {
+		return nil, nil // no shim (or gone): nothing to ask
 	}
-	return st
+	return nil, err
 }

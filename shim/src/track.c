@@ -1112,12 +1112,17 @@ static void count_shape(krec *r, const unsigned d[6]) {
 static void launch_post_track(launch_tok *t, CUresult r);
 
 // krec_collective says whether k is a collective kernel: NCCL's (ncclDevKernel_* since NCCL 2.19,
-// ncclKernel_* before), decided once its name is known and remembered in the record.
+// ncclKernel_* before; mangled, as NCCL 2.28 names them: _Z39ncclDevKernel_AllReduce_...),
+// decided once its name is known and remembered in the record.
 static int krec_collective(krec *k) {
   int c = atomic_load_explicit(&k->coll, memory_order_relaxed);
   if (c) return c == 1;
   const char *n = atomic_load(&k->name);
   if (!n) return 0;
+  if (n[0] == '_' && n[1] == 'Z') {  // a mangled name: _Z<length><name>... (NCCL's kernels are)
+    n += 2;
+    while (*n >= '0' && *n <= '9') n++;
+  }
   c = strncmp(n, "ncclDevKernel", 13) == 0 || strncmp(n, "ncclKernel", 10) == 0 ? 1 : 2;
   atomic_store_explicit(&k->coll, c, memory_order_relaxed);
   return c == 1;

@@ -158,12 +158,12 @@ static void share_cleanup(void) {
 // collective alignment blocks until the gate opens); end of input ends it.
 static const char coll_ptx[] =
     ".version 7.0\n.target sm_70\n.address_size 64\n"
-    ".visible .entry ncclDevKernel_AllReduce_Sum_f32_RING_LL()\n{\n\tret;\n}\n";
+    ".visible .entry _Z39ncclDevKernel_AllReduce_Sum_f32_RING_LL24ncclDevKernelArgsStorageILm4096EE()\n{\n\tret;\n}\n";
 
 static int coll_loop(void) {
   void *cmod, *cfn;
   CK(cuModuleLoadData(&cmod, coll_ptx));
-  CK(cuModuleGetFunction(&cfn, cmod, "ncclDevKernel_AllReduce_Sum_f32_RING_LL"));
+  CK(cuModuleGetFunction(&cfn, cmod, "_Z39ncclDevKernel_AllReduce_Sum_f32_RING_LL24ncclDevKernelArgsStorageILm4096EE"));
   printf("ready\n");
   fflush(stdout);
   char line[64];
