@@ -487,8 +487,20 @@ func (a *analyzer) kernel(f *Function) (*KernelReport, *kernelInfo, error) {
 		kr.DynamicShared = true
 	}
 
-	// Warp collectives and barriers in the kernel body.
-	after := g.liveness()
+	// Warp collectives and barriers in the kernel body. Liveness is wanted after the barrier
+	// sites and at the loop headers (midBlockSites).
+	want := make([]bool, len(f.Body))
+	for i, s := range f.Body {
+		if s.Kind == StInstr && (isBarrier(s) || s.Base() == "call" && barrierFuncs[callee(s)]) {
+			want[i] = true
+		}
+	}
+	for h := range layoutLoops(g) {
+		if k := firstInstr(g, h); k >= 0 {
+			want[k] = true
+		}
+	}
+	after := g.liveness(want)
 	uni := g.uniformity()
 	for i, s := range f.Body {
 		if s.Kind != StInstr {
@@ -505,7 +517,8 @@ func (a *analyzer) kernel(f *Function) (*KernelReport, *kernelInfo, error) {
 		if isCallBar {
 			site.Op = "call " + callee(s)
 		}
-		for _, k := range after[i].members() {
+		g.work += len(after[i])
+		for _, k := range after[i] {
 			site.Live = append(site.Live, regKeyName(g.regNames[k]))
 			site.LiveBytes += regSize(g.regTypes[k])
 		}
@@ -588,61 +601,138 @@ func dedup(xs []string) []string {
 // those threads run the same virtual block (no thread starts the next block before all passed
 // the block barrier), so such a wait ends exactly as in the original, and preempting between
 // blocks cannot leave it waiting for a block that was never claimed.
+//
+// Each back edge b -> h (h <= b in layout order) closes a loop of the blocks h..b, and its
+// branches' dependencies are followed inside those blocks. The back edges of one header are taken
+// together, latest latch last, each adding its blocks to what the previous one found: the work
+// is O(statements of the header's largest loop) per header, not O(statements x registers) per
+// back edge (a loop whose exit depended on a chain through 20,000 barriers took 23 s; issue 36).
+// The refusals come out in the order of the back edges (b, then h's place in b's successors).
 func (a *analyzer) loops(g *CFG, prov *provenance, refuse func(string, ...any)) {
 	f := g.Fn
+	type backEdge struct{ b, h, at int } // at: h's index in b's successors
+	var edges []backEdge
 	for _, b := range g.Blocks {
-		for _, h := range b.Succs {
-			if h > b.ID || h >= len(g.Blocks) { // back edge b -> h (layout order approximates it)
-				continue
+		for at, h := range b.Succs {
+			if h <= b.ID { // back edge b -> h (layout order approximates it); the exit is > b.ID
+				edges = append(edges, backEdge{b.ID, h, at})
 			}
-			// Loop body: blocks between h and b that reach b.
-			in := map[int]bool{}
-			for x := h; x <= b.ID; x++ {
-				in[x] = true
+		}
+	}
+	// By header, each header's latches in order.
+	sort.Slice(edges, func(i, j int) bool {
+		if edges[i].h != edges[j].h {
+			return edges[i].h < edges[j].h
+		}
+		return edges[i].b < edges[j].b
+	})
+	type found struct {
+		b, at, seq int
+		msg        string
+	}
+	var out []found
+	// Per header (tag: its block + 1, so that nothing is cleared between headers): dep marks the
+	// registers its branches depend on; a register not (yet) one has the definitions of it in the
+	// blocks taken so far in a chain (pends, in statement order); done marks the definitions of
+	// dependencies already followed.
+	nr := len(g.regNames)
+	depTag, pendTag := make([]int32, nr), make([]int32, nr)
+	pendHead, pendTail := make([]int32, nr), make([]int32, nr)
+	doneTag := make([]int32, len(f.Body))
+	type pend struct{ k, next int32 } // next: -1 at the end of the chain
+	var pends []pend
+	var work, defs []int
+	for i := 0; i < len(edges); {
+		h := edges[i].h
+		tag := int32(h + 1)
+		header := f.Body[g.Blocks[h].Start].Line
+		pends = pends[:0]
+		next := h // the first block not taken yet
+		for ; i < len(edges) && edges[i].h == h; i++ {
+			e := edges[i]
+			dep := func(r int) {
+				if depTag[r] != tag {
+					depTag[r] = tag
+					work = append(work, r)
+				}
 			}
-			// Registers the loop's conditional branches depend on (transitively, inside the loop).
-			deps := map[int]bool{}
-			var work []int
-			for x := range in {
-				bl := g.Blocks[x]
+			follow := func(k int) { // a definition of a dependency
+				if doneTag[k] == tag {
+					return
+				}
+				doneTag[k] = tag
+				g.work++
+				s := f.Body[k]
+				switch {
+				case (s.Base() == "ld" || s.Base() == "atom") && prov.privateAccess(k):
+					// CTA-private memory: see above.
+				case s.Base() == "ld" && (s.HasMod("volatile") || s.HasMod("acquire") || s.HasMod("relaxed")):
+					out = append(out, found{e.b, e.at, len(out), fmt.Sprintf("spin-wait: the loop at line %d waits on %s (line %d), which another CTA may write", header, s.Op, s.Line)})
+				case s.Base() == "atom" && (s.HasMod("add") || s.HasMod("inc")) || s.Base() == "atom" && s.HasMod("or") && len(s.Args) == 3 && s.Args[2].Text == "0":
+					out = append(out, found{e.b, e.at, len(out), fmt.Sprintf("schedules its own work: the loop at line %d exits on the result of %s (line %d), a kernel that is already persistent", header, s.Op, s.Line)})
+				}
+				for _, u := range g.uses[k] {
+					dep(u)
+				}
+			}
+			// The blocks up to this latch: the definitions in them, and their conditional
+			// branches' uses (the dependencies' roots).
+			for ; next <= e.b; next++ {
+				bl := g.Blocks[next]
+				for k := bl.Start; k < bl.End; k++ {
+					g.work++
+					if f.Body[k].Kind != StInstr {
+						continue
+					}
+					for _, d := range g.defs[k] {
+						switch {
+						case depTag[d] == tag:
+							defs = append(defs, k)
+						case pendTag[d] != tag:
+							pendTag[d], pendHead[d], pendTail[d] = tag, int32(len(pends)), int32(len(pends))
+							pends = append(pends, pend{int32(k), -1})
+						default:
+							pends[pendTail[d]].next = int32(len(pends))
+							pendTail[d] = int32(len(pends))
+							pends = append(pends, pend{int32(k), -1})
+						}
+					}
+				}
 				last := f.Body[bl.End-1]
 				if last.Kind == StInstr && last.Pred != "" && (last.Base() == "bra" || last.Base() == "ret" || last.Base() == "exit") {
 					for _, u := range g.uses[bl.End-1] {
-						if !deps[u] {
-							deps[u] = true
-							work = append(work, u)
-						}
+						dep(u)
 					}
 				}
 			}
+			for _, k := range defs {
+				follow(k)
+			}
+			defs = defs[:0]
 			for len(work) > 0 {
 				r := work[len(work)-1]
 				work = work[:len(work)-1]
-				for x := range in {
-					bl := g.Blocks[x]
-					for k := bl.Start; k < bl.End; k++ {
-						s := f.Body[k]
-						if s.Kind != StInstr || !containsInt(g.defs[k], r) {
-							continue
-						}
-						switch {
-						case (s.Base() == "ld" || s.Base() == "atom") && prov.privateAccess(k):
-							// CTA-private memory: see above.
-						case s.Base() == "ld" && (s.HasMod("volatile") || s.HasMod("acquire") || s.HasMod("relaxed")):
-							refuse("spin-wait: the loop at line %d waits on %s (line %d), which another CTA may write", f.Body[g.Blocks[h].Start].Line, s.Op, s.Line)
-						case s.Base() == "atom" && (s.HasMod("add") || s.HasMod("inc")) || s.Base() == "atom" && s.HasMod("or") && len(s.Args) == 3 && s.Args[2].Text == "0":
-							refuse("schedules its own work: the loop at line %d exits on the result of %s (line %d), a kernel that is already persistent", f.Body[g.Blocks[h].Start].Line, s.Op, s.Line)
-						}
-						for _, u := range g.uses[k] {
-							if !deps[u] {
-								deps[u] = true
-								work = append(work, u)
-							}
-						}
+				if pendTag[r] == tag {
+					for p := pendHead[r]; p >= 0; p = pends[p].next {
+						follow(int(pends[p].k))
 					}
+					pendTag[r] = 0 // its definitions from now on are followed as they are taken
 				}
 			}
 		}
+	}
+	sort.Slice(out, func(i, j int) bool {
+		x, y := out[i], out[j]
+		if x.b != y.b {
+			return x.b < y.b
+		}
+		if x.at != y.at {
+			return x.at < y.at
+		}
+		return x.seq < y.seq
+	})
+	for _, r := range out {
+		refuse("%s", r.msg)
 	}
 }
 

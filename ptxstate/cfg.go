@@ -3,6 +3,7 @@ package ptxstate
 import (
 	"fmt"
 	"math/bits"
+	"sort"
 	"strconv"
 	"strings"
 )
@@ -27,6 +28,9 @@ type CFG struct {
 	regTypes   []string
 	// regKey maps, per instruction, each register name it mentions to its key (scopes resolved).
 	regKey []map[string]int
+	// work counts the statements, blocks and edges that the per-kernel analyses visit: the
+	// scaling tests check that it grows about linearly with the input (no timed assertions).
+	work int
 }
 
 // ExitNode is the ID of the virtual exit node.
@@ -164,8 +168,27 @@ func buildCFG(f *Function) (*CFG, error) {
 			}
 		}
 	}
+	if d := g.loopDepth(); d > MaxLoopDepth {
+		return nil, fmt.Errorf("%w: loops nested %d deep in %s (backward branches whose spans share a block), at most %d", ErrLimit, d, f.Name, MaxLoopDepth)
+	}
 	g.resolveRegs()
 	return g, nil
+}
+
+// loopDepth is the largest number of loops (layoutLoops: header..last latch) that hold one
+// block.
+func (g *CFG) loopDepth() int {
+	open := make([]int, len(g.Blocks)+1) // loops starting at a block, less those ended before it
+	for h, latch := range layoutLoops(g) {
+		open[h]++
+		open[latch+1]--
+	}
+	depth, d := 0, 0
+	for _, n := range open {
+		d += n
+		depth = max(depth, d)
+	}
+	return depth
 }
 
 // declRegs parses a .reg declaration into names and ranges (%r<5> is prefix %r, count 5).
@@ -327,58 +350,187 @@ func (b bitset) members() []int {
 	return out
 }
 
-// liveness computes, for every statement, the registers live after it (backward dataflow).
-func (g *CFG) liveness() []bitset {
-	n := len(g.regNames)
+// liveness returns, for every statement i with want[i], the registers live after it (keys in
+// ascending order); the other entries are nil.
+//
+// It is the least fixpoint of the usual backward dataflow (live-in = upward-exposed uses, plus
+// live-out less unpredicated definitions), found one register at a time by a backward walk from
+// the blocks that use it, with sparse sets: time and memory are O(statements + registers + the
+// sum over blocks of their live-out sets + the sets returned). Dense per-block bitsets and a
+// bitset per statement were O(statements x registers): a kernel of 50,000 barriers with fresh
+// registers at each (as nvcc numbers them) allocated 3.4 GB (issue 36).
+func (g *CFG) liveness(want []bool) [][]int {
 	f := g.Fn
-	liveIn := make([]bitset, len(g.Blocks))
-	liveOut := make([]bitset, len(g.Blocks))
-	for i := range g.Blocks {
-		liveIn[i], liveOut[i] = newBitset(n), newBitset(n)
-	}
-	transfer := func(b *Block, out bitset, perStmt []bitset) bitset {
-		cur := newBitset(n)
-		cur.copyFrom(out)
-		for k := b.End - 1; k >= b.Start; k-- {
-			if perStmt != nil {
-				perStmt[k] = newBitset(n)
-				perStmt[k].copyFrom(cur)
-			}
-			if f.Body[k].Kind != StInstr {
+	nb, nr := len(g.Blocks), len(g.regNames)
+	// gen: (register, block) when the block uses the register before any unpredicated definition
+	// of it in the block; kill: when the block has an unpredicated definition of it.
+	var gens, kills []regBlock
+	genTag := make([]int32, nr)  // b+1: already a gen of block b
+	killTag := make([]int32, nr) // b+1: defined (unpredicated) earlier in block b
+	for _, bl := range g.Blocks {
+		tag := int32(bl.ID + 1)
+		for k := bl.Start; k < bl.End; k++ {
+			g.work++
+			s := f.Body[k]
+			if s.Kind != StInstr {
 				continue
 			}
-			if f.Body[k].Pred == "" {
+			for _, u := range g.uses[k] {
+				if killTag[u] != tag && genTag[u] != tag {
+					genTag[u] = tag
+					gens = append(gens, regBlock{int32(u), int32(bl.ID)})
+				}
+			}
+			if s.Pred == "" {
 				for _, d := range g.defs[k] {
-					cur.clear(d)
+					if killTag[d] != tag {
+						killTag[d] = tag
+						kills = append(kills, regBlock{int32(d), int32(bl.ID)})
+					}
+				}
+			}
+		}
+	}
+	genAt, genBlocks := byRegister(gens, nr)
+	killAt, killBlocks := byRegister(kills, nr)
+	// Per register r: the blocks it is live into, walked backwards from its gens through
+	// predecessors until blocks that kill it. Tags are r+1, so no set is cleared between registers.
+	inTag, outTag, blockKill := make([]int32, nb), make([]int32, nb), make([]int32, nb)
+	liveOut := make([][]int, nb)
+	var work []int32
+	for r := 0; r < nr; r++ {
+		tag := int32(r + 1)
+		for _, b := range killBlocks[killAt[r]:killAt[r+1]] {
+			blockKill[b] = tag
+		}
+		for _, b := range genBlocks[genAt[r]:genAt[r+1]] {
+			if inTag[b] != tag {
+				inTag[b] = tag
+				work = append(work, b)
+			}
+		}
+		for len(work) > 0 {
+			b := work[len(work)-1]
+			work = work[:len(work)-1]
+			for _, p := range g.Blocks[b].Preds {
+				g.work++
+				if outTag[p] == tag {
+					continue
+				}
+				outTag[p] = tag
+				liveOut[p] = append(liveOut[p], r)
+				if blockKill[p] != tag && inTag[p] != tag {
+					inTag[p] = tag
+					work = append(work, int32(p))
+				}
+			}
+		}
+	}
+	// The wanted statements: one backward pass over each block holding one, from its live-out set.
+	after := make([][]int, len(f.Body))
+	var cur sparseSet
+	cur.pos = make([]int32, nr)
+	for _, bl := range g.Blocks {
+		first := -1
+		for k := bl.Start; k < bl.End; k++ {
+			if want[k] {
+				first = k
+				break
+			}
+		}
+		if first < 0 {
+			continue
+		}
+		for _, r := range liveOut[bl.ID] {
+			cur.add(r)
+		}
+		for k := bl.End - 1; k >= first; k-- {
+			g.work++
+			if want[k] {
+				after[k] = cur.sorted()
+				g.work += len(after[k])
+			}
+			s := f.Body[k]
+			if s.Kind != StInstr {
+				continue
+			}
+			if s.Pred == "" {
+				for _, d := range g.defs[k] {
+					cur.remove(d)
 				}
 			}
 			for _, u := range g.uses[k] {
-				cur.set(u)
+				cur.add(u)
 			}
 		}
-		return cur
-	}
-	for changed := true; changed; {
-		changed = false
-		for i := len(g.Blocks) - 1; i >= 0; i-- {
-			b := g.Blocks[i]
-			for _, s := range b.Succs {
-				if s < len(g.Blocks) && liveOut[i].orWith(liveIn[s]) {
-					changed = true
-				}
-			}
-			in := transfer(b, liveOut[i], nil)
-			if !in.equal(liveIn[i]) {
-				liveIn[i] = in
-				changed = true
-			}
-		}
-	}
-	after := make([]bitset, len(f.Body))
-	for i, b := range g.Blocks {
-		transfer(b, liveOut[i], after)
+		cur.reset()
 	}
 	return after
+}
+
+// regBlock is a (register key, block) pair.
+type regBlock struct{ r, b int32 }
+
+// byRegister buckets pairs by register (a counting sort): the blocks of register r are
+// blocks[at[r]:at[r+1]], in the pairs' order.
+func byRegister(pairs []regBlock, nr int) (at []int, blocks []int32) {
+	at = make([]int, nr+1)
+	for _, p := range pairs {
+		at[p.r+1]++
+	}
+	for r := 0; r < nr; r++ {
+		at[r+1] += at[r]
+	}
+	blocks = make([]int32, len(pairs))
+	next := append([]int(nil), at[:nr]...)
+	for _, p := range pairs {
+		blocks[next[p.r]] = p.b
+		next[p.r]++
+	}
+	return at, blocks
+}
+
+// sparseSet is a set of register keys with O(1) add and remove and O(size) listing; pos must
+// have a slot per key.
+type sparseSet struct {
+	pos     []int32 // key -> index in members + 1, 0 when absent
+	members []int
+}
+
+func (s *sparseSet) add(r int) {
+	if s.pos[r] == 0 {
+		s.members = append(s.members, r)
+		s.pos[r] = int32(len(s.members))
+	}
+}
+
+func (s *sparseSet) remove(r int) {
+	i := s.pos[r]
+	if i == 0 {
+		return
+	}
+	last := s.members[len(s.members)-1]
+	s.members[i-1] = last
+	s.pos[last] = i
+	s.members = s.members[:len(s.members)-1]
+	s.pos[r] = 0
+}
+
+// sorted returns a copy of the members in ascending order (nil when empty).
+func (s *sparseSet) sorted() []int {
+	if len(s.members) == 0 {
+		return nil
+	}
+	out := append([]int(nil), s.members...)
+	sort.Ints(out)
+	return out
+}
+
+func (s *sparseSet) reset() {
+	for _, r := range s.members {
+		s.pos[r] = 0
+	}
+	s.members = s.members[:0]
 }
 
 // postDominators returns ipdom[b] for every block (ExitNode when only the exit post-dominates).

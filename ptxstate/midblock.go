@@ -2,6 +2,7 @@ package ptxstate
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 )
@@ -49,11 +50,21 @@ type MidBlockSite struct {
 	live []int // registers live at the site (CFG register ids), saved and restored
 }
 
+// maxC6Reasons is how many of the kernel's refusals a site's C6 refusal names.
+const maxC6Reasons = 8
+
 // kernelBlockers are the kernel-wide reasons (C3, C5, C6) that rule out every site.
 func midBlockBlockers(kr *KernelReport, bodies [][]*Stmt) []string {
 	var out []string
 	if !kr.Eligible {
-		out = append(out, "C6: the kernel has no block-granular twin ("+strings.Join(kr.Refusals, "; ")+")")
+		// Every site repeats this refusal: it names at most maxC6Reasons of the kernel's reasons
+		// (a kernel refused for each of n barriers has n reasons and n sites: listing them all at
+		// every site made the report quadratic, 530 MB for 2,000 barriers).
+		why := strings.Join(kr.Refusals[:min(len(kr.Refusals), maxC6Reasons)], "; ")
+		if more := len(kr.Refusals) - maxC6Reasons; more > 0 {
+			why += fmt.Sprintf("; and %d more (the kernel's refusals)", more)
+		}
+		out = append(out, "C6: the kernel has no block-granular twin ("+why+")")
 	}
 	seen := map[string]bool{}
 	add := func(key, msg string) { // one refusal per kind, naming its first occurrence
@@ -155,14 +166,14 @@ func plainCTABarrier(s *Stmt) bool {
 
 // midBlockSites finds and checks the kernel's candidate sites. after is the liveness after each
 // statement, bodies the kernel's and its callees' statements.
-func midBlockSites(kr *KernelReport, g *CFG, after []bitset, uni *uniformity, bodies [][]*Stmt, barrierFuncs map[string]bool) []MidBlockSite {
+func midBlockSites(kr *KernelReport, g *CFG, after [][]int, uni *uniformity, bodies [][]*Stmt, barrierFuncs map[string]bool) []MidBlockSite {
 	f := g.Fn
 	blockers := midBlockBlockers(kr, bodies)
 	bound := locationBound(g)
-	liveState := func(live bitset) (int, []string) {
+	liveState := func(live []int) (int, []string) {
 		n := 0
 		var why []string
-		for _, r := range live.members() {
+		for _, r := range live {
 			n += regSize(g.regTypes[r])
 			if bound.has(r) {
 				why = append(why, regKeyName(g.regNames[r]))
@@ -171,8 +182,9 @@ func midBlockSites(kr *KernelReport, g *CFG, after []bitset, uni *uniformity, bo
 		sort.Strings(why)
 		return n + kr.LocalBytes, why
 	}
-	check := func(site *MidBlockSite, live bitset, uniform bool, extra []string) {
-		site.live = live.members()
+	check := func(site *MidBlockSite, live []int, uniform bool, extra []string) {
+		g.work += len(live)
+		site.live = live
 		for _, r := range site.live {
 			if strings.Contains(g.regNames[r], "#") {
 				extra = append(extra, "C9: register "+regKeyName(g.regNames[r])+" is declared in a nested scope")
@@ -197,6 +209,7 @@ func midBlockSites(kr *KernelReport, g *CFG, after []bitset, uni *uniformity, bo
 		site.Eligible = len(site.Refusals) == 0
 	}
 	var sites []MidBlockSite
+	var polls []int
 	for i, s := range f.Body {
 		if s.Kind != StInstr {
 			continue
@@ -220,7 +233,10 @@ func midBlockSites(kr *KernelReport, g *CFG, after []bitset, uni *uniformity, bo
 			why = append(why, "C1: inside a nested { } scope")
 		}
 		check(&site, after[i], uni.reachedUniformly(g.blockOf[i]), why)
-		site.PollEvery = barrierPollEvery(g, g.blockOf[i])
+		if polls == nil {
+			polls = barrierPollEvery(g)
+		}
+		site.PollEvery = polls[g.blockOf[i]]
 		sites = append(sites, site)
 	}
 	sites = append(sites, loopSites(g, after, uni, check)...)
@@ -230,7 +246,7 @@ func midBlockSites(kr *KernelReport, g *CFG, after []bitset, uni *uniformity, bo
 
 // loopSites finds the headers of loops (back edge b → h in layout order) with no barrier, and
 // checks each: every exit branch of the loop must be CTA-uniform (same trip count everywhere).
-func loopSites(g *CFG, after []bitset, uni *uniformity, check func(*MidBlockSite, bitset, bool, []string)) []MidBlockSite {
+func loopSites(g *CFG, after [][]int, uni *uniformity, check func(*MidBlockSite, []int, bool, []string)) []MidBlockSite {
 	f := g.Fn
 	headers := layoutLoops(g)
 	var out []MidBlockSite
@@ -239,13 +255,18 @@ func loopSites(g *CFG, after []bitset, uni *uniformity, check func(*MidBlockSite
 		instrs := 0
 		for x := h; x <= latch; x++ {
 			bl := g.Blocks[x]
+			g.work += bl.End - bl.Start
 			for k := bl.Start; k < bl.End; k++ {
 				if s := f.Body[k]; s.Kind == StInstr {
 					instrs++
 					if isBarrier(s) || s.Base() == "call" {
 						barrier = true
+						break
 					}
 				}
+			}
+			if barrier {
+				break
 			}
 			for _, succ := range bl.Succs {
 				if (succ < h || succ > latch) && uni.divBranch[x] {
@@ -267,14 +288,15 @@ func loopSites(g *CFG, after []bitset, uni *uniformity, check func(*MidBlockSite
 		}
 		// Live on entry to the header's first instruction: its uses, and what is live after it
 		// that it does not define.
-		live := newBitset(len(g.regNames))
-		live.copyFrom(after[start])
-		for _, d := range g.defs[start] {
-			live.clear(d)
+		var live []int
+		for _, r := range after[start] {
+			if !containsInt(g.defs[start], r) {
+				live = append(live, r)
+			}
 		}
-		for _, u := range g.uses[start] {
-			live.set(u)
-		}
+		live = append(live, g.uses[start]...)
+		sort.Ints(live)
+		live = slices.Compact(live)
 		check(&site, live, uni.reachedUniformly(h), why)
 		out = append(out, site)
 	}
@@ -341,33 +363,85 @@ func saveType(t string) string {
 	return ""
 }
 
-// barrierPollEvery is how many site visits pass between two votes at a barrier site in block b:
-// pollEvery of the instructions per barrier of the innermost loop around it, or, outside loops,
-// of the whole body (the site counter counts every site's visits and runs on across the blocks
-// a CTA runs: a kernel whose short blocks voted at each of their barriers ran 1.7-3.8x slower
-// than its block-granular twin on an H100).
-func barrierPollEvery(g *CFG, b int) int {
-	bestH, bestL := -1, -1
+// barrierPollEvery is, for every block b, how many site visits pass between two votes at a
+// barrier site in b: pollEvery of the instructions per barrier of the innermost loop around it
+// (the shortest layout interval h..latch of a back edge holding b, the one with the lower latch
+// on a tie), or, outside loops, of the whole body (the site counter counts every site's visits
+// and runs on across the blocks a CTA runs: a kernel whose short blocks voted at each of their
+// barriers ran 1.7-3.8x slower than its block-granular twin on an H100).
+//
+// It is computed for all blocks at once, in O(blocks + statements + back edges x log): the
+// intervals are taken shortest first and each paints the blocks no shorter one holds (a
+// union-find skips painted blocks), and instructions and barriers per interval come from prefix
+// sums. Scanning every block's interval per site instead was quadratic in barriers (issue 36:
+// 50,000 barriers took 109 s).
+func barrierPollEvery(g *CFG) []int {
+	nb := len(g.Blocks)
+	type loop struct{ h, latch int }
+	var loops []loop
 	for _, bl := range g.Blocks {
 		for _, h := range bl.Succs {
-			if h <= bl.ID && h <= b && b <= bl.ID && (bestH < 0 || bl.ID-h < bestL-bestH) {
-				bestH, bestL = h, bl.ID
+			if h <= bl.ID {
+				loops = append(loops, loop{h, bl.ID})
 			}
 		}
 	}
-	if bestH < 0 {
-		bestH, bestL = 0, len(g.Blocks)-1
-	}
-	instrs, bars := 0, 0
-	for x := bestH; x <= bestL; x++ {
-		for k := g.Blocks[x].Start; k < g.Blocks[x].End; k++ {
+	sort.Slice(loops, func(a, b int) bool {
+		la, lb := loops[a].latch-loops[a].h, loops[b].latch-loops[b].h
+		if la != lb {
+			return la < lb
+		}
+		return loops[a].latch < loops[b].latch
+	})
+	// Prefix sums per block of instructions and barriers: instrs[x] counts blocks 0..x-1.
+	instrs, bars := make([]int, nb+1), make([]int, nb+1)
+	for x, bl := range g.Blocks {
+		instrs[x+1], bars[x+1] = instrs[x], bars[x]
+		g.work += bl.End - bl.Start + len(bl.Succs)
+		for k := bl.Start; k < bl.End; k++ {
 			if s := g.Fn.Body[k]; s.Kind == StInstr {
-				instrs++
+				instrs[x+1]++
 				if isBarrier(s) {
-					bars++
+					bars[x+1]++
 				}
 			}
 		}
 	}
-	return pollEvery(instrs / max(bars, 1))
+	every := func(h, latch int) int {
+		return pollEvery((instrs[latch+1] - instrs[h]) / max(bars[latch+1]-bars[h], 1))
+	}
+	out := make([]int, nb)
+	// next[x] leads (through find) to the first block >= x not painted yet; nb when none.
+	next := make([]int, nb+1)
+	for x := range next {
+		next[x] = x
+	}
+	find := func(x int) int {
+		r := x
+		for next[r] != r {
+			r = next[r]
+		}
+		for next[x] != r {
+			next[x], x = r, next[x]
+		}
+		return r
+	}
+	for _, l := range loops {
+		e := every(l.h, l.latch)
+		g.work++
+		for x := find(l.h); x <= l.latch; x = find(x) {
+			g.work++
+			out[x] = e
+			next[x] = x + 1
+		}
+	}
+	if nb > 0 {
+		e := every(0, nb-1)
+		for x := find(0); x < nb; x = find(x) {
+			g.work++
+			out[x] = e
+			next[x] = x + 1
+		}
+	}
+	return out
 }

@@ -166,14 +166,44 @@ func (p *midPlan) planResume() {
 		}
 		return loops[a].latch > loops[b].latch
 	})
-	p.headAt, p.labelAt = map[int]int{}, map[int]int{}
-	p.chain = make([][]int, len(p.sites))
+	// The loops around each site: a sweep over the blocks keeps the loops open at the current
+	// block (header <= block <= latch) in a list in header order, so each site takes just its
+	// own loops (testing every loop for every site was O(sites x loops): issue 36).
+	nb := len(p.g.Blocks)
+	siteAt := make([][]int, nb)
 	for id, s := range p.sites {
 		b := p.g.blockOf[s.idx]
-		for _, l := range loops {
-			if l.h > b || b > l.latch {
-				continue
+		siteAt[b] = append(siteAt[b], id)
+	}
+	loopAt, endAt := make([]int, nb), make([][]int, nb) // loop index + 1 by header; loops by latch
+	for i, l := range loops {
+		loopAt[l.h] = i + 1
+		endAt[l.latch] = append(endAt[l.latch], i)
+	}
+	head := len(loops) // the open list's sentinel
+	next, prev := make([]int, len(loops)+1), make([]int, len(loops)+1)
+	next[head], prev[head] = head, head
+	around := make([][]int, len(p.sites))
+	for b := 0; b < nb; b++ {
+		if i := loopAt[b] - 1; i >= 0 { // headers are unique and come in order: append
+			next[i], prev[i] = head, prev[head]
+			next[prev[head]], prev[head] = i, i
+		}
+		for _, id := range siteAt[b] {
+			for i := next[head]; i != head; i = next[i] {
+				p.g.work++
+				around[id] = append(around[id], i)
 			}
+		}
+		for _, i := range endAt[b] {
+			next[prev[i]], prev[next[i]] = next[i], prev[i]
+		}
+	}
+	p.headAt, p.labelAt = map[int]int{}, map[int]int{}
+	p.chain = make([][]int, len(p.sites))
+	for id := range p.sites {
+		for _, i := range around[id] {
+			l := loops[i]
 			start := firstInstr(p.g, l.h)
 			if start < 0 {
 				continue

@@ -28,6 +28,9 @@ const (
 	MaxBlocksPerKernel  = 50_000    // basic blocks of one function
 	MaxStmtsPerFunction = 1_000_000 // statements of one function body
 	MaxTokens           = 4_000_000 // tokens of a module (about 500,000 typical statements)
+	// MaxLoopDepth bounds the loops around one basic block (layout intervals header..latch of
+	// backward branches): the per-loop analyses cost the loop depth times the statements.
+	MaxLoopDepth = 256
 )
 
 // ErrLimit is wrapped by the errors for input past a documented limit.
