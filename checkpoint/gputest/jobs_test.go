@@ -16,10 +16,10 @@ import (
 
 // NCCL's transports that a driver checkpoint can take: the ranks exchange data through sockets
 // (P2P and shared memory map GPU or host memory between the rank processes; cuMem shares
-// allocations through file descriptors). NVLink multicast stays off on shared hosts. libuv (the
-// TCPStore server in rank 0) must not use io_uring, which CRIU cannot dump (measured: "Unknown
-// shit 600 (anon_inode:[io_uring])", CRIU 4.2.1, PyTorch 2.11).
-var ncclSockets = []string{"NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1", "NCCL_CUMEM_ENABLE=0", "NCCL_NVLS_ENABLE=0", "UV_USE_IO_URING=0"}
+// allocations through file descriptors). NVLink multicast stays off on shared hosts. PyTorch's
+// TCPStore server (rank 0) must not use libuv, whose io_uring instance CRIU cannot dump
+// (UV_USE_IO_URING=0 did not remove it; USE_LIBUV=0 did: 2x H200, PyTorch 2.11, 2026-11-28).
+var ncclSockets = []string{"NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1", "NCCL_CUMEM_ENABLE=0", "NCCL_NVLS_ENABLE=0", "USE_LIBUV=0"}
 
 // ddpArgs runs ddp.py (a parent spawning one rank per GPU) with its own rendezvous port.
 func ddpArgs(port int) []string {
