@@ -151,7 +151,7 @@ var virtualSpecial = map[string]string{
 // blocks on an H100 (driver 580): the twin of cuda-samples' fwtBatch1Kernel built by nvcc 13 gave
 // wrong results with the scheduler on bar.sync 0, and also on bar.sync 15 (another barrier), and
 // exact ones with barrier.sync 0; the same kernel from nvcc 12.4 (bar.sync in the body) was exact
-// (docs/BENCHMARKS.md, 2026-11-25 fourth session).
+// (docs/BENCHMARKS.md, 2026-11-25).
 // minTwinRegs is the least .maxnreg given to a twin: below it the scheduler's own live values
 // would only move to local memory (the hardware allocates registers in groups of 8 anyway).
 const minTwinRegs = 24
