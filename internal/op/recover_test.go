@@ -540,3 +540,47 @@ func TestRecoverHintNamesStore(t *testing.T) {
 		}
 	}
 }
+
+// TestGuardianRollsBackJobMidStep: ptxmig dies in the middle of the lock or the checkpoint of a
+// job's three CUDA processes (some ranks done, the others not): the guardian's rollback brings
+// every rank back to running, whatever point it died at.
+func TestGuardianRollsBackJobMidStep(t *testing.T) {
+	for _, step := range []string{StepLock, StepCheckpoint} {
+		for k := 1; k <= 3; k++ {
+			t.Run(fmt.Sprintf("%s/%d-of-3", step, k), func(t *testing.T) {
+				pids := []int{sleeper(t), sleeper(t), sleeper(t)}
+				r := newRecoverRig(t, pids...)
+				steps := []string{StepAlign, StepQuiesce, StepLock, StepCheckpoint, StepDetach, "dump", "store", "finish"}
+				var run []Step
+				if step == StepCheckpoint {
+					run = []Step{LockStep(r.drv, pids, time.Second)}
+				}
+				tx := r.begin(t, TxnSpec{Op: journal.OpCheckpoint, Root: pids[0], Tree: pids, CUDA: pids, Steps: steps}, run)
+				if err := tx.begin(step); err != nil {
+					t.Fatal(err)
+				}
+				for _, pid := range pids[:k] {
+					var err error
+					if step == StepLock {
+						err = r.drv.Lock(pid, time.Second)
+					} else {
+						err = r.drv.Checkpoint(pid)
+					}
+					if err != nil {
+						t.Fatal(err)
+					}
+				}
+				tx.die()
+				rep := r.recoverOne(t, tx)
+				if rep.Outcome != RecoveredRolledBack || rep.Error != "" {
+					t.Fatalf("recovery %+v", rep)
+				}
+				for _, pid := range pids {
+					if st := r.drv.Get(pid).State; st != cudackpt.Running {
+						t.Errorf("pid %d left %v (driver calls %v)", pid, st, r.drv.PIDCalls)
+					}
+				}
+			})
+		}
+	}
+}
