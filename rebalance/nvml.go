@@ -197,7 +197,7 @@ func (o *NVMLObserver) Observe(ctx context.Context, window time.Duration) (Obser
 			p.InfoErr = err.Error()
 		} else {
 			p.Comm, p.Cmdline, p.StartTicks, p.StartTime = info.Comm, info.Cmdline, info.StartTicks, info.StartTime
-			p.EnvPin, p.EnvKnown, p.UnderShim = info.EnvPin, info.EnvKnown, info.UnderShim
+			p.EnvPin, p.EnvKnown, p.UnderShim, p.Session = info.EnvPin, info.EnvKnown, info.UnderShim, info.SID
 		}
 		obs.Procs = append(obs.Procs, *p)
 	}

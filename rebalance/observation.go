@@ -53,6 +53,7 @@ type Process struct {
 	EnvPin     bool      `json:"env_pin"`   // PTXMIG_PIN=1 in its environment
 	EnvKnown   bool      `json:"env_known"` // the environment could be read
 	UnderShim  bool      `json:"under_shim"`
+	Session    int       `json:"session,omitempty"` // 0: unknown (or a session led outside this PID namespace)
 	InfoErr    string    `json:"info_error,omitempty"`
 }
 

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math"
 	"sort"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/gpu"
@@ -77,6 +79,7 @@ func MakePlan(obs Observation, pol Policy, history []MoveRecord, now time.Time) 
 	eligible := make([]bool, len(obs.Procs))
 	src := make([]int, len(obs.Procs))
 	attempts, lastAttempt, left := summarizeHistory(history, now, time.Duration(pol.ReturnWindow))
+	jobs := jobPeers(obs.Procs)
 
 	for i, p := range obs.Procs {
 		src[i] = -1
@@ -88,6 +91,10 @@ func MakePlan(obs Observation, pol Policy, history []MoveRecord, now time.Time) 
 			dec[i].GPU = obs.GPUs[src[i]].Index
 		}
 		dec[i].Reason = staticReason(p, src[i], pol, now, attempts, lastAttempt)
+		if peers := jobs[p.PID]; len(peers) > 0 {
+			dec[i].Reason = fmt.Sprintf("one of a job's %d CUDA processes (session %d: pids %s): a job is moved whole or not "+
+				"at all, and ptxmig does not move whole jobs yet", len(peers)+1, p.Session, pidsText(append([]int{p.PID}, peers...)))
+		}
 		eligible[i] = dec[i].Reason == ""
 	}
 
@@ -122,6 +129,42 @@ func MakePlan(obs Observation, pol Policy, history []MoveRecord, now time.Time) 
 	}
 	plan.Decisions = dec
 	return plan
+}
+
+// jobPeers groups the observed CUDA processes into jobs: those that share a session (a launcher
+// and its ranks: torchrun, mp.spawn, a script that starts them). Each process of a job of two or
+// more maps to the others; a process alone in its session, or whose session is unknown, is absent.
+func jobPeers(procs []Process) map[int][]int {
+	bySID := map[int][]int{}
+	for _, p := range procs {
+		if p.Session > 0 {
+			bySID[p.Session] = append(bySID[p.Session], p.PID)
+		}
+	}
+	out := map[int][]int{}
+	for _, pids := range bySID {
+		if len(pids) < 2 {
+			continue
+		}
+		sort.Ints(pids)
+		for _, pid := range pids {
+			for _, q := range pids {
+				if q != pid {
+					out[pid] = append(out[pid], q)
+				}
+			}
+		}
+	}
+	return out
+}
+
+func pidsText(pids []int) string {
+	sort.Ints(pids)
+	s := make([]string, len(pids))
+	for i, p := range pids {
+		s[i] = strconv.Itoa(p)
+	}
+	return strings.Join(s, ", ")
 }
 
 // staticReason returns why process p may not move regardless of loads, or "".

@@ -79,6 +79,15 @@ func TestMakePlan(t *testing.T) {
 				10: "predicted at 50% after the planned move(s), is below the busy threshold", 12: "GPU 1 at 40% is below the busy threshold", 13: "below the busy threshold"}},
 		},
 		{
+			name: "a job's ranks are left alone (one session), a process alone in its session moves",
+			gpus: []GPU{h200(0, 0.95, 650, 40), h200(1, 0.05, 90, 2), h200(2, 0.05, 90, 2)},
+			procs: []Process{mod(procOn(10, 0, 0.5, 20), func(p *Process) { p.Session = 7 }), mod(procOn(11, 0, 0.45, 20), func(p *Process) { p.Session = 7 }),
+				mod(procOn(12, 0, 0.4, 10), func(p *Process) { p.Session = 9 })},
+			policy: DefaultPolicy(),
+			want: want{moves: []string{"12:0->1"}, reasons: map[int]string{
+				10: "one of a job's 2 CUDA processes (session 7: pids 10, 11)", 11: "a job is moved whole or not at all"}},
+		},
+		{
 			name:   "mixed chip types never cross",
 			gpus:   []GPU{h200(0, 0.95, 650, 40), gpuOf(1, "NVIDIA A100-SXM4-80GB", 0, 60, 1)},
 			procs:  []Process{procOn(10, 0, 0.5, 20), procOn(11, 0, 0.45, 20)},

@@ -16,6 +16,7 @@ import (
 type ProcInfo struct {
 	Comm       string
 	State      byte // R, S, D, Z, ...
+	SID        int  // its session (stat field 6)
 	Cmdline    []string
 	StartTicks uint64    // start time in clock ticks after boot (stat field 22)
 	StartTime  time.Time // wall-clock start, from boot time + StartTicks
@@ -73,7 +74,7 @@ func (p ProcFS) Read(pid int) (ProcInfo, error) {
 	if err != nil {
 		return info, fmt.Errorf("pid %d stat: %w", pid, err)
 	}
-	info.Comm, info.State, info.StartTicks = st.Comm, st.State, st.StartTicks
+	info.Comm, info.State, info.StartTicks, info.SID = st.Comm, st.State, st.StartTicks, st.SID
 	if info.State == 'Z' || info.State == 'X' {
 		return info, fmt.Errorf("pid %d is a zombie: %w", pid, ErrNoProcess)
 	}

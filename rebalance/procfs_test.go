@@ -63,7 +63,7 @@ func TestProcFSFake(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := ProcInfo{Comm: "counter", State: 'R', Cmdline: []string{"./counter", "--busy"}, StartTicks: 6000,
+	want := ProcInfo{Comm: "counter", State: 'R', SID: 77, Cmdline: []string{"./counter", "--busy"}, StartTicks: 6000,
 		StartTime: time.Unix(1772300060, 0), EnvPin: true, EnvKnown: true, UnderShim: true}
 	if !reflect.DeepEqual(info, want) {
 		t.Errorf("got %+v\nwant %+v", info, want)
