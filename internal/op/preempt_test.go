@@ -39,7 +39,9 @@ func TestPreemptionSteps(t *testing.T) {
 		wantHint    string
 	}{
 		{name: "no shim", wantNote: "not running under the ptxmig shim"},
-		{name: "protocol 1", replies: map[string]string{"status": status(1)}, wantShim: true, wantNote: "protocol 1", wantHint: "protocol 1"},
+		{name: "protocol 1", replies: map[string]string{"status": status(1),
+			"quiesce": `{"ok":false,"proto":1,"error":"unknown cmd (want status, kernels or dump-modules)"}` + "\n"},
+			wantShim: true, wantNote: "protocol 1", wantHint: "protocol 1"},
 		{name: "garbled quiesce", replies: map[string]string{"status": status(2), "quiesce": "{nope\n"}, wantShim: true, wantNote: "quiesce failed", wantHint: "quiesce failed"},
 		{name: "quiesce, detach, resume", wantShim: true, wantQuiesce: true, wantResume: true, wantHint: "cublasGemm (no PTX (SASS only))",
 			replies: map[string]string{"status": status(2), "quiesce": quiesce, "detach": reply("detach", `{"state":"detached","detached":true}`, 2) + "\n",

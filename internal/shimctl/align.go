@@ -35,10 +35,7 @@ type AlignReply struct {
 // for a rank that is held. The arming is a lease of this connection: closing it disarms, unless
 // a quiesce on the same connection took over.
 func (c *Client) Align(ctx context.Context, at uint64) (*AlignReply, error) {
-	if err := c.needPreemption(ctx); err != nil {
-		return nil, err
-	}
-	raw, err := c.Raw(ctx, "align", map[string]any{"at": at})
+	raw, err := c.preemptRaw(ctx, "align", map[string]any{"at": at})
 	if err != nil {
 		return nil, err
 	}
