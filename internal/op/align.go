@@ -61,7 +61,7 @@ func (p *Preemption) align(ctx context.Context, pids []int, wait time.Duration) 
 			continue // no shim: the driver lock decides, as for any process without one
 		}
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		st, err := c.Status(sctx)
+		st, err := c.StatusBrief(sctx)
 		cancel()
 		if err != nil || st.Collectives == nil || st.Collectives.Count == 0 {
 			c.Close()
@@ -137,7 +137,7 @@ func (p *Preemption) waitHeld(ctx context.Context, pids []int, counts map[int]ui
 		all := true
 		for _, pid := range pids {
 			sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			st, err := p.aligned[pid].Status(sctx)
+			st, err := p.aligned[pid].StatusBrief(sctx)
 			cancel()
 			if err != nil {
 				return false, fmt.Errorf("status of pid %d while aligning: %w", pid, err)

@@ -101,7 +101,7 @@ func shimStatus(ctx context.Context, pid int) (*shimctl.Status, error) {
 	if err == nil {
 		defer c.Close()
 		var st *shimctl.Status
-		if st, err = c.Status(ctx); err == nil {
+		if st, err = c.StatusBrief(ctx); err == nil {
 			return st, nil
 		}
 	}

@@ -155,7 +155,7 @@ static void handle_mem(conn *c, const char *cmd, const char *dir, const char *ch
 
 // handle_line answers one request.
 static void handle_line(conn *c, const char *line, size_t n) {
-  static const char *const keys[] = {"cmd", "dir", "#budget_ms", "#chunk_bytes", "#slots", "#hash", "skip", "#at"};
+  static const char *const keys[] = {"cmd", "dir", "#budget_ms", "#chunk_bytes", "#slots", "#hash", "skip", "#at", "#brief"};
   enum { NKEYS = sizeof keys / sizeof keys[0] };
   char *vals[NKEYS];
   char err[256];
@@ -171,7 +171,7 @@ static void handle_line(conn *c, const char *line, size_t n) {
   if (!cmd) {
     reply_error(fd, "malformed request: missing \"cmd\"");
   } else if (strcmp(cmd, "status") == 0) {
-    report_status(&b);
+    report_status(&b, vals[8] && strcmp(vals[8], "0") != 0);
     send_ok(c, cmd, &b);
   } else if (strcmp(cmd, "kernels") == 0) {
     report_kernels(&b);

@@ -294,7 +294,7 @@ typedef void (*json_kernel_fn)(void *arg, const char *name, int eligible, const 
 int json_kernel_report(const char *text, size_t n, json_kernel_fn cb, void *arg);
 
 // Report builders (track.c) used by the control socket.
-void report_status(jbuf *b);
+void report_status(jbuf *b, int brief);  // brief: without the module list
 void report_kernels(jbuf *b);
 int report_dump(jbuf *b, const char *dir, char *err, size_t errlen);
 

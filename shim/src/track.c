@@ -1299,7 +1299,7 @@ static atomic_long peer_links;
 void trk_peer_access(int delta) { atomic_fetch_add(&peer_links, delta); }
 long trk_peer_links(void) { return atomic_load(&peer_links); }
 
-void report_status(jbuf *b) {
+void report_status(jbuf *b, int brief) {
   char exe[512];
   ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
   if (el < 0) el = 0;
@@ -1342,8 +1342,11 @@ void report_status(jbuf *b) {
   jb_printf(b, ",\"module_bytes\":{\"copied\":%llu,\"borrowed\":%llu,\"budget\":%llu}",
             (unsigned long long)captured_bytes, (unsigned long long)borrowed_bytes, (unsigned long long)cfg.capture_max);
   pthread_mutex_unlock(&mod_mu);
+  // The module list hashes every image the first time (hundreds of MB in a PyTorch process: 1.8 s
+  // on an H200 host, under the lock module loads take): brief leaves it out (ptxmig's preflight).
   jb_key(b, "modules");
-  report_modules(b);
+  if (brief) jb_s(b, "[],\"brief\":true");
+  else report_modules(b);
   jb_printf(b,
             ",\"interception\":{\"dlsym\":%lu,\"cuGetProcAddress\":%lu,\"cuGetProcAddress_v2\":%lu,"
             "\"cudaGetDriverEntryPoint\":%lu,\"by_name\":%lu,\"unmatched\":%lu,\"passthrough\":%lu}",

@@ -263,6 +263,12 @@ def main():
                 return check(False, f"app_direct collectives: {what}: {st()}")
 
             check(st() == {"count": 0, "hold_at": 0, "held": False}, f"app_direct collectives at start: {st()}")
+            # A brief status (ptxmig's preflight) leaves out the module list and nothing else.
+            full, brief = c.req(cmd="status")["result"], c.req(cmd="status", brief=1)["result"]
+            check(brief.get("brief") is True and brief["modules"] == [] and len(full["modules"]) == 2 and
+                  {k: v for k, v in brief.items() if k not in ("modules", "brief", "uptime_s", "preempt")} ==
+                  {k: v for k, v in full.items() if k not in ("modules", "uptime_s", "preempt")},
+                  f"brief status: {brief}")
             send(3)
             check(line(10) == "coll done" and st()["count"] == 3, f"app_direct collectives: 3 launches: {st()}")
             a = Conn(path)
