@@ -556,8 +556,8 @@ func refuseIOURing(tree []proc.Stat) error {
 		}
 		if bytes.Contains(b, []byte("anon_inode:[io_uring]")) {
 			return op.Refusef("pid %d (%s) has an io_uring instance, which CRIU cannot checkpoint; nothing was touched. "+
-				"Start the job without io_uring (PyTorch's TCPStore uses it through libuv: USE_LIBUV=0 turns libuv off; "+
-				"another program: its own switch)", s.PID, s.Comm)
+				"Start the job without io_uring (PyTorch's TCPStore uses it through libuv: USE_LIBUV=0 turns libuv off, "+
+				"and `ptxmig run --nccl-sockets` sets it; another program: its own switch)", s.PID, s.Comm)
 		}
 	}
 	return nil

@@ -46,14 +46,16 @@ func ddpReference(t *testing.T, env []string, port int) <-chan []string {
 	return ref
 }
 
-// startJob starts the DDP job under `ptxmig run` (the shim in the parent and every rank).
-func startJob(t *testing.T, env []string, port int) *proc {
+// startJob starts the DDP job under `ptxmig run` (the shim in the parent and every rank), with
+// run's flags.
+func startJob(t *testing.T, env, flags []string, port int) *proc {
 	t.Helper()
 	shim := os.Getenv("PTXMIG_SHIM")
 	if shim == "" {
 		t.Skip("PTXMIG_SHIM not set (run through gpu-e2e.sh)")
 	}
-	runArgs := append([]string{"run", "--shim", shim, "--socket-dir", filepath.Join(t.TempDir(), "sock"), "--", "python3"}, ddpArgs(port)...)
+	runArgs := append(append([]string{"run", "--shim", shim, "--socket-dir", filepath.Join(t.TempDir(), "sock")}, flags...), "--", "python3")
+	runArgs = append(runArgs, ddpArgs(port)...)
 	p := startEnv(t, env, bin, runArgs...)
 	waitLine(t, p.log, "step 30 ", 4*time.Minute)
 	return p
@@ -81,7 +83,7 @@ func TestJobDDP(t *testing.T) {
 	need(t, 2)
 	t.Run("default-transports", func(t *testing.T) {
 		ref := ddpReference(t, []string{"NCCL_NVLS_ENABLE=0"}, 29601)
-		p := startJob(t, []string{"NCCL_NVLS_ENABLE=0"}, 29602)
+		p := startJob(t, []string{"NCCL_NVLS_ENABLE=0"}, nil, 29602)
 		_, se, code := ptxmig(t, "checkpoint", "--leave-running", "--tcp-established", strconv.Itoa(p.pid))
 		if code != 3 || !strings.Contains(se, "NCCL_P2P_DISABLE=1") {
 			t.Fatalf("checkpoint of a job on NCCL's default transports: exit %d, want 3 naming the way out:\n%s", code, se)
@@ -96,7 +98,7 @@ func TestJobDDP(t *testing.T) {
 	})
 	t.Run("socket-transports", func(t *testing.T) {
 		ref := ddpReference(t, ncclSockets, 29603)
-		p := startJob(t, ncclSockets, 29604)
+		p := startJob(t, []string{"NCCL_NVLS_ENABLE=0"}, []string{"--nccl-sockets"}, 29604) // what the reference gets by hand
 		tree := jobPIDs(t, p.pid)
 		if len(tree) < 3 {
 			t.Fatalf("job tree %v: want the parent and two ranks", tree)

@@ -58,8 +58,15 @@ func init() {
 			"none of it to copy; a restore maps it again at the same addresses and loads it back. Memory\n" +
 			"the shim does not own (smaller or stream-ordered allocations, peer access in use, VMM out of\n" +
 			"memory) is left to the driver, as without the flag. Owned memory cannot be shared by CUDA IPC.\n\n" +
+			"Jobs: NCCL's default transports map GPU memory between the ranks, which the NVIDIA driver\n" +
+			"cannot restore, so ptxmig refuses to checkpoint such a job. --nccl-sockets starts it with the\n" +
+			"transports it can take: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_CUMEM_ENABLE=0 (the ranks\n" +
+			"exchange data through sockets: slower collectives) and USE_LIBUV=0 (PyTorch's TCPStore\n" +
+			"without libuv, whose io_uring CRIU cannot dump). Nothing is changed without the flag; a\n" +
+			"variable already set to another value stops ptxmig run (125).\n\n" +
 			"Examples:\n" +
 			"   ptxmig run -- python3 train.py --steps 200\n" +
+			"   ptxmig run --nccl-sockets -- torchrun --nproc-per-node 2 train_ddp.py   # checkpointable job\n" +
 			"   ptxmig run --preempt always ./longgrid --seconds 30\n" +
 			"   ptxmig run --mid-block -- ./longkernel --seconds 600   # stop inside its blocks\n" +
 			"   ptxmig run --owned-memory -- python3 serve.py   # checkpoints copy GPU memory at link speed\n" +
@@ -72,6 +79,8 @@ func init() {
 				Usage: "twins that also stop inside a block where the kernel allows it (for kernels whose blocks run long; costs other kernels time)"},
 			&cli.BoolFlag{Name: "owned-memory", EnvVars: []string{"PTXMIG_OWNED_MEMORY"},
 				Usage: "the shim serves device allocations from VMM mappings it moves itself at checkpoint and restore (fast; no CUDA IPC of them)"},
+			&cli.BoolFlag{Name: "nccl-sockets",
+				Usage: "a multi-process NCCL job that ptxmig can checkpoint: its ranks exchange data through sockets (" + strings.Join(ncclSocketEnv, " ") + ")"},
 			socketDirFlag(),
 		},
 		Action: runAction,
@@ -205,6 +214,12 @@ func lookCommand(name string) (string, error) {
 // wait for it, forward signals or write to its files (a wrapper that outlives CMD breaks CRIU's
 // restore of CMD: it writes into the files CMD shares with it). CMD's exit status is its own;
 // ptxmig run's own failures exit 125, 126 or 127 (run maps every other status to 125).
+// ncclSocketEnv is what --nccl-sockets sets: NCCL transports a driver checkpoint can take (no GPU
+// or host memory mapped between the ranks) and PyTorch's TCPStore without libuv's io_uring, which
+// CRIU cannot dump (2x H200, 2026-11-28: a 2-rank DDP job started so was checkpointed whole with
+// --leave-running and ran on; docs/PLATFORM.md).
+var ncclSocketEnv = []string{"NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1", "NCCL_CUMEM_ENABLE=0", "USE_LIBUV=0"}
+
 func runAction(c *cli.Context) error {
 	args := c.Args().Slice()
 	if len(args) > 0 && args[0] == "--" {
@@ -239,6 +254,15 @@ func runAction(c *cli.Context) error {
 	settings["PTXMIG_OWNED_MEMORY"] = "0"
 	if c.Bool("owned-memory") {
 		settings["PTXMIG_OWNED_MEMORY"] = "1"
+	}
+	if c.Bool("nccl-sockets") {
+		for _, kv := range ncclSocketEnv {
+			k, v, _ := strings.Cut(kv, "=")
+			if have, ok := os.LookupEnv(k); ok && have != v {
+				return exitcode.Usagef("run: --nccl-sockets sets %s, which the environment sets to %q: unset it or drop the flag", kv, have)
+			}
+			settings[k] = v
+		}
 	}
 	if exe != "" {
 		settings["PTXMIG_HELPER"] = exe // the shim instruments PTX with `ptxmig ptx instrument`, outside the app

@@ -250,6 +250,30 @@ func TestRun(t *testing.T) {
 		}
 	})
 
+	t.Run("nccl sockets", func(t *testing.T) {
+		// --nccl-sockets sets the job's transports; without it nothing is set; a conflicting value
+		// is ptxmig run's own failure (125), and nothing starts.
+		show := `echo "$NCCL_P2P_DISABLE|$NCCL_SHM_DISABLE|$NCCL_CUMEM_ENABLE|$USE_LIBUV"`
+		args := append([]string{"run", "--nccl-sockets", "--shim", f.shim, "--socket-dir", f.sock, "--"}, "sh", "-c", show)
+		if out, err := f.cmd(args).Output(); err != nil || string(out) != "1|1|0|0\n" {
+			t.Errorf("--nccl-sockets: %q %v", out, err)
+		}
+		if out, err := f.cmd(f.runArgs("sh", "-c", show)).Output(); err != nil || string(out) != "|||\n" {
+			t.Errorf("without the flag: %q %v", out, err)
+		}
+		if out, err := f.cmd(args, "NCCL_P2P_DISABLE=1").Output(); err != nil || string(out) != "1|1|0|0\n" {
+			t.Errorf("--nccl-sockets with an agreeing environment: %q %v", out, err)
+		}
+		c := f.cmd(args, "NCCL_CUMEM_ENABLE=1")
+		var errb bytes.Buffer
+		c.Stderr = &errb
+		err := c.Run()
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 125 || !strings.Contains(errb.String(), "NCCL_CUMEM_ENABLE") { // run's own failure
+			t.Errorf("--nccl-sockets against NCCL_CUMEM_ENABLE=1: %v, %s", err, errb.String())
+		}
+	})
+
 	t.Run("session", func(t *testing.T) {
 		// The app keeps ptxmig's session, except where that session's leader is outside the PID
 		// namespace (session 0 in /proc: docker exec, CI runners): CRIU cannot dump such a

@@ -49,9 +49,9 @@ func RefuseUnrestorable(ctx context.Context, pids []int) error {
 				"process's (cuCheckpointProcessRestore fails with CUDA_ERROR_NOT_SUPPORTED, so a --leave-running checkpoint "+
 				"cannot roll back either; measured on 2x H200, driver 580.159.04, with a PyTorch DDP rank using NCCL's "+
 				"default transports)", describeSharing(s)))
-			fixes = append(fixes, "For NCCL, start the job with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_CUMEM_ENABLE=0, "+
-				"so that ranks exchange data through sockets; for another application, stop sharing GPU memory between "+
-				"processes (CUDA IPC, cuMemExportToShareableHandle, exported memory pools)")
+			fixes = append(fixes, "For NCCL, start the job with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_CUMEM_ENABLE=0 "+
+				"(`ptxmig run --nccl-sockets` sets them), so that ranks exchange data through sockets; for another application, "+
+				"stop sharing GPU memory between processes (CUDA IPC, cuMemExportToShareableHandle, exported memory pools)")
 		}
 		if len(found) > 0 {
 			return Refusef("pid %d %s, so it would be lost; nothing was touched. %s", pid,
