@@ -264,6 +264,9 @@ void *drv_sym(const char *name) {
   X(cuLibraryGetModule, "cuLibraryGetModule", 0, 0, 0, 0)                         \
   X(cuKernelGetFunction, "cuKernelGetFunction", 0, 0, 0, 0)                       \
   X(cuLinkComplete, "cuLinkComplete", 0, 0, 0, 0)                                 \
+  X(cuLinkAddData_v2, "cuLinkAddData", 6050, 0, 0, 0)                             \
+  X(cuLinkAddFile_v2, "cuLinkAddFile", 6050, 0, 0, 0)                             \
+  X(cuLinkDestroy, "cuLinkDestroy", 0, 0, 0, 0)                                   \
   X(cuMemAlloc_v2, "cuMemAlloc", 3020, 0, 0, 0)                                   \
   X(cuMemAllocPitch_v2, "cuMemAllocPitch", 3020, 0, 0, 0)                         \
   X(cuMemFree_v2, "cuMemFree", 3020, 0, 0, 0)                                     \
@@ -624,9 +627,10 @@ EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image) {
   __typeof__(&cuModuleLoadData) real = REAL(cuModuleLoadData);
   if (!real) return 999;
   kinfo_set ks = {0};
-  char *ptx = NULL;
+  char *ptx = NULL, *linked = m ? instr_link_ptx(image) : NULL;  // a JIT link's cubin: its PTX
   CUresult r = 999;
-  int sw = m && image && instr_prepare(image, 0, NULL, &ptx, &ks);
+  int sw = m && image && instr_prepare(linked ? linked : image, 0, NULL, &ptx, &ks);
+  free(linked);
   if (sw && (r = real(m, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
   free(ptx);
   if (!sw) r = real(m, image);
@@ -637,9 +641,10 @@ EXPORT CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned n, C
   __typeof__(&cuModuleLoadDataEx) real = REAL(cuModuleLoadDataEx);
   if (!real) return 999;
   kinfo_set ks = {0};
-  char *ptx = NULL;
+  char *ptx = NULL, *linked = m ? instr_link_ptx(image) : NULL;  // a JIT link's cubin: its PTX
   CUresult r = 999;
-  int sw = m && image && instr_prepare(image, 0, NULL, &ptx, &ks);
+  int sw = m && image && instr_prepare(linked ? linked : image, 0, NULL, &ptx, &ks);
+  free(linked);
   if (sw && (r = real(m, ptx, n, o, v)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
   free(ptx);
   if (!sw) r = real(m, image, n, o, v);
@@ -730,7 +735,28 @@ EXPORT CUresult cuKernelGetFunction(CUfunction *f, CUkernel k) {
 }
 EXPORT CUresult cuLinkComplete(CUlinkState st, void **cubin, size_t *size) {
   CALL_REAL(cuLinkComplete, st, cubin, size);
-  if (r_ == CUDA_SUCCESS && cubin && *cubin && size) trk_module_add(MS_LINK_COMPLETE, NULL, *cubin, *size, NULL);
+  if (r_ == CUDA_SUCCESS && cubin && *cubin && size) {
+    trk_module_add(MS_LINK_COMPLETE, NULL, *cubin, *size, NULL);
+    instr_link_complete(st, *cubin, *size);
+  }
+  return r_;
+}
+// A JIT link's PTX input (CuPy, Numba): kept so that the module loaded from the link's cubin can
+// be instrumented from it (instr_link_ptx).
+EXPORT CUresult cuLinkAddData_v2(CUlinkState st, int type, void *data, size_t size, const char *name, unsigned n,
+                                 CUjit_option *o, void **v) {
+  CALL_REAL(cuLinkAddData_v2, st, type, data, size, name, n, o, v);
+  if (r_ == CUDA_SUCCESS) instr_link_input(st, type, data, size, NULL);
+  return r_;
+}
+EXPORT CUresult cuLinkAddFile_v2(CUlinkState st, int type, const char *path, unsigned n, CUjit_option *o, void **v) {
+  CALL_REAL(cuLinkAddFile_v2, st, type, path, n, o, v);
+  if (r_ == CUDA_SUCCESS) instr_link_input(st, type, NULL, 0, path);
+  return r_;
+}
+EXPORT CUresult cuLinkDestroy(CUlinkState st) {
+  CALL_REAL(cuLinkDestroy, st);
+  instr_link_destroy(st);  // the cubin is gone with the link, whatever the driver answered
   return r_;
 }
 

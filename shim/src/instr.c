@@ -7,9 +7,12 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -797,4 +800,147 @@ int instr_prepare(const void *image, size_t known, const char *path, char **ptx_
   ks->instrumented = 1;
   *ptx_out = out;
   return 1;
+}
+
+// ---- JIT-linked modules ----
+// CuPy and Numba compile to PTX (NVRTC, NVVM), link it (cuLinkAddData, cuLinkComplete) and load
+// the cubin the link returned, often from a copy made before cuLinkDestroy: the module holds no
+// PTX, so it would get no twins. A link whose only input is one PTX keeps a copy of that PTX, and
+// once complete, the cubin's hash; a module loaded from a cubin with that hash (the link's buffer
+// or any copy of it) is instrumented from the PTX, which holds the same kernels. A link with
+// anything else (a library, a cubin, several PTX inputs) leaves its module as it is. The last
+// MAX_LINKS completed links are remembered.
+#define MAX_LINKS 64
+#define CU_JIT_INPUT_PTX 1
+#define MAX_LINK_PTX (64u << 20)
+typedef struct linkrec {
+  void *state;  // while the link is open (NULL once destroyed)
+  char *ptx;    // the one PTX input (NUL-terminated), NULL once the link has any other
+  size_t len;
+  int inputs;
+  int complete;
+  char sha[65];  // the cubin's, once complete
+} linkrec;
+static linkrec links[MAX_LINKS];
+static unsigned link_next;     // the slot a new link takes when none is free (round robin)
+static atomic_int links_done;  // completed links with a PTX: module loads look only then
+static pthread_mutex_t link_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static linkrec *link_find_locked(void *state) {
+  for (int i = 0; i < MAX_LINKS; i++)
+    if (links[i].state == state) return &links[i];
+  return NULL;
+}
+
+static void link_clear_locked(linkrec *l) {
+  if (l->complete && l->ptx) atomic_fetch_sub(&links_done, 1);
+  free(l->ptx);
+  *l = (linkrec){0};
+}
+
+// read_ptx_file reads a PTX file of a cuLinkAddFile (NULL when unreadable or too large).
+static char *read_ptx_file(const char *path, size_t *len) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return NULL;
+  struct stat st;
+  char *buf = NULL;
+  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0 && (size_t)st.st_size < MAX_LINK_PTX &&
+      (buf = malloc((size_t)st.st_size + 1))) {
+    size_t got = 0;
+    while (got < (size_t)st.st_size) {
+      ssize_t n = read(fd, buf + got, (size_t)st.st_size - got);
+      if (n <= 0) break;
+      got += (size_t)n;
+    }
+    if (got != (size_t)st.st_size) {
+      free(buf);
+      buf = NULL;
+    } else {
+      buf[got] = 0;
+      *len = got;
+    }
+  }
+  close(fd);
+  return buf;
+}
+
+void instr_link_input(void *state, int type, const void *data, size_t size, const char *path) {
+  if (!state) return;
+  char *ptx = NULL;
+  size_t len = 0;
+  if (type == CU_JIT_INPUT_PTX) {  // copied outside the lock
+    if (data && size > 0 && size < MAX_LINK_PTX && (ptx = malloc(size + 1))) {
+      memcpy(ptx, data, size);
+      ptx[size] = 0;
+      len = strlen(ptx);
+    } else if (!data && path) {
+      ptx = read_ptx_file(path, &len);
+    }
+  }
+  pthread_mutex_lock(&link_mu);
+  linkrec *l = link_find_locked(state);
+  if (!l && !(l = link_find_locked(NULL))) {  // full: the oldest slot goes
+    l = &links[link_next++ % MAX_LINKS];
+    link_clear_locked(l);
+  }
+  if (!l->state) *l = (linkrec){.state = state};
+  l->inputs++;
+  if (l->inputs == 1 && ptx) {
+    l->ptx = ptx;
+    l->len = len;
+    ptx = NULL;
+  } else if (l->ptx) {  // a second input: the cubin is no longer the PTX's alone
+    free(l->ptx);
+    l->ptx = NULL;
+  }
+  pthread_mutex_unlock(&link_mu);
+  free(ptx);
+}
+
+void instr_link_complete(void *state, const void *cubin, size_t size) {
+  char sha[65];
+  sha256_hex(cubin, size, sha);  // outside the lock
+  pthread_mutex_lock(&link_mu);
+  linkrec *l = state ? link_find_locked(state) : NULL;
+  if (l && l->ptx && !l->complete) {
+    memcpy(l->sha, sha, sizeof sha);
+    l->complete = 1;
+    atomic_fetch_add(&links_done, 1);
+  }
+  pthread_mutex_unlock(&link_mu);
+}
+
+void instr_link_destroy(void *state) {
+  pthread_mutex_lock(&link_mu);
+  linkrec *l = state ? link_find_locked(state) : NULL;
+  if (l && l->complete && l->ptx) {
+    l->state = NULL;  // its cubin may still be loaded from a copy: keep the PTX
+  } else if (l) {
+    link_clear_locked(l);
+  }
+  pthread_mutex_unlock(&link_mu);
+}
+
+char *instr_link_ptx(const void *image) {
+  const uint8_t *p = image;
+  if (!p || !atomic_load(&links_done) || p[0] != 0x7f || p[1] != 'E') return NULL;
+  size_t size = fb_elf_size(p, SIZE_MAX);  // an ELF's extent, from its own headers
+  if (!size) return NULL;
+  char sha[65], *out = NULL;
+  sha256_hex(image, size, sha);
+  pthread_mutex_lock(&link_mu);
+  for (int i = 0; i < MAX_LINKS; i++) {
+    if (links[i].complete && links[i].ptx && strcmp(links[i].sha, sha) == 0) {
+      out = strndup(links[i].ptx, links[i].len);
+      break;
+    }
+  }
+  pthread_mutex_unlock(&link_mu);
+  return out;
+}
+
+void instr_atfork_child(void) {
+  pthread_mutex_init(&link_mu, NULL);  // held by another thread of the parent, perhaps
+  memset(links, 0, sizeof links);      // (the parent's copies leak in the child)
+  atomic_store(&links_done, 0);
 }

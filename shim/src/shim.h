@@ -129,6 +129,13 @@ int instr_prepare(const void *image, size_t known, const char *path, char **ptx,
 void kinfo_set_free(kinfo_set *ks);  // frees the kernels (keeps reason)
 void instr_failed(kinfo_set *ks, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void instr_stats(struct jbuf *b);
+// JIT links (cuLinkAddData/AddFile, cuLinkComplete, cuLinkDestroy): instr_link_ptx returns a copy
+// (malloc'd) of the one PTX input of the link that produced image, or NULL.
+void instr_link_input(void *state, int type, const void *data, size_t size, const char *path);
+void instr_link_complete(void *state, const void *cubin, size_t size);
+void instr_link_destroy(void *state);
+char *instr_link_ptx(const void *image);
+void instr_atfork_child(void);
 // trk_module_twins attaches ks (moved) to the module just tracked under handle.
 void trk_module_twins(void *handle, kinfo_set *ks);
 const kinfo *trk_kinfo_of(struct krec *r, const char **module_reason, void **owner, int *owner_is_lib);

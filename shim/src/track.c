@@ -1008,6 +1008,7 @@ static void fork_child(void) {
   fork_parent();
   preempt_atfork_child();
   vmm_atfork_child();
+  instr_atfork_child();
   pthread_mutex_init(&sample_mu, NULL);
   npending = 0;
   npool = 0;

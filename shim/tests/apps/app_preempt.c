@@ -15,7 +15,8 @@
 //   check           cuCtxSynchronize, then every block of every launch must have run exactly once
 //   calls NAME      prints "calls N": the fake driver's count of NAME (fake_calls)
 //   quit
-// APP_MODULE=library loads through cuLibraryLoadData/cuLibraryGetKernel, else cuModuleLoadData.
+// APP_MODULE=library loads through cuLibraryLoadData/cuLibraryGetKernel, APP_MODULE=link links the
+// PTX (cuLinkAddData, cuLinkComplete) and loads the cubin, else cuModuleLoadData.
 // APP_KERNEL=loop: launches use k_count_loop instead (a CTA-wide barrier in a uniform loop before
 // the count: ptxstate gives it a mid-block twin), from a module that has both.
 // APP_GO_FILE=PATH (the CRIU test: no pipes to the harness): print "pid N", launch k_count over 400
@@ -33,6 +34,10 @@ CUresult cuInit(unsigned);
 CUresult cuDevicePrimaryCtxRetain(void **, int);
 CUresult cuCtxSetCurrent(void *);
 CUresult cuModuleLoadData(void **, const void *);
+CUresult cuLinkCreate_v2(unsigned, void *, void **, void **);
+CUresult cuLinkAddData_v2(void *, int, void *, size_t, const char *, unsigned, void *, void **);
+CUresult cuLinkComplete(void *, void **, size_t *);
+CUresult cuLinkDestroy(void *);
 CUresult cuModuleGetFunction(void **, void *, const char *);
 CUresult cuLibraryLoadData(void **, const void *, void *, void *, unsigned, void *, void *, unsigned);
 CUresult cuLibraryGetKernel(void **, void *, const char *);
@@ -164,7 +169,21 @@ int main(void) {
   static char image[sizeof kc_ptx + sizeof kc_loop_ptx];
   snprintf(image, sizeof image, "%s%s", kc_ptx, loop ? kc_loop_ptx : "");
   const char *count = loop ? "k_count_loop" : "k_count";
-  if (how && strcmp(how, "library") == 0) {
+  if (how && strcmp(how, "link") == 0) {
+    // A JIT link (CuPy, Numba): PTX linked into a cubin, loaded from a copy made before the
+    // link is destroyed.
+    void *ls, *cubin;
+    size_t csz;
+    CK(cuLinkCreate_v2(0, NULL, NULL, &ls));
+    CK(cuLinkAddData_v2(ls, 1 /* CU_JIT_INPUT_PTX */, image, strlen(image) + 1, "kc.ptx", 0, NULL, NULL));
+    CK(cuLinkComplete(ls, &cubin, &csz));
+    void *copy = malloc(csz);
+    memcpy(copy, cubin, csz);
+    CK(cuLinkDestroy(ls));
+    CK(cuModuleLoadData(&mod, copy));
+    CK(cuModuleGetFunction(&fn_count, mod, count));
+    CK(cuModuleGetFunction(&fn_refused, mod, "k_refused"));
+  } else if (how && strcmp(how, "library") == 0) {
     CK(cuLibraryLoadData(&mod, image, NULL, NULL, 0, NULL, NULL, 0));
     CK(cuLibraryGetKernel(&fn_count, mod, count));
     CK(cuLibraryGetKernel(&fn_refused, mod, "k_refused"));

@@ -223,6 +223,44 @@ EXPORT CUresult cuCtxDestroy_v2(void *c) { if (c == &primary) return E_INVALID_V
 // FAKE_CUDA_REJECT_TWINS=1: PTX with twins fails to JIT (the shim must load the original instead).
 static int reject(const void *img) { const char *v = getenv("FAKE_CUDA_REJECT_TWINS"); return v && *v == '1' && is_ptx(img) && strstr(img, "__ptxmig"); }
 EXPORT CUresult cuModuleLoadData(void **m, const void *img) { COUNT(cuModuleLoadData); if (!image_ok(img)) return E_INVALID_IMAGE; if (reject(img)) return 218; *m = mod_new(img); return OK; }
+// A JIT link (CuPy, Numba): PTX in, a "cubin" out: a 64-byte ELF header that loads as a binary
+// image (any function name, no layout), as a real cubin would hold the linked kernels.
+typedef struct flink { int magic; int inputs; unsigned char cubin[64]; } flink;
+#define LINK_MAGIC 0x11c
+EXPORT CUresult cuLinkCreate_v2(unsigned n, void *o, void **v, void **st) {
+  (void)n; (void)o; (void)v;
+  flink *l = calloc(1, sizeof *l);
+  if (!l) return 2;
+  l->magic = LINK_MAGIC;
+  static const unsigned char ident[] = {0x7f, 'E', 'L', 'F', 2, 1, 1};
+  memcpy(l->cubin, ident, sizeof ident);
+  *st = l;
+  return OK;
+}
+EXPORT CUresult cuLinkAddData_v2(void *st, int type, void *data, size_t size, const char *name, unsigned n, void *o, void **v) {
+  (void)type; (void)name; (void)n; (void)o; (void)v;
+  if (!st || ((flink *)st)->magic != LINK_MAGIC || !data || !size) return E_INVALID_VALUE;
+  ((flink *)st)->inputs++;
+  return OK;
+}
+EXPORT CUresult cuLinkAddFile_v2(void *st, int type, const char *path, unsigned n, void *o, void **v) {
+  (void)type; (void)n; (void)o; (void)v;
+  if (!st || ((flink *)st)->magic != LINK_MAGIC || !path) return E_INVALID_VALUE;
+  ((flink *)st)->inputs++;
+  return OK;
+}
+EXPORT CUresult cuLinkComplete(void *st, void **cubin, size_t *size) {
+  if (!st || ((flink *)st)->magic != LINK_MAGIC || !((flink *)st)->inputs) return E_INVALID_VALUE;
+  *cubin = ((flink *)st)->cubin;
+  *size = sizeof ((flink *)st)->cubin;
+  return OK;
+}
+EXPORT CUresult cuLinkDestroy(void *st) {
+  if (!st || ((flink *)st)->magic != LINK_MAGIC) return E_INVALID_VALUE;
+  ((flink *)st)->magic = 0;
+  free(st);
+  return OK;
+}
 EXPORT CUresult cuModuleLoadDataEx(void **m, const void *img, unsigned n, void *o, void **v) { (void)n; (void)o; (void)v; if (!image_ok(img)) return E_INVALID_IMAGE; *m = mod_new(img); return OK; }
 EXPORT CUresult cuModuleLoadFatBinary(void **m, const void *img) { if (!image_ok(img)) return E_INVALID_IMAGE; *m = mod_new(img); return OK; }
 EXPORT CUresult cuModuleLoad(void **m, const char *path) {
@@ -1551,7 +1589,8 @@ static const struct { const char *name; void *fn; } table[] = {
     T(cuIpcOpenMemHandle) T(cuIpcOpenMemHandle_v2) T(cuIpcCloseMemHandle) T(cuMemExportToShareableHandle)
     T(cuMemImportFromShareableHandle) T(cuMemRetainAllocationHandle) T(cuMemPoolCreate) T(cuMemPoolDestroy)
     T(cuMemPoolExportToShareableHandle) T(cuMemPoolImportFromShareableHandle) T(cuMemPoolExportPointer)
-    T(cuMemPoolImportPointer)
+    T(cuMemPoolImportPointer) T(cuLinkCreate_v2) T(cuLinkAddData_v2) T(cuLinkAddFile_v2) T(cuLinkComplete)
+    T(cuLinkDestroy)
 #undef T
 };
 // With FAKE_CUDA_INTERNAL_PTRS=1 the resolver hands out internal entry points (distinct addresses
@@ -1594,6 +1633,7 @@ static CUresult resolve(const char *sym, void **pfn, int ver, unsigned long long
   if (strcmp(sym, "cuGetProcAddress") == 0 && ver >= 12000) suffix = "_v2";
   if (strcmp(sym, "cuMemHostRegister") == 0 && ver >= 6050) suffix = "_v2";
   if (strcmp(sym, "cuIpcOpenMemHandle") == 0 && ver >= 11000) suffix = "_v2";
+  if ((strcmp(sym, "cuLinkCreate") == 0 || strcmp(sym, "cuLinkAddData") == 0 || strcmp(sym, "cuLinkAddFile") == 0) && ver >= 6050) suffix = "_v2";
   if (flags == 2) {  // per-thread default stream: the _ptsz variant where one exists
     snprintf(name, sizeof name, "%s%s_ptsz", sym, suffix);
     p = lookup(name);
