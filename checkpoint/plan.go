@@ -178,6 +178,9 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 	if err := refuseIOURing(stats); err != nil {
 		return nil, err
 	}
+	if err := op.RefuseFrameworks(p.CUDAPIDs, true); err != nil {
+		return nil, err
+	}
 	if err := op.RefuseUnrestorable(context.Background(), p.CUDAPIDs); err != nil {
 		return nil, err
 	}

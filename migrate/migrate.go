@@ -123,6 +123,9 @@ func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 	if st != cudackpt.Running {
 		return nil, op.Refusef("pid %d is %s, not running: another tool (or a failed operation) holds it", pid, st)
 	}
+	if err := op.RefuseFrameworks([]int{pid}, false); err != nil {
+		return nil, err
+	}
 	if err := op.RefuseUnrestorable(context.Background(), []int{pid}); err != nil {
 		return nil, err
 	}

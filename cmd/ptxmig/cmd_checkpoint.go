@@ -31,7 +31,9 @@ func init() {
 			"read-only or lacks room for the estimate (resident memory + GPU memory); a CUDA process under\n" +
 			"the shim has enabled peer access between its GPUs or shares GPU memory with another process\n" +
 			"(CUDA IPC, VMM shareable handles, memory pools: NCCL's default transports; the error names\n" +
-			"NCCL's socket transports as the way out), which driver 580 checkpoints but cannot restore. A\n" +
+			"NCCL's socket transports as the way out), which driver 580 checkpoints but cannot restore; a\n" +
+			"tree with an io_uring instance (CRIU cannot dump it); a JAX process (refused by name until its\n" +
+			"checkpoint is fixed: docs/COMPATIBILITY.md). A\n" +
 			"tree of several CUDA processes under the shim that launch collectives (NCCL ranks) is first\n" +
 			"stopped right after the same collective in every rank (within --lock-timeout), so that no\n" +
 			"rank's collective waits for one already locked. With --leave-running, a warning names other\n" +
