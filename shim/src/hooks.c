@@ -601,6 +601,16 @@ static void swap_failed(kinfo_set *ks, CUresult r) {
   instr_failed(ks, "instrumentation failed: the driver refused the instrumented PTX (error %d)", (int)r);
   LOG_ONCE("%s; original loaded (further refusals are not logged)", ks->reason);
 }
+// swap_prepare instruments what a load is about to load (instr_prepare): the image, the file at
+// path, or, for the cubin of a JIT link (or a copy of it), that link's PTX. 1: *ptx is to be
+// loaded instead.
+static int swap_prepare(const void *image, const char *path, char **ptx, kinfo_set *ks) {
+  if (!image && !path) return 0;
+  char *linked = instr_link_ptx(image);
+  int sw = instr_prepare(linked ? linked : image, 0, linked ? NULL : path, ptx, ks);
+  free(linked);
+  return sw;
+}
 static void load_done(int source, CUresult r, void *handle, const void *image, const char *path, kinfo_set *ks) {
   if (r == CUDA_SUCCESS && handle) {
     trk_module_add(source, handle, image, 0, path);
@@ -616,7 +626,7 @@ EXPORT CUresult cuModuleLoad(CUmodule *m, const char *fname) {
   kinfo_set ks = {0};
   char *ptx = NULL;
   CUresult r = 999;
-  int sw = m && fname && instr_prepare(NULL, 0, fname, &ptx, &ks);
+  int sw = m && swap_prepare(NULL, fname, &ptx, &ks);
   if (sw && (r = data(m, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
   free(ptx);
   if (!sw) r = real(m, fname);
@@ -627,10 +637,9 @@ EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image) {
   __typeof__(&cuModuleLoadData) real = REAL(cuModuleLoadData);
   if (!real) return 999;
   kinfo_set ks = {0};
-  char *ptx = NULL, *linked = m ? instr_link_ptx(image) : NULL;  // a JIT link's cubin: its PTX
+  char *ptx = NULL;
   CUresult r = 999;
-  int sw = m && image && instr_prepare(linked ? linked : image, 0, NULL, &ptx, &ks);
-  free(linked);
+  int sw = m && swap_prepare(image, NULL, &ptx, &ks);
   if (sw && (r = real(m, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
   free(ptx);
   if (!sw) r = real(m, image);
@@ -641,10 +650,9 @@ EXPORT CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned n, C
   __typeof__(&cuModuleLoadDataEx) real = REAL(cuModuleLoadDataEx);
   if (!real) return 999;
   kinfo_set ks = {0};
-  char *ptx = NULL, *linked = m ? instr_link_ptx(image) : NULL;  // a JIT link's cubin: its PTX
+  char *ptx = NULL;
   CUresult r = 999;
-  int sw = m && image && instr_prepare(linked ? linked : image, 0, NULL, &ptx, &ks);
-  free(linked);
+  int sw = m && swap_prepare(image, NULL, &ptx, &ks);
   if (sw && (r = real(m, ptx, n, o, v)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
   free(ptx);
   if (!sw) r = real(m, image, n, o, v);
@@ -658,7 +666,7 @@ EXPORT CUresult cuModuleLoadFatBinary(CUmodule *m, const void *fatbin) {
   kinfo_set ks = {0};
   char *ptx = NULL;
   CUresult r = 999;
-  int sw = m && fatbin && instr_prepare(fatbin, 0, NULL, &ptx, &ks);
+  int sw = m && swap_prepare(fatbin, NULL, &ptx, &ks);
   if (sw && (r = data(m, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
   free(ptx);
   if (!sw) r = real(m, fatbin);
@@ -679,7 +687,7 @@ EXPORT CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, CUjit_option
   kinfo_set ks = {0};
   char *ptx = NULL;
   CUresult r = 999;
-  int sw = lib && code && instr_prepare(code, 0, NULL, &ptx, &ks);
+  int sw = lib && swap_prepare(code, NULL, &ptx, &ks);
   if (sw && (r = real(lib, ptx, jo, jv, nj, lo, lv, nl)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
   if (!sw || !preserved(lo, lv, nl)) free(ptx);
   if (!sw) r = real(lib, code, jo, jv, nj, lo, lv, nl);
@@ -694,7 +702,7 @@ EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *lib, const char *fname, CUjit_o
   kinfo_set ks = {0};
   char *ptx = NULL;
   CUresult r = 999;
-  int sw = lib && fname && instr_prepare(NULL, 0, fname, &ptx, &ks);
+  int sw = lib && swap_prepare(NULL, fname, &ptx, &ks);
   if (sw && (r = data(lib, ptx, jo, jv, nj, lo, lv, nl)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
   if (!sw || !preserved(lo, lv, nl)) free(ptx);
   if (!sw) r = real(lib, fname, jo, jv, nj, lo, lv, nl);
