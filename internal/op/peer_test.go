@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 
 	"github.com/ptxmig/ptxmig/internal/shimctl"
@@ -115,27 +114,14 @@ func TestRefuseUnrestorablePeerMessage(t *testing.T) {
 func TestRefuseUnrestorableFailsClosed(t *testing.T) {
 	pid := os.Getpid()
 	// A file named like the shim, mapped into this process, is what /proc/PID/maps shows of a shim.
-	lib := filepath.Join(t.TempDir(), "libptxmig.so")
-	if err := os.WriteFile(lib, make([]byte, 4096), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	f, err := os.Open(lib)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	m, err := syscall.Mmap(int(f.Fd()), 0, 4096, syscall.PROT_READ, syscall.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer syscall.Munmap(m)
+	mapFile(t, filepath.Join(t.TempDir(), "libptxmig.so"))
 	if ok, err := shimctl.MapsHaveShim(pid); !ok || err != nil {
 		t.Fatalf("the mapped stand-in is not seen as the shim: %v %v", ok, err)
 	}
 	dir := t.TempDir()
 	t.Setenv("PTXMIG_SOCKET_DIR", dir)
 	shimctltest.Serve(t, filepath.Join(dir, fmt.Sprintf("%d.sock", pid)), map[string]string{"status": "{nope\n"})
-	err = RefuseUnrestorable(context.Background(), []int{pid})
+	err := RefuseUnrestorable(context.Background(), []int{pid})
 	if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "did not say whether it shares GPU memory") {
 		t.Fatalf("err = %v, want a refusal", err)
 	}
