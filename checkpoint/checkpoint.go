@@ -74,11 +74,11 @@ func Run(ctx context.Context, env *op.Env, o Options) (*Result, error) {
 func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	t0 := time.Now()
 	o := p.opts
-	locks, err := lockAll(append([]int{p.PID}, p.CUDAPIDs...))
+	locks, err := oplock.AcquireAll(append([]int{p.PID}, p.CUDAPIDs...), "checkpoint", 0)
 	if err != nil {
 		return nil, err
 	}
-	defer releaseAll(locks)
+	defer locks.Release()
 
 	res := &Result{PID: p.PID, Kind: p.Kind, Tree: p.Tree, GPUs: p.GPUs, Visible: p.Visible, LeftRunning: p.LeaveRunning, Warnings: p.Warnings,
 		ShellJob: p.ShellJob, ShellJobReason: p.ShellJobReason, Stream: p.Stream, StreamOff: p.StreamOff}
@@ -151,30 +151,6 @@ func (t *treeTracker) refresh() {
 func (t *treeTracker) pids() []int {
 	t.refresh()
 	return t.known
-}
-
-func lockAll(pids []int) ([]*oplock.Lock, error) {
-	var locks []*oplock.Lock
-	seen := map[int]bool{}
-	for _, pid := range pids {
-		if seen[pid] {
-			continue
-		}
-		seen[pid] = true
-		lk, err := oplock.Acquire(pid, "checkpoint", 0)
-		if err != nil {
-			releaseAll(locks)
-			return nil, err
-		}
-		locks = append(locks, lk)
-	}
-	return locks, nil
-}
-
-func releaseAll(locks []*oplock.Lock) {
-	for _, l := range locks {
-		_ = l.Release()
-	}
 }
 
 // buildSteps assembles the transaction and a cleanup to run after it whatever happened (it drops

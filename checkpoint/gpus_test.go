@@ -68,7 +68,7 @@ func TestSourceGPUsRecordsVisible(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			pid := startWithEnv(t, tt.env)
-			used, visible, err := treeGPUs(&op.Env{GPUs: fakeLister{pid: pid}}, []int{pid})
+			used, visible, err := (&op.Env{GPUs: fakeLister{pid: pid}}).TreeGPUs([]int{pid})
 			if tt.wantErr != nil {
 				if !errors.Is(err, tt.wantErr) {
 					t.Fatalf("err = %v, want %v", err, tt.wantErr)

@@ -8,23 +8,19 @@ package checkpoint
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"regexp"
 	"slices"
-	"sort"
 	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
-	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/placement"
-	"github.com/ptxmig/ptxmig/internal/probe"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/store"
 )
@@ -158,7 +154,7 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 	cuda := map[int]bool{}
 	kept := stats[:0]
 	for _, s := range stats {
-		is, err := usesCUDA(env, s.PID)
+		is, err := env.DriverProcess(s.PID)
 		if err != nil {
 			if s.PID != o.PID && !proc.Alive(s.PID) {
 				// A child that ended since the tree was read (a shell's short-lived command):
@@ -222,7 +218,7 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 	if len(p.CUDAPIDs) > 0 {
 		p.Kind, p.meta.Kind = op.KindCUDA, op.KindCUDA
 		p.meta.Driver, p.meta.CUDA = env.Host.Driver, env.Host.CUDA
-		if p.GPUs, p.Visible, err = treeGPUs(env, p.CUDAPIDs); err != nil {
+		if p.GPUs, p.Visible, err = env.TreeGPUs(p.CUDAPIDs); err != nil {
 			return nil, op.Refusef("pid %d: find its GPUs: %w", o.PID, err)
 		}
 		p.meta.GPUs, p.meta.Visible = p.GPUs, p.Visible
@@ -269,37 +265,6 @@ func streamOff(o Options) string {
 		return "--leave-running with --tcp-established: CRIU lets the connections go only when it resumes the tree itself, which a streamed dump cannot let it do"
 	}
 	return ""
-}
-
-// usesCUDA decides whether pid's GPU state must go through the driver: libcuda is loaded and the
-// driver knows a CUDA context in the running state.
-func usesCUDA(env *op.Env, pid int) (bool, error) {
-	cuda, err := env.IsCUDA(pid)
-	if err != nil {
-		return false, op.Refusef("pid %d: find out whether it uses CUDA: %w", pid, err)
-	}
-	if !cuda {
-		return false, nil
-	}
-	env.OpenGPU() // a tree of CPU processes never needs the driver or NVML
-	if err := env.DriverTooOld(probe.DriverCheckpoint); err != nil {
-		return false, op.Refusef("pid %d uses CUDA, but %w", pid, err)
-	}
-	if env.Driver == nil {
-		return false, op.Refusef("pid %d uses CUDA but the NVIDIA driver cannot be used: %v", pid, env.DriverErr)
-	}
-	st, err := env.Driver.State(pid)
-	switch {
-	case errors.Is(err, cudackpt.ErrNotCUDA):
-		env.Logger().Info("libcuda is loaded but the driver knows no CUDA state; checkpointing with CRIU alone", "pid", pid)
-		return false, nil
-	case err != nil:
-		return false, op.Refusef("pid %d: checkpoint state: %w", pid, err)
-	case st != cudackpt.Running:
-		return false, op.Refusef("pid %d is %s, not running: another tool (or a failed checkpoint) holds it; "+
-			"ptxmig only starts from a running process", pid, st)
-	}
-	return true, nil
 }
 
 // ShellJobReason says why CRIU must treat the tree as a shell job ("" when it need not): a
@@ -398,63 +363,6 @@ func sharedWarning(env *op.Env, used []store.GPU, tree []op.TreeProc) []string {
 		return []string{w}
 	}
 	return nil
-}
-
-// treeGPUs lists the GPUs the CUDA processes use (NVML's compute processes; else their open
-// /dev/nvidiaN), with the memory each uses (MemoryBytes: what a restore needs free), and the GPUs
-// their CUDA driver enumerates (visible), which a restore onto other GPUs must all pair. MIG
-// (CUDA_VISIBLE_DEVICES naming MIG instances) is refused.
-func treeGPUs(env *op.Env, pids []int) (used, visible []store.GPU, err error) {
-	if env.GPUs == nil {
-		return nil, nil, nil
-	}
-	devs, err := env.GPUs.Devices()
-	if err != nil {
-		return nil, nil, err
-	}
-	byUUID := map[string]*store.GPU{}
-	add := func(d gpu.Device, mem uint64) {
-		k := strings.ToLower(d.UUID)
-		if g, ok := byUUID[k]; ok {
-			g.MemoryBytes += mem
-			return
-		}
-		byUUID[k] = &store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem}
-	}
-	for _, pid := range pids {
-		// The driver's restore needs a pair for every GPU of the host (see gpu.DriverSet), so the
-		// environment matters only for MIG, which cannot be paired.
-		if _, err := gpu.VisibleTo(pid, devs); errors.Is(err, gpu.ErrMIG) {
-			return nil, nil, fmt.Errorf("pid %d: %w", pid, err)
-		}
-		uses := gpu.UsedBy(devs, pid)
-		for _, u := range uses {
-			add(u.Device, u.Memory)
-		}
-		if len(uses) == 0 {
-			if pi, ok := gpu.Inspect(pid); ok {
-				for _, m := range pi.Minors {
-					for _, d := range devs {
-						if d.Minor == m {
-							add(d, 0)
-						}
-					}
-				}
-			}
-		}
-	}
-	for _, g := range byUUID {
-		used = append(used, *g)
-	}
-	sort.Slice(used, func(i, j int) bool { return used[i].Index < used[j].Index })
-	mem := map[string]uint64{}
-	for _, u := range used {
-		mem[strings.ToLower(u.UUID)] = u.MemoryBytes
-	}
-	for _, d := range gpu.DriverSet(devs) {
-		visible = append(visible, store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem[strings.ToLower(d.UUID)]})
-	}
-	return used, visible, nil
 }
 
 func checkWritable(dir string, estimate uint64) error {
@@ -560,7 +468,8 @@ func refuseIOURing(tree []proc.Stat) error {
 		if bytes.Contains(b, []byte("anon_inode:[io_uring]")) {
 			return op.Refusef("pid %d (%s) has an io_uring instance, which CRIU cannot checkpoint; nothing was touched. "+
 				"Start the job without io_uring (PyTorch's TCPStore uses it through libuv: USE_LIBUV=0 turns libuv off, "+
-				"and `ptxmig run --nccl-sockets` sets it; another program: its own switch)", s.PID, s.Comm)
+				"and `ptxmig run --nccl-sockets` sets it; torchrun's agent kept one even with `--rdzv-conf use_libuv=0` "+
+				"(PyTorch 2.11): start the ranks with torch.multiprocessing instead; another program: its own switch)", s.PID, s.Comm)
 		}
 	}
 	return nil

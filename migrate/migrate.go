@@ -7,21 +7,19 @@ package migrate
 
 import (
 	"context"
-	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
-	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/probe"
 	"github.com/ptxmig/ptxmig/internal/proc"
-	"github.com/ptxmig/ptxmig/store"
 )
 
 // Step names of a migration.
@@ -56,7 +54,10 @@ type GPURef struct {
 // Plan is a checked migration. Source and Target are the GPUs the process uses, before and after;
 // Pairs is what the driver gets: one pair per GPU the process sees.
 type Plan struct {
-	PID      int              `json:"pid"`
+	PID int `json:"pid"`
+	// PIDs are the CUDA processes that move: the process itself, or a job's ranks (every CUDA
+	// process of the tree below PID: torchrun, mp.spawn).
+	PIDs     []int            `json:"pids"`
 	Source   []GPURef         `json:"source"`
 	Target   []GPURef         `json:"target"`
 	Pairs    []placement.Pair `json:"gpu_pairs"` // every GPU of the host, used ones first
@@ -72,6 +73,7 @@ type Plan struct {
 // unlock: the time the process could not use CUDA.
 type Result struct {
 	PID        int                 `json:"pid"`
+	PIDs       []int               `json:"pids"`
 	Source     []GPURef            `json:"source"`
 	Target     []GPURef            `json:"target"`
 	Pairs      []placement.Pair    `json:"gpu_pairs"`
@@ -113,20 +115,14 @@ func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 	if pid <= 1 || !proc.Alive(pid) {
 		return nil, op.Refusef("no running process with pid %d", pid)
 	}
-	if cuda, err := env.IsCUDA(pid); err != nil || !cuda {
-		return nil, op.Refusef("pid %d does not use CUDA: nothing to migrate%s", pid, cudaDescendants(env, pid))
-	}
-	st, err := env.Driver.State(pid)
+	pids, err := cudaProcesses(env, pid)
 	if err != nil {
-		return nil, op.Refusef("pid %d: checkpoint state: %w", pid, err)
-	}
-	if st != cudackpt.Running {
-		return nil, op.Refusef("pid %d is %s, not running: another tool (or a failed operation) holds it", pid, st)
-	}
-	if err := op.RefuseFrameworks([]int{pid}, false); err != nil {
 		return nil, err
 	}
-	if err := op.RefuseUnrestorable(context.Background(), []int{pid}); err != nil {
+	if err := op.RefuseFrameworks(pids, false); err != nil {
+		return nil, err
+	}
+	if err := op.RefuseUnrestorable(context.Background(), pids); err != nil {
 		return nil, err
 	}
 	if len(o.GPUs) == 0 && len(o.GPUMap) == 0 {
@@ -136,27 +132,23 @@ func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 	if err != nil {
 		return nil, op.Refusef("list GPUs: %w", err)
 	}
-	var src []store.GPU
-	mem := map[string]uint64{}
-	for _, u := range gpu.UsedBy(devs, pid) {
-		src = append(src, store.GPU{Index: u.Device.Index, UUID: u.Device.UUID, Name: u.Device.Name, ComputeCap: u.Device.ComputeCap, MemoryBytes: u.Memory})
-		mem[strings.ToLower(u.Device.UUID)] = u.Memory
-	}
-	if len(src) == 0 {
-		return nil, op.Refusef("pid %d holds no GPU memory according to NVML: nothing to migrate", pid)
-	}
-	// Pairs cover every GPU of the host (see gpu.DriverSet); only MIG is refused.
-	if _, err := gpu.VisibleTo(pid, devs); errors.Is(err, gpu.ErrMIG) {
+	src, visible, err := env.TreeGPUs(pids)
+	if err != nil {
 		return nil, op.Refusef("migrate pid %d: %w", pid, err)
 	}
-	pairs, err := placement.PlanPairs(src, placement.StoreGPUs(gpu.DriverSet(devs), mem), devs, o.GPUs, o.GPUMap, true)
+	if len(src) == 0 {
+		return nil, op.Refusef("pid %s holds no GPU memory according to NVML: nothing to migrate", op.PIDList(pids))
+	}
+	// Pairs cover every GPU of the host (see gpu.DriverSet; TreeGPUs refuses MIG), the same for
+	// every rank of a job: each takes its GPUs where the map says.
+	pairs, err := placement.PlanPairs(src, visible, devs, o.GPUs, o.GPUMap, true)
 	if err == nil {
 		err = placement.CheckModelChanges(pairs, o.AllowModelChange)
 	}
 	if err != nil {
 		return nil, op.Refusef("migrate pid %d: %w", pid, err)
 	}
-	p := &Plan{PID: pid, Pairs: pairs, opts: o}
+	p := &Plan{PID: pid, PIDs: pids, Pairs: pairs, opts: o}
 	for _, pr := range pairs {
 		if pr.Used {
 			p.Source = append(p.Source, GPURef{Index: pr.From.Index, UUID: pr.From.UUID, Name: pr.From.Name})
@@ -165,42 +157,57 @@ func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 		}
 	}
 	if !placement.AnyMove(pairs) {
-		return nil, op.Refusef("pid %d already runs on GPU %s: nothing to migrate", pid, indexes(p.Target))
+		return nil, op.Refusef("pid %s already runs on GPU %s: nothing to migrate", op.PIDList(pids), indexes(p.Target))
 	}
-	if w := placement.SharedGPUWarning(placement.UsedTargets(pairs), func(q int) bool { return q == pid }); w != "" {
+	if w := placement.SharedGPUWarning(placement.UsedTargets(pairs), func(q int) bool { return slices.Contains(pids, q) }); w != "" {
 		p.Warnings = append(p.Warnings, w)
 	}
 	if p.dpairs, err = placement.DriverPairs(pairs); err != nil {
 		return nil, op.Refusef("migrate pid %d: %w", pid, err)
 	}
-	p.Steps = []op.PlanStep{
-		{Step: op.StepQuiesce, Action: "if it runs under the ptxmig shim: stop preemptible kernels between blocks, hold new launches"},
-		{Step: StepLock, Action: fmt.Sprintf("lock pid %d (timeout %s)", pid, lockTimeoutText(o.LockTimeout))},
-		{Step: StepCheckpoint, Action: fmt.Sprintf("checkpoint: copy its GPU memory (%s) to host memory", bytesize.FormatU(p.GPUBytes))},
-		{Step: StepRestore, Action: fmt.Sprintf("restore with %d GPU pairs, one per GPU of the host: %s", len(pairs), placement.PairText(pairs))},
-		{Step: StepUnlock, Action: fmt.Sprintf("unlock pid %d", pid)},
-		{Step: op.StepResume, Action: "under the shim: relaunch preempted kernels on the target, release held launches"},
-		{Step: "on failure", Action: fmt.Sprintf("restore without pairs (back onto GPU %s) and unlock", indexes(p.Source))},
+	who := fmt.Sprintf("pid %d", pid)
+	if len(pids) > 1 || pids[0] != pid {
+		who = fmt.Sprintf("the job's CUDA processes (pid %s)", op.PIDList(pids))
 	}
+	var steps []op.PlanStep
+	if len(pids) > 1 {
+		steps = append(steps, op.PlanStep{Step: op.StepAlign, Action: fmt.Sprintf("processes under the shim that launch collectives (NCCL ranks): stop each right after the same collective (waits up to %s)", lockTimeoutText(o.LockTimeout))})
+	}
+	p.Steps = append(steps,
+		op.PlanStep{Step: op.StepQuiesce, Action: "if it runs under the ptxmig shim: stop preemptible kernels between blocks, hold new launches"},
+		op.PlanStep{Step: StepLock, Action: fmt.Sprintf("lock %s (timeout %s)", who, lockTimeoutText(o.LockTimeout))},
+		op.PlanStep{Step: StepCheckpoint, Action: fmt.Sprintf("checkpoint: copy its GPU memory (%s) to host memory", bytesize.FormatU(p.GPUBytes))},
+		op.PlanStep{Step: StepRestore, Action: fmt.Sprintf("restore with %d GPU pairs, one per GPU of the host: %s", len(pairs), placement.PairText(pairs))},
+		op.PlanStep{Step: StepUnlock, Action: fmt.Sprintf("unlock %s", who)},
+		op.PlanStep{Step: op.StepResume, Action: "under the shim: relaunch preempted kernels on the target, release held launches"},
+		op.PlanStep{Step: "on failure", Action: fmt.Sprintf("restore without pairs (back onto GPU %s) and unlock", indexes(p.Source))},
+	)
 	return p, nil
 }
 
-// cudaDescendants names the CUDA processes below pid, for a refusal that points at them.
-func cudaDescendants(env *op.Env, pid int) string {
+// cudaProcesses is what a migrate of pid moves: every process of its tree whose GPU state the
+// driver holds (env.DriverProcess; running, else refused): pid itself, or a job (a job: a launcher such as torchrun or
+// mp.spawn's parent and its ranks, one per GPU), which then move together. A process whose
+// tree holds no CUDA process is refused.
+func cudaProcesses(env *op.Env, pid int) ([]int, error) {
 	tree, err := proc.Tree(pid)
 	if err != nil {
-		return ""
+		return nil, op.Refusef("pid %d: read its process tree: %w", pid, err)
 	}
-	var found []string
-	for _, s := range tree[1:] {
-		if c, err := env.IsCUDA(s.PID); err == nil && c {
-			found = append(found, fmt.Sprint(s.PID))
+	var pids []int
+	for _, s := range tree {
+		cuda, err := env.DriverProcess(s.PID)
+		if err != nil {
+			return nil, err
+		}
+		if cuda {
+			pids = append(pids, s.PID)
 		}
 	}
-	if len(found) == 0 {
-		return ""
+	if len(pids) == 0 {
+		return nil, op.Refusef("pid %d does not use CUDA, nor does any process below it: nothing to migrate", pid)
 	}
-	return fmt.Sprintf(" (its CUDA descendants: pid %s; migrate those)", strings.Join(found, ", "))
+	return pids, nil
 }
 
 // Execute runs the plan, journaled with a guardian (op.Begin): quiesce (under the shim) → lock →
@@ -210,11 +217,11 @@ func cudaDescendants(env *op.Env, pid int) string {
 // checkpointed (the identity), which needs no bijection and works on every driver.
 func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	o := p.opts
-	lk, err := oplock.Acquire(p.PID, "migrate", o.OpLockWait)
+	locks, err := oplock.AcquireAll(append([]int{p.PID}, p.PIDs...), "migrate", o.OpLockWait)
 	if err != nil {
 		return nil, err
 	}
-	defer lk.Release()
+	defer locks.Release()
 
 	// Re-read free memory right before the driver restore: on driver 580 a restore that runs
 	// out of memory on the target leaves the process CHECKPOINTED for good (every later restore
@@ -229,16 +236,22 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	}
 	pre := op.NewPreemption(env, o.PreemptBudget)
 	defer pre.Close()
-	steps := Steps(env.Driver, p.PID, p.dpairs, o.LockTimeout, recheck)
-	steps[0] = pre.ExplainLock(steps[0])
-	steps = append(append([]op.Step{pre.QuiesceStep([]int{p.PID})}, steps...), pre.ResumeStep(op.Fixed([]int{p.PID}), false))
+	driver := Steps(env.Driver, p.PIDs, p.dpairs, o.LockTimeout, recheck)
+	driver[0] = pre.ExplainLock(driver[0])
+	var steps []op.Step
+	if len(p.PIDs) > 1 {
+		// A job: every rank stops right after the same collective before any is locked, so no
+		// rank's collective kernel waits for a rank already locked.
+		steps = append(steps, pre.AlignStep(p.PIDs, o.LockTimeout))
+	}
+	steps = append(append(append(steps, pre.QuiesceStep(p.PIDs)), driver...), pre.ResumeStep(op.Fixed(p.PIDs), false))
 	steps[len(steps)-1].Commit = true
-	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpMigrate, Root: p.PID, Tree: []int{p.PID}, CUDA: []int{p.PID},
+	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpMigrate, Root: p.PID, Tree: p.PIDs, CUDA: p.PIDs,
 		Steps: op.StepNames(steps)})
 	if err != nil {
 		return nil, err
 	}
-	res := &Result{PID: p.PID, Source: p.Source, Target: p.Target, Pairs: p.Pairs, Warnings: p.Warnings}
+	res := &Result{PID: p.PID, PIDs: p.PIDs, Source: p.Source, Target: p.Target, Pairs: p.Pairs, Warnings: p.Warnings}
 	t0 := time.Now()
 	timings, err := txn.Execute(ctx, steps, env.Hook, 0)
 	txn.End(err, false)
@@ -246,16 +259,16 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	res.Lock, res.Checkpoint = timings.Of(StepLock), timings.Of(StepCheckpoint)
 	res.Restore, res.Unlock = timings.Of(StepRestore), timings.Of(StepUnlock)
 	if err != nil {
-		return res, env.NewFailure(err, "migrate", p.PID, nil, []int{p.PID}, []int{p.PID})
+		return res, env.NewFailure(err, "migrate", p.PID, nil, p.PIDs, p.PIDs)
 	}
 	res.Downtime = time.Since(t0)
 	return res, nil
 }
 
-// Steps is the migration transaction for one process (see Execute); recheck (may be nil) runs
-// just before the restore onto the targets, and its error fails that step.
-func Steps(drv op.Driver, pid int, dpairs []cudackpt.Pair, lockTimeout time.Duration, recheck func() error) []op.Step {
-	pids := []int{pid}
+// Steps is the migration transaction's driver part for the processes that move (see Execute):
+// each step acts on every process and undoes its own part if it fails for one; recheck (may
+// be nil) runs just before the restore onto the targets, and its error fails that step.
+func Steps(drv op.Driver, pids []int, dpairs []cudackpt.Pair, lockTimeout time.Duration, recheck func() error) []op.Step {
 	if len(dpairs) == 0 {
 		recheck = nil
 	}

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -55,7 +56,7 @@ func TestMigrateRollback(t *testing.T) {
 			if tt.fail != "" {
 				d.FailNext[tt.fail] = oom
 			}
-			_, err := op.Execute(context.Background(), Steps(d, 42, tt.pairs, time.Second, nil), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil)))
+			_, err := op.Execute(context.Background(), Steps(d, []int{42}, tt.pairs, time.Second, nil), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil)))
 			if (err != nil) != tt.wantErr {
 				t.Fatalf("err = %v", err)
 			}
@@ -94,7 +95,7 @@ func TestPlannedPairsSatisfyDriver(t *testing.T) {
 		t.Fatal(err)
 	}
 	d := cudackpttest.New(u0, []string{u0, u1}, 42)
-	if _, err := op.Execute(context.Background(), Steps(d, 42, dp, time.Second, nil), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil))); err != nil {
+	if _, err := op.Execute(context.Background(), Steps(d, []int{42}, dp, time.Second, nil), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil))); err != nil {
 		t.Fatalf("planned pairs %s: %v", placement.PairText(pairs), err)
 	}
 	if g := d.Get(42); g.GPU != u1 || g.State != cudackpt.Running {
@@ -110,7 +111,7 @@ func TestMigrateRecheckBeforeRestore(t *testing.T) {
 	swap := []cudackpt.Pair{{Old: src, New: dst}, {Old: dst, New: src}}
 	d := cudackpttest.New(u0, []string{u0, u1}, 42)
 	recheck := func() error { return fmt.Errorf("%w: GPU 1 filled up", placement.ErrNoRoom) }
-	_, err := op.Execute(context.Background(), Steps(d, 42, swap, time.Second, recheck), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	_, err := op.Execute(context.Background(), Steps(d, []int{42}, swap, time.Second, recheck), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if !errors.Is(err, placement.ErrNoRoom) {
 		t.Fatalf("err = %v, want placement.ErrNoRoom", err)
 	}
@@ -124,5 +125,46 @@ func TestMigrateRecheckBeforeRestore(t *testing.T) {
 	var se *op.StepError
 	if !errors.As(err, &se) || !se.RolledBack() {
 		t.Errorf("want a rolled-back step error, got %v", err)
+	}
+}
+
+// TestMigrateJobRollback: a job's two ranks (one per GPU) swap GPUs. Whatever driver call fails,
+// for whichever rank, both ranks end running: on the swapped GPUs if the move completed, else
+// both on their own.
+func TestMigrateJobRollback(t *testing.T) {
+	src, dst := mustUUID(t, u0), mustUUID(t, u1)
+	swap := []cudackpt.Pair{{Old: src, New: dst}, {Old: dst, New: src}}
+	oom := errors.New("CUDA_ERROR_OUT_OF_MEMORY")
+	home := map[int]string{42: u0, 43: u1}
+	moved := map[int]string{42: u1, 43: u0}
+	fails := []string{""}
+	for _, call := range []string{"lock", "checkpoint", "restore-to-" + u1, "unlock"} {
+		for _, pid := range []int{42, 43} {
+			fails = append(fails, fmt.Sprintf("%s %d", call, pid))
+		}
+	}
+	for _, fail := range fails {
+		t.Run("fail "+fail, func(t *testing.T) {
+			d := cudackpttest.New(u0, []string{u0, u1}, 42, 43)
+			d.Procs[43].GPU = u1
+			if fail != "" {
+				d.FailNext[fail] = oom
+			}
+			_, err := op.Execute(context.Background(), Steps(d, []int{42, 43}, swap, time.Second, nil), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil)))
+			var se *op.StepError
+			if err != nil && (!errors.As(err, &se) || se.Touched && !se.RolledBack()) {
+				t.Fatalf("rollback incomplete: %v", err)
+			}
+			want := home
+			// A failed unlock comes after the move: the rollback unlocks again, on the targets.
+			if err == nil || strings.HasPrefix(fail, "unlock") {
+				want = moved
+			}
+			for pid, gpu := range want {
+				if g := d.Get(pid); g.State != cudackpt.Running || g.GPU != gpu {
+					t.Errorf("pid %d ends %v on %s, want running on %s (calls %q)", pid, g.State, g.GPU, gpu, d.PIDCalls)
+				}
+			}
+		})
 	}
 }

@@ -3,15 +3,24 @@
 package gputest
 
 import (
+	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/journal"
+	"github.com/ptxmig/ptxmig/internal/op"
 	procfs "github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/migrate"
 )
 
 // NCCL's transports that a driver checkpoint can take: the ranks exchange data through sockets
@@ -19,26 +28,40 @@ import (
 // allocations through file descriptors). NVLink multicast stays off on shared hosts. PyTorch's
 // TCPStore server (rank 0) must not use libuv, whose io_uring instance CRIU cannot dump
 // (UV_USE_IO_URING=0 did not remove it; USE_LIBUV=0 did: 2x H200, PyTorch 2.11, 2026-11-28).
+// `ptxmig run --nccl-sockets` sets the same; the reference runs get them by hand.
 var ncclSockets = []string{"NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1", "NCCL_CUMEM_ENABLE=0", "NCCL_NVLS_ENABLE=0", "USE_LIBUV=0"}
 
-// ddpArgs runs ddp.py (a parent spawning one rank per GPU) with its own rendezvous port.
-func ddpArgs(port int) []string {
-	return []string{filepath.Join(workloads, "ddp.py"), "--world", "2", "--steps", "300", "--log-every", "10",
-		"--sleep-ms", "20", "--port", strconv.Itoa(port)}
+// job is how a DDP job is started: world ranks (one per GPU), steps training steps, and the
+// launcher: mp.spawn from ddp.py's own parent, or torchrun.
+type job struct {
+	world, steps int
+	torchrun     bool
 }
 
-// ddpReference is an uninterrupted run of the job with env, plain (no shim).
-func ddpReference(t *testing.T, env []string, port int) <-chan []string {
+// args is the command line (after python3) of the job on rendezvous port port.
+func (j job) args(port int) []string {
+	ddp := []string{filepath.Join(workloads, "ddp.py"), "--world", strconv.Itoa(j.world), "--steps", strconv.Itoa(j.steps),
+		"--log-every", "10", "--sleep-ms", "20", "--port", strconv.Itoa(port)}
+	if !j.torchrun {
+		return ddp
+	}
+	// torchrun's rendezvous store ignores USE_LIBUV: its libuv (io_uring) is turned off here.
+	return append([]string{"-m", "torch.distributed.run", "--standalone", "--nproc-per-node", strconv.Itoa(j.world),
+		"--rdzv-conf", "use_libuv=0", "--master-port", strconv.Itoa(port)}, ddp...)
+}
+
+// reference is an uninterrupted run of the job with env, plain (no shim).
+func (j job) reference(t *testing.T, env []string, port int) <-chan []string {
 	t.Helper()
 	ref := make(chan []string, 1)
 	done := make(chan struct{})
 	t.Cleanup(func() { <-done })
 	go func() {
 		defer close(done)
-		p := startEnv(t, env, "/usr/bin/env", append([]string{"python3"}, ddpArgs(port)...)...)
+		p := startEnv(t, env, "/usr/bin/env", append([]string{"python3"}, j.args(port)...)...)
 		select {
 		case <-p.done:
-		case <-time.After(5 * time.Minute):
+		case <-time.After(8 * time.Minute):
 			t.Errorf("reference DDP run did not finish")
 		}
 		ref <- results(p.log)
@@ -46,49 +69,120 @@ func ddpReference(t *testing.T, env []string, port int) <-chan []string {
 	return ref
 }
 
-// startJob starts the DDP job under `ptxmig run` (the shim in the parent and every rank), with
-// run's flags.
-func startJob(t *testing.T, env, flags []string, port int) *proc {
+// start starts the job under `ptxmig run` (the shim in the launcher and every rank) with run's
+// flags, and waits for its 30th step.
+func (j job) start(t *testing.T, env, flags []string, port int) *proc {
 	t.Helper()
 	shim := os.Getenv("PTXMIG_SHIM")
 	if shim == "" {
 		t.Skip("PTXMIG_SHIM not set (run through gpu-e2e.sh)")
 	}
 	runArgs := append(append([]string{"run", "--shim", shim, "--socket-dir", filepath.Join(t.TempDir(), "sock")}, flags...), "--", "python3")
-	runArgs = append(runArgs, ddpArgs(port)...)
-	p := startEnv(t, env, bin, runArgs...)
+	p := startEnv(t, env, bin, append(runArgs, j.args(port)...)...)
 	waitLine(t, p.log, "step 30 ", 4*time.Minute)
 	return p
 }
 
-// jobPIDs is the job's tree (the parent first).
-func jobPIDs(t *testing.T, root int) []int {
+// ranks maps each process of the job's tree that holds GPU memory to its GPU index.
+func ranks(t *testing.T, root int) map[int]int {
 	t.Helper()
 	stats, err := procfs.Tree(root)
 	if err != nil {
 		t.Fatalf("the job's tree: %v", err)
 	}
-	return procfs.PIDs(stats)
+	out := map[int]int{}
+	for _, pid := range procfs.PIDs(stats) {
+		if g := gpuOf(t, pid); g >= 0 {
+			out[pid] = g
+		}
+	}
+	return out
 }
 
-// TestJobDDP: a 2-rank PyTorch DDP job over NCCL (mp.spawn: one tree) under `ptxmig run`.
+// rotation maps GPU i to i+by (mod world): "0=1,1=0" for two GPUs and by 1.
+func rotation(world, by int) string {
+	parts := make([]string, world)
+	for i := range parts {
+		parts[i] = fmt.Sprintf("%d=%d", i, ((i+by)%world+world)%world)
+	}
+	return strings.Join(parts, ",")
+}
+
+// progresses fails the test unless the job prints a new result line within d.
+func progresses(t *testing.T, p *proc, d time.Duration, after string) {
+	t.Helper()
+	n := len(results(p.log))
+	for deadline := time.Now().Add(d); len(results(p.log)) == n; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the job made no progress in %s after %s", d, after)
+		}
+	}
+}
+
+// running fails the test unless every pid runs (not stopped) and, for the CUDA ones, the driver
+// says running.
+func running(t *testing.T, pids []int, cuda map[int]int, after string) {
+	t.Helper()
+	drv, err := cudackpt.Open()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, pid := range pids {
+		if s, err := procfs.ReadStat(pid); err != nil || s.Stopped() {
+			t.Fatalf("after %s, pid %d is stopped or gone (%v)", after, pid, err)
+		}
+		if _, ok := cuda[pid]; ok {
+			if st, err := drv.State(pid); err != nil || st != cudackpt.Running {
+				t.Fatalf("after %s, rank pid %d is %v (%v), want running", after, pid, st, err)
+			}
+		}
+	}
+}
+
+// pct returns the p-th percentile (0..100) of ds (nearest rank).
+func pct(ds []time.Duration, p float64) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	i := int(p/100*float64(len(s))+0.5) - 1
+	return s[max(0, min(i, len(s)-1))]
+}
+
+// record appends a line to $PTXMIG_OUT/jobs.txt (the numbers of docs/COMPATIBILITY.md).
+func record(t *testing.T, format string, a ...any) {
+	t.Helper()
+	line := fmt.Sprintf("%s %s: %s\n", time.Now().UTC().Format(time.RFC3339), t.Name(), fmt.Sprintf(format, a...))
+	t.Log(strings.TrimSpace(line))
+	f, err := os.OpenFile(filepath.Join(out, "jobs.txt"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+	if err == nil {
+		_, _ = f.WriteString(line)
+		_ = f.Close()
+	}
+}
+
+// TestJobDDP: a PyTorch DDP job over NCCL, one rank per GPU (up to four), under `ptxmig run`.
 //   - With NCCL's default transports the ranks map each other's GPU memory, which the driver
 //     cannot restore: the checkpoint is refused up front (exit 3) naming the way out, and the
 //     job runs on untouched to the losses of an uninterrupted run.
-//   - With socket transports: --leave-running checkpoints of the whole job (TCP connections
-//     between the ranks included) either succeed or roll back (exit 4: a rank's NCCL kernel
-//     waited for a rank already locked) and the job runs on; then a checkpoint that ends the job
-//     and a restore, after which it finishes with the losses of an uninterrupted run.
+//   - With socket transports (`ptxmig run --nccl-sockets`), started by mp.spawn and by torchrun:
+//     ten --leave-running checkpoints of the whole job (TCP connections between the ranks
+//     included), a checkpoint that ends it and a restore with the ranks' GPUs rotated, a migrate
+//     of the whole job back, a checkpoint and a plain restore; the job finishes with the losses of
+//     an uninterrupted run.
 func TestJobDDP(t *testing.T) {
-	need(t, 2)
+	devs := need(t, 2)
+	world := min(len(devs), 4)
 	t.Run("default-transports", func(t *testing.T) {
-		ref := ddpReference(t, []string{"NCCL_NVLS_ENABLE=0"}, 29601)
-		p := startJob(t, []string{"NCCL_NVLS_ENABLE=0"}, nil, 29602)
+		j := job{world: world, steps: 300}
+		ref := j.reference(t, []string{"NCCL_NVLS_ENABLE=0"}, 29601)
+		p := j.start(t, []string{"NCCL_NVLS_ENABLE=0"}, nil, 29602)
 		_, se, code := ptxmig(t, "checkpoint", "--leave-running", "--tcp-established", strconv.Itoa(p.pid))
-		if code != 3 || !strings.Contains(se, "NCCL_P2P_DISABLE=1") {
+		if code != 3 || !strings.Contains(se, "--nccl-sockets") {
 			t.Fatalf("checkpoint of a job on NCCL's default transports: exit %d, want 3 naming the way out:\n%s", code, se)
 		}
-		t.Logf("refused: %s", lastLine(se))
+		record(t, "%d ranks on NCCL's default transports: refused up front, the job ran on (%s)", world, lastLine(se))
 		select {
 		case <-p.done:
 		case <-time.After(5 * time.Minute):
@@ -96,60 +190,228 @@ func TestJobDDP(t *testing.T) {
 		}
 		sameResults(t, results(p.log), <-ref)
 	})
-	t.Run("socket-transports", func(t *testing.T) {
-		ref := ddpReference(t, ncclSockets, 29603)
-		p := startJob(t, []string{"NCCL_NVLS_ENABLE=0"}, []string{"--nccl-sockets"}, 29604) // what the reference gets by hand
-		tree := jobPIDs(t, p.pid)
-		if len(tree) < 3 {
-			t.Fatalf("job tree %v: want the parent and two ranks", tree)
+	t.Run("mp.spawn", func(t *testing.T) { jobCycle(t, job{world: world, steps: 6000}, 29603) })
+	t.Run("torchrun", func(t *testing.T) {
+		// torchrun's agent kept an io_uring instance (which CRIU cannot dump) even with its store's
+		// libuv off (PyTorch 2.11, 2x and 4x H200, 2026-11-28): the checkpoint must be refused up
+		// front, and the job must run on untouched. Once it is not refused, the whole cycle runs.
+		j := job{world: world, steps: 1500, torchrun: true}
+		ref := j.reference(t, ncclSockets, 29605)
+		p := j.start(t, []string{"NCCL_NVLS_ENABLE=0"}, []string{"--nccl-sockets"}, 29606)
+		_, se, code := ptxmig(t, "checkpoint", "--leave-running", "--tcp-established", "--dry-run", strconv.Itoa(p.pid))
+		if code == 0 {
+			_ = syscall.Kill(p.pid, syscall.SIGKILL)
+			<-ref
+			jobCycle(t, job{world: world, steps: 6000, torchrun: true}, 29607)
+			return
 		}
-		var outcomes []string
-		for i := 0; i < 5; i++ {
-			t0 := time.Now()
-			_, se, code := ptxmig(t, "checkpoint", "--leave-running", "--tcp-established", "--lock-timeout", "5s",
-				"--name", fmt.Sprintf("ddp-live-%d", i), strconv.Itoa(p.pid))
-			took := time.Since(t0)
-			switch code {
-			case 0:
-				outcomes = append(outcomes, fmt.Sprintf("ok %.2fs", took.Seconds()))
-			case 4:
-				outcomes = append(outcomes, fmt.Sprintf("rolled back %.2fs (%s)", took.Seconds(), lastLine(se)))
-			default:
-				t.Fatalf("checkpoint --leave-running %d of the job: exit %d, want 0 or 4:\n%s", i, code, se)
-			}
-			for _, pid := range tree {
-				if s, err := procfs.ReadStat(pid); err != nil || s.Stopped() {
-					t.Fatalf("after checkpoint %d, pid %d is stopped or gone (%v)", i, pid, err)
-				}
-			}
-			n := len(results(p.log))
-			deadline := time.Now().Add(2 * time.Minute)
-			for len(results(p.log)) == n {
-				if time.Now().After(deadline) {
-					t.Fatalf("the job made no progress after checkpoint %d (%s)", i, outcomes[len(outcomes)-1])
-				}
-				time.Sleep(50 * time.Millisecond)
-			}
+		if code != 3 || !strings.Contains(se, "io_uring") || !strings.Contains(se, "torch.multiprocessing") {
+			t.Fatalf("checkpoint of a torchrun job: exit %d, want 0, or 3 naming io_uring and the way out:\n%s", code, se)
 		}
-		t.Logf("--leave-running checkpoints of the job: %s", strings.Join(outcomes, "; "))
-		_, se, code := ptxmig(t, "checkpoint", "--tcp-established", "--lock-timeout", "5s", "--name", "ddp-job", strconv.Itoa(p.pid))
-		switch code {
-		case 0:
-			<-p.done
-			for _, pid := range tree {
-				reap(t, pid, time.Minute)
-			}
-			so, se, code := ptxmig(t, "restore", "ddp-job")
-			if code != 0 {
-				t.Fatalf("restore of the job: exit %d\n%s\n%s", code, so, se)
-			}
-			waitExit(t, p.pid, 5*time.Minute)
-		case 4:
-			t.Logf("the checkpoint that ends the job rolled back (%s): the job runs on", lastLine(se))
-			waitExit(t, p.pid, 5*time.Minute)
-		default:
-			t.Fatalf("checkpoint of the job: exit %d\n%s", code, se)
+		tree, err := procfs.Tree(p.pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		running(t, procfs.PIDs(tree), ranks(t, p.pid), "the refusal")
+		record(t, "%d ranks under torchrun: refused up front, the job ran on (%s)", world, lastLine(se))
+		select {
+		case <-p.done:
+		case <-time.After(5 * time.Minute):
+			t.Fatal("the job did not finish after the refusal")
 		}
 		sameResults(t, results(p.log), <-ref)
 	})
+}
+
+// jobCycle runs one socket-transport job through every operation (see TestJobDDP).
+func jobCycle(t *testing.T, j job, port int) {
+	ref := j.reference(t, ncclSockets, port)
+	p := j.start(t, []string{"NCCL_NVLS_ENABLE=0"}, []string{"--nccl-sockets"}, port+1) // what the reference gets by hand
+	stats, err := procfs.Tree(p.pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tree := procfs.PIDs(stats)
+	home := ranks(t, p.pid)
+	if len(home) != j.world {
+		t.Fatalf("job tree %v: %d processes on GPUs (%v), want %d ranks", tree, len(home), home, j.world)
+	}
+
+	// Ten --leave-running checkpoints while it trains.
+	var quiesce, align, took []time.Duration
+	for i := 0; i < 10; i++ {
+		t0 := time.Now()
+		so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--tcp-established", "--lock-timeout", "10s",
+			"--name", fmt.Sprintf("job-live-%d-%d", port, i), strconv.Itoa(p.pid))
+		took = append(took, time.Since(t0))
+		if code != 0 {
+			t.Fatalf("checkpoint --leave-running %d of the job: exit %d, want 0:\n%s", i, code, se)
+		}
+		var res checkpoint.Result
+		if err := json.Unmarshal([]byte(so), &res); err != nil {
+			t.Fatalf("checkpoint --json: %v\n%s", err, so)
+		}
+		for _, r := range res.Preemption {
+			if r.Quiesce != nil {
+				quiesce = append(quiesce, r.QuiesceDur+r.StopWait)
+			}
+			if r.Align != nil {
+				align = append(align, r.Align.Waited)
+			}
+		}
+		running(t, tree, home, fmt.Sprintf("checkpoint --leave-running %d", i))
+		progresses(t, p, 2*time.Minute, fmt.Sprintf("checkpoint --leave-running %d", i))
+	}
+	record(t, "%d ranks: 10 checkpoints --leave-running ok: wall p50 %s max %s; quiesce per rank p50 %s p99 %s (n=%d); align wait p50 %s p99 %s",
+		j.world, pct(took, 50).Round(time.Millisecond), pct(took, 100).Round(time.Millisecond),
+		pct(quiesce, 50), pct(quiesce, 99), len(quiesce), pct(align, 50).Round(time.Microsecond), pct(align, 99).Round(time.Microsecond))
+
+	// A checkpoint that ends the job, then a restore with every rank on the next GPU.
+	end := func(name string) time.Duration {
+		t0 := time.Now()
+		_, se, code := ptxmig(t, "checkpoint", "--tcp-established", "--lock-timeout", "10s", "--name", name, strconv.Itoa(p.pid))
+		d := time.Since(t0)
+		if code != 0 {
+			t.Fatalf("checkpoint of the job: exit %d\n%s", code, se)
+		}
+		for _, pid := range tree {
+			reap(t, pid, time.Minute)
+		}
+		return d
+	}
+	ckpt := end(fmt.Sprintf("job-%d-a", port))
+	t0 := time.Now()
+	if so, se, code := ptxmig(t, "restore", "--gpu-map", rotation(j.world, 1), fmt.Sprintf("job-%d-a", port)); code != 0 {
+		t.Fatalf("restore of the job with its ranks rotated: exit %d\n%s\n%s", code, so, se)
+	}
+	rst := time.Since(t0)
+	for pid, g := range home {
+		if got := gpuOf(t, pid); got != (g+1)%j.world {
+			t.Errorf("restored rank pid %d on GPU %d, want %d (it was on %d)", pid, got, (g+1)%j.world, g)
+		}
+	}
+	running(t, tree, home, "the rotated restore")
+	progresses(t, p, 2*time.Minute, "the rotated restore")
+	record(t, "%d ranks: checkpoint (ends the job) %s, restore with ranks rotated (--gpu-map %s) %s",
+		j.world, ckpt.Round(time.Millisecond), rotation(j.world, 1), rst.Round(time.Millisecond))
+
+	// Migrate the whole job back.
+	so, se, code := ptxmig(t, "--json", "migrate", "--gpu-map", rotation(j.world, -1), strconv.Itoa(p.pid))
+	if code != 0 {
+		t.Fatalf("migrate of the job back: exit %d\n%s", code, se)
+	}
+	var mres migrate.Result
+	if err := json.Unmarshal([]byte(so), &mres); err != nil {
+		t.Fatalf("migrate --json: %v\n%s", err, so)
+	}
+	for pid, g := range home {
+		if got := gpuOf(t, pid); got != g {
+			t.Errorf("migrated rank pid %d on GPU %d, want %d", pid, got, g)
+		}
+	}
+	running(t, tree, home, "the migrate")
+	progresses(t, p, 2*time.Minute, "the migrate")
+	record(t, "%d ranks: migrate of the whole job (--gpu-map %s): downtime %s (lock %s, device->host %s, host->device %s, unlock %s)",
+		j.world, rotation(j.world, -1), mres.Downtime.Round(time.Millisecond), mres.Lock.Round(time.Millisecond),
+		mres.Checkpoint.Round(time.Millisecond), mres.Restore.Round(time.Millisecond), mres.Unlock.Round(time.Millisecond))
+
+	// Checkpoint and a plain restore; then it finishes.
+	ckpt = end(fmt.Sprintf("job-%d-b", port))
+	t0 = time.Now()
+	if so, se, code := ptxmig(t, "restore", fmt.Sprintf("job-%d-b", port)); code != 0 {
+		t.Fatalf("restore of the job: exit %d\n%s\n%s", code, so, se)
+	}
+	record(t, "%d ranks: checkpoint %s, restore %s", j.world, ckpt.Round(time.Millisecond), time.Since(t0).Round(time.Millisecond))
+	waitExit(t, p.pid, 8*time.Minute)
+	sameResults(t, results(p.log), <-ref)
+	record(t, "%d ranks: losses identical to an uninterrupted run (%d lines)", j.world, len(results(p.log)))
+}
+
+// TestJobGuardian: ptxmig is killed (SIGKILL) right after each step of a checkpoint
+// --leave-running and of a migrate of a whole DDP job over NCCL sockets; the guardian brings
+// every rank back (running, unlocked, on its own GPU), the job trains on, and it finishes with
+// the losses of an uninterrupted run.
+func TestJobGuardian(t *testing.T) {
+	devs := need(t, 2)
+	j := job{world: min(len(devs), 4), steps: 8000}
+	ref := j.reference(t, ncclSockets, 29611)
+	p := j.start(t, []string{"NCCL_NVLS_ENABLE=0"}, []string{"--nccl-sockets"}, 29612)
+	stats, err := procfs.Tree(p.pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tree := procfs.PIDs(stats)
+	home := ranks(t, p.pid)
+	drv, err := cudackpt.Open()
+	if err != nil {
+		t.Fatal(err)
+	}
+	kills := []struct{ verb, step string }{
+		{"checkpoint", op.StepAlign}, {"checkpoint", op.StepQuiesce}, {"checkpoint", op.StepLock},
+		{"checkpoint", op.StepCheckpoint}, {"checkpoint", "dump"},
+		{"migrate", op.StepLock}, {"migrate", op.StepCheckpoint}, {"migrate", op.StepDriverRestore},
+	}
+	for i, k := range kills {
+		dir := filepath.Join(out, "gputest", t.Name(), fmt.Sprintf("%d-%s-%s", i, k.verb, k.step))
+		jdir, logs := filepath.Join(dir, "journal"), filepath.Join(dir, "logs")
+		args := []string{"--store", filepath.Join(out, "gputest", "store"), k.verb}
+		if k.verb == "migrate" {
+			args = append(args, "--gpu-map", rotation(j.world, 1))
+		} else {
+			args = append(args, "--leave-running", "--tcp-established", "--name", fmt.Sprintf("job-guardian-%d", i))
+		}
+		cmd := exec.Command(bin, append(args, strconv.Itoa(p.pid))...)
+		cmd.Env = append(os.Environ(), op.FaultStopAfter+"="+k.step, "PTXMIG_JOURNAL_DIR="+jdir, "PTXMIG_LOG_DIR="+logs)
+		var so strings.Builder
+		cmd.Stdout, cmd.Stderr = &so, &so
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		exited := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(exited) }()
+		for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(5 * time.Millisecond) {
+			if s, err := procfs.ReadStat(cmd.Process.Pid); err == nil && s.Stopped() {
+				break
+			}
+			select {
+			case <-exited:
+				t.Fatalf("ptxmig %s exited before stopping after %s:\n%s", k.verb, k.step, so.String())
+			default:
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("ptxmig %s did not stop after %s", k.verb, k.step)
+			}
+		}
+		t0 := time.Now()
+		_ = cmd.Process.Signal(syscall.SIGKILL)
+		<-exited
+		for {
+			js, err := journal.List(jdir)
+			ok := err == nil && len(js) == 0
+			for pid := range home {
+				if st, err := drv.State(pid); err != nil || st != cudackpt.Running {
+					ok = false
+				}
+			}
+			if ok {
+				break
+			}
+			if time.Since(t0) > 90*time.Second {
+				t.Fatalf("90 s after killing ptxmig %s after %s: journals %v (%v)", k.verb, k.step, js, err)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		back := time.Since(t0)
+		running(t, tree, home, fmt.Sprintf("killing ptxmig %s after %s", k.verb, k.step))
+		for pid, g := range home {
+			if got := gpuOf(t, pid); got != g {
+				t.Errorf("after killing ptxmig %s after %s, rank pid %d is on GPU %d, want %d", k.verb, k.step, pid, got, g)
+			}
+		}
+		progresses(t, p, 2*time.Minute, fmt.Sprintf("killing ptxmig %s after %s", k.verb, k.step))
+		record(t, "%d ranks: SIGKILL of ptxmig %s right after %s: every rank running on its GPU again %s later",
+			j.world, k.verb, k.step, back.Round(time.Millisecond))
+	}
+	waitExit(t, p.pid, 8*time.Minute)
+	sameResults(t, results(p.log), <-ref)
 }

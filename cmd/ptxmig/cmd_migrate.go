@@ -16,7 +16,7 @@ import (
 func init() {
 	register(&cli.Command{
 		Name:      "migrate",
-		Usage:     "move a live CUDA process to other GPUs of this host, in place (no image)",
+		Usage:     "move a live CUDA process, or a whole job, to other GPUs of this host, in place (no image)",
 		ArgsUsage: "PID",
 		Description: "Quiesce (a process under the ptxmig shim: preemptible kernels stop between blocks within\n" +
 			"--preempt-budget) → driver lock → checkpoint (GPU memory to host memory) → restore with GPU pairs\n" +
@@ -35,11 +35,19 @@ func init() {
 			"lists the pairs. If anything fails after the lock, or ptxmig gets SIGINT/SIGTERM, the process is\n" +
 			"restored onto its source GPUs, unlocked and resumed (exit status 4). Prints the downtime (gate\n" +
 			"closed to gate open) and its parts; on a terminal, a status line on stderr shows the step as it\n" +
-			"runs. No process PID: exit 6. Migrate uses no image store.\n\n" +
+			"runs. No process PID: exit 6. Migrate uses no image store.\n" +
+			"A job moves whole: PID may be the root of a tree with several CUDA processes (a launcher and\n" +
+			"its ranks: torchrun, mp.spawn), and then every CUDA process of the tree moves in one\n" +
+			"transaction with the same GPU map (--gpu-map 0=1,1=0 swaps two ranks' GPUs; --gpu lists one\n" +
+			"target per GPU the job uses). Ranks under the shim that launch NCCL collectives are first\n" +
+			"stopped right after the same collective; if anything fails, every rank goes back to its\n" +
+			"source GPU. Jobs on NCCL's default transports are refused: start them with `ptxmig run\n" +
+			"--nccl-sockets`.\n\n" +
 			"Examples:\n" +
 			"   ptxmig migrate --gpu 1 4242\n" +
 			"   ptxmig migrate --dry-run --gpu 1 4242\n" +
-			"   ptxmig migrate 4242 --gpu-map 0=1 --lock-timeout 30s",
+			"   ptxmig migrate 4242 --gpu-map 0=1 --lock-timeout 30s\n" +
+			"   ptxmig migrate --gpu-map 0=1,1=0 4242    # a 2-rank job started by pid 4242: ranks swapped",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "gpu", Usage: "target GPU index per GPU the process uses, in order: `N[,M...]`"},
 			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping `OLD=NEW[,...]` (GPU UUIDs or indexes)"},
@@ -109,8 +117,12 @@ func migrateAction(c *cli.Context) error {
 	if g.JSON {
 		return printJSON(c, res)
 	}
+	who := fmt.Sprintf("pid %d", res.PID)
+	if len(res.PIDs) > 1 || len(res.PIDs) == 1 && res.PIDs[0] != res.PID {
+		who = fmt.Sprintf("job %d (pid %s)", res.PID, op.PIDList(res.PIDs))
+	}
 	for i := range res.Source {
-		fmt.Fprintf(w, "migrated pid %d: GPU %d %s -> GPU %d %s\n", res.PID, res.Source[i].Index, res.Source[i].UUID, res.Target[i].Index, res.Target[i].UUID)
+		fmt.Fprintf(w, "migrated %s: GPU %d %s -> GPU %d %s\n", who, res.Source[i].Index, res.Source[i].UUID, res.Target[i].Index, res.Target[i].UUID)
 	}
 	printPairs(w, res.Pairs, true)
 	printPreemption(w, res.Preemption)

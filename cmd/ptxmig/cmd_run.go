@@ -62,11 +62,13 @@ func init() {
 			"cannot restore, so ptxmig refuses to checkpoint such a job. --nccl-sockets starts it with the\n" +
 			"transports it can take: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_CUMEM_ENABLE=0 (the ranks\n" +
 			"exchange data through sockets: slower collectives) and USE_LIBUV=0 (PyTorch's TCPStore\n" +
-			"without libuv, whose io_uring CRIU cannot dump). Nothing is changed without the flag; a\n" +
+			"without libuv, whose io_uring CRIU cannot dump). A job launched by torchrun is still refused:\n" +
+			"its agent keeps an io_uring instance even with --rdzv-conf use_libuv=0 (PyTorch 2.11); start\n" +
+			"the ranks with torch.multiprocessing (mp.spawn). Nothing is changed without the flag; a\n" +
 			"variable already set to another value stops ptxmig run (125).\n\n" +
 			"Examples:\n" +
 			"   ptxmig run -- python3 train.py --steps 200\n" +
-			"   ptxmig run --nccl-sockets -- torchrun --nproc-per-node 2 train_ddp.py   # checkpointable job\n" +
+			"   ptxmig run --nccl-sockets -- python3 train_ddp.py   # ranks by mp.spawn: a checkpointable job\n" +
 			"   ptxmig run --preempt always ./longgrid --seconds 30\n" +
 			"   ptxmig run --mid-block -- ./longkernel --seconds 600   # stop inside its blocks\n" +
 			"   ptxmig run --owned-memory -- python3 serve.py   # checkpoints copy GPU memory at link speed\n" +

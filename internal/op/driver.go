@@ -90,7 +90,11 @@ func eachDo(pids []int, do func(pid int) error, undo func(pids []int) error) err
 // set, runs first: it re-reads the world and fails the step before the driver is asked (on driver
 // 580 a restore that runs out of memory leaves the process checkpointed for good). expectCheckpointed
 // makes the step verify each pid is checkpointed first (after a CRIU restore). No undo: the
-// checkpoint step's undo (or, after a CRIU restore, killing the process) covers it.
+// checkpoint step's undo (or, after a CRIU restore, killing the process) covers it. A live move
+// (pairs, not after a CRIU restore) that fails for one process moves the processes it already
+// restored back onto their source GPUs (checkpoint, restore with the inverse pairs) before it
+// fails, so the checkpoint step's undo finds every process of a job on its own GPUs again: a
+// job is never left split between the old and the new GPUs.
 func RestoreStep(d Driver, pids func() []int, pairs []cudackpt.Pair, check func() error, expectCheckpointed bool) Step {
 	return Step{Name: StepDriverRestore, Do: func(context.Context) error {
 		if check != nil {
@@ -98,6 +102,7 @@ func RestoreStep(d Driver, pids func() []int, pairs []cudackpt.Pair, check func(
 				return err
 			}
 		}
+		var restored []int
 		for _, pid := range pids() {
 			if expectCheckpointed {
 				st, err := d.State(pid)
@@ -109,11 +114,35 @@ func RestoreStep(d Driver, pids func() []int, pairs []cudackpt.Pair, check func(
 				}
 			}
 			if err := d.Restore(pid, pairs); err != nil {
-				return fmt.Errorf("driver restore pid %d: %w", pid, err)
+				err = fmt.Errorf("driver restore pid %d: %w", pid, err)
+				if expectCheckpointed || len(pairs) == 0 || len(restored) == 0 {
+					return err
+				}
+				return StepUndid(err, moveBack(d, restored, pairs))
 			}
+			restored = append(restored, pid)
 		}
 		return nil
 	}}
+}
+
+// moveBack returns processes restored onto their targets to their source GPUs: checkpoint each
+// again and restore it with the inverse pairs (a bijection too). They stay locked, as before
+// the restore.
+func moveBack(d Driver, pids []int, pairs []cudackpt.Pair) error {
+	inverse := make([]cudackpt.Pair, len(pairs))
+	for i, p := range pairs {
+		inverse[i] = cudackpt.Pair{Old: p.New, New: p.Old}
+	}
+	return eachPID(pids, func(pid int) error {
+		if err := d.Checkpoint(pid); err != nil {
+			return fmt.Errorf("move pid %d back: checkpoint on its target: %w", pid, err)
+		}
+		if err := d.Restore(pid, inverse); err != nil {
+			return fmt.Errorf("move pid %d back: restore onto its source GPUs: %w", pid, err)
+		}
+		return nil
+	})
 }
 
 // UnlockStep unlocks each pid.

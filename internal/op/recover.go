@@ -478,11 +478,11 @@ func (rb *journalRollback) endHelpers() {
 		}
 		switch {
 		case slices.Contains(running, hp.PID) && stalled:
-			rb.note("killed CRIU (pid %s): no progress for %s", pidText(pids), rb.st.Header.CRIUStall)
+			rb.note("killed CRIU (pid %s): no progress for %s", PIDList(pids), rb.st.Header.CRIUStall)
 		case slices.Contains(running, hp.PID):
-			rb.note("killed CRIU (pid %s) still running after %s", pidText(pids), HelperWait)
+			rb.note("killed CRIU (pid %s) still running after %s", PIDList(pids), HelperWait)
 		default:
-			rb.note("ended what CRIU (pid %d) left running (pid %s)", hp.PID, pidText(pids))
+			rb.note("ended what CRIU (pid %d) left running (pid %s)", hp.PID, PIDList(pids))
 		}
 	}
 }
@@ -554,7 +554,7 @@ func (rb *journalRollback) checkpoint(ctx context.Context) string {
 		}
 		if len(tree) > 0 {
 			rb.fail(proc.Kill(tree, 10*time.Second))
-			rb.note("the checkpoint had committed (image %s): ended the checkpointed tree as the checkpoint does (pid %s)", h.Image, pidText(tree))
+			rb.note("the checkpoint had committed (image %s): ended the checkpointed tree as the checkpoint does (pid %s)", h.Image, PIDList(tree))
 		} else {
 			rb.note("the checkpoint had committed (image %s); the tree had already ended", h.Image)
 		}
@@ -562,7 +562,7 @@ func (rb *journalRollback) checkpoint(ctx context.Context) string {
 	}
 	if st.Began(stepDump) && len(tree) > 0 {
 		rb.fail(proc.Continue(tree, 5*time.Second))
-		rb.note("resumed the tree stopped by the dump (pid %s)", pidText(tree))
+		rb.note("resumed the tree stopped by the dump (pid %s)", PIDList(tree))
 	}
 	cuda := rb.cudaPIDs()
 	if st.Began(StepLock) {
@@ -610,7 +610,7 @@ func (rb *journalRollback) restore() string {
 		return RecoveredRolledBack
 	}
 	rb.fail(proc.Kill(victims, 10*time.Second))
-	rb.note("killed the half-restored processes (pid %s); the image is intact", pidText(victims))
+	rb.note("killed the half-restored processes (pid %s); the image is intact", PIDList(victims))
 	return RecoveredRolledBack
 }
 
@@ -638,7 +638,7 @@ func (rb *journalRollback) driverBack(pids []int) {
 	}
 	d, err := rb.drv.get()
 	if err != nil || d == nil {
-		rb.fail(fmt.Errorf("pid %s may be locked or checkpointed, but the NVIDIA driver cannot be used: %v", pidText(pids), err))
+		rb.fail(fmt.Errorf("pid %s may be locked or checkpointed, but the NVIDIA driver cannot be used: %v", PIDList(pids), err))
 		return
 	}
 	for _, pid := range pids {
@@ -752,14 +752,6 @@ func ownedDir(dir string) bool {
 	}
 	st, ok := fi.Sys().(*syscall.Stat_t)
 	return ok && int(st.Uid) == os.Geteuid() && fi.Mode().Perm()&0o022 == 0
-}
-
-func pidText(pids []int) string {
-	s := make([]string, len(pids))
-	for i, p := range pids {
-		s[i] = fmt.Sprint(p)
-	}
-	return strings.Join(s, ", ")
 }
 
 // legacyStaging matches the staging directories of ptxmig versions without journals

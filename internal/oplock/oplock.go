@@ -140,3 +140,33 @@ func (l *Lock) Release() error {
 	l.f = nil
 	return err
 }
+
+// Locks are the operation locks of several processes (a tree, a job's ranks).
+type Locks []*Lock
+
+// AcquireAll takes the lock of every pid (duplicates once), in the order given, with Acquire's
+// wait for each; if one is busy it releases those it took and fails.
+func AcquireAll(pids []int, op string, wait time.Duration) (Locks, error) {
+	var locks Locks
+	seen := map[int]bool{}
+	for _, pid := range pids {
+		if seen[pid] {
+			continue
+		}
+		seen[pid] = true
+		lk, err := Acquire(pid, op, wait)
+		if err != nil {
+			locks.Release()
+			return nil, err
+		}
+		locks = append(locks, lk)
+	}
+	return locks, nil
+}
+
+// Release releases every lock.
+func (ls Locks) Release() {
+	for _, l := range ls {
+		_ = l.Release()
+	}
+}

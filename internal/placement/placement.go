@@ -144,23 +144,47 @@ func PlanPairs(used, visible []store.GPU, devs []gpu.Device, targets []int, gpuM
 }
 
 // CheckRoom verifies that every target receiving used memory has that much free in devs (a
-// fresh NVML reading). A live process's unmoved GPUs already hold their memory.
+// fresh NVML reading). A live process (live: migrate, in place) gives its memory back when it is
+// checkpointed, before any restore: a GPU's room is then its free memory plus what the moved
+// processes hold on it, so GPUs swapped between the ranks of a job, or between the two GPUs of
+// one process, fit wherever the memory of both fits. A live process's unmoved GPUs take
+// nothing new.
 func CheckRoom(pairs []Pair, devs []gpu.Device, live bool) error {
 	free := map[string]uint64{}
 	for _, d := range devs {
 		free[strings.ToLower(d.UUID)] = d.MemoryFree()
 	}
+	need := map[string]uint64{}
+	var order []Pair // the first pair landing on each target, for the message
 	for _, p := range pairs {
-		if !p.Used || live && p.Identity() {
+		if !p.Used {
 			continue
 		}
-		avail, ok := free[strings.ToLower(p.To.UUID)]
+		if live {
+			if p.Identity() {
+				continue // it takes back what it gives up
+			}
+			free[strings.ToLower(p.From.UUID)] += p.From.MemoryBytes
+		}
+		to := strings.ToLower(p.To.UUID)
+		if _, ok := need[to]; !ok {
+			order = append(order, p)
+		}
+		need[to] += p.From.MemoryBytes
+	}
+	for _, p := range order {
+		to := strings.ToLower(p.To.UUID)
+		avail, ok := free[to]
 		if !ok {
 			return fmt.Errorf("%w: GPU %d (%s) is gone", ErrBadTarget, p.To.Index, p.To.UUID)
 		}
-		if need := p.From.MemoryBytes; need > avail {
-			return fmt.Errorf("%w: GPU %d (%s) has %s free, the process needs %s (it used that much on GPU %d)",
-				ErrNoRoom, p.To.Index, p.To.UUID, human(avail), human(need), p.From.Index)
+		if n := need[to]; n > avail {
+			what := "it used that much on GPU " + fmt.Sprint(p.From.Index)
+			if live {
+				what += ", counting the memory it gives back there"
+			}
+			return fmt.Errorf("%w: GPU %d (%s) has %s free, the process needs %s (%s)",
+				ErrNoRoom, p.To.Index, p.To.UUID, human(avail), human(n), what)
 		}
 	}
 	return nil

@@ -358,3 +358,41 @@ func TestCheckRoom(t *testing.T) {
 		t.Fatalf("vanished target: err = %v, want ErrBadTarget", err)
 	}
 }
+
+// TestCheckRoomLive: a live move counts the memory the moved processes give back on each GPU
+// (a job's ranks swapped, or the two GPUs of one process), and only that: a GPU kept in place
+// takes its memory back, so it frees nothing for another.
+func TestCheckRoomLive(t *testing.T) {
+	const gib = uint64(1) << 30
+	at := func(used0, used1 uint64) []gpu.Device {
+		d0, d1 := dev(0, u0, "NVIDIA H200", 0), dev(1, u1, "NVIDIA H200", 0)
+		d0.MemoryTotal, d1.MemoryTotal = 100*gib, 100*gib
+		d0.MemoryUsed, d1.MemoryUsed = used0, used1
+		return []gpu.Device{d0, d1}
+	}
+	pair := func(from, to int, mem uint64) Pair {
+		uu := []string{u0, u1}
+		return Pair{From: src(from, uu[from], mem), To: dev(to, uu[to], "NVIDIA H200", 0), Used: true}
+	}
+	tests := []struct {
+		name  string
+		pairs []Pair
+		devs  []gpu.Device
+		live  bool
+		ok    bool
+	}{
+		{"swap of 80 GiB each way on full GPUs", []Pair{pair(0, 1, 80*gib), pair(1, 0, 80*gib)}, at(90*gib, 90*gib), true, true},
+		{"swap of 80 GiB each way, 30 GiB taken by others", []Pair{pair(0, 1, 80*gib), pair(1, 0, 40*gib)}, at(70*gib, 70*gib), true, false},
+		{"swap from an image (nothing given back)", []Pair{pair(0, 1, 80*gib), pair(1, 0, 80*gib)}, at(90*gib, 90*gib), false, false},
+		{"a GPU kept in place frees nothing", []Pair{pair(0, 0, 60*gib), pair(1, 0, 35*gib)}, at(70*gib, 40*gib), true, false},
+		{"move into room", []Pair{pair(0, 1, 30*gib)}, at(40*gib, 60*gib), true, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := CheckRoom(tt.pairs, tt.devs, tt.live)
+			if tt.ok != (err == nil) || err != nil && !errors.Is(err, ErrNoRoom) {
+				t.Fatalf("CheckRoom = %v, want ok=%v", err, tt.ok)
+			}
+		})
+	}
+}
