@@ -518,9 +518,60 @@ EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
 // With the preempt mode on, a load of an image with usable PTX loads ptxstate's instrumented PTX
 // instead (instr.c); the shim still records (and dumps) the app's original image. Any failure,
 // including the driver refusing the instrumented PTX, loads the original exactly as asked.
-static CUresult (*real_load_data(void))(CUmodule *, const void *) {
-  return (CUresult(*)(CUmodule *, const void *))hook_real(H_cuModuleLoadData);
+// Every load entry point goes through load(): the caller's arguments in a load_req, the choice of
+// what to load and the bookkeeping in one place.
+typedef struct {
+  int hook, source;        // the entry point called (H_*) and how track.c records the load (MS_*)
+  CUmodule *m;             // where the module goes (module loads) ...
+  CUlibrary *lib;          // ... or the library (library loads)
+  const void *image;       // the caller's image, or NULL
+  const char *path;        // the caller's file, or NULL
+  CUjit_option *jo;        // JIT options: cuModuleLoadDataEx and the library loads
+  void **jv;
+  unsigned nj;
+  CUlibraryOption *lo;     // library options
+  void **lv;
+  unsigned nl;
+} load_req;
+
+// The entry points themselves, declared ahead for load_call's casts to their types.
+EXPORT CUresult cuModuleLoad(CUmodule *m, const char *fname);
+EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image);
+EXPORT CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned n, CUjit_option *o, void **v);
+EXPORT CUresult cuModuleLoadFatBinary(CUmodule *m, const void *fatbin);
+EXPORT CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, CUjit_option *jo, void **jv, unsigned nj,
+                                  CUlibraryOption *lo, void **lv, unsigned nl);
+EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *lib, const char *fname, CUjit_option *jo, void **jv, unsigned nj,
+                                      CUlibraryOption *lo, void **lv, unsigned nl);
+
+// ptx_hook: the entry point that loads instrumented PTX in q's place. cuModuleLoadDataEx and the
+// library loads keep the caller's options (cuLibraryLoadFromFile through cuLibraryLoadData); a
+// file or a fatbinary goes through cuModuleLoadData.
+static int ptx_hook(const load_req *q) {
+  switch (q->hook) {
+  case H_cuModuleLoad: case H_cuModuleLoadFatBinary: return H_cuModuleLoadData;
+  case H_cuLibraryLoadFromFile: return H_cuLibraryLoadData;
+  default: return q->hook;
+  }
 }
+
+// load_call calls entry point hook (found, see load) with q's arguments and what: the caller's
+// image or path, or the instrumented PTX.
+static CUresult load_call(int hook, const load_req *q, const void *what) {
+  void *f = hook_real(hook);
+  switch (hook) {
+  case H_cuModuleLoad: return ((__typeof__(&cuModuleLoad))f)(q->m, what);
+  case H_cuModuleLoadData: return ((__typeof__(&cuModuleLoadData))f)(q->m, what);
+  case H_cuModuleLoadDataEx: return ((__typeof__(&cuModuleLoadDataEx))f)(q->m, what, q->nj, q->jo, q->jv);
+  case H_cuModuleLoadFatBinary: return ((__typeof__(&cuModuleLoadFatBinary))f)(q->m, what);
+  case H_cuLibraryLoadData:
+    return ((__typeof__(&cuLibraryLoadData))f)(q->lib, what, q->jo, q->jv, q->nj, q->lo, q->lv, q->nl);
+  case H_cuLibraryLoadFromFile:
+    return ((__typeof__(&cuLibraryLoadFromFile))f)(q->lib, what, q->jo, q->jv, q->nj, q->lo, q->lv, q->nl);
+  }
+  return 999;
+}
+
 static void swap_failed(kinfo_set *ks, CUresult r) {
   kinfo_set_free(ks);
   instr_failed(ks, "instrumentation failed: the driver refused the instrumented PTX (error %d)", (int)r);
@@ -536,104 +587,58 @@ static int swap_prepare(const void *image, const char *path, char **ptx, kinfo_s
   free(linked);
   return sw;
 }
-static void load_done(int source, CUresult r, void *handle, const void *image, const char *path, kinfo_set *ks) {
+#define CU_LIBRARY_BINARY_IS_PRESERVED 1
+// preserved: the driver keeps using the caller's buffer (then the shim's PTX is never freed).
+static int preserved(const load_req *q) {
+  for (unsigned i = 0; q->lo && i < q->nl && i < 64; i++)
+    if (q->lo[i] == CU_LIBRARY_BINARY_IS_PRESERVED && (!q->lv || q->lv[i])) return 1;
+  return 0;
+}
+
+// load: the instrumented PTX when swap_prepare gives one and the driver takes it, else the
+// caller's image or file as asked; then the module is tracked (with its twins) when it loaded.
+static CUresult load(const load_req *q) {
+  int alt = ptx_hook(q);
+  if (!hook_real(q->hook) || !hook_real(alt)) return 999;
+  kinfo_set ks = {0};
+  char *ptx = NULL;
+  CUresult r = 999;
+  int sw = (q->m || q->lib) && swap_prepare(q->image, q->path, &ptx, &ks);
+  if (sw && (r = load_call(alt, q, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
+  if (!sw || !preserved(q)) free(ptx);
+  if (!sw) r = load_call(q->hook, q, q->path ? (const void *)q->path : q->image);
+  void *handle = q->m ? (void *)*q->m : q->lib ? (void *)*q->lib : NULL;
   if (r == CUDA_SUCCESS && handle) {
     ctl_ensure_started();
-    trk_module_add(source, handle, image, 0, path);
-    if (cfg.preempt != PM_OFF) trk_module_twins(handle, ks);
+    trk_module_add(q->source, handle, q->image, 0, q->path);
+    if (cfg.preempt != PM_OFF) trk_module_twins(handle, &ks);
   }
-  kinfo_set_free(ks);
+  kinfo_set_free(&ks);
+  return r;
 }
 
 EXPORT CUresult cuModuleLoad(CUmodule *m, const char *fname) {
-  __typeof__(&cuModuleLoad) real = REAL(cuModuleLoad);
-  CUresult (*data)(CUmodule *, const void *) = real_load_data();
-  if (!real || !data) return 999;
-  kinfo_set ks = {0};
-  char *ptx = NULL;
-  CUresult r = 999;
-  int sw = m && swap_prepare(NULL, fname, &ptx, &ks);
-  if (sw && (r = data(m, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
-  free(ptx);
-  if (!sw) r = real(m, fname);
-  load_done(MS_MODULE_LOAD, r, m ? *m : NULL, NULL, fname, &ks);
-  return r;
+  return load(&(load_req){.hook = H_cuModuleLoad, .source = MS_MODULE_LOAD, .m = m, .path = fname});
 }
 EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image) {
-  __typeof__(&cuModuleLoadData) real = REAL(cuModuleLoadData);
-  if (!real) return 999;
-  kinfo_set ks = {0};
-  char *ptx = NULL;
-  CUresult r = 999;
-  int sw = m && swap_prepare(image, NULL, &ptx, &ks);
-  if (sw && (r = real(m, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
-  free(ptx);
-  if (!sw) r = real(m, image);
-  load_done(MS_MODULE_LOAD_DATA, r, m ? *m : NULL, image, NULL, &ks);
-  return r;
+  return load(&(load_req){.hook = H_cuModuleLoadData, .source = MS_MODULE_LOAD_DATA, .m = m, .image = image});
 }
 EXPORT CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned n, CUjit_option *o, void **v) {
-  __typeof__(&cuModuleLoadDataEx) real = REAL(cuModuleLoadDataEx);
-  if (!real) return 999;
-  kinfo_set ks = {0};
-  char *ptx = NULL;
-  CUresult r = 999;
-  int sw = m && swap_prepare(image, NULL, &ptx, &ks);
-  if (sw && (r = real(m, ptx, n, o, v)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
-  free(ptx);
-  if (!sw) r = real(m, image, n, o, v);
-  load_done(MS_MODULE_LOAD_DATA_EX, r, m ? *m : NULL, image, NULL, &ks);
-  return r;
+  return load(&(load_req){.hook = H_cuModuleLoadDataEx, .source = MS_MODULE_LOAD_DATA_EX, .m = m, .image = image,
+                          .jo = o, .jv = v, .nj = n});
 }
 EXPORT CUresult cuModuleLoadFatBinary(CUmodule *m, const void *fatbin) {
-  __typeof__(&cuModuleLoadFatBinary) real = REAL(cuModuleLoadFatBinary);
-  CUresult (*data)(CUmodule *, const void *) = real_load_data();
-  if (!real || !data) return 999;
-  kinfo_set ks = {0};
-  char *ptx = NULL;
-  CUresult r = 999;
-  int sw = m && swap_prepare(fatbin, NULL, &ptx, &ks);
-  if (sw && (r = data(m, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
-  free(ptx);
-  if (!sw) r = real(m, fatbin);
-  load_done(MS_MODULE_LOAD_FATBIN, r, m ? *m : NULL, fatbin, NULL, &ks);
-  return r;
-}
-#define CU_LIBRARY_BINARY_IS_PRESERVED 1
-// preserved: the driver keeps using the caller's buffer (then the shim's PTX is never freed).
-static int preserved(CUlibraryOption *lo, void **lv, unsigned nl) {
-  for (unsigned i = 0; lo && i < nl && i < 64; i++)
-    if (lo[i] == CU_LIBRARY_BINARY_IS_PRESERVED && (!lv || lv[i])) return 1;
-  return 0;
+  return load(&(load_req){.hook = H_cuModuleLoadFatBinary, .source = MS_MODULE_LOAD_FATBIN, .m = m, .image = fatbin});
 }
 EXPORT CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, CUjit_option *jo, void **jv, unsigned nj,
                                   CUlibraryOption *lo, void **lv, unsigned nl) {
-  __typeof__(&cuLibraryLoadData) real = REAL(cuLibraryLoadData);
-  if (!real) return 999;
-  kinfo_set ks = {0};
-  char *ptx = NULL;
-  CUresult r = 999;
-  int sw = lib && swap_prepare(code, NULL, &ptx, &ks);
-  if (sw && (r = real(lib, ptx, jo, jv, nj, lo, lv, nl)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
-  if (!sw || !preserved(lo, lv, nl)) free(ptx);
-  if (!sw) r = real(lib, code, jo, jv, nj, lo, lv, nl);
-  load_done(MS_LIBRARY_LOAD_DATA, r, lib ? *lib : NULL, code, NULL, &ks);
-  return r;
+  return load(&(load_req){.hook = H_cuLibraryLoadData, .source = MS_LIBRARY_LOAD_DATA, .lib = lib, .image = code,
+                          .jo = jo, .jv = jv, .nj = nj, .lo = lo, .lv = lv, .nl = nl});
 }
 EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *lib, const char *fname, CUjit_option *jo, void **jv, unsigned nj,
                                       CUlibraryOption *lo, void **lv, unsigned nl) {
-  __typeof__(&cuLibraryLoadFromFile) real = REAL(cuLibraryLoadFromFile);
-  __typeof__(&cuLibraryLoadData) data = REAL(cuLibraryLoadData);
-  if (!real || !data) return 999;
-  kinfo_set ks = {0};
-  char *ptx = NULL;
-  CUresult r = 999;
-  int sw = lib && swap_prepare(NULL, fname, &ptx, &ks);
-  if (sw && (r = data(lib, ptx, jo, jv, nj, lo, lv, nl)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
-  if (!sw || !preserved(lo, lv, nl)) free(ptx);
-  if (!sw) r = real(lib, fname, jo, jv, nj, lo, lv, nl);
-  load_done(MS_LIBRARY_LOAD_FILE, r, lib ? *lib : NULL, NULL, fname, &ks);
-  return r;
+  return load(&(load_req){.hook = H_cuLibraryLoadFromFile, .source = MS_LIBRARY_LOAD_FILE, .lib = lib,
+                          .path = fname, .jo = jo, .jv = jv, .nj = nj, .lo = lo, .lv = lv, .nl = nl});
 }
 EXPORT CUresult cuModuleUnload(CUmodule m) {
   preempt_wait_clean();  // a preempted twin's remainder may still use it
