@@ -53,8 +53,8 @@ vet:
 lint-deps:
 	@scripts/install-lint.sh >/dev/null
 
-# gofmt, go vet, staticcheck, go.mod/go.sum tidy, shellcheck on every *.sh. Every check runs; the
-# target fails when any of them found something.
+# gofmt, go vet, staticcheck, go.mod/go.sum tidy, shellcheck on every *.sh, and the shim's module
+# layers (shim/check-layers.sh). Every check runs; the target fails when any of them found something.
 lint:
 	@sc=$$(scripts/install-lint.sh) || exit 1; rc=0; \
 	echo "lint: gofmt -l"; out=$$(gofmt -l $(LINT_GO)) || rc=1; \
@@ -63,6 +63,7 @@ lint:
 	echo "lint: staticcheck ./..."; "$$sc" ./... || rc=1; \
 	echo "lint: go mod tidy -diff"; $(GO) mod tidy -diff || { echo "    go.mod/go.sum are not tidy: run go mod tidy"; rc=1; }; \
 	echo "lint: shellcheck"; shellcheck -x $(LINT_SH) || rc=1; \
+	echo "lint: shim layers"; $(MAKE) -s --no-print-directory -C shim layers || rc=1; \
 	if [ $$rc -eq 0 ]; then echo "make lint: ok"; else echo "make lint: FAILED"; fi; exit $$rc
 
 # go test -json through scripts/gotestsum: package lines, failing tests' output, skipped tests with

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,7 +16,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "shim.h"
+#include "base.h"
+#include "ctl.h"
+#include "json.h"
+#include "preempt.h"
+#include "sock.h"
+#include "track.h"
+#include "vmm.h"
 
 #define MAX_LINE (64 * 1024)
 
@@ -24,31 +31,31 @@ static atomic_int started_pid;  // pid that owns the running control thread (0: 
 static int listen_fd = -1;
 static char sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 
-int ctl_send(int sock, const char *p, size_t n, int fd) {
-  size_t off = 0;
-  while (off < n) {
-    struct iovec io = {.iov_base = (void *)(p + off), .iov_len = n - off};
-    union {
-      char buf[CMSG_SPACE(sizeof(int))];
-      struct cmsghdr align;
-    } u;
-    struct msghdr m = {.msg_iov = &io, .msg_iovlen = 1};
-    if (fd >= 0 && off == 0) {
-      memset(&u, 0, sizeof u);
-      m.msg_control = u.buf;
-      m.msg_controllen = sizeof u.buf;
-      struct cmsghdr *c = CMSG_FIRSTHDR(&m);
-      c->cmsg_level = SOL_SOCKET;
-      c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(sizeof(int));
-      memcpy(CMSG_DATA(c), &fd, sizeof fd);
-    }
-    ssize_t w = sendmsg(sock, &m, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return -1;
-    off += (size_t)w;
-  }
-  return 0;
+// ---- the status reply ----
+// The interception counters belong to hooks.c, the module above this one: it hands their writer
+// in at init (ctl_set_interception).
+static void (*_Atomic interception)(jbuf *b);
+void ctl_set_interception(void (*write)(jbuf *b)) { atomic_store(&interception, write); }
+
+static void report_status(jbuf *b, int brief) {
+  char exe[512];
+  ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (el < 0) el = 0;
+  jb_printf(b, "{\"pid\":%d,\"shim\":\"%s\",\"proto\":%d,\"exe\":", (int)getpid(), PTXMIG_SHIM_VERSION,
+            PTXMIG_PROTO_VERSION);
+  jb_str(b, exe, (size_t)el);
+  trk_report_status(b, brief);
+  jb_key(b, "interception");
+  void (*w)(jbuf *) = atomic_load(&interception);
+  if (w) w(b);
+  else jb_s(b, "{}");
+  jb_key(b, "collectives");
+  preempt_collectives_report(b);
+  jb_key(b, "preempt");
+  preempt_report_status(b);
+  jb_key(b, "owned_memory");
+  vmm_report_status(b);
+  jb_s(b, "}");
 }
 
 static void reply_error(int fd, const char *msg) {
@@ -56,7 +63,7 @@ static void reply_error(int fd, const char *msg) {
   jb_printf(&b, "{\"ok\":false,\"proto\":%d,\"error\":", PTXMIG_PROTO_VERSION);
   jb_str(&b, msg, strlen(msg));
   jb_s(&b, "}\n");
-  if (!b.oom) ctl_send(fd, b.p, b.len, -1);
+  if (!b.oom) sock_send(fd, b.p, b.len, -1);
   free(b.p);
 }
 
@@ -84,7 +91,7 @@ static void send_ok(conn *c, const char *cmd, jbuf *res) {
   jb_s(&b, res->p ? res->p : "{}");
   jb_s(&b, "}\n");
   if (b.oom || res->oom) reply_error(c->fd, "out of memory building the reply");
-  else if (ctl_send(c->fd, b.p, b.len, -1)) c->close_after = 1;
+  else if (sock_send(c->fd, b.p, b.len, -1)) c->close_after = 1;
   free(b.p);
 }
 
@@ -412,10 +419,8 @@ static void ctl_cleanup(void) {
     unlink(sock_path);
 }
 
-static void atfork_child(void) { ctl_atfork_child(); }
-
-void ctl_atfork_child(void) {
-  // The control thread does not exist in the child; the parent's socket stays the parent's.
+// The control thread does not exist in the child; the parent's socket stays the parent's.
+static void atfork_child(void) {
   if (listen_fd >= 0) close(listen_fd);
   listen_fd = -1;
   sock_path[0] = 0;

@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base.h"
+
 static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 static uint32_t rd32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
 static uint64_t rd64(const uint8_t *p) { return (uint64_t)rd32(p) | (uint64_t)rd32(p + 4) << 32; }
@@ -190,7 +192,8 @@ long lz4_block_decode(const uint8_t *src, size_t srclen, uint8_t *dst, size_t ds
   return (long)op;
 }
 
-// libzstd is optional and loaded at first use, never from a constructor.
+// libzstd is optional and loaded at first use, never from a constructor. Its symbols are looked up
+// with glibc's dlsym (base.c): a plain dlsym call would bind to the shim's own exported dlsym.
 static struct {
   pthread_once_t once;
   size_t (*decompress)(void *, size_t, const void *, size_t);
@@ -200,8 +203,8 @@ static struct {
 static void zstd_load(void) {
   void *h = dlopen("libzstd.so.1", RTLD_NOW | RTLD_LOCAL);
   if (!h) return;
-  zstd.decompress = (size_t(*)(void *, size_t, const void *, size_t))dlsym(h, "ZSTD_decompress");
-  zstd.is_error = (unsigned (*)(size_t))dlsym(h, "ZSTD_isError");
+  zstd.decompress = (size_t(*)(void *, size_t, const void *, size_t))real_dlsym(h, "ZSTD_decompress");
+  zstd.is_error = (unsigned (*)(size_t))real_dlsym(h, "ZSTD_isError");
   if (!zstd.decompress || !zstd.is_error) zstd.decompress = NULL;
 }
 

@@ -2,111 +2,31 @@
 // cudaGetDriverEntryPoint[ByVersion]. Every wrapper calls the exact real function the caller would
 // have reached (per ABI and per-thread-stream variant) and only adds bookkeeping around it.
 #include <dlfcn.h>
-#include <errno.h>
-#include <stdarg.h>
-#include <stdio.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
-#include "shim.h"
+#include "base.h"
+#include "ctl.h"
+#include "hooks.h"
+#include "instr.h"
+#include "json.h"
+#include "preempt.h"
+#include "track.h"
+#include "vmm.h"
 
-shim_config cfg;
-intercept_stats istats;
-
-static unsigned env_uint(const char *name, unsigned def) {
-  const char *v = getenv(name);
-  if (!v || !*v) return def;
-  char *end;
-  unsigned long x = strtoul(v, &end, 10);
-  if (*end || x > 1000000000ul) return def;
-  return (unsigned)x;
-}
-
-void config_load(void) {
-  const char *d = getenv("PTXMIG_DEBUG");
-  cfg.debug = d && d[0] == '1';
-  const char *sd = getenv("PTXMIG_SOCKET_DIR");
-  snprintf(cfg.socket_dir, sizeof cfg.socket_dir, "%s", sd && sd[0] == '/' ? sd : "/run/ptxmig");
-  cfg.sample_first = env_uint("PTXMIG_SAMPLE_FIRST", 20);
-  cfg.sample_every = env_uint("PTXMIG_SAMPLE_EVERY", 100);
-  cfg.capture_max = (uint64_t)env_uint("PTXMIG_CAPTURE_MAX_MB", 2048) << 20;
-  const char *lc = getenv("PTXMIG_LIBCUDA");
-  snprintf(cfg.libcuda, sizeof cfg.libcuda, "%s", lc && *lc ? lc : "libcuda.so.1");
-  const char *st = getenv("PTXMIG_SELF_TIME");
-  cfg.self_time = st && st[0] == '1';
-  const char *pm = getenv("PTXMIG_PREEMPT");
-  cfg.preempt = !pm ? PM_OFF : strcmp(pm, "auto") == 0 ? PM_AUTO : strcmp(pm, "always") == 0 ? PM_ALWAYS : PM_OFF;
-  cfg.preempt_min_us = env_uint("PTXMIG_PREEMPT_MIN_US", 5000);
-  cfg.preempt_batch_max = env_uint("PTXMIG_PREEMPT_BATCH_MAX", 0);
-  cfg.preempt_hold = env_uint("PTXMIG_PREEMPT_HOLD", 1) != 0;
-  cfg.preempt_long_us = env_uint("PTXMIG_PREEMPT_LONG_US", 10000);
-  if (cfg.preempt_batch_max > 65536) cfg.preempt_batch_max = 65536;
-  const char *ps = getenv("PTXMIG_PREEMPT_SASS");
-  cfg.preempt_sass = !(ps && strcmp(ps, "keep") == 0);
-  cfg.ptx_cubin = env_uint("PTXMIG_PTX_CUBIN", 1) != 0;
-  cfg.mid_block = env_uint("PTXMIG_MID_BLOCK", 0) != 0;
-  cfg.mid_max_bytes = (uint64_t)env_uint("PTXMIG_MID_BLOCK_MAX_MB", 2048) << 20;
-  cfg.owned = env_uint("PTXMIG_OWNED_MEMORY", 0) != 0;
-  cfg.owned_min = (uint64_t)env_uint("PTXMIG_OWNED_MIN_KB", 1024) << 10;
-  const char *pc = getenv("PTXMIG_PTX_CACHE");
-  snprintf(cfg.ptx_cache, sizeof cfg.ptx_cache, "%s", pc ? pc : "/var/cache/ptxmig/ptx");
-  const char *hp = getenv("PTXMIG_HELPER");
-  snprintf(cfg.helper, sizeof cfg.helper, "%s", hp && hp[0] == '/' ? hp : "");
-  cfg.helper_timeout_ms = env_uint("PTXMIG_HELPER_TIMEOUT_MS", 60000);
-  cfg.helper_max_bytes = (uint64_t)env_uint("PTXMIG_HELPER_MAX_MB", 256) << 20;
-}
-
-uint64_t shim_now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-void shim_log(const char *fmt, ...) {
-  if (!cfg.debug) return;
-  char buf[512];
-  va_list ap;
-  va_start(ap, fmt);
-  int n = snprintf(buf, sizeof buf, "ptxmig-shim[%d]: ", (int)getpid());
-  if (n > 0 && (size_t)n < sizeof buf) vsnprintf(buf + n, sizeof buf - (size_t)n, fmt, ap);
-  va_end(ap);
-  size_t len = strlen(buf);
-  if (len + 1 < sizeof buf) buf[len++] = '\n';
-  ssize_t w = write(2, buf, len);
-  (void)w;
-}
-
-// ---- the real dlsym and the real driver ----
-
-// The dlsym path can run before anything else in the process, even inside a sanitizer runtime's
-// own initialisation (ASan resolves its interceptors through dlsym), so it is never instrumented.
-#define NO_SAN __attribute__((no_sanitize("address", "undefined")))
-static void *(*real_dlsym)(void *, const char *);
-static pthread_once_t dlsym_once = PTHREAD_ONCE_INIT;
-NO_SAN static void dlsym_init(void) {
-  static const char *vers[] = {"GLIBC_2.34", "GLIBC_2.17", "GLIBC_2.2.5"};
-  for (size_t i = 0; i < sizeof vers / sizeof vers[0] && !real_dlsym; i++)
-    real_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", vers[i]);
-}
-void *real_dlsym_fn(void *h, const char *name) {
-  pthread_once(&dlsym_once, dlsym_init);
-  return real_dlsym ? real_dlsym(h, name) : NULL;
-}
-
-static void *cuda_h;
-static pthread_once_t cuda_once = PTHREAD_ONCE_INIT;
-static void cuda_open(void) {
-  cuda_h = dlopen(cfg.libcuda, RTLD_NOW | RTLD_LOCAL);
-  if (!cuda_h) LOG_ONCE("cannot open the real driver %s: %s", cfg.libcuda, dlerror());
-}
-void *libcuda_handle(void) {
-  pthread_once(&cuda_once, cuda_open);
-  return cuda_h;
-}
-void *drv_sym(const char *name) {
-  void *h = libcuda_handle();
-  return h ? real_dlsym_fn(h, name) : NULL;
+// Interception counters (status "interception", and the tests' self-check).
+static struct {
+  atomic_ulong dlsym_hits, getproc_hits, getproc_v2_hits, entrypoint_hits, by_name, unmatched, passthrough;
+} istats;
+// report_interception writes them for the status reply (ctl.c, which gets it at table_init).
+static void report_interception(jbuf *b) {
+  jb_printf(b,
+            "{\"dlsym\":%lu,\"cuGetProcAddress\":%lu,\"cuGetProcAddress_v2\":%lu,"
+            "\"cudaGetDriverEntryPoint\":%lu,\"by_name\":%lu,\"unmatched\":%lu,\"passthrough\":%lu}",
+            atomic_load(&istats.dlsym_hits), atomic_load(&istats.getproc_hits), atomic_load(&istats.getproc_v2_hits),
+            atomic_load(&istats.entrypoint_hits), atomic_load(&istats.by_name), atomic_load(&istats.unmatched),
+            atomic_load(&istats.passthrough));
 }
 
 // ---- hook table ----
@@ -345,7 +265,7 @@ static void *hook_real(int i) {
   void *p = atomic_load_explicit(&hooks[i].real, memory_order_acquire);
   if (p) return p;
   pthread_once(&table_once, table_init);
-  p = hooks[i].lib ? real_dlsym_fn(RTLD_NEXT, hooks[i].name) : drv_sym(hooks[i].name);
+  p = hooks[i].lib ? real_dlsym(RTLD_NEXT, hooks[i].name) : drv_sym(hooks[i].name);
   if (!p) return NULL;
   void *expect = NULL;
   if (!atomic_compare_exchange_strong(&hooks[i].real, &expect, p)) p = expect;
@@ -421,7 +341,6 @@ NO_SAN __attribute__((used)) void *ptxmig_dlsym_decide(void *handle, const char 
   return dlsym_decide_cu(handle, name);
 }
 static void *dlsym_decide_cu(void *handle, const char *name) {
-  pthread_once(&dlsym_once, dlsym_init);
   pthread_once(&table_once, table_init);
   int i;
   for (i = 0; i < H_COUNT; i++)
@@ -430,7 +349,7 @@ static void *dlsym_decide_cu(void *handle, const char *name) {
     if (cfg.debug) shim_log("trace: dlsym(%p, %s): not hooked", handle, name);
     return DLSYM_PASS;
   }
-  void *r = real_dlsym ? real_dlsym(handle, name) : NULL;
+  void *r = real_dlsym(handle, name);
   if (!r) return NULL;
   void *mine = hook_real(i);
   if (mine != r) {
@@ -441,10 +360,6 @@ static void *dlsym_decide_cu(void *handle, const char *name) {
   atomic_fetch_add(&istats.dlsym_hits, 1);
   ctl_ensure_started();
   return hooks[i].wrapper;
-}
-NO_SAN __attribute__((used)) void *ptxmig_real_dlsym_ptr(void) {
-  pthread_once(&dlsym_once, dlsym_init);
-  return (void *)real_dlsym;
 }
 
 #if defined(__x86_64__)
@@ -458,7 +373,7 @@ __asm__(".text\n"
         "  call ptxmig_dlsym_decide\n"
         "  cmp $1, %rax\n"
         "  jne 1f\n"
-        "  call ptxmig_real_dlsym_ptr\n"
+        "  call real_dlsym_ptr\n"
         "  add $8, %rsp\n"
         "  pop %rsi\n"
         "  pop %rdi\n"
@@ -475,7 +390,7 @@ __asm__(".text\n"
 EXPORT void *dlsym(void *handle, const char *name) {
   void *r = ptxmig_dlsym_decide(handle, name);
   if (r != DLSYM_PASS) return r;
-  void *(*f)(void *, const char *) = (void *(*)(void *, const char *))ptxmig_real_dlsym_ptr();
+  dlsym_fn f = real_dlsym_ptr();
   return f ? f(handle, name) : NULL;
 }
 #endif
@@ -566,8 +481,18 @@ EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, void *params, unsigned flags, CU
   if (r_ == CUDA_SUCCESS && pctx) trk_ctx_add(*pctx, dev, 0);
   return r_;
 }
+// ctx_gone: the launches, events and samples of a context die with it (before the driver call
+// that may destroy it).
+static void ctx_gone(CUcontext ctx) {
+  preempt_drop_ctx(ctx);
+  samples_drop_ctx(ctx);
+}
+static void primary_gone(CUdevice dev) {
+  CUcontext c[TRK_MAX_CTX];
+  for (int i = 0, n = trk_primary_ctxs(dev, c); i < n; i++) ctx_gone(c[i]);
+}
 EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
-  samples_drop_ctx(ctx);  // events of this context die with it
+  ctx_gone(ctx);
   CALL_REAL(cuCtxDestroy_v2, ctx);
   if (r_ == CUDA_SUCCESS) trk_ctx_remove(ctx);
   return r_;
@@ -578,13 +503,13 @@ EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
   return r_;
 }
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
-  trk_primary_release(dev);  // the release may destroy the context and its events
+  primary_gone(dev);  // the release may destroy the context and its events
   CALL_REAL(cuDevicePrimaryCtxRelease_v2, dev);
   return r_;
 }
 
 EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
-  trk_primary_release(dev);  // the reset destroys the primary context's events, memory and launches
+  primary_gone(dev);  // the reset destroys the primary context's events, memory and launches
   CALL_REAL(cuDevicePrimaryCtxReset_v2, dev);
   return r_;
 }
@@ -593,9 +518,60 @@ EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
 // With the preempt mode on, a load of an image with usable PTX loads ptxstate's instrumented PTX
 // instead (instr.c); the shim still records (and dumps) the app's original image. Any failure,
 // including the driver refusing the instrumented PTX, loads the original exactly as asked.
-static CUresult (*real_load_data(void))(CUmodule *, const void *) {
-  return (CUresult(*)(CUmodule *, const void *))hook_real(H_cuModuleLoadData);
+// Every load entry point goes through load(): the caller's arguments in a load_req, the choice of
+// what to load and the bookkeeping in one place.
+typedef struct {
+  int hook, source;        // the entry point called (H_*) and how track.c records the load (MS_*)
+  CUmodule *m;             // where the module goes (module loads) ...
+  CUlibrary *lib;          // ... or the library (library loads)
+  const void *image;       // the caller's image, or NULL
+  const char *path;        // the caller's file, or NULL
+  CUjit_option *jo;        // JIT options: cuModuleLoadDataEx and the library loads
+  void **jv;
+  unsigned nj;
+  CUlibraryOption *lo;     // library options
+  void **lv;
+  unsigned nl;
+} load_req;
+
+// The entry points themselves, declared ahead for load_call's casts to their types.
+EXPORT CUresult cuModuleLoad(CUmodule *m, const char *fname);
+EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image);
+EXPORT CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned n, CUjit_option *o, void **v);
+EXPORT CUresult cuModuleLoadFatBinary(CUmodule *m, const void *fatbin);
+EXPORT CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, CUjit_option *jo, void **jv, unsigned nj,
+                                  CUlibraryOption *lo, void **lv, unsigned nl);
+EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *lib, const char *fname, CUjit_option *jo, void **jv, unsigned nj,
+                                      CUlibraryOption *lo, void **lv, unsigned nl);
+
+// ptx_hook: the entry point that loads instrumented PTX in q's place. cuModuleLoadDataEx and the
+// library loads keep the caller's options (cuLibraryLoadFromFile through cuLibraryLoadData); a
+// file or a fatbinary goes through cuModuleLoadData.
+static int ptx_hook(const load_req *q) {
+  switch (q->hook) {
+  case H_cuModuleLoad: case H_cuModuleLoadFatBinary: return H_cuModuleLoadData;
+  case H_cuLibraryLoadFromFile: return H_cuLibraryLoadData;
+  default: return q->hook;
+  }
 }
+
+// load_call calls entry point hook (found, see load) with q's arguments and what: the caller's
+// image or path, or the instrumented PTX.
+static CUresult load_call(int hook, const load_req *q, const void *what) {
+  void *f = hook_real(hook);
+  switch (hook) {
+  case H_cuModuleLoad: return ((__typeof__(&cuModuleLoad))f)(q->m, what);
+  case H_cuModuleLoadData: return ((__typeof__(&cuModuleLoadData))f)(q->m, what);
+  case H_cuModuleLoadDataEx: return ((__typeof__(&cuModuleLoadDataEx))f)(q->m, what, q->nj, q->jo, q->jv);
+  case H_cuModuleLoadFatBinary: return ((__typeof__(&cuModuleLoadFatBinary))f)(q->m, what);
+  case H_cuLibraryLoadData:
+    return ((__typeof__(&cuLibraryLoadData))f)(q->lib, what, q->jo, q->jv, q->nj, q->lo, q->lv, q->nl);
+  case H_cuLibraryLoadFromFile:
+    return ((__typeof__(&cuLibraryLoadFromFile))f)(q->lib, what, q->jo, q->jv, q->nj, q->lo, q->lv, q->nl);
+  }
+  return 999;
+}
+
 static void swap_failed(kinfo_set *ks, CUresult r) {
   kinfo_set_free(ks);
   instr_failed(ks, "instrumentation failed: the driver refused the instrumented PTX (error %d)", (int)r);
@@ -611,103 +587,58 @@ static int swap_prepare(const void *image, const char *path, char **ptx, kinfo_s
   free(linked);
   return sw;
 }
-static void load_done(int source, CUresult r, void *handle, const void *image, const char *path, kinfo_set *ks) {
+#define CU_LIBRARY_BINARY_IS_PRESERVED 1
+// preserved: the driver keeps using the caller's buffer (then the shim's PTX is never freed).
+static int preserved(const load_req *q) {
+  for (unsigned i = 0; q->lo && i < q->nl && i < 64; i++)
+    if (q->lo[i] == CU_LIBRARY_BINARY_IS_PRESERVED && (!q->lv || q->lv[i])) return 1;
+  return 0;
+}
+
+// load: the instrumented PTX when swap_prepare gives one and the driver takes it, else the
+// caller's image or file as asked; then the module is tracked (with its twins) when it loaded.
+static CUresult load(const load_req *q) {
+  int alt = ptx_hook(q);
+  if (!hook_real(q->hook) || !hook_real(alt)) return 999;
+  kinfo_set ks = {0};
+  char *ptx = NULL;
+  CUresult r = 999;
+  int sw = (q->m || q->lib) && swap_prepare(q->image, q->path, &ptx, &ks);
+  if (sw && (r = load_call(alt, q, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
+  if (!sw || !preserved(q)) free(ptx);
+  if (!sw) r = load_call(q->hook, q, q->path ? (const void *)q->path : q->image);
+  void *handle = q->m ? (void *)*q->m : q->lib ? (void *)*q->lib : NULL;
   if (r == CUDA_SUCCESS && handle) {
-    trk_module_add(source, handle, image, 0, path);
-    if (cfg.preempt != PM_OFF) trk_module_twins(handle, ks);
+    ctl_ensure_started();
+    trk_module_add(q->source, handle, q->image, 0, q->path);
+    if (cfg.preempt != PM_OFF) trk_module_twins(handle, &ks);
   }
-  kinfo_set_free(ks);
+  kinfo_set_free(&ks);
+  return r;
 }
 
 EXPORT CUresult cuModuleLoad(CUmodule *m, const char *fname) {
-  __typeof__(&cuModuleLoad) real = REAL(cuModuleLoad);
-  CUresult (*data)(CUmodule *, const void *) = real_load_data();
-  if (!real || !data) return 999;
-  kinfo_set ks = {0};
-  char *ptx = NULL;
-  CUresult r = 999;
-  int sw = m && swap_prepare(NULL, fname, &ptx, &ks);
-  if (sw && (r = data(m, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
-  free(ptx);
-  if (!sw) r = real(m, fname);
-  load_done(MS_MODULE_LOAD, r, m ? *m : NULL, NULL, fname, &ks);
-  return r;
+  return load(&(load_req){.hook = H_cuModuleLoad, .source = MS_MODULE_LOAD, .m = m, .path = fname});
 }
 EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image) {
-  __typeof__(&cuModuleLoadData) real = REAL(cuModuleLoadData);
-  if (!real) return 999;
-  kinfo_set ks = {0};
-  char *ptx = NULL;
-  CUresult r = 999;
-  int sw = m && swap_prepare(image, NULL, &ptx, &ks);
-  if (sw && (r = real(m, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
-  free(ptx);
-  if (!sw) r = real(m, image);
-  load_done(MS_MODULE_LOAD_DATA, r, m ? *m : NULL, image, NULL, &ks);
-  return r;
+  return load(&(load_req){.hook = H_cuModuleLoadData, .source = MS_MODULE_LOAD_DATA, .m = m, .image = image});
 }
 EXPORT CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned n, CUjit_option *o, void **v) {
-  __typeof__(&cuModuleLoadDataEx) real = REAL(cuModuleLoadDataEx);
-  if (!real) return 999;
-  kinfo_set ks = {0};
-  char *ptx = NULL;
-  CUresult r = 999;
-  int sw = m && swap_prepare(image, NULL, &ptx, &ks);
-  if (sw && (r = real(m, ptx, n, o, v)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
-  free(ptx);
-  if (!sw) r = real(m, image, n, o, v);
-  load_done(MS_MODULE_LOAD_DATA_EX, r, m ? *m : NULL, image, NULL, &ks);
-  return r;
+  return load(&(load_req){.hook = H_cuModuleLoadDataEx, .source = MS_MODULE_LOAD_DATA_EX, .m = m, .image = image,
+                          .jo = o, .jv = v, .nj = n});
 }
 EXPORT CUresult cuModuleLoadFatBinary(CUmodule *m, const void *fatbin) {
-  __typeof__(&cuModuleLoadFatBinary) real = REAL(cuModuleLoadFatBinary);
-  CUresult (*data)(CUmodule *, const void *) = real_load_data();
-  if (!real || !data) return 999;
-  kinfo_set ks = {0};
-  char *ptx = NULL;
-  CUresult r = 999;
-  int sw = m && swap_prepare(fatbin, NULL, &ptx, &ks);
-  if (sw && (r = data(m, ptx)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
-  free(ptx);
-  if (!sw) r = real(m, fatbin);
-  load_done(MS_MODULE_LOAD_FATBIN, r, m ? *m : NULL, fatbin, NULL, &ks);
-  return r;
-}
-#define CU_LIBRARY_BINARY_IS_PRESERVED 1
-// preserved: the driver keeps using the caller's buffer (then the shim's PTX is never freed).
-static int preserved(CUlibraryOption *lo, void **lv, unsigned nl) {
-  for (unsigned i = 0; lo && i < nl && i < 64; i++)
-    if (lo[i] == CU_LIBRARY_BINARY_IS_PRESERVED && (!lv || lv[i])) return 1;
-  return 0;
+  return load(&(load_req){.hook = H_cuModuleLoadFatBinary, .source = MS_MODULE_LOAD_FATBIN, .m = m, .image = fatbin});
 }
 EXPORT CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, CUjit_option *jo, void **jv, unsigned nj,
                                   CUlibraryOption *lo, void **lv, unsigned nl) {
-  __typeof__(&cuLibraryLoadData) real = REAL(cuLibraryLoadData);
-  if (!real) return 999;
-  kinfo_set ks = {0};
-  char *ptx = NULL;
-  CUresult r = 999;
-  int sw = lib && swap_prepare(code, NULL, &ptx, &ks);
-  if (sw && (r = real(lib, ptx, jo, jv, nj, lo, lv, nl)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
-  if (!sw || !preserved(lo, lv, nl)) free(ptx);
-  if (!sw) r = real(lib, code, jo, jv, nj, lo, lv, nl);
-  load_done(MS_LIBRARY_LOAD_DATA, r, lib ? *lib : NULL, code, NULL, &ks);
-  return r;
+  return load(&(load_req){.hook = H_cuLibraryLoadData, .source = MS_LIBRARY_LOAD_DATA, .lib = lib, .image = code,
+                          .jo = jo, .jv = jv, .nj = nj, .lo = lo, .lv = lv, .nl = nl});
 }
 EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *lib, const char *fname, CUjit_option *jo, void **jv, unsigned nj,
                                       CUlibraryOption *lo, void **lv, unsigned nl) {
-  __typeof__(&cuLibraryLoadFromFile) real = REAL(cuLibraryLoadFromFile);
-  __typeof__(&cuLibraryLoadData) data = REAL(cuLibraryLoadData);
-  if (!real || !data) return 999;
-  kinfo_set ks = {0};
-  char *ptx = NULL;
-  CUresult r = 999;
-  int sw = lib && swap_prepare(NULL, fname, &ptx, &ks);
-  if (sw && (r = data(lib, ptx, jo, jv, nj, lo, lv, nl)) != CUDA_SUCCESS) swap_failed(&ks, r), sw = 0;
-  if (!sw || !preserved(lo, lv, nl)) free(ptx);
-  if (!sw) r = real(lib, fname, jo, jv, nj, lo, lv, nl);
-  load_done(MS_LIBRARY_LOAD_FILE, r, lib ? *lib : NULL, NULL, fname, &ks);
-  return r;
+  return load(&(load_req){.hook = H_cuLibraryLoadFromFile, .source = MS_LIBRARY_LOAD_FILE, .lib = lib,
+                          .path = fname, .jo = jo, .jv = jv, .nj = nj, .lo = lo, .lv = lv, .nl = nl});
 }
 EXPORT CUresult cuModuleUnload(CUmodule m) {
   preempt_wait_clean();  // a preempted twin's remainder may still use it
@@ -744,6 +675,7 @@ EXPORT CUresult cuKernelGetFunction(CUfunction *f, CUkernel k) {
 EXPORT CUresult cuLinkComplete(CUlinkState st, void **cubin, size_t *size) {
   CALL_REAL(cuLinkComplete, st, cubin, size);
   if (r_ == CUDA_SUCCESS && cubin && *cubin && size) {
+    ctl_ensure_started();
     trk_module_add(MS_LINK_COMPLETE, NULL, *cubin, *size, NULL);
     instr_link_complete(st, *cubin, *size);
   }
@@ -1044,6 +976,12 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
 }
 
 // ---- launches ----
+// launch_end records a launch's outcome (track.c) and counts a collective one for the alignment
+// (preempt.c), still inside the gate: an alignment that closes it stops the next submission.
+static void launch_end(launch_tok *t, CUresult r) {
+  if (launch_post(t, r)) preempt_collective_launched();
+}
+
 // Under the gate; with the preempt mode on, a launch of a kernel with a twin may launch the twin
 // instead (preempt.c), the launch counted and timed under the original kernel either way.
 #define LAUNCH(fn, ptsz)                                                                              \
@@ -1068,7 +1006,7 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
       r_ = real_(f, gx, gy, gz, bx, by, bz, shmem, s, params, extra);                                 \
       if (r_ == CUDA_SUCCESS) note_original(s, ptsz, t.rec, why);                                     \
     }                                                                                                 \
-    launch_post(&t, r_);                                                                              \
+    launch_end(&t, r_);                                                                               \
     sub_exit();                                                                                       \
     return r_;                                                                                        \
   }
@@ -1087,7 +1025,7 @@ LAUNCH(cuLaunchKernel_ptsz, 1)
     launch_pre(&t, f, gx, gy, gz, bx, by, bz, s, ptsz, LK_COOPERATIVE);                               \
     CUresult r_ = real_(f, gx, gy, gz, bx, by, bz, shmem, s, params);                                 \
     if (r_ == CUDA_SUCCESS) note_original(s, ptsz, t.rec, "cooperative launch");                      \
-    launch_post(&t, r_);                                                                              \
+    launch_end(&t, r_);                                                                               \
     sub_exit();                                                                                       \
     return r_;                                                                                        \
   }
@@ -1121,7 +1059,7 @@ LAUNCH_COOP(cuLaunchCooperativeKernel_ptsz, 1)
       r_ = real_(c, f, params, extra);                                                             \
       if (c && r_ == CUDA_SUCCESS) note_original(c->hStream, ptsz, t.rec, why);                    \
     }                                                                                              \
-    if (c) launch_post(&t, r_);                                                                    \
+    if (c) launch_end(&t, r_);                                                                     \
     sub_exit();                                                                                    \
     return r_;                                                                                     \
   }
@@ -1142,7 +1080,7 @@ EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *lp, uns
   CUresult r_ = real(lp, n, flags);
   for (unsigned i = 0; lp && i < k; i++) {
     if (r_ == CUDA_SUCCESS) note_original(lp[i].hStream, 0, t[i].rec, "cooperative launch");
-    launch_post(&t[i], r_);
+    launch_end(&t[i], r_);
   }
   sub_exit();
   return r_;
@@ -1376,6 +1314,7 @@ static void table_init(void) {
   hooks[H_##sym] = (hook_t){.name = #sym, .query = q, .lo = l, .hi = h, .ptsz = pt, .lib = lb, .wrapper = (void *)&sym};
   HOOKS(X)
 #undef X
+  ctl_set_interception(report_interception);
 }
 
 __attribute__((constructor)) static void hooks_init(void) { pthread_once(&table_once, table_init); }

@@ -22,9 +22,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../include/ptxmig_ctrl.h"
+#include "base.h"
 #include "fatbin.h"
+#include "instr.h"
 #include "sha256.h"
-#include "shim.h"
 
 extern char **environ;
 
@@ -939,8 +941,10 @@ char *instr_link_ptx(const void *image) {
   return out;
 }
 
-void instr_atfork_child(void) {
+// A child forked while another thread held link_mu would wait on it forever.
+static void atfork_child(void) {
   pthread_mutex_init(&link_mu, NULL);  // held by another thread of the parent, perhaps
   memset(links, 0, sizeof links);      // (the parent's copies leak in the child)
   atomic_store(&links_done, 0);
 }
+__attribute__((constructor)) static void instr_fork_init(void) { pthread_atfork(NULL, NULL, atfork_child); }

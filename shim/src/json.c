@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "shim.h"
+#include "json.h"
 
 static int jb_grow(jbuf *b, size_t need) {
   if (b->oom) return -1;

@@ -13,9 +13,14 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "shim.h"
+#include "../include/ptxmig_ctrl.h"
+#include "base.h"
+#include "instr.h"
+#include "json.h"
+#include "preempt.h"
+#include "track.h"
 
-const char *const preempt_mode_names[3] = {"off", "auto", "always"};
+static const char *const preempt_mode_names[3] = {"off", "auto", "always"};
 
 #define CU_STREAM_LEGACY_H ((CUstream)0x1)
 #define CU_STREAM_NON_BLOCKING 0x1
@@ -1790,7 +1795,7 @@ void preempt_drop_ctx(CUcontext ctx) {
 }
 
 // A child forked after CUDA has none of the parent's launches, contexts or streams.
-void preempt_atfork_child(void) {
+static void atfork_child(void) {
   pthread_mutex_init(&pre_mu, NULL);
   pthread_cond_init(&pre_cv, NULL);
   pthread_cond_init(&raiser_cv, NULL);
@@ -1806,3 +1811,4 @@ void preempt_atfork_child(void) {
   for (int i = 0; i < MAX_CRECS; i++) atomic_store(&crecs[i], NULL);
   for (size_t i = 0; i < STAB; i++) atomic_store(&stab[i], NULL);
 }
+__attribute__((constructor)) static void preempt_fork_init(void) { pthread_atfork(NULL, NULL, atfork_child); }

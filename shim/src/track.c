@@ -3,6 +3,7 @@
 // memory, table full) the record is skipped and the failure logged once.
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,13 +11,15 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base.h"
 #include "fatbin.h"
+#include "json.h"
 #include "sha256.h"
-#include "shim.h"
+#include "track.h"
 
-const char *const alloc_kind_names[AK_COUNT] = {"device", "pitch", "async", "managed", "host_pinned",
+static const char *const alloc_kind_names[AK_COUNT] = {"device", "pitch", "async", "managed", "host_pinned",
                                                 "vmm_physical", "vmm_mapped", "owned"};
-const char *const module_source_names[MS_COUNT] = {
+static const char *const module_source_names[MS_COUNT] = {
     "__cudaRegisterFatBinary", "cuModuleLoad",      "cuModuleLoadData",      "cuModuleLoadDataEx",
     "cuModuleLoadFatBinary",   "cuLibraryLoadData", "cuLibraryLoadFromFile", "cuLinkComplete"};
 
@@ -310,7 +313,7 @@ static void report_share(jbuf *b) {
 }
 
 // ---- contexts ----
-#define MAX_CTX 256
+#define MAX_CTX TRK_MAX_CTX
 static pthread_mutex_t ctx_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct {
   CUcontext ctx;
@@ -487,7 +490,6 @@ static void insert_locked(module *m) {
 }
 
 void trk_module_add(int source, void *handle, const void *image, size_t known, const char *path) {
-  ctl_ensure_started();
   module *m = calloc(1, sizeof *m);
   if (!m) {
     LOG_ONCE("module table: out of memory");
@@ -700,6 +702,19 @@ static krec *krec_get(void *fn, int is_graph) {
   return r;
 }
 
+// twin_reset forgets what a kernel record knew about its twin (its module went away, or the
+// handle value now names another kernel).
+static void twin_reset(krec *r) {
+  atomic_store(&r->kinfo, NULL);
+  atomic_store(&r->kinfo_tried, 0);
+  atomic_store(&r->twin_fn_state, 0);
+  atomic_store(&r->twin_fn, NULL);
+  atomic_store(&r->layout, NULL);  // leaked: a launch in flight may still read it
+  atomic_store(&r->attrs_applied, 0);
+  atomic_store(&r->no_twin_why, NULL);
+  atomic_store(&r->mid_state, 0);
+}
+
 void trk_func_named(void *fn, void *owner, const char *name) {
   krec *r = krec_get(fn, 0);
   if (!r) return;
@@ -709,7 +724,7 @@ void trk_func_named(void *fn, void *owner, const char *name) {
     pthread_mutex_lock(&mod_mu);
     const kinfo *k = module_kinfo(owner, name, NULL, NULL);
     pthread_mutex_unlock(&mod_mu);
-    if (atomic_exchange(&r->owner, owner) != owner) trk_twin_reset(r);  // a handle value reused
+    if (atomic_exchange(&r->owner, owner) != owner) twin_reset(r);  // a handle value reused
     atomic_store(&r->kinfo, k);
   }
   if (name && !atomic_load(&r->name)) {
@@ -731,25 +746,12 @@ void trk_func_copy(void *fn, void *from) {
   }
 }
 
-// trk_twin_reset forgets what a kernel record knew about its twin (its module went away, or the
-// handle value now names another kernel).
-void trk_twin_reset(krec *r) {
-  atomic_store(&r->kinfo, NULL);
-  atomic_store(&r->kinfo_tried, 0);
-  atomic_store(&r->twin_fn_state, 0);
-  atomic_store(&r->twin_fn, NULL);
-  atomic_store(&r->layout, NULL);  // leaked: a launch in flight may still read it
-  atomic_store(&r->attrs_applied, 0);
-  atomic_store(&r->no_twin_why, NULL);
-  atomic_store(&r->mid_state, 0);
-}
-
 static void twins_forget_module(void *handle) {
   pthread_mutex_lock(&k_mu);
   for (size_t i = 0; i < nkrecs; i++)
     if (atomic_load(&krecs[i]->owner) == handle) {
       atomic_store(&krecs[i]->owner, NULL);
-      trk_twin_reset(krecs[i]);
+      twin_reset(krecs[i]);
     }
   pthread_mutex_unlock(&k_mu);
 }
@@ -918,7 +920,7 @@ static void big_note(krec *r, float us, uint64_t blocks) {
 }
 
 // samples_harvest collects finished samples without ever waiting: cuEventQuery only.
-void samples_harvest(int max, int from_ctl) {
+static void samples_harvest(int max, int from_ctl) {
   if (!ev.event_create) return;
   pthread_mutex_lock(&sample_mu);
   int w = 0, seen = 0;
@@ -955,7 +957,6 @@ void samples_harvest(int max, int from_ctl) {
 }
 
 void samples_drop_ctx(CUcontext ctx) {
-  preempt_drop_ctx(ctx);
   if (!ev.event_create) return;
   pthread_mutex_lock(&sample_mu);
   int w = 0;
@@ -973,19 +974,18 @@ void samples_drop_ctx(CUcontext ctx) {
   pthread_mutex_unlock(&sample_mu);
 }
 
-void trk_primary_release(CUdevice dev) {
-  CUcontext drop[MAX_CTX];
+int trk_primary_ctxs(CUdevice dev, CUcontext out[MAX_CTX]) {
   int n = 0;
   pthread_mutex_lock(&ctx_mu);
   for (int i = 0; i < nctx; i++)
-    if (ctxs[i].primary && ctxs[i].dev == dev) drop[n++] = ctxs[i].ctx;
+    if (ctxs[i].primary && ctxs[i].dev == dev) out[n++] = ctxs[i].ctx;
   pthread_mutex_unlock(&ctx_mu);
-  for (int i = 0; i < n; i++) samples_drop_ctx(drop[i]);
+  return n;
 }
 
 // ---- fork ----
 // A fork while another thread is inside the bookkeeping would leave the child with that thread's
-// locks held forever. The table locks are only ever held for memory work (never across a driver
+// locks held forever (the other modules that keep state register their own child handlers). The table locks are only ever held for memory work (never across a driver
 // call, never nested), so prepare takes them all and both sides release them. sample_mu is held
 // across driver calls (event queries): taking it in prepare could wait on the driver's own fork
 // handlers, so the child re-creates it instead, and forgets the parent's pending samples (their
@@ -1006,9 +1006,6 @@ static void fork_parent(void) {
 }
 static void fork_child(void) {
   fork_parent();
-  preempt_atfork_child();
-  vmm_atfork_child();
-  instr_atfork_child();
   pthread_mutex_init(&sample_mu, NULL);
   npending = 0;
   npool = 0;
@@ -1110,7 +1107,7 @@ static void count_shape(krec *r, const unsigned d[6]) {
 
 }
 
-static void launch_post_track(launch_tok *t, CUresult r);
+static int launch_post_track(launch_tok *t, CUresult r);
 
 // krec_collective says whether k is a collective kernel: NCCL's (ncclDevKernel_* since NCCL 2.19,
 // ncclKernel_* before; mangled, as NCCL 2.28 names them: _Z39ncclDevKernel_AllReduce_...),
@@ -1128,32 +1125,34 @@ static int krec_collective(krec *k) {
   atomic_store_explicit(&k->coll, c, memory_order_relaxed);
   return c == 1;
 }
-void launch_post(launch_tok *t, CUresult r) {
+int launch_post(launch_tok *t, CUresult r) {
   uint64_t t0 = self_clock();
-  launch_post_track(t, r);
+  int coll = launch_post_track(t, r);
   if (t0) {
     atomic_fetch_add(&self_ns_total, t->self_ns + (self_clock() - t0));
     atomic_fetch_add(&self_launches, 1);
   }
+  return coll;
 }
 
-static void launch_post_track(launch_tok *t, CUresult r) {
+static int launch_post_track(launch_tok *t, CUresult r) {
   krec *k = t->rec;
   sample *sm = t->smp;
-  if (!k) return;
+  if (!k) return 0;
+  int coll = 0;
   if (r == CUDA_SUCCESS) {
     atomic_fetch_add(&k->launches, 1);
     atomic_fetch_add(&total_launches, 1);
     count_shape(k, t->dims);
-    if (krec_collective(k)) preempt_collective_launched();
+    coll = krec_collective(k);
   } else {
     atomic_fetch_add(&k->failed, 1);
   }
-  if (!sm) return;
+  if (!sm) return coll;
   sm->twin = t->twin;
   if (r != CUDA_SUCCESS || ev.event_record(sm->end, sm->stream) != CUDA_SUCCESS) {
     sample_free(sm);
-    return;
+    return coll;
   }
   pthread_mutex_lock(&sample_mu);
   if (npending < MAX_PENDING) {
@@ -1163,6 +1162,7 @@ static void launch_post_track(launch_tok *t, CUresult r) {
     sample_recycle_locked(sm);
   }
   pthread_mutex_unlock(&sample_mu);
+  return coll;
 }
 
 krec *trk_graph_launch(CUgraphExec g, CUresult r) {
@@ -1300,13 +1300,7 @@ static atomic_long peer_links;
 void trk_peer_access(int delta) { atomic_fetch_add(&peer_links, delta); }
 long trk_peer_links(void) { return atomic_load(&peer_links); }
 
-void report_status(jbuf *b, int brief) {
-  char exe[512];
-  ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
-  if (el < 0) el = 0;
-  jb_printf(b, "{\"pid\":%d,\"shim\":\"%s\",\"proto\":%d,\"exe\":", (int)getpid(), PTXMIG_SHIM_VERSION,
-            PTXMIG_PROTO_VERSION);
-  jb_str(b, exe, (size_t)el);
+void trk_report_status(jbuf *b, int brief) {
   jb_printf(b, ",\"uptime_s\":%.3f,\"cuda_initialized\":%s", (double)(shim_now_ns() - start_ns) / 1e9,
             atomic_load(&cu_inited) ? "true" : "false");
   int dv = 0;
@@ -1348,12 +1342,6 @@ void report_status(jbuf *b, int brief) {
   jb_key(b, "modules");
   if (brief) jb_s(b, "[],\"brief\":true");
   else report_modules(b);
-  jb_printf(b,
-            ",\"interception\":{\"dlsym\":%lu,\"cuGetProcAddress\":%lu,\"cuGetProcAddress_v2\":%lu,"
-            "\"cudaGetDriverEntryPoint\":%lu,\"by_name\":%lu,\"unmatched\":%lu,\"passthrough\":%lu}",
-            atomic_load(&istats.dlsym_hits), atomic_load(&istats.getproc_hits), atomic_load(&istats.getproc_v2_hits),
-            atomic_load(&istats.entrypoint_hits), atomic_load(&istats.by_name), atomic_load(&istats.unmatched),
-            atomic_load(&istats.passthrough));
   pthread_mutex_lock(&k_mu);
   size_t nk = 0, ng = 0;
   for (size_t i = 0; i < nkrecs; i++) krecs[i]->is_graph ? ng++ : nk++;
@@ -1361,13 +1349,6 @@ void report_status(jbuf *b, int brief) {
   jb_printf(b, ",\"launches\":{\"kernels\":%lu,\"distinct_kernels\":%zu,\"graph_execs\":%zu}",
             atomic_load(&total_launches), nk, ng);
   jb_printf(b, ",\"sampling\":{\"first\":%u,\"every\":%u}", cfg.sample_first, cfg.sample_every);
-  jb_key(b, "collectives");
-  preempt_collectives_report(b);
-  jb_key(b, "preempt");
-  preempt_report_status(b);
-  jb_key(b, "owned_memory");
-  vmm_report_status(b);
-  jb_s(b, "}");
 }
 
 static int cmp_float(const void *a, const void *b) {

@@ -12,6 +12,7 @@
 // of the process's own is involved, and the ring is gone before CRIU dumps the process.
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,9 +22,14 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base.h"
 #include "gpuhash.h"
 #include "gpuhash_ptx.h"
-#include "shim.h"
+#include "json.h"
+#include "preempt.h"
+#include "sock.h"
+#include "track.h"
+#include "vmm.h"
 
 typedef struct {
   struct {
@@ -330,8 +336,8 @@ void vmm_report_status(jbuf *b) {
   pthread_mutex_unlock(&vmm_mu);
 }
 
-void vmm_atfork_child(void) {
-  // The child has no CUDA context of its own: the parent's regions are not its memory.
+// A child has no CUDA context of its own: the parent's regions are not its memory.
+static void atfork_child(void) {
   pthread_mutex_init(&vmm_mu, NULL);
   free(regs);
   regs = NULL;
@@ -339,6 +345,7 @@ void vmm_atfork_child(void) {
   released = 0;
   owned_bytes = 0;
 }
+__attribute__((constructor)) static void vmm_fork_init(void) { pthread_atfork(NULL, NULL, atfork_child); }
 
 // ---- the transfer session (control thread, lease connection) ----
 #define MAX_SLOTS 64
@@ -484,7 +491,7 @@ static int send_line(int sock, const char *fmt, ...) {
   int n = vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
   if (n < 0 || (size_t)n >= sizeof buf) return -1;
-  return ctl_send(sock, buf, (size_t)n, -1);
+  return sock_send(sock, buf, (size_t)n, -1);
 }
 
 // begin opens a transfer session: "save" (checkpoint: regions live, the process quiesced) or
@@ -613,7 +620,7 @@ int vmm_cmd_begin(int sock, const char *dir, uint64_t chunk, unsigned slots, int
     fail(err, errlen, "mem-begin: out of memory building the reply");
     goto out;
   }
-  if (ctl_send(sock, b.p, b.len, ss.memfd)) {
+  if (sock_send(sock, b.p, b.len, ss.memfd)) {
     free(b.p);
     fail(err, errlen, "mem-begin: send: %s", strerror(errno));
     goto out;

@@ -972,6 +972,11 @@ def main():
         # CuPy and Numba: the module is loaded from a JIT link's cubin (a copy of it); its twins
         # come from the link's PTX input.
         ("basic-link", lambda n: t_basic(n, {"APP_MODULE": "link"}), ()),
+        # The other module loads take the instrumented PTX too (cuModuleLoad and
+        # cuModuleLoadFatBinary through cuModuleLoadData).
+        ("basic-dataex", lambda n: t_basic(n, {"APP_MODULE": "dataex"}), ()),
+        ("basic-fatbinary", lambda n: t_basic(n, {"APP_MODULE": "fatbinary"}), ()),
+        ("basic-file", lambda n: t_basic(n, {"APP_MODULE": "file"}), ()),
         ("legacy-stream-extra-args-no-paraminfo", t_legacy_extra, ()),
         ("driver-rejects-twins", lambda n: t_fallback(n, None, "the driver refused the instrumented PTX", {"FAKE_CUDA_REJECT_TWINS": "1", "PTXMIG_HELPER": os.path.abspath(os.path.join(OPTS.build, "ptxmig"))}), ()),
         ("cache", t_cache, ()),

@@ -16,7 +16,9 @@
 //   calls NAME      prints "calls N": the fake driver's count of NAME (fake_calls)
 //   quit
 // APP_MODULE=library loads through cuLibraryLoadData/cuLibraryGetKernel, APP_MODULE=link links the
-// PTX (cuLinkAddData, cuLinkComplete) and loads the cubin, else cuModuleLoadData.
+// PTX (cuLinkAddData, cuLinkComplete) and loads the cubin, APP_MODULE=dataex, fatbinary or file
+// loads through cuModuleLoadDataEx, cuModuleLoadFatBinary or cuModuleLoad (the PTX written to a
+// temporary file), else cuModuleLoadData.
 // APP_KERNEL=loop: launches use k_count_loop instead (a CTA-wide barrier in a uniform loop before
 // the count: ptxstate gives it a mid-block twin), from a module that has both.
 // APP_GO_FILE=PATH (the CRIU test: no pipes to the harness): print "pid N", launch k_count over 400
@@ -34,6 +36,9 @@ CUresult cuInit(unsigned);
 CUresult cuDevicePrimaryCtxRetain(void **, int);
 CUresult cuCtxSetCurrent(void *);
 CUresult cuModuleLoadData(void **, const void *);
+CUresult cuModuleLoadDataEx(void **, const void *, unsigned, void *, void **);
+CUresult cuModuleLoadFatBinary(void **, const void *);
+CUresult cuModuleLoad(void **, const char *);
 CUresult cuLinkCreate_v2(unsigned, void *, void **, void **);
 CUresult cuLinkAddData_v2(void *, int, void *, size_t, const char *, unsigned, void *, void **);
 CUresult cuLinkComplete(void *, void **, size_t *);
@@ -188,7 +193,23 @@ int main(void) {
     CK(cuLibraryGetKernel(&fn_count, mod, count));
     CK(cuLibraryGetKernel(&fn_refused, mod, "k_refused"));
   } else {
-    CK(cuModuleLoadData(&mod, image));
+    if (how && strcmp(how, "dataex") == 0) {
+      CK(cuModuleLoadDataEx(&mod, image, 0, NULL, NULL));
+    } else if (how && strcmp(how, "fatbinary") == 0) {
+      CK(cuModuleLoadFatBinary(&mod, image));
+    } else if (how && strcmp(how, "file") == 0) {
+      char path[] = "/tmp/app_preempt-XXXXXX";
+      int fd = mkstemp(path);
+      if (fd < 0 || write(fd, image, strlen(image)) != (ssize_t)strlen(image)) {
+        perror("module file");
+        return 1;
+      }
+      close(fd);
+      CK(cuModuleLoad(&mod, path));
+      unlink(path);
+    } else {
+      CK(cuModuleLoadData(&mod, image));
+    }
     CK(cuModuleGetFunction(&fn_count, mod, count));
     CK(cuModuleGetFunction(&fn_refused, mod, "k_refused"));
   }

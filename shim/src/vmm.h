@@ -1,0 +1,32 @@
+// Owned device memory (vmm.c, PTXMIG_OWNED_MEMORY=1): large cuMemAlloc* served from VMM mappings
+// the shim creates, and the transfer commands that move that memory at a checkpoint and restore
+// (docs/SHIM-PROTOCOL.md, "Owned device memory").
+#ifndef PTXMIG_VMM_H
+#define PTXMIG_VMM_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base.h"
+#include "json.h"
+
+// ---- the allocation wrappers' side ----
+// vmm_alloc/vmm_free: CUDA_SUCCESS, or -1 when the shim does not serve the call (the driver must).
+int vmm_alloc(CUdeviceptr *p, size_t size);
+int vmm_free(CUdeviceptr p);
+int vmm_range(CUdeviceptr p, CUdeviceptr *base, size_t *size);  // 1 when p is owned memory
+int vmm_ipc_refuse(CUdeviceptr p);                                // 1: owned, refuse the IPC handle
+
+// ---- the control socket's side (control thread, the lease connection) ----
+int vmm_released(void);  // the physical memory was released (mem-release) and not re-created yet
+void vmm_report_status(jbuf *b);
+void vmm_conn_closed(void);  // the lease connection went away (or detached): drop the transfer session
+// Each command answers into b (0) or fails with err (-1); sock is the connection's socket, on
+// which begin, copy and fill talk to ptxmig beyond the reply.
+int vmm_cmd_begin(int sock, const char *dir, uint64_t chunk, unsigned slots, int hash, char *err, size_t errlen);
+int vmm_cmd_copy(int sock, const char *skip, jbuf *b, char *err, size_t errlen);
+int vmm_cmd_fill(int sock, jbuf *b, char *err, size_t errlen);
+int vmm_feed(const char *p, size_t n);  // bytes read past the request line: the session's input
+int vmm_cmd_release(jbuf *b, char *err, size_t errlen);
+int vmm_cmd_end(jbuf *b);
+
+#endif
