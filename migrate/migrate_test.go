@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"reflect"
-	"strings"
 	"testing"
 	"time"
 
@@ -47,7 +46,7 @@ func TestMigrateRollback(t *testing.T) {
 		{"lock times out", swap, "lock", u0, []string{"lock"}, true},
 		{"checkpoint fails", swap, "checkpoint", u0, []string{"lock", "checkpoint", "unlock"}, true},
 		{"target fails mid-restore", swap, "restore-to-" + u1, u0, []string{"lock", "checkpoint", "restore-to-" + u1, "restore", "unlock"}, true},
-		{"unlock fails once", swap, "unlock", u1, []string{"lock", "checkpoint", "restore-to-" + u1, "unlock", "unlock"}, true},
+		{"unlock fails once: moved back", swap, "unlock", u0, []string{"lock", "checkpoint", "restore-to-" + u1, "unlock", "checkpoint", "restore-to-" + u0, "unlock"}, true},
 		{"partial pairs: driver refuses, rolled back", partial, "", u0, []string{"lock", "checkpoint", "restore-to-" + u1, "restore", "unlock"}, true},
 	}
 	for _, tt := range tests {
@@ -129,8 +128,8 @@ func TestMigrateRecheckBeforeRestore(t *testing.T) {
 }
 
 // TestMigrateJobRollback: a job's two ranks (one per GPU) swap GPUs. Whatever driver call fails,
-// for whichever rank, both ranks end running: on the swapped GPUs if the move completed, else
-// both on their own.
+// for whichever rank (an unlock after the move too: the ranks are moved back), both ranks end
+// running: on the swapped GPUs if the move completed, else both on their own.
 func TestMigrateJobRollback(t *testing.T) {
 	src, dst := mustUUID(t, u0), mustUUID(t, u1)
 	swap := []cudackpt.Pair{{Old: src, New: dst}, {Old: dst, New: src}}
@@ -156,8 +155,7 @@ func TestMigrateJobRollback(t *testing.T) {
 				t.Fatalf("rollback incomplete: %v", err)
 			}
 			want := home
-			// A failed unlock comes after the move: the rollback unlocks again, on the targets.
-			if err == nil || strings.HasPrefix(fail, "unlock") {
+			if err == nil {
 				want = moved
 			}
 			for pid, gpu := range want {

@@ -33,11 +33,14 @@ func init() {
 			"the process has (driver 580): the GPUs it uses go where --gpu/--gpu-map say, the others keep\n" +
 			"their GPU or take the ones left free (moving 0 to 1 on two GPUs pairs 0->1 and 1->0); --dry-run\n" +
 			"lists the pairs. If anything fails after the lock, or ptxmig gets SIGINT/SIGTERM, the process is\n" +
-			"restored onto its source GPUs, unlocked and resumed (exit status 4). Prints the downtime (gate\n" +
+			"restored onto its source GPUs, unlocked and resumed (exit status 4), also when it was on its\n" +
+			"targets already. If ptxmig itself dies, its guardian does the same, except after the driver\n" +
+			"restore onto the targets: it unlocks the process there and reports the move finished.\n" +
+			"Prints the downtime (gate\n" +
 			"closed to gate open) and its parts; on a terminal, a status line on stderr shows the step as it\n" +
 			"runs. No process PID: exit 6. Migrate uses no image store.\n" +
 			"A job moves whole: PID may be the root of a tree with several CUDA processes (a launcher and\n" +
-			"its ranks: torchrun, mp.spawn), and then every CUDA process of the tree moves in one\n" +
+			"its ranks, e.g. mp.spawn), and then every CUDA process of the tree moves in one\n" +
 			"transaction with the same GPU map (--gpu-map 0=1,1=0 swaps two ranks' GPUs; --gpu lists one\n" +
 			"target per GPU the job uses). Ranks under the shim that launch NCCL collectives are first\n" +
 			"stopped right after the same collective; if anything fails, every rank goes back to its\n" +

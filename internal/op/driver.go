@@ -89,14 +89,20 @@ func eachDo(pids []int, do func(pid int) error, undo func(pids []int) error) err
 // RestoreStep restores each pid's device memory (with pairs, nil for the identity). check, when
 // set, runs first: it re-reads the world and fails the step before the driver is asked (on driver
 // 580 a restore that runs out of memory leaves the process checkpointed for good). expectCheckpointed
-// makes the step verify each pid is checkpointed first (after a CRIU restore). No undo: the
-// checkpoint step's undo (or, after a CRIU restore, killing the process) covers it. A live move
-// (pairs, not after a CRIU restore) that fails for one process moves the processes it already
-// restored back onto their source GPUs (checkpoint, restore with the inverse pairs) before it
-// fails, so the checkpoint step's undo finds every process of a job on its own GPUs again: a
-// job is never left split between the old and the new GPUs.
+// makes the step verify each pid is checkpointed first (after a CRIU restore). After a CRIU
+// restore (or with no pairs) it has no undo: the checkpoint step's undo (or killing the restored
+// process) covers it. A live move (pairs, not after a CRIU restore) that fails for one process
+// moves the processes it already restored back onto their source GPUs (checkpoint, restore with
+// the inverse pairs) before it fails, so the checkpoint step's undo finds every process of a job
+// on its own GPUs again: a job is never left split between the old and the new GPUs. Its undo,
+// when a later step fails (an unlock, the shim's resume), moves every process back the same way
+// (locking again one that was unlocked already), so a rolled-back move ends where it began.
 func RestoreStep(d Driver, pids func() []int, pairs []cudackpt.Pair, check func() error, expectCheckpointed bool) Step {
-	return Step{Name: StepDriverRestore, Do: func(context.Context) error {
+	var undo func(context.Context) error
+	if !expectCheckpointed && len(pairs) > 0 {
+		undo = func(context.Context) error { return moveBack(d, pids(), pairs) }
+	}
+	return Step{Name: StepDriverRestore, Undo: undo, Do: func(context.Context) error {
 		if check != nil {
 			if err := check(); err != nil {
 				return err
@@ -126,15 +132,32 @@ func RestoreStep(d Driver, pids func() []int, pairs []cudackpt.Pair, check func(
 	}}
 }
 
-// moveBack returns processes restored onto their targets to their source GPUs: checkpoint each
-// again and restore it with the inverse pairs (a bijection too). They stay locked, as before
-// the restore.
+// moveBackLock bounds the lock of a process that moveBack finds unlocked on its target: its
+// launches are still held by the quiesce, so no kernel of it runs.
+const moveBackLock = 10 * time.Second
+
+// moveBack returns processes restored onto their targets to their source GPUs: lock one that was
+// unlocked already, checkpoint it again and restore it with the inverse pairs (a bijection too).
+// They stay locked, as they were before the restore; one the driver holds no state for is skipped.
 func moveBack(d Driver, pids []int, pairs []cudackpt.Pair) error {
 	inverse := make([]cudackpt.Pair, len(pairs))
 	for i, p := range pairs {
 		inverse[i] = cudackpt.Pair{Old: p.New, New: p.Old}
 	}
 	return eachPID(pids, func(pid int) error {
+		st, err := d.State(pid)
+		switch {
+		case errors.Is(err, cudackpt.ErrNotCUDA):
+			return nil
+		case err != nil:
+			return fmt.Errorf("move pid %d back: driver state: %w", pid, err)
+		case st == cudackpt.Checkpointed:
+			return nil // never restored onto its target: the checkpoint step's undo restores it
+		case st == cudackpt.Running:
+			if err := d.Lock(pid, moveBackLock); err != nil {
+				return fmt.Errorf("move pid %d back: lock on its target: %w", pid, err)
+			}
+		}
 		if err := d.Checkpoint(pid); err != nil {
 			return fmt.Errorf("move pid %d back: checkpoint on its target: %w", pid, err)
 		}

@@ -627,6 +627,14 @@ func (rb *journalRollback) migrate(ctx context.Context) string {
 	if st.Began(StepQuiesce) {
 		rb.shimResume(ctx, cuda)
 	}
+	// A process the driver restored onto its targets stays there: unlocking it finished its move.
+	// The report says so rather than claim it went back.
+	if s := st.Step(StepDriverRestore); s != nil && s.Done {
+		rb.note("the driver had restored every process onto its target GPUs: unlocked there, they run on the targets (the move was finished, not undone)")
+		return RecoveredFinished
+	} else if s != nil {
+		rb.note("the driver restore onto the target GPUs had begun: a process it had restored runs on its target GPUs, the others on their source GPUs")
+	}
 	return RecoveredRolledBack
 }
 
