@@ -222,6 +222,7 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 			return nil, op.Refusef("pid %d: find its GPUs: %w", o.PID, err)
 		}
 		p.meta.GPUs, p.meta.Visible = p.GPUs, p.Visible
+		p.Warnings = append(p.Warnings, op.Unchecked(p.CUDAPIDs, len(p.GPUs) > 1)...)
 		if o.LeaveRunning {
 			p.Warnings = append(p.Warnings, sharedWarning(env, p.GPUs, p.Tree)...)
 		}

@@ -159,6 +159,7 @@ func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 	if !placement.AnyMove(pairs) {
 		return nil, op.Refusef("pid %s already runs on GPU %s: nothing to migrate", op.PIDList(pids), indexes(p.Target))
 	}
+	p.Warnings = append(p.Warnings, op.Unchecked(pids, len(src) > 1)...)
 	if w := placement.SharedGPUWarning(placement.UsedTargets(pairs), func(q int) bool { return slices.Contains(pids, q) }); w != "" {
 		p.Warnings = append(p.Warnings, w)
 	}

@@ -110,3 +110,31 @@ func shimStatus(ctx context.Context, pid int) (*shimctl.Status, error) {
 	}
 	return nil, err
 }
+
+// Unchecked says what RefuseUnrestorable could not check (nil when nothing): the processes of
+// pids that do not run under the ptxmig shim cannot be asked whether they share GPU memory with
+// other processes or enabled peer access, which the driver checkpoints but cannot restore. It
+// matters where sharing is likely: several CUDA processes (a job's ranks), or one process using
+// several GPUs (multiGPU). A warning, not a refusal: most such processes share nothing.
+func Unchecked(pids []int, multiGPU bool) []string {
+	var plain []int
+	for _, pid := range pids {
+		if mapped, err := shimctl.MapsHaveShim(pid); err == nil && !mapped {
+			plain = append(plain, pid)
+		}
+	}
+	switch {
+	case len(plain) == 0:
+		return nil
+	case len(pids) > 1:
+		return []string{fmt.Sprintf("pid %s not under the ptxmig shim: ptxmig cannot check whether they share GPU memory "+
+			"with each other or another process (CUDA IPC, VMM shareable handles: NCCL's default transports), which the "+
+			"driver checkpoints but cannot restore; if they do, a restore (or a rollback) fails. Start them with "+
+			"`ptxmig run` (a job: `ptxmig run --nccl-sockets`) to have it checked", PIDList(plain))}
+	case multiGPU:
+		return []string{fmt.Sprintf("pid %d is not under the ptxmig shim: ptxmig cannot check whether it enabled peer access "+
+			"between its GPUs, which the driver checkpoints but cannot restore; if it did, a restore (or a rollback) fails. "+
+			"Start it with `ptxmig run` to have it checked", plain[0])}
+	}
+	return nil
+}

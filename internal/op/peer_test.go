@@ -126,3 +126,22 @@ func TestRefuseUnrestorableFailsClosed(t *testing.T) {
 		t.Fatalf("err = %v, want a refusal", err)
 	}
 }
+
+// TestUnchecked: processes without the shim get a warning where sharing is likely (several CUDA
+// processes, or one on several GPUs), naming what cannot be checked and the way to have it
+// checked; one process on one GPU gets none.
+func TestUnchecked(t *testing.T) {
+	a, b := os.Getpid(), os.Getppid() // neither maps the shim
+	if w := Unchecked([]int{a}, false); w != nil {
+		t.Errorf("one process on one GPU: %q, want no warning", w)
+	}
+	w := Unchecked([]int{a, b}, false)
+	if len(w) != 1 || !strings.Contains(w[0], "share GPU memory") || !strings.Contains(w[0], "--nccl-sockets") ||
+		!strings.Contains(w[0], fmt.Sprint(a)) {
+		t.Errorf("two processes: %q", w)
+	}
+	w = Unchecked([]int{a}, true)
+	if len(w) != 1 || !strings.Contains(w[0], "peer access") || !strings.Contains(w[0], "ptxmig run") {
+		t.Errorf("one process on two GPUs: %q", w)
+	}
+}
