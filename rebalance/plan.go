@@ -4,11 +4,11 @@ import (
 	"fmt"
 	"math"
 	"sort"
-	"strconv"
-	"strings"
+
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/op"
 )
 
 // GPURef names a GPU in a move.
@@ -93,7 +93,7 @@ func MakePlan(obs Observation, pol Policy, history []MoveRecord, now time.Time) 
 		dec[i].Reason = staticReason(p, src[i], pol, now, attempts, lastAttempt)
 		if peers := jobs[p.PID]; len(peers) > 0 {
 			dec[i].Reason = fmt.Sprintf("one of a job's %d CUDA processes (session %d: pids %s): a job is moved whole or not "+
-				"at all, and ptxmig does not move whole jobs yet", len(peers)+1, p.Session, pidsText(append([]int{p.PID}, peers...)))
+				"at all, and the rebalancer plans moves of single processes only (move a job with `ptxmig migrate --gpu-map` on its launcher)", len(peers)+1, p.Session, pidsText(append([]int{p.PID}, peers...)))
 		}
 		eligible[i] = dec[i].Reason == ""
 	}
@@ -160,11 +160,7 @@ func jobPeers(procs []Process) map[int][]int {
 
 func pidsText(pids []int) string {
 	sort.Ints(pids)
-	s := make([]string, len(pids))
-	for i, p := range pids {
-		s[i] = strconv.Itoa(p)
-	}
-	return strings.Join(s, ", ")
+	return op.PIDList(pids)
 }
 
 // staticReason returns why process p may not move regardless of loads, or "".
