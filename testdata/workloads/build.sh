@@ -29,5 +29,5 @@ fi
 "$NVCC" -O2 -o "$out/ptxload" "$here/ptxload.c" -lcuda
 "$NVCC" -O2 -arch="$ARCH" -o "$out/vmmhold" "$here/vmmhold.cu" -lcuda
 "$NVCC" -ptx -arch=sm_90 -o "$out/vecadd.ptx" "$here/vecadd_kernel.cu"
-cp "$here/train.py" "$here/ddp.py" "$out/"
+cp "$here"/*.py "$out/"
 echo "workloads built in $out"
