@@ -550,15 +550,52 @@ static uint32_t batch_max_for(krec *r, uint64_t resident) {
 // calibration run) and then launched on a large one is not short: its time grows with the number
 // of waves. Linear in blocks, the scaling over-estimates a sample smaller than one wave: near the
 // threshold such a kernel gets its twin (a cost), never the original by mistake.
-static uint64_t est_us(krec *r, uint64_t blocks) {
+static uint64_t est_us(krec *r, uint64_t blocks, const uint32_t sig[SIG_N]) {
   uint64_t m = atomic_load(&r->mean_us);
   if (!m) return 0;
   uint64_t big = atomic_load(&r->big_sample), bb = big & 0xffffffffull, bu = big >> 32;
-  if (bb && blocks > bb) {
-    double e = (double)bu * ((double)blocks / (double)bb) + 1.0;
+  if (!bb) return m;
+  // Scaled from the longest timed launch by the larger of the grid's growth and the largest
+  // growth of a count argument (a loop bound raised 1000x on the same grid runs about 1000x
+  // longer). Not their product: a size argument usually grows with the grid it sizes.
+  double scale = blocks > bb ? (double)blocks / (double)bb : 1.0;
+  for (int i = 0; sig && i < SIG_N; i++) {
+    uint32_t was = atomic_load_explicit(&r->big_sig[i], memory_order_relaxed);
+    if (was && sig[i] >= 2u * was && (double)sig[i] / was > scale) scale = (double)sig[i] / was;
+  }
+  if (scale > 1.0) {
+    double e = (double)bu * scale + 1.0;
     if (e > (double)m) m = e > 4e9 ? 4000000000ull : (uint64_t)e;
   }
   return m;
+}
+
+// extra_buffer finds the argument buffer of a launch's `extra` (CU_LAUNCH_PARAM_BUFFER_POINTER and
+// _SIZE); 0 when it holds anything else or no buffer.
+static int extra_buffer(void **extra, const uint8_t **buf, size_t *bsz) {
+  *buf = NULL, *bsz = 0;
+  for (int i = 0; i < 64 && extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
+    if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) *buf = extra[i + 1];
+    else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE && extra[i + 1]) *bsz = *(size_t *)extra[i + 1];
+    else return 0;
+  }
+  return *buf != NULL;
+}
+
+// scalar_sig reads a launch's scalar signature (see SIG_N) from its arguments.
+static void scalar_sig(const layout *lay, void **params, void **extra, uint32_t sig[SIG_N]) {
+  memset(sig, 0, SIG_N * sizeof *sig);
+  const uint8_t *buf = NULL;
+  size_t bsz = 0;
+  if (!params && !(extra && extra_buffer(extra, &buf, &bsz))) return;
+  for (int i = 0, j = 0; i < lay->n && j < SIG_N; i++) {
+    uint32_t sz = lay->size[i];
+    if (sz != 4 && sz != 8) continue;
+    const void *p = params ? params[i] : (lay->off[i] + sz <= bsz ? buf + lay->off[i] : NULL);
+    uint64_t v = 0;
+    if (p) memcpy(&v, p, sz);  // little-endian: a 4-byte value lands in the low half
+    sig[j++] = v < (1ull << 31) ? (uint32_t)v : 0;
+  }
 }
 
 // ---- mid-block twins (control block version 3; docs/PTXSTATE.md "Mid-block safe points") ----
@@ -686,8 +723,16 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
     return 0;
   }
   uint64_t blocks = (uint64_t)g[0] * g[1] * g[2];
+  // The scalar signature goes with the launch's timing sample (whichever way it launches), and
+  // auto's estimate compares it with the longest timed launch's.
+  const layout *lay = param_layout_of(r, k);
+  uint32_t sig[SIG_N];
+  if (lay) {
+    scalar_sig(lay, params, extra, sig);
+    trk_sample_sig(t, sig);
+  }
   if (cfg.preempt == PM_AUTO) {
-    uint64_t m = est_us(r, blocks);
+    uint64_t m = est_us(r, blocks, lay ? sig : NULL);
     if (m && m - 1 <= cfg.preempt_min_us) {
       *why = "short kernel (auto)";
       return 0;
@@ -735,7 +780,6 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
     for (int i = 0; i < na; i++) d.func_set_attr(twin, at[i][0], at[i][1]);
     atomic_store(&r->attrs_applied, ag);
   }
-  const layout *lay = param_layout_of(r, k);
   if (!lay) {
     *why = "parameter layout unknown";
     return 0;
@@ -764,7 +808,7 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   // 32 at 1024 threads: half the CTAs) runs markedly slower; a kernel sampled shorter than
   // PTXMIG_PREEMPT_LONG_US drains within about the budget anyway, so it launches as the original.
   if (cfg.preempt == PM_AUTO) {
-    uint64_t m = est_us(r, blocks);
+    uint64_t m = est_us(r, blocks, sig);
     int occ_orig = 0;
     if (m && m < cfg.preempt_long_us && d.occupancy(&occ_orig, f, (int)threads, shmem) == CUDA_SUCCESS &&
         occ_orig > occ) {
@@ -812,14 +856,9 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
       memcpy(args + lay->off[i], params[i], lay->size[i]);
     }
   } else if (extra) {
-    void *buf = NULL;
-    size_t bsz = 0;
-    for (int i = 0; i < 64 && extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
-      if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) buf = extra[i + 1];
-      else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE && extra[i + 1]) bsz = *(size_t *)extra[i + 1];
-      else ok = 0;
-    }
-    if (!buf || bsz < lay->args_size) ok = 0;
+    const uint8_t *buf;
+    size_t bsz;
+    if (!extra_buffer(extra, &buf, &bsz) || bsz < lay->args_size) ok = 0;
     else memcpy(args, buf, lay->args_size);
   } else if (lay->n) {
     ok = 0;

@@ -797,6 +797,7 @@ typedef struct sample {
   CUstream stream;
   uint64_t blocks;  // the launch's grid size
   int twin;         // the launch ran as the twin
+  uint32_t sig[SIG_N];  // its scalar signature (trk_sample_sig; all 0 when not given)
 } sample;
 #define MAX_PENDING 256
 static pthread_mutex_t sample_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -905,10 +906,12 @@ static void blk_note(krec *r, float us, uint64_t blocks) {
   } while (!atomic_compare_exchange_weak(&r->blk_sample, &old, nw));
 }
 
-// big_note keeps the sample with the most blocks, for equal counts the longer one. Only originals'
-// samples count: a preempted twin's covers part of its grid, and would make larger launches look
-// short.
-static void big_note(krec *r, float us, uint64_t blocks) {
+// big_note keeps the sample with the most blocks, for equal counts the longer one, with its
+// launch's scalar signature. Only originals' samples count: a preempted twin's covers part of its
+// grid, and would make larger launches look short. (Called under sample_mu: the signature belongs
+// to the sample kept; a reader may see a signature a moment before or after its sample, which only
+// shifts one estimate.)
+static void big_note(krec *r, float us, uint64_t blocks, const uint32_t sig[SIG_N]) {
   if (!blocks || !(us > 0)) return;
   if (blocks > 0xffffffffull) blocks = 0xffffffffull;
   uint64_t u = us >= 4294967294.0f ? 0xffffffffull : (uint64_t)us + 1;
@@ -917,6 +920,11 @@ static void big_note(krec *r, float us, uint64_t blocks) {
     uint64_t ob = old & 0xffffffffull, ou = old >> 32;
     if (old && (ob > blocks || (ob == blocks && ou >= u))) return;
   } while (!atomic_compare_exchange_weak(&r->big_sample, &old, nw));
+  for (int i = 0; i < SIG_N; i++) atomic_store_explicit(&r->big_sig[i], sig[i], memory_order_relaxed);
+}
+
+void trk_sample_sig(launch_tok *t, const uint32_t sig[SIG_N]) {
+  if (t->smp) memcpy(t->smp->sig, sig, sizeof t->smp->sig);
 }
 
 // samples_harvest collects finished samples without ever waiting: cuEventQuery only.
@@ -942,7 +950,7 @@ static void samples_harvest(int max, int from_ctl) {
       if (el == CUDA_SUCCESS && ms >= 0) {
         ring_add(s->rec, ms * 1000.0f);
         blk_note(s->rec, ms * 1000.0f, s->blocks);
-        if (!s->twin) big_note(s->rec, ms * 1000.0f, s->blocks);
+        if (!s->twin) big_note(s->rec, ms * 1000.0f, s->blocks, s->sig);
       }
       if (el == CUDA_SUCCESS) sample_recycle_locked(s);
       else sample_free(s);  // events the driver reports errors for are not reused

@@ -58,6 +58,9 @@ void trk_func_copy(void *fn, void *from);  // cuKernelGetFunction: fn gets from'
 // ---- kernel records ----
 #define NSHAPES 4
 #define RING 256
+// A launch's scalar signature: its first SIG_N parameters of 4 or 8 bytes, each the value when it
+// is below 2^31 (a count, a size, a loop bound), else 0 (a pointer, a negative number, unknown).
+#define SIG_N 8
 typedef struct krec {
   void *fn;
   char *_Atomic name;
@@ -84,6 +87,9 @@ typedef struct krec {
   // µs (rounded up), low 32 bits its block count (both capped at 2^32-1); 0: none yet.
   // preempt.c scales it to launches larger than any timed one (auto's estimate)
   _Atomic uint64_t big_sample;
+  // the scalar signature of big_sample's launch (all 0: none recorded): a launch whose count
+  // arguments are larger than these is expected to run longer (preempt.c's estimate)
+  _Atomic uint32_t big_sig[SIG_N];
   // preemption (preempt.c)
   void *_Atomic owner;          // module or library handle the kernel was obtained from
   const kinfo *_Atomic kinfo;   // its twin information (NULL: unknown yet)
@@ -118,6 +124,9 @@ typedef struct launch_tok {
   int twin;          // twin_launch launched the twin (its sample may cover part of the grid)
 } launch_tok;
 enum launch_kind { LK_NORMAL, LK_COOPERATIVE, LK_EX };
+// trk_sample_sig gives the launch's scalar signature to its timing sample (if it is sampled),
+// between launch_pre and launch_post.
+void trk_sample_sig(launch_tok *t, const uint32_t sig[SIG_N]);
 void launch_pre(launch_tok *t, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                 unsigned by, unsigned bz, CUstream s, int ptsz, int kind);
 // launch_post records the launch's outcome; 1 when it was a successful launch of a collective

@@ -711,6 +711,37 @@ def t_auto_grid(name):
     ended_ok(name, app)
 
 
+def t_auto_args(name):
+    # auto: a kernel timed short with a small loop count and then launched on the same grid with
+    # a count 1000 times larger is expected to run about 1000 times longer: its estimate scales
+    # with the count argument, so that launch gets its twin and is preempted; the short ones stay
+    # originals.
+    tmp, app = with_app(name, {"PTXMIG_PREEMPT": "auto", "PTXMIG_PREEMPT_MIN_US": "50000", "FAKE_CUDA_BLOCK_US": "100",
+                               "FAKE_CUDA_BLOCK_US_ARG": "1"})
+    c = app.conn()
+    for _ in range(4):
+        app.cmd("launchw s 16 1")  # 16 blocks of 100 µs: short
+        app.cmd("check", timeout=30)
+        c.req(cmd="kernels")  # harvests the samples
+    k = kern(c, "k_count")
+    check(k and k["twin_launches"] == 1 and k["launches"] == 4 and k["timed"] >= 2, f"{name}: short launches: {k}")
+    check("short kernel" in (k.get("original_reason") or ""), f"{name}: short launches' original_reason: {k}")
+    app.cmd("launchw s 16 1000")  # the same grid, blocks of 100 ms: ~1.6 s expected
+    time.sleep(0.05)
+    r = c.req(cmd="quiesce", budget_ms=2000)["result"]
+    check(len(r.get("preempted", [])) == 1, f"{name}: the long launch was not preempted: {r}")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=60) == "check ok 5 launches, 0 bad blocks", f"{name}: blocks")
+    k = kern(c, "k_count")
+    check(k["twin_launches"] == 2, f"{name}: the long launch did not run as a twin: {k}")
+    app.cmd("launchw s 16 1")
+    app.cmd("check", timeout=30)
+    k = kern(c, "k_count")
+    check(k["twin_launches"] == 2 and k["launches"] == 6, f"{name}: a short launch after the long one got a twin: {k}")
+    c.close()
+    ended_ok(name, app)
+
+
 def t_off(name):
     tmp, app = with_app(name, {"PTXMIG_PREEMPT": None})
     c = app.conn()
@@ -993,6 +1024,7 @@ def main():
         ("auto-policy", t_auto, ()),
         ("auto-occupancy", t_auto_occupancy, ()),
         ("auto-grid", t_auto_grid, ()),
+        ("auto-args", t_auto_args, ()),
         ("runtime-fatbin", t_runtime, ()),
         ("runtime-fatbin-sass-keep", t_sass_keep, ()),
         ("criu", t_criu, ()),

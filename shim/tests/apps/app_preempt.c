@@ -2,6 +2,8 @@
 //   launch S N [x]  launch k_count on stream S (s: blocking stream, n: non-blocking, l: legacy) over
 //                   N blocks (x: arguments through `extra`); the app clobbers and frees its argument
 //                   buffers right after the call, so a relaunch must use the shim's private copies
+//   launchw S N K   the same over N blocks with K as k_count's second argument (a loop count: with
+//                   FAKE_CUDA_BLOCK_US_ARG=1 the fake driver's blocks take K times longer)
 //   bg S N          the same launch from a new thread (prints "bglaunched" when the call returns)
 //   refused S       launch k_refused (no twin) on S
 //   hostfn S        cuLaunchHostFunc on S (prints "hostfn ran" from the driver's thread)
@@ -100,7 +102,10 @@ static void *stream_of(const char *s) { return s[0] == 's' ? s_block : s[0] == '
 
 static unsigned shmem;
 static CUdeviceptr scratch;
-static void launch(void *stream, unsigned n, int extra) {
+static void launch_arg(void *stream, unsigned n, int extra, unsigned arg);
+static void launch(void *stream, unsigned n, int extra) { launch_arg(stream, n, extra, n); }
+// launch_arg launches k_count over n blocks with arg as its second argument (launch passes n).
+static void launch_arg(void *stream, unsigned n, int extra, unsigned arg) {
   CUdeviceptr d;
   CK(cuMemAlloc_v2(&d, (size_t)n * 4));
   CK(cuMemsetD32Async(d, 0, n, stream));  // on the launch's stream: no legacy work behind other twins
@@ -110,7 +115,7 @@ static void launch(void *stream, unsigned n, int extra) {
   if (extra) {
     struct { CUdeviceptr p; unsigned n; unsigned pad; } *buf = malloc(16);
     size_t *size = malloc(sizeof *size);
-    buf->p = d, buf->n = n;
+    buf->p = d, buf->n = arg;
     *size = 16;
     void **x = malloc(5 * sizeof *x);
     x[0] = (void *)1, x[1] = buf, x[2] = (void *)2, x[3] = size, x[4] = NULL;
@@ -123,7 +128,7 @@ static void launch(void *stream, unsigned n, int extra) {
     CUdeviceptr *pd = malloc(sizeof *pd);
     unsigned *pn = malloc(sizeof *pn);
     void **p = malloc(2 * sizeof *p);
-    *pd = d, *pn = n;
+    *pd = d, *pn = arg;
     p[0] = pd, p[1] = pn;
     CK(cuLaunchKernel(fn_count, n, 1, 1, 128, 1, 1, shmem, stream, p, NULL));
     memset(pd, 0xff, sizeof *pd);  // the app reuses its argument memory at once
@@ -236,6 +241,9 @@ int main(void) {
     sscanf(line, "%15s %7s %u %7s", cmd, s, &n, x);
     if (strcmp(cmd, "launch") == 0) {
       launch(stream_of(s), n, x[0] == 'x');
+      say("launched %s", s);
+    } else if (strcmp(cmd, "launchw") == 0) {
+      launch_arg(stream_of(s), n, 0, (unsigned)strtoul(x, NULL, 10));
       say("launched %s", s);
     } else if (strcmp(cmd, "bigshm") == 0) {
       CK(cuFuncSetAttribute(fn_count, 8, 65536));

@@ -965,6 +965,7 @@ typedef struct op {
   void (*hfn)(void *);
   void *hdata;
   uint64_t need_rb;  // a mid-block twin: the record bytes its launch needs (0: none)
+  unsigned arg1;     // k_count's second argument
   uint64_t hb, hl, hc, ho, hdup;  // ptxmig_chunk_hash: base, len, chunk, out; blocks run gy*gz*by*bz times
   unsigned hbpc, hgx, hbx;        // its bpc, grid.x, blockDim.x
 } op;
@@ -989,6 +990,12 @@ static fstream *fs_of(void *s) {
   return f->magic == FS_MAGIC ? f : NULL;
 }
 static unsigned block_us(void) { const char *v = getenv("FAKE_CUDA_BLOCK_US"); return v ? (unsigned)atoi(v) : 0; }
+// FAKE_CUDA_BLOCK_US_ARG=1: a k_count block runs FAKE_CUDA_BLOCK_US times its second argument (a
+// loop count: the same grid takes longer with a larger count).
+static unsigned block_us_of(const op *o) {
+  const char *v = getenv("FAKE_CUDA_BLOCK_US_ARG");
+  return v && *v == '1' && o->arg1 ? block_us() * o->arg1 : block_us();
+}
 static void nap(unsigned us) { if (us) { struct timespec ts = {us / 1000000, (long)(us % 1000000) * 1000}; nanosleep(&ts, NULL); } }
 
 // ---- mid-block twins (control block version 3, save_area set) ----
@@ -1040,7 +1047,7 @@ static int v3_blocks(v3 *x, uint64_t b, uint64_t e, int half) {
   return 0;
 }
 static void v3_run(op *o, uint8_t *c, uint32_t g) {
-  v3 x = {c, NULL, NULL, 0, 0, o->need_rb, (uint32_t *)(uintptr_t)o->out, block_us()};
+  v3 x = {c, NULL, NULL, 0, 0, o->need_rb, (uint32_t *)(uintptr_t)o->out, block_us_of(o)};
   memcpy(&x.save, c + 64, 8);
   memcpy(&x.rarea, c + 88, 8);
   memcpy(&x.rb, c + 72, 4);
@@ -1203,7 +1210,7 @@ static void op_exec(op *o) {
   case OP_KERNEL: {
     if (kernel_bad(o)) break;
     uint32_t *out = (uint32_t *)(uintptr_t)o->out;
-    unsigned us = block_us();
+    unsigned us = block_us_of(o);
     if (!o->ctl) {
       for (unsigned b = 0; out && b < o->total; b++) {
         __atomic_add_fetch(&out[b], 1, __ATOMIC_SEQ_CST);
@@ -1525,11 +1532,14 @@ static CUresult kernel_op(func *f, unsigned gx, unsigned gy, unsigned gz, unsign
   o->f = f;
   size_t tl = strlen(f->name), sl = strlen("__ptxmig");
   int twin = tl > sl && strcmp(f->name + tl - sl, "__ptxmig") == 0;
+  int has1 = f->nparams >= (twin ? 3 : 2);
   if (p) {
     memcpy(&o->out, p[0], 8);
+    if (has1 && p[1]) memcpy(&o->arg1, p[1], 4);
     if (twin) memcpy(&o->ctl, p[f->nparams - 1], 8);
   } else if (x && x[0] == (void *)1) {
     memcpy(&o->out, (uint8_t *)x[1] + f->off[0], 8);
+    if (has1) memcpy(&o->arg1, (uint8_t *)x[1] + f->off[1], 4);
     if (twin) memcpy(&o->ctl, (uint8_t *)x[1] + f->off[f->nparams - 1], 8);
   }
   o->total = gx * gy * gz;
