@@ -187,9 +187,9 @@ func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 }
 
 // cudaProcesses is what a migrate of pid moves: every process of its tree whose GPU state the
-// driver holds (env.DriverProcess; running, else refused): pid itself, or a job (a job: a launcher such as torchrun or
-// mp.spawn's parent and its ranks, one per GPU), which then move together. A process whose
-// tree holds no CUDA process is refused.
+// driver holds (env.DriverProcess: running, else refused). That is pid itself, or the ranks of a
+// job (a launcher such as mp.spawn's parent, and one rank per GPU), which move together. A tree
+// without a CUDA process is refused.
 func cudaProcesses(env *op.Env, pid int) ([]int, error) {
 	tree, err := proc.Tree(pid)
 	if err != nil {
@@ -247,7 +247,11 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	}
 	steps = append(append(append(steps, pre.QuiesceStep(p.PIDs)), driver...), pre.ResumeStep(op.Fixed(p.PIDs), false))
 	steps[len(steps)-1].Commit = true
-	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpMigrate, Root: p.PID, Tree: p.PIDs, CUDA: p.PIDs,
+	tree := p.PIDs
+	if !slices.Contains(tree, p.PID) {
+		tree = append([]int{p.PID}, tree...) // the journal's tree starts at its root
+	}
+	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpMigrate, Root: p.PID, Tree: tree, CUDA: p.PIDs,
 		Steps: op.StepNames(steps)})
 	if err != nil {
 		return nil, err

@@ -6,7 +6,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os/exec"
+	"path/filepath"
 	"reflect"
+	"slices"
+	"syscall"
 	"testing"
 	"time"
 
@@ -15,6 +19,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/placement"
+	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/store"
 )
 
@@ -161,6 +166,80 @@ func TestMigrateJobRollback(t *testing.T) {
 			for pid, gpu := range want {
 				if g := d.Get(pid); g.State != cudackpt.Running || g.GPU != gpu {
 					t.Errorf("pid %d ends %v on %s, want running on %s (calls %q)", pid, g.State, g.GPU, gpu, d.PIDCalls)
+				}
+			}
+		})
+	}
+}
+
+// jobLister is an NVML inventory of two H200s on which ranks[i] holds 3 GiB of GPU i, and each
+// GPU has 1 GiB free (others hold the rest): a swap fits only with the memory the ranks give back.
+type jobLister struct{ ranks []int }
+
+func (l jobLister) Devices() ([]gpu.Device, error) {
+	devs := []gpu.Device{dev(0, u0), dev(1, u1)}
+	for i, pid := range l.ranks {
+		devs[i].Processes = []gpu.Process{{PID: pid, UsedMemory: 3 << 30}}
+		devs[i].MemoryUsed = devs[i].MemoryTotal - 1<<30
+	}
+	return devs, nil
+}
+
+// TestMigrateJob plans and runs the migrate of a job (a real process tree: a launcher and two
+// ranks, the ranks' GPU state in the fake driver, one per GPU) with its ranks' GPUs swapped: the
+// plan names both ranks and aligns them first, and the swap fits on nearly full GPUs; both ranks
+// end on the other GPU. When the second
+// rank's driver restore onto its target fails, both end running on their own GPUs.
+func TestMigrateJob(t *testing.T) {
+	dir := t.TempDir()
+	t.Setenv("PTXMIG_LOCK_DIR", filepath.Join(dir, "locks"))
+	t.Setenv("PTXMIG_JOURNAL_DIR", filepath.Join(dir, "journal"))
+	t.Setenv("PTXMIG_LOG_DIR", filepath.Join(dir, "logs"))
+	cmd := exec.Command("sh", "-c", "sleep 60 & sleep 60 & wait")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL); _ = cmd.Wait() })
+	root := cmd.Process.Pid
+	var tree []proc.Stat
+	for deadline := time.Now().Add(10 * time.Second); len(tree) < 3; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the tree of %d did not grow to three processes: %+v", root, tree)
+		}
+		tree, _ = proc.Tree(root)
+	}
+	ranks := proc.PIDs(tree)[1:]
+	for _, tt := range []struct {
+		name, fail string
+		want       [2]string
+	}{
+		{"swapped", "", [2]string{u1, u0}},
+		{"second rank's restore fails: both back", fmt.Sprintf("restore-to-%s %d", u1, ranks[1]), [2]string{u0, u1}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			d := cudackpttest.New(u0, []string{u0, u1}, ranks...)
+			d.Procs[ranks[1]].GPU = u1
+			if tt.fail != "" {
+				d.FailNext[tt.fail] = errors.New("CUDA_ERROR_OUT_OF_MEMORY")
+			}
+			env := &op.Env{Driver: d, GPUs: jobLister{ranks}, Euid: 0, Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
+				UsesCUDA:      func(pid int) (bool, error) { return slices.Contains(ranks, pid), nil },
+				DriverVersion: func() (string, error) { return "580.159.04", nil }}
+			p, err := PlanMigrate(env, Options{PID: root, GPUMap: map[string]string{"0": "1", "1": "0"}, LockTimeout: time.Second})
+			if err != nil {
+				t.Fatalf("plan: %v", err)
+			}
+			if !slices.Equal(p.PIDs, ranks) || p.Steps[0].Step != op.StepAlign || len(p.Source) != 2 {
+				t.Fatalf("plan: pids %v (want %v), steps %v, source %v", p.PIDs, ranks, p.Steps, p.Source)
+			}
+			_, err = Execute(context.Background(), env, p)
+			if (err != nil) != (tt.fail != "") {
+				t.Fatalf("execute: %v", err)
+			}
+			for i, pid := range ranks {
+				if g := d.Get(pid); g.State != cudackpt.Running || g.GPU != tt.want[i] {
+					t.Errorf("rank %d (pid %d) ends %v on %s, want running on %s (calls %q)", i, pid, g.State, g.GPU, tt.want[i], d.PIDCalls)
 				}
 			}
 		})
