@@ -59,7 +59,7 @@ type Result struct {
 
 // Run plans and executes a checkpoint of o.PID's process tree.
 func Run(ctx context.Context, env *op.Env, o Options) (*Result, error) {
-	p, err := PlanCheckpoint(env, o)
+	p, err := PlanCheckpoint(ctx, env, o)
 	if err != nil {
 		return nil, err
 	}
@@ -333,7 +333,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		if ing != nil {
 			m, s, err = commitStreamed(ing, images, &meta)
 		} else {
-			m, s, err = env.Store.Put(ctx, images, store.PutOptions{Name: p.Image, Meta: meta, Progress: o.Progress, Prestaged: pre})
+			m, s, err = env.Store.Put(ctx, images, store.PutOptions{Name: p.Image, Meta: meta, Progress: env.Progress, Prestaged: pre})
 		}
 		if err == nil {
 			drop()
@@ -392,10 +392,10 @@ func prestage(ctx context.Context, env *op.Env, o Options, images string) *store
 // newIngest starts the streamed image of a checkpoint (not committed until the store step).
 func newIngest(ctx context.Context, env *op.Env, p *Plan) (*store.Ingest, error) {
 	var progress func(done, total int64)
-	if p.opts.Progress != nil {
+	if report := env.Progress; report != nil {
 		// The ingest cannot know its total: the estimate (resident + GPU memory) stands in.
 		est := int64(p.Estimate.HostBytes + p.Estimate.GPUBytes)
-		progress = func(done, _ int64) { p.opts.Progress(done, max(est, done)) }
+		progress = func(done, _ int64) { report(done, max(est, done)) }
 	}
 	ing, err := env.Store.NewIngest(ctx, store.PutOptions{Name: p.Image, Meta: p.meta, Progress: progress})
 	if err != nil {

@@ -59,7 +59,6 @@ type Options struct {
 	// lacks them.
 	CarryFiles bool
 	CarryLimit int64
-	Progress   func(done, total int64)
 }
 
 // Estimate is what a checkpoint is expected to move and how long it may take. The time assumes
@@ -105,7 +104,7 @@ type Plan struct {
 
 // PlanCheckpoint checks o against the world without touching any process or writing anything,
 // and returns the plan. Every failure is a refusal (op.ErrRefused).
-func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
+func PlanCheckpoint(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if err := env.RequireRoot("ptxmig checkpoint"); err != nil {
 		return nil, err
 	}
@@ -177,7 +176,7 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 	if err := op.RefuseFrameworks(p.CUDAPIDs, true); err != nil {
 		return nil, err
 	}
-	if err := op.RefuseUnrestorable(context.Background(), p.CUDAPIDs); err != nil {
+	if err := op.RefuseUnrestorable(ctx, p.CUDAPIDs); err != nil {
 		return nil, err
 	}
 	p.Tree = op.TreeOf(stats, cuda)

@@ -95,7 +95,7 @@ func TestPreflightDriverVersion(t *testing.T) {
 		plan func(env *op.Env) error
 	}{
 		{"checkpoint", func(env *op.Env) error {
-			_, err := PlanCheckpoint(env, Options{PID: pid, Name: "ck", StagingRoot: filepath.Join(dir, "staging")})
+			_, err := PlanCheckpoint(context.Background(), env, Options{PID: pid, Name: "ck", StagingRoot: filepath.Join(dir, "staging")})
 			return err
 		}},
 		{"restore onto its GPU", func(env *op.Env) error {
@@ -107,7 +107,7 @@ func TestPreflightDriverVersion(t *testing.T) {
 			return err
 		}},
 		{"migrate", func(env *op.Env) error {
-			_, err := migrate.PlanMigrate(env, migrate.Options{PID: pid, GPUs: []int{1}})
+			_, err := migrate.PlanMigrate(context.Background(), env, migrate.Options{PID: pid, GPUs: []int{1}})
 			return err
 		}},
 	}
@@ -153,7 +153,7 @@ func TestTakenNameHint(t *testing.T) {
 	}
 	env := &op.Env{CRIU: &criu.Dumper{Bin: "/nonexistent/criu"}, Store: st, Euid: 0, Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		UsesCUDA: func(int) (bool, error) { return false, nil }}
-	_, err = PlanCheckpoint(env, Options{PID: pid, Name: "taken", StagingRoot: filepath.Join(dir, "staging")})
+	_, err = PlanCheckpoint(context.Background(), env, Options{PID: pid, Name: "taken", StagingRoot: filepath.Join(dir, "staging")})
 	want := "remove it with `ptxmig --store " + st.Dir() + " image rm taken`"
 	if !errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), want) {
 		t.Errorf("taken name: %v; want a refusal with %s", err, want)
@@ -203,7 +203,7 @@ func TestPlanChildEnded(t *testing.T) {
 		}
 		return false, nil
 	}
-	p, err := PlanCheckpoint(env, Options{PID: root, Name: "ck", StagingRoot: filepath.Join(dir, "staging")})
+	p, err := PlanCheckpoint(context.Background(), env, Options{PID: root, Name: "ck", StagingRoot: filepath.Join(dir, "staging")})
 	if err != nil {
 		t.Fatalf("plan with a child that ended: %v", err)
 	}
@@ -229,7 +229,7 @@ func TestPlanChildEnded(t *testing.T) {
 				}
 			}
 		}
-		if _, err := PlanCheckpoint(env, Options{PID: root, Name: "ck", StagingRoot: filepath.Join(dir, "staging")}); !errors.Is(err, op.ErrRefused) {
+		if _, err := PlanCheckpoint(context.Background(), env, Options{PID: root, Name: "ck", StagingRoot: filepath.Join(dir, "staging")}); !errors.Is(err, op.ErrRefused) {
 			t.Errorf("%s's maps unreadable: %v; want a refusal", who, err)
 		}
 	}

@@ -89,7 +89,7 @@ type Result struct {
 
 // Run plans and executes a migration.
 func Run(ctx context.Context, env *op.Env, o Options) (*Result, error) {
-	p, err := PlanMigrate(env, o)
+	p, err := PlanMigrate(ctx, env, o)
 	if err != nil {
 		return nil, err
 	}
@@ -98,7 +98,7 @@ func Run(ctx context.Context, env *op.Env, o Options) (*Result, error) {
 
 // PlanMigrate checks the process and the targets; every failure is a refusal (op.ErrRefused)
 // and nothing is touched.
-func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
+func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if err := env.RequireRoot("ptxmig migrate"); err != nil {
 		return nil, err
 	}
@@ -122,7 +122,7 @@ func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 	if err := op.RefuseFrameworks(pids, false); err != nil {
 		return nil, err
 	}
-	if err := op.RefuseUnrestorable(context.Background(), pids); err != nil {
+	if err := op.RefuseUnrestorable(ctx, pids); err != nil {
 		return nil, err
 	}
 	if len(o.GPUs) == 0 && len(o.GPUMap) == 0 {

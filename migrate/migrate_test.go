@@ -226,7 +226,7 @@ func TestMigrateJob(t *testing.T) {
 			env := &op.Env{Driver: d, GPUs: jobLister{ranks}, Euid: 0, Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
 				UsesCUDA:      func(pid int) (bool, error) { return slices.Contains(ranks, pid), nil },
 				DriverVersion: func() (string, error) { return "580.159.04", nil }}
-			p, err := PlanMigrate(env, Options{PID: root, GPUMap: map[string]string{"0": "1", "1": "0"}, LockTimeout: time.Second})
+			p, err := PlanMigrate(context.Background(), env, Options{PID: root, GPUMap: map[string]string{"0": "1", "1": "0"}, LockTimeout: time.Second})
 			if err != nil {
 				t.Fatalf("plan: %v", err)
 			}

@@ -63,7 +63,6 @@ type Options struct {
 	// OverwriteFiles lets a file the image carries replace a different one at its path (moved
 	// aside, not deleted).
 	OverwriteFiles bool
-	Progress       func(done, total int64)
 }
 
 // Plan is a checked restore.
@@ -463,7 +462,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 			rd.DeferVerify(devmem.IsData) // verified as the load step reads it, before the resume
 		}
 	} else {
-		st, err = env.Store.Materialize(ctx, p.ImageID, images, store.GetOptions{Progress: o.Progress})
+		st, err = env.Store.Materialize(ctx, p.ImageID, images, store.GetOptions{Progress: env.Progress})
 	}
 	res.Materialize = time.Since(tm)
 	if err != nil {
@@ -502,7 +501,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 // file but the memory pages: CRIU may not read all of them, and they are small. The pages are
 // verified chunk by chunk as they are streamed, and whatever CRIU left unread after it.
 func openStreamed(ctx context.Context, env *op.Env, p *Plan) (*store.ImageReader, error) {
-	rd, err := env.Store.OpenImage(ctx, p.ImageID, store.GetOptions{Progress: p.opts.Progress})
+	rd, err := env.Store.OpenImage(ctx, p.ImageID, store.GetOptions{Progress: env.Progress})
 	if err != nil {
 		return nil, err
 	}

@@ -160,7 +160,7 @@ func checkpointAction(c *cli.Context) error {
 	}
 	w := g.Out
 	if dry {
-		plan, err := checkpoint.PlanCheckpoint(e, opts)
+		plan, err := checkpoint.PlanCheckpoint(c.Context, e, opts)
 		if err != nil {
 			return opError(g.Err, err)
 		}
@@ -173,22 +173,16 @@ func checkpointAction(c *cli.Context) error {
 			printTree(w, plan.Tree)
 		})
 	}
-	// The status line needs the plan's steps, and the plan keeps the options it was made with
-	// (their Progress callback): plan once without a line to learn the steps and the estimate,
-	// then plan again with it. Planning touches nothing.
-	plan, err := checkpoint.PlanCheckpoint(e, opts)
+	plan, err := checkpoint.PlanCheckpoint(c.Context, e, opts)
 	if err != nil {
 		return opError(g.Err, err)
 	}
+	// The status line follows the run (the Env's hook and byte progress), not the plan.
 	prog := newOpProgress(g.Err, fmt.Sprintf("checkpoint %d", pid), plan.Steps, checkpointLabels, plan.Estimate.Duration)
 	defer prog.Done()
 	if prog != nil {
-		opts.Name, opts.NameSet = plan.Image, true
-		opts.Progress = prog.Bytes()
+		e.Progress = prog.Bytes()
 		e.Hook = prog.Hook(e.Hook)
-		if plan, err = checkpoint.PlanCheckpoint(e, opts); err != nil {
-			return opError(g.Err, err)
-		}
 	}
 	if plan.ShellJobReason != "" && !g.JSON {
 		fmt.Fprintf(g.Err, "ptxmig: dumping as a shell job: %s\n", esc(plan.ShellJobReason))

@@ -96,7 +96,7 @@ func migrateAction(c *cli.Context) error {
 	if !proc.Alive(pid) {
 		return fmt.Errorf("migrate: %w: no running process with pid %d", errNoProcess, pid)
 	}
-	plan, err := migrate.PlanMigrate(e, migrate.Options{PID: pid, GPUs: gpus, GPUMap: gmap, LockTimeout: lockTimeout, PreemptBudget: budget,
+	plan, err := migrate.PlanMigrate(c.Context, e, migrate.Options{PID: pid, GPUs: gpus, GPUMap: gmap, LockTimeout: lockTimeout, PreemptBudget: budget,
 		AllowModelChange: c.Bool("allow-model-change")})
 	if err != nil {
 		return opError(g.Err, err)

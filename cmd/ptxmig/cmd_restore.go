@@ -123,16 +123,12 @@ func restoreAction(c *cli.Context) error {
 			printPairs(w, plan.Pairs, plan.Remapped)
 		})
 	}
-	// As for checkpoint: the plan keeps its options, so the status line's callbacks go into a
-	// second plan once the first gave the steps.
+	// The status line follows the run (the Env's hook and byte progress), not the plan.
 	prog := newOpProgress(g.Err, "restore "+esc(plan.Image), plan.Steps, restoreLabels, 0)
 	defer prog.Done()
 	if prog != nil {
-		opts.Progress = prog.Bytes()
+		e.Progress = prog.Bytes()
 		e.Hook = prog.Hook(e.Hook)
-		if plan, err = restore.PlanRestore(c.Context, e, opts); err != nil {
-			return opError(g.Err, err)
-		}
 		prog.Phase(restore.StepMaterialize) // Execute materializes before its first hooked step
 	}
 	res, err := restore.Execute(c.Context, e, plan)

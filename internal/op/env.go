@@ -71,6 +71,10 @@ type Env struct {
 	Store     ImageStore
 	Host      HostInfo
 	Hook      Hook // runs before each step; tests inject failures with it
+	// Progress reports the bytes a long step has moved (the image written to or read from the
+	// store) against its expected total; nil reports nothing. Like Hook, it belongs to the run,
+	// not to the plan: a plan is a value.
+	Progress func(done, total int64)
 	Log       *slog.Logger
 	Euid      int
 	// UsesCUDA reports whether a process has the CUDA driver loaded; nil means
