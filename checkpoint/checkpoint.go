@@ -88,24 +88,31 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	pre := op.NewPreemption(env, o.PreemptBudget)
 	defer pre.Close()
 	stored := func(m *store.Manifest, s *store.Stats) { manifest, stats = m, s }
-	// The journal lists the steps before the staging directory (named after it) exists.
-	planned, _ := buildSteps(env, p, "", tr, pre, nil, stored, t0)
-	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpCheckpoint, Root: p.PID, Tree: op.TreePIDs(p.Tree, false),
-		CUDA: p.CUDAPIDs, LeaveRunning: p.LeaveRunning, StagingRoot: p.StagingRoot, Store: env.Store.Dir(), Image: p.Image,
-		Steps: op.StepNames(planned)})
+	// The steps are built once, when the transaction has named its staging directory (CRIU's
+	// images go in it); their names are the journal's plan.
+	var images string
+	cleanup := func() {}
+	txn, steps, err := env.BeginWith(ctx, op.TxnSpec{Op: journal.OpCheckpoint, Root: p.PID, Tree: op.TreePIDs(p.Tree, false),
+		CUDA: p.CUDAPIDs, LeaveRunning: p.LeaveRunning, StagingRoot: p.StagingRoot, Store: env.Store.Dir(), Image: p.Image},
+		func(txn *op.Txn) []op.Step {
+			var steps []op.Step
+			images = filepath.Join(txn.Staging(), "images")
+			steps, cleanup = buildSteps(env, p, images, tr, pre, txn.Helper, stored, t0)
+			return steps
+		})
+	defer func() { cleanup() }() // what the steps left, on every way out (the run's is below)
 	if err != nil {
 		return nil, err
 	}
 	staging := txn.Staging()
-	images := filepath.Join(staging, "images")
 	if err := os.Mkdir(images, 0o700); err != nil {
 		err = op.Refusef("staging: %w", err)
 		txn.End(err, false)
 		return nil, err
 	}
-	steps, cleanup := buildSteps(env, p, images, tr, pre, txn.Helper, stored, t0)
 	timings, err := txn.Execute(ctx, steps, env.Hook, 0)
 	cleanup()
+	cleanup = func() {}
 	res.Timings, res.Preemption = timings, pre.Reports
 	if err != nil {
 		// Keep CRIU's log before the staging directory goes.

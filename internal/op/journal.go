@@ -75,19 +75,29 @@ type Txn struct {
 // Recover), then writes the journal, starts the guardian (when e.GuardianExe is set) and creates
 // the staging directory. Nothing has been touched yet: every failure is a refusal.
 func (e *Env) Begin(ctx context.Context, spec TxnSpec) (*Txn, error) {
+	t, _, err := e.BeginWith(ctx, spec, nil)
+	return t, err
+}
+
+// BeginWith is Begin for an operation whose steps need their transaction (its staging
+// directory, its helper records): build gets the Txn before the journal is written, once its
+// staging directory is named, and returns the steps, whose names become the journal's plan
+// (spec.Steps is then ignored). The steps may call the Txn's Helper only while they run. With
+// a nil build it is Begin.
+func (e *Env) BeginWith(ctx context.Context, spec TxnSpec, build func(*Txn) []Step) (*Txn, []Step, error) {
 	log := e.Logger()
 	e.RecoverInterrupted(ctx)
 	self, err := proc.ReadStat(os.Getpid())
 	if err != nil {
-		return nil, Refusef("operation journal: %w", err)
+		return nil, nil, Refusef("operation journal: %w", err)
 	}
 	boot, err := proc.BootID()
 	if err != nil {
-		return nil, Refusef("operation journal: %w", err)
+		return nil, nil, Refusef("operation journal: %w", err)
 	}
 	id, err := journal.NewID(spec.Op, os.Getpid())
 	if err != nil {
-		return nil, Refusef("operation journal: %w", err)
+		return nil, nil, Refusef("operation journal: %w", err)
 	}
 	h := journal.Header{V: journal.Version, Op: spec.Op, ID: id, Boot: boot, Time: time.Now().UTC(),
 		Owner: journal.Proc{PID: self.PID, Start: self.StartTicks}, Session: self.SID, Root: spec.Root,
@@ -99,39 +109,46 @@ func (e *Env) Begin(ctx context.Context, spec TxnSpec) (*Txn, error) {
 		}
 		h.Tree = append(h.Tree, p)
 	}
-	h.Steps = spec.Steps
 	if spec.StagingRoot != "" {
 		root, err := filepath.Abs(spec.StagingRoot)
 		if err != nil {
-			return nil, Refusef("staging root %s: %w", spec.StagingRoot, err)
+			return nil, nil, Refusef("staging root %s: %w", spec.StagingRoot, err)
 		}
 		h.Staging = filepath.Join(root, id)
 	}
+	t := &Txn{env: e, id: id, staging: h.Staging, log: log}
+	var steps []Step
+	h.Steps = spec.Steps
+	if build != nil {
+		steps = build(t)
+		h.Steps = StepNames(steps)
+	}
+	t.steps = h.Steps
 	w, err := journal.Create(journal.Dir(), h)
 	if err != nil {
-		return nil, Refusef("operation journal: %w", err)
+		return nil, nil, Refusef("operation journal: %w", err)
 	}
-	t := &Txn{env: e, steps: h.Steps, w: w, id: id, staging: h.Staging, log: log}
+	t.w = w
 	if e.GuardianExe != "" {
 		g, err := startGuardian(e.GuardianExe, w.Path())
 		if err != nil {
 			_ = w.End(journal.Failed, err.Error())
-			return nil, Refusef("cannot start the operation's guardian: %w", err)
+			return nil, nil, Refusef("cannot start the operation's guardian: %w", err)
 		}
 		t.g = g
 		if err := w.Append(journal.Record{T: journal.TGuardian, Proc: procOf(g.cmd.Process.Pid)}); err != nil {
 			t.abort(err)
-			return nil, Refusef("operation journal: %w", err)
+			return nil, nil, Refusef("operation journal: %w", err)
 		}
 	}
 	if t.staging != "" {
 		if err := os.Mkdir(t.staging, 0o700); err != nil {
 			t.abort(err)
-			return nil, Refusef("staging directory in %s: %w", spec.StagingRoot, err)
+			return nil, nil, Refusef("staging directory in %s: %w", spec.StagingRoot, err)
 		}
 	}
 	log.Debug("operation journaled", "journal", w.Path(), "guardian", t.g != nil)
-	return t, nil
+	return t, steps, nil
 }
 
 // abort ends a Txn that touched nothing.
