@@ -75,8 +75,8 @@ type Env struct {
 	// store) against its expected total; nil reports nothing. Like Hook, it belongs to the run,
 	// not to the plan: a plan is a value.
 	Progress func(done, total int64)
-	Log       *slog.Logger
-	Euid      int
+	Log      *slog.Logger
+	Euid     int
 	// UsesCUDA reports whether a process has the CUDA driver loaded; nil means
 	// gpu.MapsCUDA. Tests with a fake driver make CPU processes count as CUDA ones.
 	UsesCUDA func(pid int) (bool, error)
