@@ -20,6 +20,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/testproc"
 	"github.com/ptxmig/ptxmig/store"
 )
 
@@ -202,12 +203,9 @@ func TestMigrateJob(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL); _ = cmd.Wait() })
 	root := cmd.Process.Pid
-	var tree []proc.Stat
-	for deadline := time.Now().Add(10 * time.Second); len(tree) < 3; time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("the tree of %d did not grow to three processes: %+v", root, tree)
-		}
-		tree, _ = proc.Tree(root)
+	tree, err := testproc.WaitTree(root, 3, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
 	}
 	ranks := proc.PIDs(tree)[1:]
 	for _, tt := range []struct {

@@ -286,3 +286,16 @@ func KillPID(pid int, timeout time.Duration) error {
 	_, _ = syscall.Wait4(pid, &ws, syscall.WNOHANG, nil) // reap it if we are its parent or subreaper
 	return nil
 }
+
+// WaitTree waits up to timeout for root's process tree to hold at least n processes (a shell
+// that forks its children), and returns it, root first.
+func WaitTree(root, n int, timeout time.Duration) ([]proc.Stat, error) {
+	var tree []proc.Stat
+	for deadline := time.Now().Add(timeout); len(tree) < n; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("the tree of %d did not grow to %d processes in %s: %+v", root, n, timeout, tree)
+		}
+		tree, _ = proc.Tree(root)
+	}
+	return tree, nil
+}
