@@ -1,0 +1,237 @@
+//go:build gpu
+
+package gputest
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/migrate"
+)
+
+// fwRow is one framework of the matrix: its frameworks.py name, whether ptxmig refuses it by
+// name (the process then runs on untouched), and its environment.
+type fwRow struct {
+	name    string
+	refused string // a word the refusal names ("" when it must work)
+	steps   int
+	env     []string
+}
+
+var fwRows = []fwRow{
+	{"resnet", "", 300, nil}, {"gpt2", "", 300, nil}, {"compile", "", 300, nil}, {"triton", "", 400, nil},
+	{"cupy", "", 400, nil}, {"numba", "", 400, nil},
+	// JAX on one GPU: on several, XLA enables peer access between them (refused for that too).
+	{"jax", "JAX", 400, []string{"CUDA_VISIBLE_DEVICES=0"}},
+}
+
+// fwAvailable skips the test when the host lacks the framework (frameworks.py says "skip:").
+func fwAvailable(t *testing.T, fw string) {
+	t.Helper()
+	out, _ := exec.Command("python3", filepath.Join(workloads, "frameworks.py"), fw, "--steps", "0").CombinedOutput()
+	if s := string(out); strings.HasPrefix(s, "skip: ") {
+		t.Skip(strings.TrimSpace(s))
+	}
+}
+
+// fwReference is an uninterrupted run of frameworks.py with env, plain (no shim), in the
+// background; the test waits for it before it ends.
+func fwReference(t *testing.T, env []string, args ...string) <-chan []string {
+	t.Helper()
+	ref := make(chan []string, 1)
+	done := make(chan struct{})
+	t.Cleanup(func() { <-done })
+	go func() {
+		defer close(done)
+		p := startEnv(t, env, "/usr/bin/env", append([]string{"python3", filepath.Join(workloads, "frameworks.py")}, args...)...)
+		select {
+		case <-p.done:
+		case <-time.After(10 * time.Minute):
+			t.Errorf("reference run of frameworks.py %s did not finish", strings.Join(args, " "))
+		}
+		ref <- results(p.log)
+	}()
+	return ref
+}
+
+// fwStart runs frameworks.py under `ptxmig run` (the default preemption) and waits for the line
+// starting with until; a framework missing on the host skips the row (frameworks.py prints
+// "skip: REASON").
+func fwStart(t *testing.T, env []string, until string, args ...string) *proc {
+	t.Helper()
+	shim := os.Getenv("PTXMIG_SHIM")
+	if shim == "" {
+		t.Skip("PTXMIG_SHIM not set (run through gpu-e2e.sh)")
+	}
+	p := startEnv(t, env, bin, append([]string{"run", "--shim", shim, "--socket-dir",
+		filepath.Join(t.TempDir(), "sock"), "--", "python3", filepath.Join(workloads, "frameworks.py")}, args...)...)
+	for deadline := time.Now().Add(5 * time.Minute); ; time.Sleep(100 * time.Millisecond) {
+		for _, l := range lines(p.log) {
+			if strings.HasPrefix(l, "skip: ") {
+				t.Skip(l)
+			}
+			if strings.HasPrefix(l, until) {
+				return p
+			}
+		}
+		select {
+		case <-p.done:
+			t.Fatalf("frameworks.py %s ended before %q:\n%s", strings.Join(args, " "), until, strings.Join(lines(p.log), "\n"))
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("frameworks.py %s: no %q in 5 minutes:\n%s", strings.Join(args, " "), until, strings.Join(lines(p.log), "\n"))
+		}
+	}
+}
+
+// quiesceOf is the quiesce time of the checkpoint's process (its first shim report).
+func quiesceOf(res *checkpoint.Result) (time.Duration, bool) {
+	for _, r := range res.Preemption {
+		if r.Quiesce != nil {
+			return r.QuiesceDur + r.StopWait, true
+		}
+	}
+	return 0, false
+}
+
+// TestFrameworks: the framework matrix (docs/COMPATIBILITY.md). Each framework's loop runs under
+// the default `ptxmig run`; three `checkpoint --leave-running` (the first quiesce recorded apart),
+// a checkpoint + restore, and with two GPUs a migrate there and back; the output must equal an
+// uninterrupted run's. A framework ptxmig refuses by name must be refused up front (exit 3) and
+// run on to the same output.
+func TestFrameworks(t *testing.T) {
+	devs := need(t, 1)
+	for _, row := range fwRows {
+		t.Run(row.name, func(t *testing.T) {
+			fwAvailable(t, row.name)
+			args := []string{row.name, "--steps", strconv.Itoa(row.steps), "--sleep-ms", "30"}
+			ref := fwReference(t, row.env, args...)
+			p := fwStart(t, row.env, "step 5 ", args...)
+			var first time.Duration
+			var later, walls []time.Duration
+			for i := 0; i < 3; i++ {
+				t0 := time.Now()
+				so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--lock-timeout", "10s",
+					"--name", fmt.Sprintf("fw-%s-%d-%d", row.name, i, time.Now().UnixNano()), strconv.Itoa(p.pid))
+				walls = append(walls, time.Since(t0))
+				if row.refused != "" {
+					if code != 3 || !strings.Contains(se, row.refused) {
+						t.Fatalf("checkpoint of %s: exit %d, want 3 naming %s:\n%s", row.name, code, row.refused, se)
+					}
+					running(t, []int{p.pid}, map[int]int{p.pid: 0}, "the refusal")
+					waitExit(t, p.pid, 8*time.Minute)
+					sameResults(t, results(p.log), <-ref)
+					record(t, "%s: refused up front (exit 3), ran on to identical output (%s)", row.name, lastLine(se))
+					return
+				}
+				if code != 0 {
+					t.Fatalf("checkpoint --leave-running %d of %s: exit %d\n%s", i, row.name, code, se)
+				}
+				var res checkpoint.Result
+				if err := json.Unmarshal([]byte(so), &res); err != nil {
+					t.Fatalf("checkpoint --json: %v\n%s", err, so)
+				}
+				if q, ok := quiesceOf(&res); ok && i == 0 {
+					first = q
+				} else if ok {
+					later = append(later, q)
+				}
+				progresses(t, p, 2*time.Minute, fmt.Sprintf("checkpoint --leave-running %d", i))
+			}
+			name := fmt.Sprintf("fw-%s-end-%d", row.name, time.Now().UnixNano())
+			t0 := time.Now()
+			if _, se, code := ptxmig(t, "checkpoint", "--lock-timeout", "10s", "--name", name, strconv.Itoa(p.pid)); code != 0 {
+				t.Fatalf("checkpoint of %s: exit %d\n%s", row.name, code, se)
+			}
+			ck := time.Since(t0)
+			reap(t, p.pid, time.Minute)
+			t0 = time.Now()
+			if so, se, code := ptxmig(t, "restore", name); code != 0 {
+				t.Fatalf("restore of %s: exit %d\n%s\n%s", row.name, code, so, se)
+			}
+			rs := time.Since(t0)
+			progresses(t, p, 2*time.Minute, "the restore")
+			moves := "migrate not run (one GPU)"
+			if len(devs) > 1 {
+				var downs []string
+				for _, to := range []string{"1", "0"} {
+					so, se, code := ptxmig(t, "--json", "migrate", "--gpu", to, strconv.Itoa(p.pid))
+					if code != 0 {
+						t.Fatalf("migrate of %s to GPU %s: exit %d\n%s", row.name, to, code, se)
+					}
+					var mres migrate.Result
+					if err := json.Unmarshal([]byte(so), &mres); err != nil {
+						t.Fatalf("migrate --json: %v\n%s", err, so)
+					}
+					downs = append(downs, mres.Downtime.Round(time.Millisecond).String())
+					progresses(t, p, 2*time.Minute, "the migrate to GPU "+to)
+				}
+				moves = "migrate 0→1→0 downtime " + strings.Join(downs, ", ")
+			}
+			waitExit(t, p.pid, 8*time.Minute)
+			sameResults(t, results(p.log), <-ref)
+			record(t, "%s: identical output; first quiesce %s, later %s; --leave-running wall p50 %s; checkpoint %s, restore %s; %s",
+				row.name, first, strings.Trim(fmt.Sprint(later), "[]"), pct(walls, 50).Round(time.Millisecond),
+				ck.Round(time.Millisecond), rs.Round(time.Millisecond), moves)
+		})
+	}
+}
+
+// TestJITLongKernels: CuPy's and Numba's JIT-linked kernels spinning about 3 s a block, over
+// many blocks (about four waves) and over one wave, under the default `ptxmig run`: a
+// `checkpoint --leave-running` one second into a launch must succeed within the lock timeout,
+// with identical output. Recorded: the quiesce, the lock, and what the shim did with the launch
+// (preempted: the twin from the link's PTX; or why it ran as the original: a one-wave grid stops
+// inside its blocks only with mid-block twins, not yet the default).
+func TestJITLongKernels(t *testing.T) {
+	need(t, 1)
+	for _, fw := range []string{"cupy", "numba"} {
+		for _, wave := range []string{"many-blocks", "one-wave"} {
+			t.Run(fw+"/"+wave, func(t *testing.T) {
+				args := []string{fw, "--steps", "4", "--sleep-ms", "0", "--long-ms", "3000"}
+				if wave == "one-wave" {
+					args = append(args, "--one-wave")
+				}
+				fwAvailable(t, fw)
+				ref := fwReference(t, nil, args...)
+				p := fwStart(t, nil, "step 1 ", args...)
+				time.Sleep(time.Second) // into the second launch
+				so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--lock-timeout", "10s",
+					"--name", fmt.Sprintf("jit-%s-%s-%d", fw, wave, time.Now().UnixNano()), strconv.Itoa(p.pid))
+				if code != 0 {
+					t.Fatalf("checkpoint --leave-running in a long %s kernel: exit %d\n%s", fw, code, se)
+				}
+				var res checkpoint.Result
+				if err := json.Unmarshal([]byte(so), &res); err != nil {
+					t.Fatalf("checkpoint --json: %v\n%s", err, so)
+				}
+				what := "no shim report"
+				q, _ := quiesceOf(&res)
+				for _, r := range res.Preemption {
+					if r.Quiesce == nil {
+						continue
+					}
+					var why []string
+					for _, o := range r.Quiesce.Originals {
+						why = append(why, o.Reason)
+					}
+					what = fmt.Sprintf("%d launch(es) preempted, originals: %q", len(r.Quiesce.Preempted), why)
+				}
+				waitExit(t, p.pid, 5*time.Minute)
+				sameResults(t, results(p.log), <-ref)
+				record(t, "%s %s (3 s a block): quiesce %s, lock %s, checkpoint %s; %s; identical output",
+					fw, wave, q, res.Timings.Of(op.StepLock).Round(time.Millisecond), res.Total.Round(time.Millisecond), what)
+			})
+		}
+	}
+}
