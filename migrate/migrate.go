@@ -252,7 +252,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		tree = append([]int{p.PID}, tree...) // the journal's tree starts at its root
 	}
 	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpMigrate, Root: p.PID, Tree: tree, CUDA: p.PIDs,
-		Steps: op.StepNames(steps)})
+		Steps: op.StepNames(steps), Pairs: p.dpairs})
 	if err != nil {
 		return nil, err
 	}

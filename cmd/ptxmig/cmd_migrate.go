@@ -34,8 +34,8 @@ func init() {
 			"their GPU or take the ones left free (moving 0 to 1 on two GPUs pairs 0->1 and 1->0); --dry-run\n" +
 			"lists the pairs. If anything fails after the lock, or ptxmig gets SIGINT/SIGTERM, the process is\n" +
 			"restored onto its source GPUs, unlocked and resumed (exit status 4), also when it was on its\n" +
-			"targets already. If ptxmig itself dies, its guardian does the same, except after the driver\n" +
-			"restore onto the targets: it unlocks the process there and reports the move finished.\n" +
+			"targets already. If ptxmig itself dies, its guardian does the same (the journal keeps the\n" +
+			"GPU pairs, so it can move back what the driver had restored onto the targets).\n" +
 			"Prints the downtime (gate\n" +
 			"closed to gate open) and its parts; on a terminal, a status line on stderr shows the step as it\n" +
 			"runs. No process PID: exit 6. Migrate uses no image store.\n" +

@@ -144,7 +144,21 @@ type Header struct {
 	// CRIUStall: how long the operation's CRIU may make no progress before it is killed (0: no
 	// bound); a guardian holds CRIU to the same bound.
 	CRIUStall time.Duration `json:"criu_stall_ns,omitempty"`
+	// Pairs are the GPU pairs of a live move (migrate), one per GPU of the host: a rollback moves
+	// what the driver already restored onto its targets back with their inverse.
+	Pairs []Pair `json:"pairs,omitempty"`
 }
+
+// Pair is one GPU pair of a move: GPU UUIDs as the driver and NVML write them.
+type Pair struct {
+	Old string `json:"old"`
+	New string `json:"new"`
+}
+
+// MaxPairs bounds a journal's GPU pairs (a host's GPUs).
+const MaxPairs = 64
+
+var gpuUUIDRE = regexp.MustCompile(`^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`)
 
 // MaxCRIUStall is the longest stall bound a journal may record.
 const MaxCRIUStall = 24 * time.Hour
@@ -276,6 +290,15 @@ func (h *Header) Validate() error {
 		return bad("%d steps", len(h.Steps))
 	case h.CRIUStall < 0 || h.CRIUStall > MaxCRIUStall:
 		return bad("CRIU stall bound %s", h.CRIUStall)
+	case len(h.Pairs) > MaxPairs:
+		return bad("%d GPU pairs", len(h.Pairs))
+	}
+	olds, news := map[string]bool{}, map[string]bool{}
+	for _, p := range h.Pairs {
+		if !gpuUUIDRE.MatchString(p.Old) || !gpuUUIDRE.MatchString(p.New) || olds[p.Old] || news[p.New] {
+			return bad("bad or repeated GPU pair %q -> %q", p.Old, p.New)
+		}
+		olds[p.Old], news[p.New] = true, true
 	}
 	seen := map[int]bool{}
 	for _, p := range h.Tree {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -41,6 +42,12 @@ func begin(t *testing.T, mod func(h *Header)) string {
 }
 
 // TestParseValid: a whole journal, as an operation writes it, reads back.
+// GPU UUIDs for the pairs of a migrate's journal.
+const (
+	testGPU0 = "GPU-00000000-0000-0000-0000-000000000000"
+	testGPU1 = "GPU-11111111-1111-1111-1111-111111111111"
+)
+
 func TestParseValid(t *testing.T) {
 	j := begin(t, nil) +
 		`{"t":"guardian","proc":{"pid":4300,"start":101}}` + "\n" +
@@ -124,6 +131,9 @@ func TestParseRefusesHostileJournals(t *testing.T) {
 		{"staging at the root", begin(t, func(h *Header) { h.Staging = "/" + testID }), "bad staging"},
 		{"staging with a control character", begin(t, func(h *Header) { h.Staging = "/dev/shm/\x1b[2J/" + testID }), "bad staging"},
 		{"store relative", begin(t, func(h *Header) { h.Store = "store" }), "bad store"},
+		{"GPU pair not a UUID", begin(t, func(h *Header) { h.Pairs = []Pair{{Old: "GPU-0; rm -rf /", New: testGPU1}} }), "bad or repeated GPU pair"},
+		{"GPU pair repeated", begin(t, func(h *Header) { h.Pairs = []Pair{{Old: testGPU0, New: testGPU1}, {Old: testGPU0, New: testGPU0}} }), "bad or repeated GPU pair"},
+		{"too many GPU pairs", begin(t, func(h *Header) { h.Pairs = make([]Pair, MaxPairs+1) }), "GPU pairs"},
 		{"image name with a path", begin(t, func(h *Header) { h.Image = "../../x" }), "bad image"},
 		{"no steps", begin(t, func(h *Header) { h.Steps = nil }), "0 steps"},
 		{"bad step name", begin(t, func(h *Header) { h.Steps = []string{"rm -rf"} }), "bad or repeated step"},
@@ -286,5 +296,17 @@ func TestOpenRefusesUnsafeFiles(t *testing.T) {
 	}
 	if _, err := List(link); !errors.Is(err, ErrUnsafe) {
 		t.Errorf("List of a symlinked directory: %v, want ErrUnsafe", err)
+	}
+}
+
+// TestParsePairs: a migrate's GPU pairs come back as written.
+func TestParsePairs(t *testing.T) {
+	want := []Pair{{Old: testGPU0, New: testGPU1}, {Old: testGPU1, New: testGPU0}}
+	st, err := Parse([]byte(begin(t, func(h *Header) { h.Pairs = want })), testID+Ext)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(st.Header.Pairs, want) {
+		t.Errorf("pairs %v, want %v", st.Header.Pairs, want)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/criu"
+	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/proc"
 )
@@ -49,6 +50,9 @@ type TxnSpec struct {
 	StagingRoot  string // where the operation's staging directory goes ("" for none)
 	Store, Image string
 	Steps        []string // the names of the planned steps, in order (StepNames)
+	// Pairs are a live move's GPU pairs (migrate): a guardian moves what the driver restored
+	// onto its targets back with their inverse.
+	Pairs []cudackpt.Pair
 }
 
 // StepNames lists the names of steps.
@@ -118,6 +122,9 @@ func (e *Env) BeginWith(ctx context.Context, spec TxnSpec, build func(*Txn) []St
 	}
 	t := &Txn{env: e, id: id, staging: h.Staging, log: log}
 	var steps []Step
+	for _, p := range spec.Pairs {
+		h.Pairs = append(h.Pairs, journal.Pair{Old: p.Old.String(), New: p.New.String()})
+	}
 	h.Steps = spec.Steps
 	if build != nil {
 		steps = build(t)

@@ -621,14 +621,21 @@ func (rb *journalRollback) migrate(ctx context.Context) string {
 		return RecoveredFinished
 	}
 	cuda := rb.cudaPIDs()
+	if st.Began(StepDriverRestore) && len(st.Header.Pairs) > 0 {
+		rb.moveBack(cuda) // then driverBack finds every process on its source GPUs
+	}
 	if st.Began(StepLock) {
 		rb.driverBack(cuda)
 	}
 	if st.Began(StepQuiesce) {
 		rb.shimResume(ctx, cuda)
 	}
-	// A process the driver restored onto its targets stays there: unlocking it finished its move.
-	// The report says so rather than claim it went back.
+	if len(st.Header.Pairs) > 0 {
+		return RecoveredRolledBack
+	}
+	// Without its pairs (a journal of an older ptxmig), a process the driver restored onto its
+	// targets stays there: unlocking it finished its move. The report says so rather than claim
+	// it went back.
 	if s := st.Step(StepDriverRestore); s != nil && s.Done {
 		rb.note("the driver had restored every process onto its target GPUs: unlocked there, they run on the targets (the move was finished, not undone)")
 		return RecoveredFinished
@@ -636,6 +643,41 @@ func (rb *journalRollback) migrate(ctx context.Context) string {
 		rb.note("the driver restore onto the target GPUs had begun: a process it had restored runs on its target GPUs, the others on their source GPUs")
 	}
 	return RecoveredRolledBack
+}
+
+// moveBack returns the processes a migrate's driver restore had put on their targets to their
+// source GPUs, with the journal's pairs inverted (see RestoreStep); they stay locked for
+// driverBack.
+func (rb *journalRollback) moveBack(pids []int) {
+	var pairs []cudackpt.Pair
+	for _, p := range rb.st.Header.Pairs {
+		o, err1 := cudackpt.ParseUUID(p.Old)
+		n, err2 := cudackpt.ParseUUID(p.New)
+		if err := errors.Join(err1, err2); err != nil {
+			rb.fail(fmt.Errorf("the journal's GPU pair %s -> %s: %w", p.Old, p.New, err))
+			return
+		}
+		pairs = append(pairs, cudackpt.Pair{Old: o, New: n})
+	}
+	d, err := rb.drv.get()
+	if err != nil || d == nil {
+		rb.fail(fmt.Errorf("pid %s may run on its target GPUs, but the NVIDIA driver cannot be used: %v", PIDList(pids), err))
+		return
+	}
+	var moved []int
+	for _, pid := range pids {
+		if st, err := d.State(pid); err == nil && st != cudackpt.Checkpointed {
+			moved = append(moved, pid) // restored onto its targets (locked, or unlocked since)
+		}
+	}
+	if len(moved) == 0 {
+		return
+	}
+	if err := moveBack(d, moved, pairs); err != nil {
+		rb.fail(err)
+		return
+	}
+	rb.note("moved pid %s back onto its source GPUs (checkpoint, restore with the inverse pairs)", PIDList(moved))
 }
 
 // driverBack puts each CUDA process back to running: a checkpointed one is restored onto its own

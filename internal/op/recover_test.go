@@ -584,3 +584,70 @@ func TestGuardianRollsBackJobMidStep(t *testing.T) {
 		}
 	}
 }
+
+// TestGuardianJobMigrateMidRestore: ptxmig dies in the middle of a job migrate's driver restore
+// (k of 3 ranks restored onto their target, the others still checkpointed), or right after it
+// (k = 3, some ranks unlocked there too). The guardian moves the restored ranks back with the
+// journal's pairs inverted and brings every rank back to running on its own GPU. A journal
+// without pairs (an older ptxmig's) leaves the restored ranks on their targets, and says so.
+func TestGuardianJobMigrateMidRestore(t *testing.T) {
+	const gpu1 = "GPU-11111111-1111-1111-1111-111111111111"
+	g0, err := cudackpt.ParseUUID(gpu0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g1, err := cudackpt.ParseUUID(gpu1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	swap := []cudackpt.Pair{{Old: g0, New: g1}, {Old: g1, New: g0}}
+	for _, journaled := range []bool{true, false} {
+		for k := 0; k <= 3; k++ {
+			t.Run(fmt.Sprintf("pairs-%v/%d-of-3-restored", journaled, k), func(t *testing.T) {
+				pids := []int{sleeper(t), sleeper(t), sleeper(t)}
+				r := newRecoverRig(t, pids...)
+				steps := []string{StepAlign, StepQuiesce, StepLock, StepCheckpoint, StepDriverRestore, StepUnlock, StepResume}
+				spec := TxnSpec{Op: journal.OpMigrate, Root: pids[0], Tree: pids, CUDA: pids, Steps: steps}
+				if journaled {
+					spec.Pairs = swap
+				}
+				tx := r.begin(t, spec, []Step{LockStep(r.drv, pids, time.Second), CheckpointStep(r.drv, pids)})
+				if err := tx.begin(StepDriverRestore); err != nil {
+					t.Fatal(err)
+				}
+				for _, pid := range pids[:k] {
+					if err := r.drv.Restore(pid, swap); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if k == 3 { // the restore step done, the unlock under way: one rank unlocked already
+					tx.end(StepDriverRestore, nil)
+					if err := tx.begin(StepUnlock); err != nil {
+						t.Fatal(err)
+					}
+					if err := r.drv.Unlock(pids[0]); err != nil {
+						t.Fatal(err)
+					}
+				}
+				tx.die()
+				rep := r.recoverOne(t, tx)
+				note := "moved pid"
+				if !journaled && k > 0 {
+					note = "target GPUs"
+				}
+				if rep.Error != "" || k > 0 && !slices.ContainsFunc(rep.Actions, func(a string) bool { return strings.Contains(a, note) }) {
+					t.Fatalf("recovery %+v, want a note with %q", rep, note)
+				}
+				for i, pid := range pids {
+					want := gpu0
+					if !journaled && i < k {
+						want = gpu1
+					}
+					if p := r.drv.Get(pid); p.State != cudackpt.Running || p.GPU != want {
+						t.Errorf("rank pid %d: %+v, want running on %s (driver calls %v)", pid, p, want, r.drv.PIDCalls)
+					}
+				}
+			})
+		}
+	}
+}
