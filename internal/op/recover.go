@@ -621,8 +621,20 @@ func (rb *journalRollback) migrate(ctx context.Context) string {
 		return RecoveredFinished
 	}
 	cuda := rb.cudaPIDs()
-	if st.Began(StepDriverRestore) && len(st.Header.Pairs) > 0 {
-		rb.moveBack(cuda) // then driverBack finds every process on its source GPUs
+	if s := st.Step(StepDriverRestore); s != nil && len(st.Header.Pairs) > 0 {
+		switch {
+		case !s.UndoBegan:
+			// Then driverBack finds every process on its source GPUs. (One case it gets wrong: a
+			// ptxmig that died while the step, failing for one process, moved the others back
+			// itself; a process already back is moved onto its targets again. It runs there.)
+			rb.moveBack(cuda)
+		case !s.Undone:
+			// ptxmig died while its own rollback moved the processes back: which ones it had
+			// moved, the driver's state does not say (a moved one is locked on its source GPUs,
+			// as one still on its targets is), so none is moved twice.
+			rb.note("ptxmig died while it moved the processes back onto their source GPUs: pid %s may run on their target GPUs",
+				PIDList(cuda))
+		}
 	}
 	if st.Began(StepLock) {
 		rb.driverBack(cuda)

@@ -651,3 +651,45 @@ func TestGuardianJobMigrateMidRestore(t *testing.T) {
 		}
 	}
 }
+
+// TestGuardianJobMigrateDiesInItsRollback: ptxmig dies while its own rollback moves a job's ranks
+// back (the driver restore's undo begun, one rank moved): the guardian moves nothing twice (the
+// moved rank stays on its source GPU) and brings every rank back to running.
+func TestGuardianJobMigrateDiesInItsRollback(t *testing.T) {
+	const gpu1 = "GPU-11111111-1111-1111-1111-111111111111"
+	g0, _ := cudackpt.ParseUUID(gpu0)
+	g1, _ := cudackpt.ParseUUID(gpu1)
+	swap := []cudackpt.Pair{{Old: g0, New: g1}, {Old: g1, New: g0}}
+	back := []cudackpt.Pair{{Old: g1, New: g0}, {Old: g0, New: g1}}
+	pids := []int{sleeper(t), sleeper(t)}
+	r := newRecoverRig(t, pids...)
+	steps := []string{StepQuiesce, StepLock, StepCheckpoint, StepDriverRestore, StepUnlock, StepResume}
+	tx := r.begin(t, TxnSpec{Op: journal.OpMigrate, Root: pids[0], Tree: pids, CUDA: pids, Steps: steps, Pairs: swap},
+		[]Step{LockStep(r.drv, pids, time.Second), CheckpointStep(r.drv, pids)})
+	if err := tx.begin(StepDriverRestore); err != nil {
+		t.Fatal(err)
+	}
+	for _, pid := range pids {
+		if err := r.drv.Restore(pid, swap); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tx.end(StepDriverRestore, nil)
+	tx.undo(StepDriverRestore)
+	if err := r.drv.Checkpoint(pids[1]); err != nil { // the rollback moved the second rank back
+		t.Fatal(err)
+	}
+	if err := r.drv.Restore(pids[1], back); err != nil {
+		t.Fatal(err)
+	}
+	tx.die()
+	rep := r.recoverOne(t, tx)
+	if rep.Error != "" || !slices.ContainsFunc(rep.Actions, func(a string) bool { return strings.Contains(a, "may run on their target GPUs") }) {
+		t.Fatalf("recovery %+v", rep)
+	}
+	for i, want := range []string{gpu1, gpu0} {
+		if p := r.drv.Get(pids[i]); p.State != cudackpt.Running || p.GPU != want {
+			t.Errorf("rank pid %d: %+v, want running on %s (driver calls %v)", pids[i], p, want, r.drv.PIDCalls)
+		}
+	}
+}
