@@ -22,6 +22,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/probe"
@@ -84,17 +85,17 @@ const (
 
 // Plan is a checked checkpoint: everything Execute will do, decided before anything is touched.
 type Plan struct {
-	PID            int           `json:"pid"`
-	Image          string        `json:"image"`
-	Kind           string        `json:"kind"`
-	Tree           []op.TreeProc `json:"tree"`
-	CUDAPIDs       []int         `json:"cuda_pids,omitempty"`
-	GPUs           []store.GPU   `json:"gpus,omitempty"`
-	Visible        []store.GPU   `json:"visible_gpus,omitempty"`
-	ShellJob       bool          `json:"shell_job"`
-	ShellJobReason string        `json:"shell_job_reason,omitempty"` // why it was turned on by itself
-	LeaveRunning   bool          `json:"left_running"`
-	StagingRoot    string        `json:"staging_root"`
+	PID            int             `json:"pid"`
+	Image          string          `json:"image"`
+	Kind           string          `json:"kind"`
+	Tree           []op.TreeProc   `json:"tree"`
+	CUDAPIDs       []int           `json:"cuda_pids,omitempty"`
+	GPUs           []imagedesc.GPU `json:"gpus,omitempty"`
+	Visible        []imagedesc.GPU `json:"visible_gpus,omitempty"`
+	ShellJob       bool            `json:"shell_job"`
+	ShellJobReason string          `json:"shell_job_reason,omitempty"` // why it was turned on by itself
+	LeaveRunning   bool            `json:"left_running"`
+	StagingRoot    string          `json:"staging_root"`
 	// Stream: CRIU's image files go straight into the store as CRIU writes them (no staging
 	// copy); otherwise StreamOff says why not.
 	Stream    bool          `json:"stream"`
@@ -104,7 +105,7 @@ type Plan struct {
 	Warnings  []string      `json:"warnings,omitempty"` // what the operator should know; nothing refused
 
 	opts Options
-	meta store.Metadata
+	meta imagedesc.Description // what the image records (the tree, host files and owned memory are added as the dump goes)
 }
 
 // PlanCheckpoint checks o against the world without touching any process or writing anything,
@@ -195,30 +196,20 @@ func PlanCheckpoint(env *op.Env, o Options) (*Plan, error) {
 	}
 	comm := stats[0].Comm
 	p.Kind = op.KindCPU
-	p.meta = store.Metadata{
+	p.meta = imagedesc.Description{
 		Kind: op.KindCPU, Host: env.Host.Host, Kernel: env.Host.Kernel, CRIU: env.CRIUVersion,
-		PID: o.PID, Cmdline: proc.Cmdline("", o.PID),
-		Extra: map[string]string{op.ExtraComm: comm, op.ExtraTree: op.EncodeTree(p.Tree)},
-	}
-	if p.ShellJob {
-		p.meta.Extra[op.ExtraShellJob] = "true"
-	}
-	if p.Tree[0].Cgroup != "" {
-		p.meta.Extra[op.ExtraCgroup] = p.Tree[0].Cgroup
+		PID: o.PID, Cmdline: proc.Cmdline("", o.PID), Comm: comm, Tree: p.Tree,
+		ShellJob: p.ShellJob, Cgroup: p.Tree[0].Cgroup,
 	}
 	if es, err := proc.Cgroups(o.PID); err == nil {
-		if v1 := op.EncodeCgroupsV1(es); v1 != "" {
-			p.meta.Extra[op.ExtraCgroupV1] = v1
-		}
+		p.meta.CgroupV1 = imagedesc.CgroupsV1(es)
 	}
 
 	if o.TCPEstablished {
-		p.meta.Extra[op.ExtraTCPEstablished] = "true"
-		p.meta.Extra[op.ExtraNetworkLock] = env.CRIU.NetworkLock()
+		p.meta.TCPEstablished = true
+		p.meta.NetworkLock = env.CRIU.NetworkLock()
 	}
-	if o.LeaveRunning {
-		p.meta.Extra[op.ExtraLeftRunning] = "true"
-	}
+	p.meta.LeftRunning = o.LeaveRunning
 	if len(p.CUDAPIDs) > 0 {
 		p.Kind, p.meta.Kind = op.KindCUDA, op.KindCUDA
 		p.meta.Driver, p.meta.CUDA = env.Host.Driver, env.Host.CUDA
@@ -374,7 +365,7 @@ func DefaultName(comm string, pid int, t time.Time) string {
 
 // sharedWarning warns when the GPUs of a process left running after its driver restore also run
 // other processes (placement.SharedGPUWarning says why).
-func sharedWarning(env *op.Env, used []store.GPU, tree []op.TreeProc) []string {
+func sharedWarning(env *op.Env, used []imagedesc.GPU, tree []op.TreeProc) []string {
 	if env.GPUs == nil {
 		return nil
 	}
@@ -404,7 +395,7 @@ func sharedWarning(env *op.Env, used []store.GPU, tree []op.TreeProc) []string {
 // /dev/nvidiaN), with the memory each uses (MemoryBytes: what a restore needs free), and the GPUs
 // their CUDA driver enumerates (visible), which a restore onto other GPUs must all pair. MIG
 // (CUDA_VISIBLE_DEVICES naming MIG instances) is refused.
-func treeGPUs(env *op.Env, pids []int) (used, visible []store.GPU, err error) {
+func treeGPUs(env *op.Env, pids []int) (used, visible []imagedesc.GPU, err error) {
 	if env.GPUs == nil {
 		return nil, nil, nil
 	}
@@ -412,14 +403,14 @@ func treeGPUs(env *op.Env, pids []int) (used, visible []store.GPU, err error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	byUUID := map[string]*store.GPU{}
+	byUUID := map[string]*imagedesc.GPU{}
 	add := func(d gpu.Device, mem uint64) {
 		k := strings.ToLower(d.UUID)
 		if g, ok := byUUID[k]; ok {
 			g.MemoryBytes += mem
 			return
 		}
-		byUUID[k] = &store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem}
+		byUUID[k] = &imagedesc.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem}
 	}
 	for _, pid := range pids {
 		// The driver's restore needs a pair for every GPU of the host (see gpu.DriverSet), so the
@@ -452,7 +443,7 @@ func treeGPUs(env *op.Env, pids []int) (used, visible []store.GPU, err error) {
 		mem[strings.ToLower(u.UUID)] = u.MemoryBytes
 	}
 	for _, d := range gpu.DriverSet(devs) {
-		visible = append(visible, store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem[strings.ToLower(d.UUID)]})
+		visible = append(visible, imagedesc.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem[strings.ToLower(d.UUID)]})
 	}
 	return used, visible, nil
 }

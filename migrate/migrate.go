@@ -15,13 +15,13 @@ import (
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/probe"
 	"github.com/ptxmig/ptxmig/internal/proc"
-	"github.com/ptxmig/ptxmig/store"
 )
 
 // Step names of a migration.
@@ -136,10 +136,10 @@ func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 	if err != nil {
 		return nil, op.Refusef("list GPUs: %w", err)
 	}
-	var src []store.GPU
+	var src []imagedesc.GPU
 	mem := map[string]uint64{}
 	for _, u := range gpu.UsedBy(devs, pid) {
-		src = append(src, store.GPU{Index: u.Device.Index, UUID: u.Device.UUID, Name: u.Device.Name, ComputeCap: u.Device.ComputeCap, MemoryBytes: u.Memory})
+		src = append(src, imagedesc.GPU{Index: u.Device.Index, UUID: u.Device.UUID, Name: u.Device.Name, ComputeCap: u.Device.ComputeCap, MemoryBytes: u.Memory})
 		mem[strings.ToLower(u.Device.UUID)] = u.Memory
 	}
 	if len(src) == 0 {
