@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/testproc"
@@ -106,8 +107,8 @@ func TestRestoreCgroup(t *testing.T) {
 
 	step := ckpt("cg-1")
 	m1, _ := f.st.Get("cg-1")
-	if m1.Meta.Extra[op.ExtraCgroup] != job {
-		t.Fatalf("image records cgroup %q, want %s", m1.Meta.Extra[op.ExtraCgroup], job)
+	if d1, err := imagedesc.Read(m1); err != nil || d1.Cgroup != job {
+		t.Fatalf("image records cgroup %q (%v), want %s", d1.Cgroup, err, job)
 	}
 	restoreInto("cg-1", restore.Options{}, job, "recorded")
 	advancesExactly(t, p.StateFile, m, step, 3)

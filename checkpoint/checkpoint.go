@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"maps"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/devmem"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/imgstream"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
@@ -34,16 +34,16 @@ type Sizes struct {
 
 // Result of a checkpoint.
 type Result struct {
-	Image          string        `json:"image"`
-	ImageID        string        `json:"image_id"`
-	PID            int           `json:"pid"`
-	Kind           string        `json:"kind"`
-	Tree           []op.TreeProc `json:"tree"` // every process saved, root first
-	GPUs           []store.GPU   `json:"gpus,omitempty"`
-	Visible        []store.GPU   `json:"visible_gpus,omitempty"` // every GPU the process's CUDA driver enumerated
-	ShellJob       bool          `json:"shell_job"`
-	ShellJobReason string        `json:"shell_job_reason,omitempty"`
-	LeftRunning    bool          `json:"left_running"`
+	Image          string          `json:"image"`
+	ImageID        string          `json:"image_id"`
+	PID            int             `json:"pid"`
+	Kind           string          `json:"kind"`
+	Tree           []op.TreeProc   `json:"tree"` // every process saved, root first
+	GPUs           []imagedesc.GPU `json:"gpus,omitempty"`
+	Visible        []imagedesc.GPU `json:"visible_gpus,omitempty"` // every GPU the process's CUDA driver enumerated
+	ShellJob       bool            `json:"shell_job"`
+	ShellJobReason string          `json:"shell_job_reason,omitempty"`
+	LeftRunning    bool            `json:"left_running"`
 	// Stream: CRIU's files went straight into the store; StreamOff says why not.
 	Stream    bool   `json:"stream"`
 	StreamOff string `json:"stream_off,omitempty"`
@@ -227,7 +227,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 	}
 	criuRan := false // CRIU started: it has touched the tree, whatever it did then
 	dump := criu.DumpOptions{PID: p.PID, ImagesDir: images, LeaveRunning: o.LeaveRunning, LeaveStopped: !o.LeaveRunning,
-		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, NetworkLock: p.meta.Extra[op.ExtraNetworkLock], Stream: p.Stream, Stall: env.CRIUStall,
+		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, NetworkLock: p.meta.NetworkLock, Stream: p.Stream, Stall: env.CRIUStall,
 		OnStart: func(pid int) {
 			criuRan = true
 			if helper != nil {
@@ -318,11 +318,10 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 	}
 	steps = append(steps, op.Step{Name: StepStore, Commit: true, Do: func(ctx context.Context) error {
 		meta := p.meta
-		meta.Extra = maps.Clone(p.meta.Extra)
 		tr.tree = dumpedTree(p.Tree, tr.known)
-		meta.Extra[op.ExtraTree] = op.EncodeTree(tr.tree)
+		meta.Tree = tr.tree
 		if saved := qs.Saved(); len(saved) > 0 {
-			meta.Extra[devmem.ExtraKey] = devmem.EncodeExtra(saved)
+			meta.Devmem = saved
 		}
 		var m *store.Manifest
 		var s *store.Stats
@@ -333,14 +332,18 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 			add = func(name string, r io.Reader, mode uint32) (int64, error) { return ing.AddFile(name, mode, r) }
 		}
 		err := recordHost(env, p, rec, &meta, add)
+		var raw store.Metadata
+		if err == nil {
+			raw, err = meta.Encode()
+		}
 		if err != nil {
 			dropEarly()
 			return err
 		}
 		if ing != nil {
-			m, s, err = commitStreamed(ing, images, &meta)
+			m, s, err = commitStreamed(ing, images, raw)
 		} else {
-			m, s, err = env.Store.Put(ctx, images, store.PutOptions{Name: p.Image, Meta: meta, Progress: env.Progress, Prestaged: pre})
+			m, s, err = env.Store.Put(ctx, images, store.PutOptions{Name: p.Image, Meta: raw, Progress: env.Progress, Prestaged: pre})
 		}
 		if err == nil {
 			drop()
@@ -350,7 +353,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		if err != nil {
 			// A Put interrupted (by a signal) after it wrote the manifest has stored the image:
 			// the checkpoint happened, and must say so.
-			if m, gerr := env.Store.Get(p.Image); gerr == nil && m.Name == p.Image && m.Meta.PID == p.PID && !m.Created.Before(t0.Add(-time.Second)) {
+			if m, gerr := env.Store.Get(p.Image); gerr == nil && m.Name == p.Image && imagedesc.RootPID(m) == p.PID && !m.Created.Before(t0.Add(-time.Second)) {
 				env.Logger().Warn("the store reported an error after the image was stored; the image stands", "image", p.Image, "err", err)
 				stored(m, nil)
 				return nil
@@ -404,7 +407,11 @@ func newIngest(ctx context.Context, env *op.Env, p *Plan) (*store.Ingest, error)
 		est := int64(p.Estimate.HostBytes + p.Estimate.GPUBytes)
 		progress = func(done, _ int64) { report(done, max(est, done)) }
 	}
-	ing, err := env.Store.NewIngest(ctx, store.PutOptions{Name: p.Image, Meta: p.meta, Progress: progress})
+	meta, err := p.meta.Encode() // checked now, replaced at the commit
+	if err != nil {
+		return nil, fmt.Errorf("store image %q: %w", p.Image, err)
+	}
+	ing, err := env.Store.NewIngest(ctx, store.PutOptions{Name: p.Image, Meta: meta, Progress: progress})
 	if err != nil {
 		return nil, fmt.Errorf("store image %q: %w", p.Image, err)
 	}
@@ -482,7 +489,7 @@ func streamDump(ctx context.Context, env *op.Env, ing *store.Ingest, dump criu.D
 
 // commitStreamed adds what CRIU wrote locally (its log and statistics) to a streamed image and
 // commits it.
-func commitStreamed(ing *store.Ingest, images string, meta *store.Metadata) (*store.Manifest, *store.Stats, error) {
+func commitStreamed(ing *store.Ingest, images string, meta store.Metadata) (*store.Manifest, *store.Stats, error) {
 	ents, err := os.ReadDir(images)
 	if err != nil {
 		return nil, nil, err

@@ -18,6 +18,7 @@ import (
 
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/criu"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/internal/testproc"
@@ -147,8 +148,9 @@ func checkpointKillRestore(t *testing.T, noStream bool) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if man.Meta.PID != p.PID || man.Meta.Kind != "cpu" || len(man.Meta.Cmdline) == 0 || man.Meta.Kernel == "" || man.Meta.Extra["comm"] != "ptxmig-testproc" {
-		t.Errorf("manifest metadata %+v", man.Meta)
+	md, err := imagedesc.Read(man)
+	if err != nil || md.PID != p.PID || md.Kind != "cpu" || len(md.Cmdline) == 0 || md.Kernel == "" || md.Comm != "ptxmig-testproc" {
+		t.Errorf("manifest metadata %s (%v)", man.Meta, err)
 	}
 	if ents, _ := os.ReadDir(f.stage); len(ents) != 0 {
 		t.Errorf("staging not cleaned: %v", ents)

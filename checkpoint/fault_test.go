@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/checkpoint"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
@@ -374,10 +375,11 @@ func (r *faultRig) restoreTree(t *testing.T, name string, root int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tree, err := op.ImageTree(m.Meta)
+	d, err := imagedesc.Read(m)
 	if err != nil {
 		t.Fatal(err)
 	}
+	tree := d.Processes()
 	// The checkpoint ended the tree; its zombies are ours to reap before the pids are free.
 	deadline := time.Now().Add(10 * time.Second)
 	for _, p := range tree {

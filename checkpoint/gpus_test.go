@@ -8,9 +8,9 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/testreq"
-	"github.com/ptxmig/ptxmig/store"
 )
 
 // fakeLister is an NVML inventory of two H200s on which pid runs on GPU 0.
@@ -120,7 +120,7 @@ func (f sharedLister) Devices() ([]gpu.Device, error) {
 // process (not one of its own tree), and only for the GPUs it uses.
 func TestSharedWarning(t *testing.T) {
 	const pid, child = 500, 501
-	used := []store.GPU{{Index: 0, UUID: "GPU-00000000-0000-0000-0000-000000000000"}}
+	used := []imagedesc.GPU{{Index: 0, UUID: "GPU-00000000-0000-0000-0000-000000000000"}}
 	tree := []op.TreeProc{{PID: pid}, {PID: child}}
 	tests := []struct {
 		name   string

@@ -12,8 +12,8 @@ import (
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/hostreq"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
-	"github.com/ptxmig/ptxmig/store"
 )
 
 // DefaultCarryLimit bounds the bytes --carry-files takes along.
@@ -102,7 +102,7 @@ func (c *criuRecord) hostFiles() ([]hostreq.File, error) {
 // files opened for writing when asked; add stores one carried file in the image. Failing to
 // read CRIU's record is not fatal (restore reads files.img from the image instead), failing to
 // carry a file asked for is.
-func recordHost(env *op.Env, p *Plan, rec *criuRecord, meta *store.Metadata, add func(name string, r io.Reader, mode uint32) (int64, error)) error {
+func recordHost(env *op.Env, p *Plan, rec *criuRecord, meta *imagedesc.Description, add func(name string, r io.Reader, mode uint32) (int64, error)) error {
 	files, err := rec.hostFiles()
 	if err != nil {
 		if p.opts.CarryFiles {
@@ -111,8 +111,8 @@ func recordHost(env *op.Env, p *Plan, rec *criuRecord, meta *store.Metadata, add
 		env.Logger().Warn("cannot list the files the image needs on the target host; restore will read them from the image", "err", err)
 		return nil
 	}
-	if s := hostreq.Encode(files); len(s) <= store.MaxMetaString {
-		meta.Extra[op.ExtraHostFiles] = s
+	if imagedesc.HostFilesFit(files) {
+		meta.HostFiles, meta.HostFilesRecorded = files, true
 	} else {
 		env.Logger().Debug("host file list too long for the manifest; restore reads it from files.img", "files", len(files))
 	}
@@ -149,7 +149,7 @@ func recordHost(env *op.Env, p *Plan, rec *criuRecord, meta *store.Metadata, add
 		carried = append(carried, c)
 	}
 	if len(carried) > 0 {
-		meta.Extra[op.ExtraCarried] = hostreq.EncodeCarried(carried)
+		meta.Carried = carried
 	}
 	return nil
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/hostreq"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/restore"
 	"github.com/ptxmig/ptxmig/store"
@@ -82,11 +83,12 @@ func TestAnotherHost(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			files, err := hostreq.Parse(m.Meta.Extra[op.ExtraHostFiles])
-			if err != nil || !containsPath(files, log) {
+			d, err := imagedesc.Read(m)
+			files := d.HostFiles
+			if err != nil || !d.HostFilesRecorded || !containsPath(files, log) {
 				t.Fatalf("the manifest does not record the log as needed: %v %+v", err, files)
 			}
-			if _, ok := m.Meta.Extra[op.ExtraCarried]; ok != carry {
+			if ok := d.Carried != nil; ok != carry {
 				t.Fatalf("carried files recorded: %v, want %v (%v)", ok, carry, res.Image)
 			}
 

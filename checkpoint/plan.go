@@ -19,6 +19,7 @@ import (
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/proc"
@@ -79,17 +80,17 @@ const (
 
 // Plan is a checked checkpoint: everything Execute will do, decided before anything is touched.
 type Plan struct {
-	PID            int           `json:"pid"`
-	Image          string        `json:"image"`
-	Kind           string        `json:"kind"`
-	Tree           []op.TreeProc `json:"tree"`
-	CUDAPIDs       []int         `json:"cuda_pids,omitempty"`
-	GPUs           []store.GPU   `json:"gpus,omitempty"`
-	Visible        []store.GPU   `json:"visible_gpus,omitempty"`
-	ShellJob       bool          `json:"shell_job"`
-	ShellJobReason string        `json:"shell_job_reason,omitempty"` // why it was turned on by itself
-	LeaveRunning   bool          `json:"left_running"`
-	StagingRoot    string        `json:"staging_root"`
+	PID            int             `json:"pid"`
+	Image          string          `json:"image"`
+	Kind           string          `json:"kind"`
+	Tree           []op.TreeProc   `json:"tree"`
+	CUDAPIDs       []int           `json:"cuda_pids,omitempty"`
+	GPUs           []imagedesc.GPU `json:"gpus,omitempty"`
+	Visible        []imagedesc.GPU `json:"visible_gpus,omitempty"`
+	ShellJob       bool            `json:"shell_job"`
+	ShellJobReason string          `json:"shell_job_reason,omitempty"` // why it was turned on by itself
+	LeaveRunning   bool            `json:"left_running"`
+	StagingRoot    string          `json:"staging_root"`
 	// Stream: CRIU's image files go straight into the store as CRIU writes them (no staging
 	// copy); otherwise StreamOff says why not.
 	Stream    bool          `json:"stream"`
@@ -99,7 +100,7 @@ type Plan struct {
 	Warnings  []string      `json:"warnings,omitempty"` // what the operator should know; nothing refused
 
 	opts Options
-	meta store.Metadata
+	meta imagedesc.Description // what the image records (the tree, host files and owned memory are added as the dump goes)
 }
 
 // PlanCheckpoint checks o against the world without touching any process or writing anything,
@@ -190,30 +191,20 @@ func PlanCheckpoint(ctx context.Context, env *op.Env, o Options) (*Plan, error) 
 	}
 	comm := stats[0].Comm
 	p.Kind = op.KindCPU
-	p.meta = store.Metadata{
+	p.meta = imagedesc.Description{
 		Kind: op.KindCPU, Host: env.Host.Host, Kernel: env.Host.Kernel, CRIU: env.CRIUVersion,
-		PID: o.PID, Cmdline: proc.Cmdline("", o.PID),
-		Extra: map[string]string{op.ExtraComm: comm, op.ExtraTree: op.EncodeTree(p.Tree)},
-	}
-	if p.ShellJob {
-		p.meta.Extra[op.ExtraShellJob] = "true"
-	}
-	if p.Tree[0].Cgroup != "" {
-		p.meta.Extra[op.ExtraCgroup] = p.Tree[0].Cgroup
+		PID: o.PID, Cmdline: proc.Cmdline("", o.PID), Comm: comm, Tree: p.Tree,
+		ShellJob: p.ShellJob, Cgroup: p.Tree[0].Cgroup,
 	}
 	if es, err := proc.Cgroups(o.PID); err == nil {
-		if v1 := op.EncodeCgroupsV1(es); v1 != "" {
-			p.meta.Extra[op.ExtraCgroupV1] = v1
-		}
+		p.meta.CgroupV1 = imagedesc.CgroupsV1(es)
 	}
 
 	if o.TCPEstablished {
-		p.meta.Extra[op.ExtraTCPEstablished] = "true"
-		p.meta.Extra[op.ExtraNetworkLock] = env.CRIU.NetworkLock()
+		p.meta.TCPEstablished = true
+		p.meta.NetworkLock = env.CRIU.NetworkLock()
 	}
-	if o.LeaveRunning {
-		p.meta.Extra[op.ExtraLeftRunning] = "true"
-	}
+	p.meta.LeftRunning = o.LeaveRunning
 	if len(p.CUDAPIDs) > 0 {
 		p.Kind, p.meta.Kind = op.KindCUDA, op.KindCUDA
 		p.meta.Driver, p.meta.CUDA = env.Host.Driver, env.Host.CUDA
@@ -339,7 +330,7 @@ func DefaultName(comm string, pid int, t time.Time) string {
 
 // sharedWarning warns when the GPUs of a process left running after its driver restore also run
 // other processes (placement.SharedGPUWarning says why).
-func sharedWarning(env *op.Env, used []store.GPU, tree []op.TreeProc) []string {
+func sharedWarning(env *op.Env, used []imagedesc.GPU, tree []op.TreeProc) []string {
 	if env.GPUs == nil {
 		return nil
 	}

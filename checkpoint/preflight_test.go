@@ -17,6 +17,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt/cudackpttest"
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/testreq"
@@ -72,14 +73,17 @@ func TestPreflightDriverVersion(t *testing.T) {
 	os.WriteFile(filepath.Join(src, "core-1.img"), []byte("x"), 0o600)
 	const imgPID = 4194303
 	devs, _ := roomyLister{pid}.Devices()
-	var visible []store.GPU
+	var visible []imagedesc.GPU
 	for _, d := range devs {
-		visible = append(visible, store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap})
+		visible = append(visible, imagedesc.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap})
 	}
 	used := visible[0]
 	used.MemoryBytes = 3 << 20
-	meta := store.Metadata{Kind: op.KindCUDA, PID: imgPID, GPUs: []store.GPU{used}, Visible: visible,
-		Extra: map[string]string{op.ExtraTree: op.EncodeTree([]op.TreeProc{{PID: imgPID, PPID: 1, Comm: "app", CUDA: true}})}}
+	meta, err := (&imagedesc.Description{Kind: op.KindCUDA, PID: imgPID, GPUs: []imagedesc.GPU{used}, Visible: visible,
+		Tree: []op.TreeProc{{PID: imgPID, PPID: 1, Comm: "app", CUDA: true}}}).Encode()
+	if err != nil {
+		t.Fatal(err)
+	}
 	if _, _, err := st.Put(context.Background(), src, store.PutOptions{Name: "img", Meta: meta}); err != nil {
 		t.Fatal(err)
 	}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/criu"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/testproc"
@@ -192,9 +193,10 @@ func TestEstablishedConnection(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m.Meta.Extra[op.ExtraTCPEstablished] != "true" || (m.Meta.Extra[op.ExtraNetworkLock] != criu.NetworkLockNftables &&
-		m.Meta.Extra[op.ExtraNetworkLock] != criu.NetworkLockIptables) {
-		t.Fatalf("the image does not record its connections and their lock: %v", m.Meta.Extra)
+	d, err := imagedesc.Read(m)
+	if err != nil || !d.TCPEstablished || (d.NetworkLock != criu.NetworkLockNftables &&
+		d.NetworkLock != criu.NetworkLockIptables) {
+		t.Fatalf("the image does not record its connections and their lock: %s (%v)", m.Meta, err)
 	}
 	r, err := restore.Run(context.Background(), f.env, restore.Options{Image: "tcp", StagingRoot: f.stage})
 	if err != nil {
@@ -205,7 +207,7 @@ func TestEstablishedConnection(t *testing.T) {
 	if !proc.Alive(pid) || len(proc.Children(pid)) != 1 {
 		t.Fatalf("the restored tree lost a process: server alive %v, children %v", proc.Alive(pid), proc.Children(pid))
 	}
-	t.Logf("network lock %s; count %d at the checkpoint, carried on after the restore", m.Meta.Extra[op.ExtraNetworkLock], at)
+	t.Logf("network lock %s; count %d at the checkpoint, carried on after the restore", d.NetworkLock, at)
 }
 
 // ioURingProgram maps an io_uring instance's submission ring, says "ready" and waits.

@@ -16,6 +16,7 @@ import (
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/cudackpt/cudackpttest"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/testproc"
@@ -133,7 +134,8 @@ func TestShellTreeCheckpointRestore(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			tree, err := op.ImageTree(m.Meta)
+			d, err := imagedesc.Read(m)
+			tree := d.Processes()
 			if err != nil || len(tree) != len(res.Tree) {
 				t.Fatalf("manifest tree %+v (%v), want %d processes", tree, err, len(res.Tree))
 			}
@@ -255,13 +257,22 @@ func TestRestoreRefusesTTYImage(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(src, "core-1.img"), []byte("x"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	meta := store.Metadata{Kind: op.KindCPU, PID: 4000000, Extra: map[string]string{op.ExtraTTY: "true", op.ExtraShellJob: "true"}}
-	if _, _, err := f.st.Put(context.Background(), src, store.PutOptions{Name: "tty", Meta: meta}); err != nil {
+	// In the layout ptxmig wrote before typed descriptions, and in the current one.
+	metas := map[string]store.Metadata{
+		"tty-legacy": store.Metadata(`{"kind":"cpu","pid":4000000,"extra":{"criu.shell_job":"true","criu.tty":"true"}}`),
+	}
+	var err error
+	if metas["tty"], err = (&imagedesc.Description{Kind: op.KindCPU, PID: 4000000, TTY: true, ShellJob: true}).Encode(); err != nil {
 		t.Fatal(err)
 	}
-	_, err := restore.Run(context.Background(), f.env, restore.Options{Image: "tty", StagingRoot: f.stage})
-	if !errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), "controlling terminal") {
-		t.Fatalf("restore of a tty image: %v, want a refusal naming the terminal", err)
+	for name, meta := range metas {
+		if _, _, err := f.st.Put(context.Background(), src, store.PutOptions{Name: name, Meta: meta}); err != nil {
+			t.Fatal(err)
+		}
+		_, err := restore.Run(context.Background(), f.env, restore.Options{Image: name, StagingRoot: f.stage})
+		if !errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), "controlling terminal") {
+			t.Fatalf("restore of a tty image (%s): %v, want a refusal naming the terminal", name, err)
+		}
 	}
 	if ents, _ := os.ReadDir(f.stage); len(ents) != 0 {
 		t.Errorf("the refusal left staging: %v", ents)

@@ -17,11 +17,11 @@ import (
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/cudackpt/cudackpttest"
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/testproc"
-	"github.com/ptxmig/ptxmig/store"
 )
 
 const (
@@ -91,7 +91,7 @@ func mustUUID(t *testing.T, s string) cudackpt.UUID {
 // 0→1 on a two-GPU host passes both GPUs, and the process ends on GPU 1.
 func TestPlannedPairsSatisfyDriver(t *testing.T) {
 	two := []gpu.Device{dev(0, u0), dev(1, u1)}
-	pairs, err := placement.PlanPairs([]store.GPU{{Index: 0, UUID: u0, Name: "NVIDIA H200", ComputeCap: "9.0", MemoryBytes: 1}}, placement.StoreGPUs(two, nil), two, []int{1}, nil, true)
+	pairs, err := placement.PlanPairs([]imagedesc.GPU{{Index: 0, UUID: u0, Name: "NVIDIA H200", ComputeCap: "9.0", MemoryBytes: 1}}, placement.StoreGPUs(two, nil), two, []int{1}, nil, true)
 	if err != nil {
 		t.Fatal(err)
 	}

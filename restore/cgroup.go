@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"strings"
 
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
 )
@@ -46,10 +47,10 @@ type v1Target struct {
 
 // planCgroups decides where the tree goes (it touches nothing).
 func planCgroups(p *Plan, o Options) (*cgroupPlan, error) {
-	recorded, recordedV1, err := op.ImageCgroups(p.meta)
-	if err != nil {
+	if err := p.meta.Problem(imagedesc.FieldCgroups); err != nil {
 		return nil, op.Refusef("image %s: %w", p.Image, err)
 	}
+	recorded, recordedV1 := p.meta.Cgroup, p.meta.CgroupV1
 	mounts, err := proc.CgroupMounts()
 	if err != nil {
 		return nil, op.Refusef("read the cgroup mounts: %w", err)

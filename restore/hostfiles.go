@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ptxmig/ptxmig/internal/hostreq"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/store"
 )
@@ -29,16 +30,16 @@ type Placement struct {
 func (p *Plan) planHost(ctx context.Context, env *op.Env, m *store.Manifest) error {
 	// Versions: not refused (restores across them were not measured either way), but said.
 	for _, v := range []struct{ what, img, here string }{
-		{"NVIDIA driver", m.Meta.Driver, env.Host.Driver},
-		{"CUDA driver API", m.Meta.CUDA, env.Host.CUDA},
-		{"CRIU", m.Meta.CRIU, env.CRIUVersion},
+		{"NVIDIA driver", p.meta.Driver, env.Host.Driver},
+		{"CUDA driver API", p.meta.CUDA, env.Host.CUDA},
+		{"CRIU", p.meta.CRIU, env.CRIUVersion},
 	} {
-		if v.img != "" && v.here != "" && v.img != v.here && (m.Meta.Kind == op.KindCUDA || v.what == "CRIU") {
+		if v.img != "" && v.here != "" && v.img != v.here && (p.meta.Kind == op.KindCUDA || v.what == "CRIU") {
 			p.Warnings = append(p.Warnings, fmt.Sprintf("the image was made with %s %s, this host has %s: restores across versions "+
 				"were not measured", v.what, v.img, v.here))
 		}
 	}
-	files, err := imageHostFiles(ctx, env, m)
+	files, err := imageHostFiles(ctx, env, m, p.meta)
 	if errors.Is(err, errNoRecord) {
 		p.Warnings = append(p.Warnings, fmt.Sprintf("image %s holds no record of the files it needs (no %s): they are not checked "+
 			"before CRIU runs", m.Name, hostreq.FilesImage))
@@ -46,12 +47,10 @@ func (p *Plan) planHost(ctx context.Context, env *op.Env, m *store.Manifest) err
 		return op.Refusef("image %s: the files it needs on this host: %w", m.Name, err)
 	}
 	p.HostFiles = len(files)
-	var carried []hostreq.Carried
-	if s, ok := m.Meta.Extra[op.ExtraCarried]; ok {
-		if carried, err = hostreq.ParseCarried(s); err != nil {
-			return op.Refusef("image %s: %w", m.Name, err)
-		}
+	if err := p.meta.Problem(imagedesc.FieldCarried); err != nil {
+		return op.Refusef("image %s: %w", m.Name, err)
 	}
+	carried := p.meta.Carried
 	byPath := map[string]hostreq.Carried{}
 	for _, c := range carried {
 		byPath[c.Path] = c
@@ -93,9 +92,12 @@ var errNoRecord = errors.New("no record of the files the image needs")
 
 // imageHostFiles is the image's list of needed files: recorded in the manifest, else (older
 // images, long lists) read from CRIU's files.img in the image.
-func imageHostFiles(ctx context.Context, env *op.Env, m *store.Manifest) ([]hostreq.File, error) {
-	if s, ok := m.Meta.Extra[op.ExtraHostFiles]; ok {
-		return hostreq.Parse(s)
+func imageHostFiles(ctx context.Context, env *op.Env, m *store.Manifest, d *imagedesc.Description) ([]hostreq.File, error) {
+	if err := d.Problem(imagedesc.FieldHostFiles); err != nil {
+		return nil, err
+	}
+	if d.HostFilesRecorded {
+		return d.HostFiles, nil
 	}
 	rd, err := env.Store.OpenImage(ctx, m.ID, store.GetOptions{})
 	if err != nil {

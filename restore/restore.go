@@ -21,6 +21,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/devmem"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/imgstream"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
@@ -92,7 +93,7 @@ type Plan struct {
 	Steps        []op.PlanStep `json:"steps"`
 
 	opts     Options
-	meta     store.Metadata
+	meta     *imagedesc.Description
 	dpairs   []cudackpt.Pair
 	cudaPIDs []int
 	cgroups  *cgroupPlan
@@ -148,29 +149,34 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if err := env.Store.CheckChunkFiles(ctx, m); err != nil {
 		return nil, op.Refusef("%w", err)
 	}
-	meta := m.Meta
+	// What the image records, every field validated; the problems are refused below, each where
+	// its field is used (the host files and cgroups as the host is planned).
+	meta, derr := imagedesc.Read(m)
 	if meta.PID <= 1 {
 		return nil, op.Refusef("image %s records no valid pid (%d): not a process image", m.Name, meta.PID)
 	}
 	if meta.Kind != op.KindCUDA && meta.Kind != op.KindCPU {
 		return nil, op.Refusef("image %s is of kind %q, not a process checkpoint", m.Name, meta.Kind)
 	}
-	if meta.Extra[op.ExtraTTY] == "true" {
+	if meta.TTY {
 		return nil, op.Refusef("image %s holds processes that had a controlling terminal: CRIU restores them only by "+
 			"handing them the restoring process's own terminal, which ptxmig does not do yet; checkpoint such a job "+
 			"started without a terminal (setsid, nohup, a service manager) instead", m.Name)
 	}
-	switch nl := meta.Extra[op.ExtraNetworkLock]; nl {
+	switch nl := meta.NetworkLock; nl {
 	case "", criu.NetworkLockIptables, criu.NetworkLockNftables:
 	default:
 		return nil, op.Refusef("image %s records an unknown CRIU network lock method %q", m.Name, nl)
 	}
-	tree, err := op.ImageTree(meta)
-	if err != nil {
+	if err := meta.Problem(imagedesc.FieldTree); err != nil {
 		return nil, op.Refusef("image %s: %w", m.Name, err)
 	}
+	if err := planProblem(derr); err != nil {
+		return nil, op.Refusef("image %s: %w", m.Name, err)
+	}
+	tree := meta.Processes()
 	p := &Plan{Image: m.Name, ImageID: m.ID, PID: meta.PID, Kind: meta.Kind, Tree: tree, opts: o, meta: meta,
-		ShellJob: meta.Extra[op.ExtraShellJob] == "true", Bytes: m.LogicalBytes()}
+		ShellJob: meta.ShellJob, Bytes: m.LogicalBytes()}
 	if meta.Kind == op.KindCUDA {
 		env.OpenGPU() // a CPU image never needs the driver or NVML
 		p.cudaPIDs = op.TreePIDs(tree, true)
@@ -213,6 +219,24 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	p.Stream = p.StreamOff == ""
 	p.Steps = p.describe()
 	return p, nil
+}
+
+// planProblem is the first problem of an image's description (derr, from imagedesc.Read) that
+// is refused before the targets are planned: all but the host files, carried files and cgroups,
+// which planHost and planCgroups refuse.
+func planProblem(derr error) error {
+	var inv *imagedesc.InvalidError
+	if !errors.As(derr, &inv) {
+		return derr
+	}
+	for _, pr := range inv.Problems {
+		switch pr.Field {
+		case imagedesc.FieldHostFiles, imagedesc.FieldCarried, imagedesc.FieldCgroups:
+		default:
+			return pr.Err
+		}
+	}
+	return nil
 }
 
 func (p *Plan) planGPUs(env *op.Env, name string) error {
@@ -324,8 +348,8 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	var txn *op.Txn
 	// An image of established TCP connections is restored with them, locked the way the dump locked
 	// them (PlanRestore checked the method): no flag to remember.
-	ropts := criu.RestoreOptions{ShellJob: p.ShellJob, TCPEstablished: meta.Extra[op.ExtraTCPEstablished] == "true",
-		NetworkLock: meta.Extra[op.ExtraNetworkLock], IgnoreCgroups: true,
+	ropts := criu.RestoreOptions{ShellJob: p.ShellJob, TCPEstablished: meta.TCPEstablished,
+		NetworkLock: meta.NetworkLock, IgnoreCgroups: true,
 		Stream: p.Stream, Stall: env.CRIUStall}
 	var rd *store.ImageReader // streamed: the image, open in the store
 	criuRestore := func(ctx context.Context) (*criu.RestoreResult, error) {

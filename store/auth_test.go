@@ -27,8 +27,9 @@ func TestTamperedManifestNamesField(t *testing.T) {
 		old, new string
 		want     []string
 	}{
-		{"format-version", `"format_version":"1.1"`, `"format_version":"1.2"`, []string{"format_version"}},
-		{"format-downgrade", `"format_version":"1.1"`, `"format_version":"1.0"`, []string{"format_version"}},
+		{"format-version", `"format_version":"2.0"`, `"format_version":"2.1"`, []string{"format_version"}},
+		{"format-downgrade", `"format_version":"2.0"`, `"format_version":"1.0"`, []string{"format_version"}},
+		{"format-downgrade-1.1", `"format_version":"2.0"`, `"format_version":"1.1"`, []string{"format_version"}},
 		{"name", `"name":"trainer-1"`, `"name":"trainer-2"`, []string{"name"}},
 		{"parent", `"parent":"0f`, `"parent":"1f`, []string{"parent"}},
 		{"parent-removed", parent, ``, []string{"parent removed"}},
@@ -93,17 +94,17 @@ func TestTamperedManifestNamesField(t *testing.T) {
 	assertMismatch(t, noAuth, id, []string{"the auth member (the authentication index) was removed"})
 	// A valid but different index (an older image's) still names the fields that differ.
 	other := goldenManifest()
-	other.Meta.Host = "elsewhere"
+	other.Meta = bytes.Replace(other.Meta, []byte(`"gpu-host-7"`), []byte(`"elsewhere"`), 1)
 	ob, _, _ := EncodeManifest(other)
 	oa, oz := bytes.Index(ob, []byte(`,"auth":`)), bytes.Index(ob, []byte(idTail))
 	swapped := append(append(bytes.Clone(good[:a]), ob[oa:oz]...), good[z:]...)
 	assertMismatch(t, swapped, id, []string{"meta.host"})
 
-	// Without its id a 1.1 manifest is refused; a 1.0 one with an id too.
+	// Without its id a sealed-format manifest is refused; a 1.0 one with an id too.
 	if _, err := DecodeManifest(append(bytes.Clone(good[:z]), "}\n"...)); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "end with their id") {
 		t.Errorf("1.1 manifest without id: %v", err)
 	}
-	if _, err := DecodeManifest(bytes.Replace(good, []byte(`"format_version":"1.1"`), []byte(`"format_version":"1.0"`), 1)); !errors.Is(err, ErrCorrupt) {
+	if _, err := DecodeManifest(bytes.Replace(good, []byte(`"format_version":"2.0"`), []byte(`"format_version":"1.0"`), 1)); !errors.Is(err, ErrCorrupt) {
 		t.Errorf("1.0 manifest with an id: %v", err)
 	}
 }
@@ -133,7 +134,7 @@ func putTamperTarget(t *testing.T, s *Store, name string) *Manifest {
 	os.Mkdir(filepath.Join(src, "sub"), 0o755)
 	writeRandom(t, filepath.Join(src, "sub", "pages-1.img"), 3*testChunk, 3)
 	writeRandom(t, filepath.Join(src, "core.img"), 2*testChunk+17, 4)
-	m, _, err := s.Put(context.Background(), src, PutOptions{Name: name, ChunkSize: testChunk, Meta: Metadata{Kind: "cpu", Host: "h1", PID: 77}})
+	m, _, err := s.Put(context.Background(), src, PutOptions{Name: name, ChunkSize: testChunk, Meta: Metadata(`{"kind":"cpu","host":"h1","pid":77}`)})
 	if err != nil {
 		t.Fatal(err)
 	}

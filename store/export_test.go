@@ -16,7 +16,7 @@ func TestExportImportRoundTrip(t *testing.T) {
 	src := filepath.Join(t.TempDir(), "src")
 	makeTree(t, src, treeSpec{seed: 11, files: 20, maxSize: 200 << 10, sparse: true, symlinks: true})
 	defer chmodTree(src)
-	m, _, err := a.Put(ctx, src, PutOptions{Name: "moved", ChunkSize: testChunk, Meta: Metadata{Kind: "cuda", Host: "host1"}})
+	m, _, err := a.Put(ctx, src, PutOptions{Name: "moved", ChunkSize: testChunk, Meta: Metadata(`{"kind":"cuda","host":"host1"}`)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -29,7 +29,7 @@ func TestExportImportRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got.ID != m.ID || got.Name != "moved" || got.Meta.Host != "host1" {
+	if got.ID != m.ID || got.Name != "moved" || string(got.Meta) != `{"kind":"cuda","host":"host1"}` {
 		t.Errorf("imported %s %s, want %s", got.ID, got.Name, m.ID)
 	}
 	if st.DedupChunks != 0 || st.Chunks != len(m.ChunkIDs()) {

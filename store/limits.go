@@ -54,12 +54,9 @@ func manifestMem(m *Manifest, rawLen int) int64 {
 		// The chunk entries, and up to two map entries per chunk (needed/got, uses).
 		n += int64(len(f.Chunks)) * (int64(unsafe.Sizeof(Chunk{})) + 2*96)
 	}
-	for k, v := range m.Meta.Extra {
-		n += int64(len(k) + len(v) + 64)
-	}
-	for _, s := range m.Meta.Cmdline {
-		n += int64(len(s) + 16)
-	}
+	// The metadata is held as its encoding; a reader decoding it (internal/imagedesc) holds it
+	// decoded for a while too.
+	n += 3 * int64(len(m.Meta))
 	return n
 }
 

@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"io"
 	"path"
 	"regexp"
 	"strconv"
@@ -16,15 +17,21 @@ import (
 )
 
 // FormatVersion is the manifest format this package writes. Readers accept any minor version of
-// the same major version (unknown fields are ignored) and reject other majors. Minor 1 added
+// majors 1 and 2 (unknown fields are ignored) and reject other majors. Minor 1.1 added
 // authentication (auth.go): from 1.1 on a manifest carries its id, which hashes every byte of it.
-// 1.0 manifests are still read; Manifest.Authenticated reports which kind a manifest is.
-const FormatVersion = "1.1"
+// Major 2 holds the same members; its meta holds a typed image description that readers of
+// major 1 would misread (docs/FORMAT.md "Versions"). 1.0 manifests are still read;
+// Manifest.Authenticated reports which kind a manifest is.
+const FormatVersion = "2.0"
 
 const (
-	formatMajor = 1
-	authMinor   = 1 // the first minor version whose manifests are sealed
+	formatMajor = 2 // the newest major this package reads, the one it writes
+	oldestMajor = 1 // the oldest major it reads
+	authMinor   = 1 // in major 1, the first minor version whose manifests are sealed; later majors all are
 )
+
+// sealedVersion reports whether manifests of this version end with their id.
+func sealedVersion(major, minor int) bool { return major > 1 || minor >= authMinor }
 
 // HashAlgorithm names the chunk and manifest hash.
 const HashAlgorithm = "blake3-256"
@@ -58,31 +65,11 @@ const (
 	TypeSymlink = "symlink"
 )
 
-// GPU describes one source GPU of a checkpointed process.
-type GPU struct {
-	Index       int    `json:"index"`
-	UUID        string `json:"uuid,omitempty"`
-	Name        string `json:"name,omitempty"`
-	ComputeCap  string `json:"compute_cap,omitempty"`
-	MemoryBytes uint64 `json:"memory_bytes,omitempty"`
-}
-
-// Metadata is free-form provenance recorded with an image. GPUs are the GPUs the process used;
-// Visible, a superset, are the GPUs its CUDA driver enumerated (CUDA_VISIBLE_DEVICES, else every
-// GPU of the host): a restore onto other GPUs must pair each of them.
-type Metadata struct {
-	Kind    string            `json:"kind,omitempty"` // "cuda", "cpu", or empty for a plain directory
-	Host    string            `json:"host,omitempty"`
-	Kernel  string            `json:"kernel,omitempty"`
-	Driver  string            `json:"driver,omitempty"`
-	CUDA    string            `json:"cuda,omitempty"`
-	CRIU    string            `json:"criu,omitempty"`
-	GPUs    []GPU             `json:"gpus,omitempty"`         // the GPUs the process used
-	Visible []GPU             `json:"visible_gpus,omitempty"` // every GPU its CUDA driver enumerated (absent in older images)
-	PID     int               `json:"pid,omitempty"`
-	Cmdline []string          `json:"cmdline,omitempty"`
-	Extra   map[string]string `json:"extra,omitempty"`
-}
+// Metadata is what an image records about itself beyond its files: one JSON object, opaque to
+// the store, which bounds it (every string at most MaxMetaString bytes) and authenticates it with
+// the rest of the manifest. Process images keep their description there (internal/imagedesc,
+// docs/FORMAT.md "Image description"). Empty means {}.
+type Metadata = json.RawMessage
 
 // ChunkID is the BLAKE3-256 hash of a chunk's uncompressed bytes.
 type ChunkID [32]byte
@@ -156,8 +143,8 @@ type Manifest struct {
 // checked against every byte of it when it was read. A 1.0 manifest's id is merely the hash of
 // whatever bytes were read.
 func (m *Manifest) Authenticated() bool {
-	_, minor, err := parseVersion(m.FormatVersion)
-	return err == nil && minor >= authMinor
+	major, minor, err := parseVersion(m.FormatVersion)
+	return err == nil && sealedVersion(major, minor)
 }
 
 // LogicalBytes is the sum of the sizes of the image's regular files.
@@ -251,6 +238,7 @@ func EncodeManifest(m *Manifest) ([]byte, string, error) {
 	c.ID = ""
 	c.FormatVersion = FormatVersion
 	c.Created = c.Created.UTC()
+	c.Meta = metaOrEmpty(c.Meta)
 	if err := c.validate(); err != nil {
 		return nil, "", err
 	}
@@ -305,11 +293,11 @@ func DecodeManifest(b []byte) (*Manifest, error) {
 	if err := checkVersion(v.FormatVersion); err != nil {
 		return nil, err
 	}
-	_, minor, _ := parseVersion(v.FormatVersion)
+	major, minor, _ := parseVersion(v.FormatVersion)
 	switch {
-	case minor >= authMinor && !sealed:
+	case sealedVersion(major, minor) && !sealed:
 		return nil, fmt.Errorf("%w: manifest: format %s manifests end with their id (`,\"id\":\"…\"}`); this one does not", ErrCorrupt, v.FormatVersion)
-	case minor < authMinor && sealed:
+	case !sealedVersion(major, minor) && sealed:
 		return nil, fmt.Errorf("%w: manifest: format %s manifests carry no id", ErrCorrupt, v.FormatVersion)
 	}
 	var w manifestWire
@@ -329,6 +317,14 @@ func DecodeManifest(b []byte) (*Manifest, error) {
 	}
 	if err := m.validate(); err != nil {
 		return nil, err
+	}
+	// The metadata as an encoder writes it (compact), so a decoded manifest re-encodes to the
+	// same content.
+	if len(m.Meta) > 0 {
+		var err error
+		if m.Meta, err = json.Marshal(m.Meta); err != nil {
+			return nil, fmt.Errorf("%w: manifest: metadata: %v", ErrCorrupt, err)
+		}
 	}
 	m.ID = id
 	return m, nil
@@ -365,8 +361,8 @@ func checkVersion(v string) error {
 	if err != nil {
 		return err
 	}
-	if major != formatMajor {
-		return fmt.Errorf("%w: manifest format version %s; this ptxmig reads %d.x (upgrade ptxmig)", ErrUnsupportedVersion, v, formatMajor)
+	if major < oldestMajor || major > formatMajor {
+		return fmt.Errorf("%w: manifest format version %s; this ptxmig reads %d.x to %d.x (upgrade ptxmig)", ErrUnsupportedVersion, v, oldestMajor, formatMajor)
 	}
 	return nil
 }
@@ -391,7 +387,7 @@ func (m *Manifest) validate() error {
 	if m.ChunkSize < MinChunkSize || m.ChunkSize > MaxChunkSize {
 		return bad("chunk size %d outside [%d, %d]", m.ChunkSize, MinChunkSize, MaxChunkSize)
 	}
-	if err := m.Meta.validate(); err != nil {
+	if err := validateMeta(m.Meta); err != nil {
 		return bad("%v", err)
 	}
 	dirs := map[string]bool{}
@@ -461,25 +457,39 @@ func (m *Manifest) validate() error {
 	return nil
 }
 
-func (md *Metadata) validate() error {
-	strs := []string{md.Kind, md.Host, md.Kernel, md.Driver, md.CUDA, md.CRIU}
-	strs = append(strs, md.Cmdline...)
-	for k, v := range md.Extra {
-		strs = append(strs, k, v)
+// validateMeta checks what the store requires of an image's metadata: empty, null or one JSON
+// object, with no string (key or value, at any depth) longer than maxMetaString. What the members
+// mean is checked by whoever reads them (internal/imagedesc).
+func validateMeta(raw Metadata) error {
+	t := bytes.TrimSpace(raw)
+	if len(t) == 0 || string(t) == "null" {
+		return nil
 	}
-	for _, g := range append(append([]GPU(nil), md.GPUs...), md.Visible...) {
-		strs = append(strs, g.UUID, g.Name, g.ComputeCap)
-		if g.Index < 0 {
-			return fmt.Errorf("gpu index %d", g.Index)
+	if t[0] != '{' || !json.Valid(t) {
+		return fmt.Errorf("metadata is not one JSON object")
+	}
+	dec := json.NewDecoder(bytes.NewReader(t))
+	for {
+		tok, err := dec.Token()
+		if err == io.EOF {
+			return nil
 		}
-	}
-	for _, s := range strs {
-		if len(s) > maxMetaString {
+		if err != nil {
+			return fmt.Errorf("metadata: %v", err)
+		}
+		if s, ok := tok.(string); ok && len(s) > maxMetaString {
 			return fmt.Errorf("metadata string longer than %d bytes", maxMetaString)
 		}
 	}
-	if md.PID < 0 {
-		return fmt.Errorf("pid %d", md.PID)
+}
+
+// emptyMeta is the metadata of an image that records none.
+var emptyMeta = Metadata("{}")
+
+// metaOrEmpty returns md, or {} when md is empty.
+func metaOrEmpty(md Metadata) Metadata {
+	if len(bytes.TrimSpace(md)) == 0 {
+		return emptyMeta
 	}
-	return nil
+	return md
 }

@@ -31,9 +31,11 @@ func goldenManifest() *Manifest {
 	return &Manifest{
 		FormatVersion: FormatVersion, Name: "trainer-1", Parent: strings.Repeat("0f", 32),
 		Created: time.Date(2026, 3, 4, 5, 6, 7, 890000000, time.UTC),
-		Meta: Metadata{Kind: "cuda", Host: "gpu-host-7", Kernel: "6.8.0-49-generic", Driver: "580.159.04", CUDA: "13.0", CRIU: "4.1.1",
-			GPUs: []GPU{{Index: 1, UUID: "GPU-3b2c1d4e-0000-1111-2222-333344445555", Name: "NVIDIA H200", ComputeCap: "9.0", MemoryBytes: 150754820096}},
-			PID:  4242, Cmdline: []string{"python3", "train.py", "--steps", "100"}, Extra: map[string]string{"b": "2", "a": "1"}},
+		// The metadata as ptxmig before format 2.0 wrote it (the fixtures of formats 1.0 and 1.1
+		// hold these bytes): opaque to the store.
+		Meta: Metadata(`{"kind":"cuda","host":"gpu-host-7","kernel":"6.8.0-49-generic","driver":"580.159.04","cuda":"13.0","criu":"4.1.1",` +
+			`"gpus":[{"index":1,"uuid":"GPU-3b2c1d4e-0000-1111-2222-333344445555","name":"NVIDIA H200","compute_cap":"9.0","memory_bytes":150754820096}],` +
+			`"pid":4242,"cmdline":["python3","train.py","--steps","100"],"extra":{"a":"1","b":"2"}}`),
 		Hash: HashAlgorithm, ChunkSize: 131072,
 		Files: []File{
 			{Path: "core-4242.img", Type: TypeFile, Mode: 0o600, Size: 100000 + 65536, Chunks: []Chunk{
@@ -112,8 +114,8 @@ func TestGoldenFormat(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	check("manifest-v1.1.golden.json", b)
-	check("manifest-v1.1.id", []byte(id+"\n"))
+	check("manifest-v2.0.golden.json", b)
+	check("manifest-v2.0.id", []byte(id+"\n"))
 	m, err := DecodeManifest(b)
 	if err != nil || m.ID != id || !m.Authenticated() {
 		t.Fatalf("decode golden manifest: %v", err)
@@ -142,9 +144,28 @@ func TestGoldenFormat(t *testing.T) {
 	if !reflect.DeepEqual(m, want) {
 		t.Errorf("format 1.0 manifest decodes to\n%+v\nwant\n%+v", m, want)
 	}
-	// Re-encoding it seals it as 1.1, under a new id.
-	if b, id, err := EncodeManifest(m); err != nil || id == m.ID || !bytes.Contains(b, []byte(`"format_version":"1.1"`)) {
+	// Re-encoding it seals it as the current format, under a new id.
+	if b, id, err := EncodeManifest(m); err != nil || id == m.ID || !bytes.Contains(b, []byte(`"format_version":"`+FormatVersion+`"`)) {
 		t.Errorf("re-encoding a 1.0 manifest: %v", err)
+	}
+	// A sealed manifest written before format 2.0 (1.1, by ptxmig before this version) stays
+	// readable and authenticated, with its id. These fixtures are never regenerated.
+	v11, err := os.ReadFile(filepath.Join("testdata", "manifest-v1.1.golden.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	v11ID, err := os.ReadFile(filepath.Join("testdata", "manifest-v1.1.id"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err = DecodeManifest(v11)
+	if err != nil || m.ID != strings.TrimSpace(string(v11ID)) || !m.Authenticated() || m.FormatVersion != "1.1" {
+		t.Fatalf("format 1.1 manifest: %v", err)
+	}
+	want = goldenManifest()
+	want.FormatVersion, want.ID = "1.1", m.ID
+	if !reflect.DeepEqual(m, want) {
+		t.Errorf("format 1.1 manifest decodes to\n%+v\nwant\n%+v", m, want)
 	}
 }
 
@@ -239,13 +260,20 @@ func TestManifestValidation(t *testing.T) {
 		{"bad-parent", func(m *Manifest) { m.Parent = "../x" }, ErrCorrupt},
 		{"hash-alg", func(m *Manifest) { m.Hash = "md5" }, ErrCorrupt},
 		{"chunk-size", func(m *Manifest) { m.ChunkSize = 1 << 30 }, ErrCorrupt},
-		{"major-2", func(m *Manifest) { m.FormatVersion = "2.0" }, ErrUnsupportedVersion},
+		{"major-3", func(m *Manifest) { m.FormatVersion = "3.0" }, ErrUnsupportedVersion},
+		{"major-0", func(m *Manifest) { m.FormatVersion = "0.9" }, ErrUnsupportedVersion},
+		{"minor-2.9", func(m *Manifest) { m.FormatVersion = "2.9" }, nil},
 		{"minor-9", func(m *Manifest) { m.FormatVersion = "1.9" }, nil},
 		{"bad-version", func(m *Manifest) { m.FormatVersion = "x" }, ErrCorrupt},
-		{"negative-pid", func(m *Manifest) { m.Meta.PID = -1 }, ErrCorrupt},
-		{"visible-gpus", func(m *Manifest) { m.Meta.Visible = []GPU{{Index: 0, UUID: "GPU-a"}, m.Meta.GPUs[0]} }, nil},
-		{"visible-negative-index", func(m *Manifest) { m.Meta.Visible = []GPU{{Index: -1, UUID: "GPU-a"}} }, ErrCorrupt},
-		{"visible-long-name", func(m *Manifest) { m.Meta.Visible = []GPU{{Name: strings.Repeat("x", 65<<10)}} }, ErrCorrupt},
+		// What metadata members mean is internal/imagedesc's to check (a negative pid or GPU
+		// index: imagedesc's TestValidation); the store bounds its strings, at any depth.
+		{"visible-gpus", func(m *Manifest) { m.Meta = setMeta(m.Meta, `"visible_gpus":[{"index":0,"uuid":"GPU-a"}],`) }, nil},
+		{"visible-long-name", func(m *Manifest) {
+			m.Meta = setMeta(m.Meta, `"visible_gpus":[{"name":"`+strings.Repeat("x", 65<<10)+`"}],`)
+		}, ErrCorrupt},
+		{"long-key", func(m *Manifest) { m.Meta = setMeta(m.Meta, `"`+strings.Repeat("k", 65<<10)+`":1,`) }, ErrCorrupt},
+		{"long-extra", func(m *Manifest) { m.Meta = setMeta(m.Meta, `"extra":{"a":"`+strings.Repeat("x", 65<<10)+`"},`) }, ErrCorrupt},
+		{"meta-empty-object", func(m *Manifest) { m.Meta = Metadata(`{}`) }, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -257,7 +285,7 @@ func TestManifestValidation(t *testing.T) {
 			if tt.want == nil && err != nil || tt.want != nil && !errors.Is(err, tt.want) {
 				t.Errorf("DecodeManifest: %v, want %v", err, tt.want)
 			}
-			if _, _, err := EncodeManifest(m); (err == nil) != (tt.want == nil) && !strings.Contains(tt.name, "version") && tt.name != "major-2" {
+			if _, _, err := EncodeManifest(m); (err == nil) != (tt.want == nil) && !strings.Contains(tt.name, "version") && !strings.HasPrefix(tt.name, "major") {
 				t.Errorf("EncodeManifest accepted/refused inconsistently: %v", err)
 			}
 		})
@@ -265,6 +293,21 @@ func TestManifestValidation(t *testing.T) {
 	if _, err := DecodeManifest([]byte(`{"format_version":"1.0","id":"` + strings.Repeat("a", 64) + `"}`)); !errors.Is(err, ErrCorrupt) {
 		t.Errorf("manifest with id field: %v", err)
 	}
+	// Metadata that is not one JSON object (a sealed manifest cannot even be sealed with it).
+	for _, meta := range []string{`[1]`, `"x"`, `3`} {
+		b := []byte(`{"format_version":"1.0","name":"a","created":"2026-03-04T05:06:07Z","meta":` + meta + `,"hash":"blake3-256","chunk_size":4096,"files":[]}`)
+		if _, err := DecodeManifest(b); !errors.Is(err, ErrCorrupt) {
+			t.Errorf("manifest with meta %s: %v", meta, err)
+		}
+	}
+	if _, err := DecodeManifest([]byte(`{"format_version":"1.0","name":"a","created":"2026-03-04T05:06:07Z","hash":"blake3-256","chunk_size":4096,"files":[]}`)); err != nil {
+		t.Errorf("manifest without meta: %v", err)
+	}
+}
+
+// setMeta inserts members (each followed by a comma) at the start of a metadata object.
+func setMeta(md Metadata, members string) Metadata {
+	return Metadata("{" + members + string(md[1:]))
 }
 
 // TestHostileManifestNeverEscapes stores a manifest crafted to write outside the target (as an

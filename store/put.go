@@ -21,7 +21,7 @@ import (
 type PutOptions struct {
 	Name        string   // required; see ValidateName
 	Parent      string   // optional: name or id of the image this one derives from
-	Meta        Metadata // provenance recorded in the manifest
+	Meta        Metadata // what the image records about itself (a JSON object, opaque to the store; empty: {})
 	ChunkSize   int      // bytes per chunk; default DefaultChunkSize
 	Workers     int      // parallel readers/hashers/compressors; default the CPU count
 	MemoryLimit int64    // bound on chunk buffers; default DefaultMemoryLimit
@@ -180,8 +180,8 @@ func (s *Store) newImage(o *PutOptions) (*Manifest, int, error) {
 		return nil, 0, err
 	}
 	m := &Manifest{FormatVersion: FormatVersion, Name: o.Name, Created: time.Now().UTC().Truncate(time.Microsecond),
-		Meta: o.Meta, Hash: HashAlgorithm, ChunkSize: o.ChunkSize}
-	if err := m.Meta.validate(); err != nil {
+		Meta: metaOrEmpty(o.Meta), Hash: HashAlgorithm, ChunkSize: o.ChunkSize}
+	if err := validateMeta(m.Meta); err != nil {
 		return nil, 0, fmt.Errorf("metadata: %w", err)
 	}
 	if o.Parent != "" {

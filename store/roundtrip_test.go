@@ -25,7 +25,7 @@ func TestRoundTrip(t *testing.T) {
 			defer chmodTree(src)
 			o := tt.opts
 			o.Name = "img-" + tt.name
-			o.Meta = Metadata{Kind: "cpu", Host: "h1", PID: 42, Cmdline: []string{"a", "b"}}
+			o.Meta = Metadata(`{"kind":"cpu","host":"h1","pid":42,"cmdline":["a","b"]}`)
 			m, st, err := s.Put(context.Background(), src, o)
 			if err != nil {
 				t.Fatal(err)

@@ -388,7 +388,7 @@ func (in *Ingest) wrap(err error) error { return fmt.Errorf("ingest %s: %w", in.
 // Commit fails, and so does the ingest, when an AddFile call is still running, when the ingest
 // failed before (with that failure), or when the name was taken meanwhile (ErrExists). It is
 // called once; Close follows in any case.
-func (in *Ingest) Commit(meta *Metadata) (*Manifest, *Stats, error) {
+func (in *Ingest) Commit(meta Metadata) (*Manifest, *Stats, error) {
 	in.commitMu.Lock()
 	defer in.commitMu.Unlock()
 	m, st, err := in.commit(meta)
@@ -399,7 +399,7 @@ func (in *Ingest) Commit(meta *Metadata) (*Manifest, *Stats, error) {
 	return m, st, nil
 }
 
-func (in *Ingest) commit(meta *Metadata) (*Manifest, *Stats, error) {
+func (in *Ingest) commit(meta Metadata) (*Manifest, *Stats, error) {
 	in.mu.Lock()
 	switch {
 	case in.err != nil:
@@ -431,10 +431,10 @@ func (in *Ingest) commit(meta *Metadata) (*Manifest, *Stats, error) {
 	}
 	m := in.m
 	if meta != nil {
-		if err := meta.validate(); err != nil {
+		if err := validateMeta(meta); err != nil {
 			return nil, nil, fmt.Errorf("metadata: %w", err)
 		}
-		m.Meta = *meta
+		m.Meta = metaOrEmpty(meta)
 	}
 	paths := make([]string, 0, len(in.files))
 	for p := range in.files {

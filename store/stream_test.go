@@ -190,7 +190,7 @@ func TestIngestMatchesPut(t *testing.T) {
 			s := openTestStore(t)
 			var progress []int64
 			var pmu sync.Mutex
-			m, st := ingestStream(t, s, "streamed", files, PutOptions{Workers: workers, Meta: Metadata{Kind: "cuda", PID: 42},
+			m, st := ingestStream(t, s, "streamed", files, PutOptions{Workers: workers, Meta: Metadata(`{"kind":"cuda","pid":42}`),
 				Progress: func(done, total int64) {
 					pmu.Lock()
 					progress = append(progress, done)
@@ -213,7 +213,7 @@ func TestIngestMatchesPut(t *testing.T) {
 					}
 				}
 			}
-			if m.ChunkSize != testChunk || m.Meta.Kind != "cuda" || m.Meta.PID != 42 || m.ID == "" {
+			if m.ChunkSize != testChunk || string(m.Meta) != `{"kind":"cuda","pid":42}` || m.ID == "" {
 				t.Errorf("manifest header %+v", m)
 			}
 			st.Duration, pst.Duration = 0, 0
@@ -332,7 +332,7 @@ func TestIngestErrors(t *testing.T) {
 			if _, err := in.AddFile("core-1.img", 0o600, strings.NewReader("x")); err != nil {
 				t.Fatal(err)
 			}
-			_, _, err := in.Commit(&Metadata{PID: -1})
+			_, _, err := in.Commit(Metadata(`{"pid":-1,"extra":{"a":"` + strings.Repeat("x", MaxMetaString+1) + `"}}`))
 			return err
 		}, nil},
 		{"commit-twice", func(t *testing.T, in *Ingest, _ func()) error {
@@ -478,7 +478,7 @@ func TestNewIngestErrors(t *testing.T) {
 		{"tiny-chunks", PutOptions{Name: "y", ChunkSize: 100}, nil},
 		{"huge-chunks", PutOptions{Name: "y", ChunkSize: MaxChunkSize + 1}, nil},
 		{"tiny-memory", PutOptions{Name: "y", MemoryLimit: 1000}, nil},
-		{"bad-metadata", PutOptions{Name: "y", Meta: Metadata{PID: -1}}, nil},
+		{"bad-metadata", PutOptions{Name: "y", Meta: Metadata(`[{"pid":-1}]`)}, nil},
 		{"prestaged", PutOptions{Name: "y", Prestaged: pre}, nil},
 	}
 	// Gc holds the lock: the options are refused up front, without waiting for it.

@@ -9,6 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ptxmig/ptxmig/internal/exitcode"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/store"
 )
 
@@ -36,7 +37,15 @@ func imageAddCommand(workers, memory cli.Flag) *cli.Command {
 }
 
 func hostMetadata(kind string, labels []string) (store.Metadata, error) {
-	md := store.Metadata{Kind: kind}
+	d, err := hostDescription(kind, labels)
+	if err != nil {
+		return nil, err
+	}
+	return d.Encode()
+}
+
+func hostDescription(kind string, labels []string) (*imagedesc.Description, error) {
+	md := &imagedesc.Description{Kind: kind}
 	switch kind {
 	case "", "cuda", "cpu":
 	default:
@@ -52,10 +61,10 @@ func hostMetadata(kind string, labels []string) (store.Metadata, error) {
 		if !ok || k == "" {
 			return md, exitcode.Usagef("--label %q: want KEY=VALUE", l)
 		}
-		if md.Extra == nil {
-			md.Extra = map[string]string{}
+		if md.Labels == nil {
+			md.Labels = map[string]string{}
 		}
-		md.Extra[k] = v
+		md.Labels[k] = v
 	}
 	return md, nil
 }

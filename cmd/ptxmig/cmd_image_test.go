@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ptxmig/ptxmig/internal/testreq"
+	"github.com/ptxmig/ptxmig/store"
 )
 
 // TestImageCommands drives add, images, inspect, verify, extract, export, import, rm and gc
@@ -161,7 +162,7 @@ func TestImageAuthentication(t *testing.T) {
 		t.Fatal(err)
 	}
 	sealed := string(raw)
-	old := strings.Replace(sealed, `"format_version":"1.1"`, `"format_version":"1.0"`, 1)
+	old := strings.Replace(sealed, `"format_version":"`+store.FormatVersion+`"`, `"format_version":"1.0"`, 1)
 	old = strings.Replace(old, `,"id":"`+add.ID+`"}`, `}`, 1)
 	if old == sealed || strings.Contains(old, add.ID) {
 		t.Fatalf("cannot make a format 1.0 manifest from %s", sealed)

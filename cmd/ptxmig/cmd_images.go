@@ -9,6 +9,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/store"
 )
 
@@ -41,16 +42,16 @@ func init() {
 
 // imageRow is the --json form of one `ptxmig images` line.
 type imageRow struct {
-	Name         string      `json:"name"`
-	ID           string      `json:"id"`
-	Parent       string      `json:"parent,omitempty"`
-	Created      time.Time   `json:"created"`
-	Kind         string      `json:"kind,omitempty"`
-	Host         string      `json:"host,omitempty"`
-	GPUs         []store.GPU `json:"gpus,omitempty"`
-	Files        int         `json:"files"`
-	LogicalBytes int64       `json:"logical_bytes"`
-	StoredBytes  int64       `json:"stored_bytes"`
+	Name         string          `json:"name"`
+	ID           string          `json:"id"`
+	Parent       string          `json:"parent,omitempty"`
+	Created      time.Time       `json:"created"`
+	Kind         string          `json:"kind,omitempty"`
+	Host         string          `json:"host,omitempty"`
+	GPUs         []imagedesc.GPU `json:"gpus,omitempty"`
+	Files        int             `json:"files"`
+	LogicalBytes int64           `json:"logical_bytes"`
+	StoredBytes  int64           `json:"stored_bytes"`
 }
 
 // damagedRow is the --json form of a damaged image in `ptxmig images`: its manifest cannot be
@@ -75,8 +76,9 @@ func imagesList(c *cli.Context) error {
 	}
 	rows := make([]imageRow, 0, len(ms))
 	for _, m := range ms {
-		rows = append(rows, imageRow{Name: m.Name, ID: m.ID, Parent: m.Parent, Created: m.Created, Kind: m.Meta.Kind,
-			Host: m.Meta.Host, GPUs: m.Meta.GPUs, Files: len(m.Files), LogicalBytes: m.LogicalBytes(), StoredBytes: m.StoredBytes()})
+		d, _ := imagedesc.Read(m) // what could be read: image inspect names the rest
+		rows = append(rows, imageRow{Name: m.Name, ID: m.ID, Parent: m.Parent, Created: m.Created, Kind: d.Kind,
+			Host: d.Host, GPUs: d.GPUs, Files: len(m.Files), LogicalBytes: m.LogicalBytes(), StoredBytes: m.StoredBytes()})
 	}
 	switch {
 	case env(c).JSON:

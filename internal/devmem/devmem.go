@@ -13,12 +13,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
 	"github.com/ptxmig/ptxmig/store"
 )
@@ -26,10 +25,10 @@ import (
 // IndexVersion is the version of the index this package writes and reads.
 const IndexVersion = 1
 
-// ExtraKey is the image metadata key listing "pid:instance" of every process whose owned memory
-// the image holds (space-separated): a later checkpoint of the same process finds its previous
-// image by it.
-const ExtraKey = "devmem"
+// ExtraKey is the legacy image metadata key listing "pid:instance" of every process whose owned
+// memory the image holds (space-separated): a later checkpoint of the same process finds its
+// previous image by it. Images record it as imagedesc.Description.Devmem now.
+const ExtraKey = imagedesc.ExtraDevmem
 
 // Limits on what an index may say (it is read from an image).
 const (
@@ -135,27 +134,10 @@ func chunks(bytes uint64, chunk int64) int64 {
 	return int64((bytes + uint64(chunk) - 1) / uint64(chunk))
 }
 
-// EncodeExtra and DecodeExtra write and read the ExtraKey value.
-func EncodeExtra(m map[int]string) string {
-	var parts []string
-	for pid, inst := range m {
-		parts = append(parts, strconv.Itoa(pid)+":"+inst)
-	}
-	slices.Sort(parts)
-	return strings.Join(parts, " ")
-}
+// EncodeExtra and DecodeExtra write and read the legacy ExtraKey value.
+func EncodeExtra(m map[int]string) string { return imagedesc.EncodeDevmemLegacy(m) }
 
-func DecodeExtra(s string) map[int]string {
-	m := map[int]string{}
-	for _, f := range strings.Fields(s) {
-		pid, inst, ok := strings.Cut(f, ":")
-		n, err := strconv.Atoi(pid)
-		if ok && err == nil && n > 0 && len(inst) == 16 && isHex(inst) {
-			m[n] = inst
-		}
-	}
-	return m
-}
+func DecodeExtra(s string) map[int]string { return imagedesc.DecodeDevmemLegacy(s) }
 
 // Sink is where a save writes: the checkpoint's store ingest.
 type Sink interface {
@@ -181,7 +163,9 @@ type Prev struct {
 func FindPrev(ms []*store.Manifest, pid int, instance string, read func(m *store.Manifest, name string) ([]byte, error)) *Prev {
 	var best *store.Manifest
 	for _, m := range ms {
-		if DecodeExtra(m.Meta.Extra[ExtraKey])[pid] != instance {
+		// Only the processes it lists matter here: an image whose other fields are invalid still
+		// names them (and its chunks are checked like any).
+		if d, _ := imagedesc.Read(m); d.Devmem[pid] != instance {
 			continue
 		}
 		if best == nil || m.Created.After(best.Created) {

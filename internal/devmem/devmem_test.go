@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/store"
 )
 
@@ -76,8 +77,16 @@ func TestFindPrev(t *testing.T) {
 	x := goodIndex()
 	idx, _ := json.Marshal(x)
 	now := time.Now()
+	// Images in the layout before typed descriptions (the extra string), and in version 2.
 	mk := func(name, extra string, age time.Duration) *store.Manifest {
-		return &store.Manifest{Name: name, Created: now.Add(-age), Meta: store.Metadata{Extra: map[string]string{ExtraKey: extra}},
+		meta, _ := json.Marshal(map[string]any{"extra": map[string]string{ExtraKey: extra}})
+		if strings.HasPrefix(name, "new") {
+			var err error
+			if meta, err = (&imagedesc.Description{Devmem: DecodeExtra(extra)}).Encode(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return &store.Manifest{Name: name, Created: now.Add(-age), Meta: meta,
 			Files: []store.File{{Path: DataName(42, 0), Type: store.TypeFile}, {Path: "pages-1.img", Type: store.TypeFile}}}
 	}
 	ms := []*store.Manifest{
@@ -85,6 +94,7 @@ func TestFindPrev(t *testing.T) {
 		mk("new", "42:00112233aabbccdd 7:ffffffffffffffff", time.Minute),
 		mk("other-instance", "42:0000000000000001", time.Second),
 		mk("other-pid", "43:00112233aabbccdd", time.Second),
+		mk("new-other-instance", "42:0000000000000002", time.Second),
 	}
 	read := func(m *store.Manifest, name string) ([]byte, error) {
 		if name != IndexName(42) {

@@ -193,21 +193,29 @@ func Parse(s string) ([]File, error) {
 	if err := json.Unmarshal([]byte(s), &files); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrInvalid, err)
 	}
+	if err := ValidateFiles(files); err != nil {
+		return nil, err
+	}
+	return files, nil
+}
+
+// ValidateFiles checks every field of files read from an image (Parse's checks).
+func ValidateFiles(files []File) error {
 	if len(files) > MaxFiles {
-		return nil, fmt.Errorf("%w: %d files", ErrInvalid, len(files))
+		return fmt.Errorf("%w: %d files", ErrInvalid, len(files))
 	}
 	for _, f := range files {
 		if err := validPath(f.Path); err != nil {
-			return nil, fmt.Errorf("%w: %v", ErrInvalid, err)
+			return fmt.Errorf("%w: %v", ErrInvalid, err)
 		}
 		if f.Size < -1 {
-			return nil, fmt.Errorf("%w: file %s: size %d", ErrInvalid, f.Path, f.Size)
+			return fmt.Errorf("%w: file %s: size %d", ErrInvalid, f.Path, f.Size)
 		}
 		if err := validBuildIDHex(f.BuildID); err != nil {
-			return nil, fmt.Errorf("%w: file %s: %v", ErrInvalid, f.Path, err)
+			return fmt.Errorf("%w: file %s: %v", ErrInvalid, f.Path, err)
 		}
 	}
-	return files, nil
+	return nil
 }
 
 // Problem is a file the host lacks, or has in another state than the image needs.
@@ -339,20 +347,28 @@ func ParseCarried(s string) ([]Carried, error) {
 	if err := json.Unmarshal([]byte(s), &cs); err != nil {
 		return nil, fmt.Errorf("%w: carried files: %v", ErrInvalid, err)
 	}
+	if err := ValidateCarried(cs); err != nil {
+		return nil, err
+	}
+	return cs, nil
+}
+
+// ValidateCarried checks every field of carried files read from an image (ParseCarried's checks).
+func ValidateCarried(cs []Carried) error {
 	if len(cs) > MaxCarried {
-		return nil, fmt.Errorf("%w: %d carried files", ErrInvalid, len(cs))
+		return fmt.Errorf("%w: %d carried files", ErrInvalid, len(cs))
 	}
 	seen := map[string]bool{}
 	for i, c := range cs {
 		switch err := validPath(c.Path); {
 		case err != nil:
-			return nil, fmt.Errorf("%w: carried file: %v", ErrInvalid, err)
+			return fmt.Errorf("%w: carried file: %v", ErrInvalid, err)
 		case c.File != CarriedName(i):
-			return nil, fmt.Errorf("%w: carried file %s is stored as %q, want %q", ErrInvalid, c.Path, c.File, CarriedName(i))
+			return fmt.Errorf("%w: carried file %s is stored as %q, want %q", ErrInvalid, c.Path, c.File, CarriedName(i))
 		case c.Size < 0 || c.Mode&unix.S_IFMT != unix.S_IFREG || seen[c.Path]:
-			return nil, fmt.Errorf("%w: carried file %s: size %d, mode %o", ErrInvalid, c.Path, c.Size, c.Mode)
+			return fmt.Errorf("%w: carried file %s: size %d, mode %o", ErrInvalid, c.Path, c.Size, c.Mode)
 		}
 		seen[c.Path] = true
 	}
-	return cs, nil
+	return nil
 }

@@ -8,15 +8,15 @@ import (
 
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/probe"
-	"github.com/ptxmig/ptxmig/store"
 )
 
 // TreeGPUs lists the GPUs the CUDA processes use (NVML's compute processes; else their open
 // /dev/nvidiaN), with the memory each uses (MemoryBytes: what a restore needs free), and the GPUs
 // their CUDA driver enumerates (visible), which a restore onto other GPUs must all pair. MIG
 // (CUDA_VISIBLE_DEVICES naming MIG instances) is refused.
-func (env *Env) TreeGPUs(pids []int) (used, visible []store.GPU, err error) {
+func (env *Env) TreeGPUs(pids []int) (used, visible []imagedesc.GPU, err error) {
 	if env.GPUs == nil {
 		return nil, nil, nil
 	}
@@ -24,14 +24,14 @@ func (env *Env) TreeGPUs(pids []int) (used, visible []store.GPU, err error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	byUUID := map[string]*store.GPU{}
+	byUUID := map[string]*imagedesc.GPU{}
 	add := func(d gpu.Device, mem uint64) {
 		k := strings.ToLower(d.UUID)
 		if g, ok := byUUID[k]; ok {
 			g.MemoryBytes += mem
 			return
 		}
-		byUUID[k] = &store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem}
+		byUUID[k] = &imagedesc.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem}
 	}
 	for _, pid := range pids {
 		// The driver's restore needs a pair for every GPU of the host (see gpu.DriverSet), so the
@@ -64,7 +64,7 @@ func (env *Env) TreeGPUs(pids []int) (used, visible []store.GPU, err error) {
 		mem[strings.ToLower(u.UUID)] = u.MemoryBytes
 	}
 	for _, d := range gpu.DriverSet(devs) {
-		visible = append(visible, store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem[strings.ToLower(d.UUID)]})
+		visible = append(visible, imagedesc.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem[strings.ToLower(d.UUID)]})
 	}
 	return used, visible, nil
 }

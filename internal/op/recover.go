@@ -15,6 +15,7 @@ import (
 
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
@@ -780,7 +781,7 @@ func (rb *journalRollback) imageStored() bool {
 		return false
 	}
 	m, err := st.Get(h.Image)
-	return err == nil && m.Name == h.Image && m.Meta.PID == h.Root && !m.Created.Before(h.Time.Add(-time.Second))
+	return err == nil && m.Name == h.Image && imagedesc.RootPID(m) == h.Root && !m.Created.Before(h.Time.Add(-time.Second))
 }
 
 // removeStaging removes the operation's staging directory: a directory (not a symlink) named by

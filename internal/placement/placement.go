@@ -13,7 +13,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/gpu"
-	"github.com/ptxmig/ptxmig/store"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 )
 
 // Preflight sentinels (each also wraps op.ErrRefused when returned by restore or migrate).
@@ -33,9 +33,9 @@ var (
 // memory; the others are GPUs the process could see but did not use, which the driver needs
 // paired too.
 type Pair struct {
-	From store.GPU  `json:"from"`
-	To   gpu.Device `json:"to"`
-	Used bool       `json:"used"`
+	From imagedesc.GPU `json:"from"`
+	To   gpu.Device    `json:"to"`
+	Used bool          `json:"used"`
 	// ModelChange: the target is another GPU model of the same chip family (gpu.SameChip);
 	// ModelChangeMeasured: that model change was measured to restore exactly.
 	ModelChange         bool `json:"model_change,omitempty"`
@@ -43,7 +43,7 @@ type Pair struct {
 }
 
 // newPair pairs s with d, noting a change of GPU model.
-func newPair(s store.GPU, d gpu.Device, used bool) Pair {
+func newPair(s imagedesc.GPU, d gpu.Device, used bool) Pair {
 	p := Pair{From: s, To: d, Used: used}
 	if gpu.ModelChange(s.Name, d.Name) {
 		p.ModelChange, p.ModelChangeMeasured = true, gpu.MeasuredModelChange(s.Name, d.Name)
@@ -121,7 +121,7 @@ func (p Pair) String() string {
 // The result lists the used pairs first (in used order), then the other visible GPUs by index.
 // When nothing moves it still lists the visible GPUs that are present (DriverPairs then passes
 // none).
-func PlanPairs(used, visible []store.GPU, devs []gpu.Device, targets []int, gpuMap map[string]string, live bool) ([]Pair, error) {
+func PlanPairs(used, visible []imagedesc.GPU, devs []gpu.Device, targets []int, gpuMap map[string]string, live bool) ([]Pair, error) {
 	pairs, err := planUsed(used, devs, targets, gpuMap)
 	if err != nil || len(pairs) == 0 {
 		return pairs, err
@@ -191,7 +191,7 @@ func CheckRoom(pairs []Pair, devs []gpu.Device, live bool) error {
 }
 
 // planUsed maps the used GPUs as the operator asked.
-func planUsed(src []store.GPU, devs []gpu.Device, targets []int, gpuMap map[string]string) ([]Pair, error) {
+func planUsed(src []imagedesc.GPU, devs []gpu.Device, targets []int, gpuMap map[string]string) ([]Pair, error) {
 	if len(targets) > 0 && len(gpuMap) > 0 {
 		return nil, fmt.Errorf("%w: give --gpu or --gpu-map, not both", ErrBadTarget)
 	}
@@ -254,7 +254,7 @@ func planUsed(src []store.GPU, devs []gpu.Device, targets []int, gpuMap map[stri
 
 // completeVisible pairs the visible GPUs the process does not use, so that together with the
 // used pairs every visible GPU has a distinct same-chip target.
-func completeVisible(usedPairs []Pair, visible []store.GPU, devs []gpu.Device) ([]Pair, error) {
+func completeVisible(usedPairs []Pair, visible []imagedesc.GPU, devs []gpu.Device) ([]Pair, error) {
 	if visible == nil {
 		return nil, fmt.Errorf("%w: the driver needs a pair for every GPU the process sees, and this image does not "+
 			"record them (it was made by an older ptxmig on another host); restore it without moving, or checkpoint "+
@@ -267,7 +267,7 @@ func completeVisible(usedPairs []Pair, visible []store.GPU, devs []gpu.Device) (
 		taken[key(p.To.UUID)] = true
 	}
 	seen := map[string]bool{}
-	var others []store.GPU
+	var others []imagedesc.GPU
 	for _, v := range visible {
 		k := key(v.UUID)
 		if v.UUID == "" || seen[k] {
@@ -338,7 +338,7 @@ func completeVisible(usedPairs []Pair, visible []store.GPU, devs []gpu.Device) (
 
 // identityTarget is the GPU a visible GPU keeps: the one with its UUID, else (another host) the
 // one with its index.
-func identityTarget(s store.GPU, devs []gpu.Device) (gpu.Device, bool) {
+func identityTarget(s imagedesc.GPU, devs []gpu.Device) (gpu.Device, bool) {
 	for _, d := range devs {
 		if strings.EqualFold(d.UUID, s.UUID) {
 			return d, true
@@ -357,7 +357,7 @@ func identityTarget(s store.GPU, devs []gpu.Device) (gpu.Device, bool) {
 // image was made on this host (its used GPUs are here); otherwise ok is false. Callers should
 // warn: a process that ran with CUDA_VISIBLE_DEVICES saw fewer GPUs, and the driver then refuses
 // the pairs (the restore rolls back).
-func AssumeVisible(used []store.GPU, devs []gpu.Device) ([]store.GPU, bool) {
+func AssumeVisible(used []imagedesc.GPU, devs []gpu.Device) ([]imagedesc.GPU, bool) {
 	mem := map[string]uint64{}
 	for _, u := range used {
 		if _, err := gpu.Find(devs, u.UUID); err != nil || u.UUID == "" {
@@ -370,10 +370,10 @@ func AssumeVisible(used []store.GPU, devs []gpu.Device) ([]store.GPU, bool) {
 
 // StoreGPUs converts devices into recorded GPUs, with the memory a process used on each (by
 // lower-case UUID), sorted by index.
-func StoreGPUs(devs []gpu.Device, mem map[string]uint64) []store.GPU {
-	out := make([]store.GPU, 0, len(devs))
+func StoreGPUs(devs []gpu.Device, mem map[string]uint64) []imagedesc.GPU {
+	out := make([]imagedesc.GPU, 0, len(devs))
 	for _, d := range devs {
-		out = append(out, store.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem[strings.ToLower(d.UUID)]})
+		out = append(out, imagedesc.GPU{Index: d.Index, UUID: d.UUID, Name: d.Name, ComputeCap: d.ComputeCap, MemoryBytes: mem[strings.ToLower(d.UUID)]})
 	}
 	sort.SliceStable(out, func(i, j int) bool { return out[i].Index < out[j].Index })
 	return out
@@ -390,7 +390,7 @@ func devList(devs []gpu.Device) string {
 	return strings.Join(parts, ", ")
 }
 
-func mapped(m map[string]string, s store.GPU) string {
+func mapped(m map[string]string, s imagedesc.GPU) string {
 	for k, v := range m {
 		if strings.EqualFold(k, s.UUID) || k == strconv.Itoa(s.Index) {
 			return v
@@ -399,11 +399,11 @@ func mapped(m map[string]string, s store.GPU) string {
 	return ""
 }
 
-func sameChip(s store.GPU, d gpu.Device) bool {
+func sameChip(s imagedesc.GPU, d gpu.Device) bool {
 	return gpu.SameChip(s.Name, s.ComputeCap, d.Name, d.ComputeCap)
 }
 
-func srcList(src []store.GPU) string {
+func srcList(src []imagedesc.GPU) string {
 	parts := make([]string, len(src))
 	for i, s := range src {
 		parts[i] = fmt.Sprintf("GPU %d %s", s.Index, s.UUID)
@@ -513,7 +513,7 @@ func AnyMove(pairs []Pair) bool {
 // RecordedVisible is the image's visible-GPU set; for images without one (older ptxmig), every
 // GPU of this host when the image was made here (assumed is then true), else nil (a move is
 // then refused: the other host's GPUs cannot be named).
-func RecordedVisible(meta store.Metadata, devs []gpu.Device) (visible []store.GPU, assumed bool) {
+func RecordedVisible(meta *imagedesc.Description, devs []gpu.Device) (visible []imagedesc.GPU, assumed bool) {
 	if len(meta.Visible) > 0 {
 		return meta.Visible, false
 	}

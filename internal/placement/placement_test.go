@@ -8,7 +8,7 @@ import (
 	"testing"
 
 	"github.com/ptxmig/ptxmig/internal/gpu"
-	"github.com/ptxmig/ptxmig/store"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 )
 
 const (
@@ -22,8 +22,8 @@ func dev(i int, uuid, name string, used uint64) gpu.Device {
 	return gpu.Device{Index: i, UUID: uuid, Name: name, ComputeCap: "9.0", MemoryUsed: used, MemoryTotal: 100 << 30}
 }
 
-func src(i int, uuid string, mem uint64) store.GPU {
-	return store.GPU{Index: i, UUID: uuid, Name: "NVIDIA H200", ComputeCap: "9.0", MemoryBytes: mem}
+func src(i int, uuid string, mem uint64) imagedesc.GPU {
+	return imagedesc.GPU{Index: i, UUID: uuid, Name: "NVIDIA H200", ComputeCap: "9.0", MemoryBytes: mem}
 }
 
 // a100Dev is a GPU of another chip family (compute capability 8.0).
@@ -42,7 +42,7 @@ func TestPlanPairs(t *testing.T) {
 	three := append(append([]gpu.Device{}, twoH200...), dev(2, u2, "NVIDIA H200", 0))
 	tests := []struct {
 		name    string
-		src     []store.GPU
+		src     []imagedesc.GPU
 		devs    []gpu.Device
 		targets []int
 		gmap    map[string]string
@@ -50,24 +50,24 @@ func TestPlanPairs(t *testing.T) {
 		want    []string // target UUID per source
 		wantErr error
 	}{
-		{"same GPU by UUID", []store.GPU{src(1, u1, 4<<30)}, twoH200, nil, nil, false, []string{u1}, nil},
-		{"other host: same index", []store.GPU{src(1, uX, 4<<30)}, twoH200, nil, nil, false, []string{u1}, nil},
-		{"--gpu 1", []store.GPU{src(0, u0, 4<<30)}, twoH200, []int{1}, nil, false, []string{u1}, nil},
-		{"--gpu per GPU", []store.GPU{src(0, u0, 1), src(1, u1, 1)}, twoH200, []int{1, 0}, nil, false, []string{u1, u0}, nil},
-		{"--gpu-map by uuid", []store.GPU{src(0, u0, 1)}, twoH200, nil, map[string]string{u0: u1}, false, []string{u1}, nil},
-		{"--gpu-map by index, partial", []store.GPU{src(0, u0, 1), src(1, u1, 1)}, three, nil, map[string]string{"1": "2"}, false, []string{u0, u2}, nil},
-		{"another chip family: refused", []store.GPU{src(0, u0, 1)}, mixed, []int{1}, nil, false, nil, ErrChipMismatch},
-		{"another model of the same chip family (H200 to H100)", []store.GPU{src(0, u0, 1)}, h200h100, []int{1}, nil, false, []string{u1}, nil},
-		{"not enough memory", []store.GPU{src(0, u0, 4<<30)}, full, []int{1}, nil, false, nil, ErrNoRoom},
-		{"restore needs memory on the same GPU too", []store.GPU{src(1, u1, 4<<30)}, full, nil, nil, false, nil, ErrNoRoom},
-		{"live and unmoved needs no room", []store.GPU{src(1, u1, 4<<30)}, full, []int{1}, nil, true, []string{u1}, nil},
-		{"missing target", []store.GPU{src(0, u0, 1)}, twoH200, []int{5}, nil, false, nil, gpu.ErrNoSuchGPU},
-		{"other host, index absent", []store.GPU{src(3, uX, 1)}, twoH200, nil, nil, false, nil, gpu.ErrNoSuchGPU},
-		{"one target for two GPUs", []store.GPU{src(0, u0, 1), src(1, u1, 1)}, twoH200, []int{1}, nil, false, nil, ErrBadTarget},
-		{"three targets for two GPUs", []store.GPU{src(0, u0, 1), src(1, u1, 1)}, three, []int{0, 1, 2}, nil, false, nil, ErrBadTarget},
-		{"duplicate target", []store.GPU{src(0, u0, 1), src(1, u1, 1)}, twoH200, []int{1, 1}, nil, false, nil, ErrBadTarget},
-		{"map names an unused GPU", []store.GPU{src(0, u0, 1)}, twoH200, nil, map[string]string{u2: u1}, false, nil, ErrBadTarget},
-		{"both --gpu and --gpu-map", []store.GPU{src(0, u0, 1)}, twoH200, []int{1}, map[string]string{u0: u1}, false, nil, ErrBadTarget},
+		{"same GPU by UUID", []imagedesc.GPU{src(1, u1, 4<<30)}, twoH200, nil, nil, false, []string{u1}, nil},
+		{"other host: same index", []imagedesc.GPU{src(1, uX, 4<<30)}, twoH200, nil, nil, false, []string{u1}, nil},
+		{"--gpu 1", []imagedesc.GPU{src(0, u0, 4<<30)}, twoH200, []int{1}, nil, false, []string{u1}, nil},
+		{"--gpu per GPU", []imagedesc.GPU{src(0, u0, 1), src(1, u1, 1)}, twoH200, []int{1, 0}, nil, false, []string{u1, u0}, nil},
+		{"--gpu-map by uuid", []imagedesc.GPU{src(0, u0, 1)}, twoH200, nil, map[string]string{u0: u1}, false, []string{u1}, nil},
+		{"--gpu-map by index, partial", []imagedesc.GPU{src(0, u0, 1), src(1, u1, 1)}, three, nil, map[string]string{"1": "2"}, false, []string{u0, u2}, nil},
+		{"another chip family: refused", []imagedesc.GPU{src(0, u0, 1)}, mixed, []int{1}, nil, false, nil, ErrChipMismatch},
+		{"another model of the same chip family (H200 to H100)", []imagedesc.GPU{src(0, u0, 1)}, h200h100, []int{1}, nil, false, []string{u1}, nil},
+		{"not enough memory", []imagedesc.GPU{src(0, u0, 4<<30)}, full, []int{1}, nil, false, nil, ErrNoRoom},
+		{"restore needs memory on the same GPU too", []imagedesc.GPU{src(1, u1, 4<<30)}, full, nil, nil, false, nil, ErrNoRoom},
+		{"live and unmoved needs no room", []imagedesc.GPU{src(1, u1, 4<<30)}, full, []int{1}, nil, true, []string{u1}, nil},
+		{"missing target", []imagedesc.GPU{src(0, u0, 1)}, twoH200, []int{5}, nil, false, nil, gpu.ErrNoSuchGPU},
+		{"other host, index absent", []imagedesc.GPU{src(3, uX, 1)}, twoH200, nil, nil, false, nil, gpu.ErrNoSuchGPU},
+		{"one target for two GPUs", []imagedesc.GPU{src(0, u0, 1), src(1, u1, 1)}, twoH200, []int{1}, nil, false, nil, ErrBadTarget},
+		{"three targets for two GPUs", []imagedesc.GPU{src(0, u0, 1), src(1, u1, 1)}, three, []int{0, 1, 2}, nil, false, nil, ErrBadTarget},
+		{"duplicate target", []imagedesc.GPU{src(0, u0, 1), src(1, u1, 1)}, twoH200, []int{1, 1}, nil, false, nil, ErrBadTarget},
+		{"map names an unused GPU", []imagedesc.GPU{src(0, u0, 1)}, twoH200, nil, map[string]string{u2: u1}, false, nil, ErrBadTarget},
+		{"both --gpu and --gpu-map", []imagedesc.GPU{src(0, u0, 1)}, twoH200, []int{1}, map[string]string{u0: u1}, false, nil, ErrBadTarget},
 		{"no GPUs recorded, no remap", nil, twoH200, nil, nil, false, nil, nil},
 		{"no GPUs recorded, remap asked", nil, twoH200, []int{1}, nil, false, nil, ErrBadTarget},
 	}
@@ -96,7 +96,7 @@ func TestPlanPairs(t *testing.T) {
 }
 
 func TestChipMismatchNamesBoth(t *testing.T) {
-	_, err := PlanPairs([]store.GPU{src(0, u0, 1)}, nil, []gpu.Device{dev(0, u0, "NVIDIA H200", 0), a100Dev(1, u1)}, []int{1}, nil, false)
+	_, err := PlanPairs([]imagedesc.GPU{src(0, u0, 1)}, nil, []gpu.Device{dev(0, u0, "NVIDIA H200", 0), a100Dev(1, u1)}, []int{1}, nil, false)
 	for _, w := range []string{"NVIDIA H200", "NVIDIA A100-SXM4-80GB", "compute 8.0", u0, u1} {
 		if err == nil || !contains(err.Error(), w) {
 			t.Errorf("error %v does not name %s", err, w)
@@ -123,7 +123,7 @@ func TestModelChangePairs(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			s := src(0, uX, 1<<30)
 			s.Name = tt.from
-			pairs, err := PlanPairs([]store.GPU{s}, []store.GPU{s}, []gpu.Device{dev(0, u0, tt.to, 0)}, nil, nil, false)
+			pairs, err := PlanPairs([]imagedesc.GPU{s}, []imagedesc.GPU{s}, []gpu.Device{dev(0, u0, tt.to, 0)}, nil, nil, false)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -153,7 +153,7 @@ func TestDriverPairs(t *testing.T) {
 	if err != nil || len(p) != 2 || p[0].Old.String() != u0 || p[0].New.String() != u1 || p[1].New.String() != u0 {
 		t.Errorf("swap plan: %+v, %v", p, err)
 	}
-	bad := []Pair{{From: store.GPU{UUID: "GPU-x"}, To: dev(1, u1, "", 0)}}
+	bad := []Pair{{From: imagedesc.GPU{UUID: "GPU-x"}, To: dev(1, u1, "", 0)}}
 	if _, err := DriverPairs(bad); !errors.Is(err, ErrBadTarget) {
 		t.Errorf("bad uuid: %v", err)
 	}
@@ -188,11 +188,14 @@ const (
 	h200 = "NVIDIA H200"
 )
 
-func gpus(devs ...gpu.Device) []store.GPU { return StoreGPUs(devs, nil) }
+func gpus(devs ...gpu.Device) []imagedesc.GPU { return StoreGPUs(devs, nil) }
 
-func chip(g store.GPU, name string) store.GPU { g.Name = name; return g }
+func chip(g imagedesc.GPU, name string) imagedesc.GPU { g.Name = name; return g }
 
-func a100(g store.GPU) store.GPU { g.Name, g.ComputeCap = "NVIDIA A100-SXM4-80GB", "8.0"; return g }
+func a100(g imagedesc.GPU) imagedesc.GPU {
+	g.Name, g.ComputeCap = "NVIDIA A100-SXM4-80GB", "8.0"
+	return g
+}
 
 // pairsText renders a plan as "FROM>TO" by index, with "*" on used pairs.
 func pairsText(pairs []Pair) []string {
@@ -215,19 +218,19 @@ func TestPlanVisiblePairs(t *testing.T) {
 	h200a100 := []gpu.Device{dev(0, u0, h200, 0), a100Dev(1, u1)}
 	gpu0Full := []gpu.Device{dev(0, u0, h200, 100<<30), dev(1, u1, h200, 0)}
 	gpu1Full := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h200, 100<<30)}
-	cvd := func(v string, devs []gpu.Device) []store.GPU {
+	cvd := func(v string, devs []gpu.Device) []imagedesc.GPU {
 		vis, err := gpu.VisibleDevices(map[string]string{gpu.EnvVisibleDevices: v}, devs)
 		if err != nil {
 			t.Fatal(err)
 		}
 		return gpus(vis...)
 	}
-	otherHost2 := []store.GPU{src(0, uA0, 1), src(1, uA1, 1)}
-	otherHost4 := []store.GPU{src(0, uA0, 1), src(1, uA1, 1), src(2, uA2, 1), src(3, uA3, 1)}
+	otherHost2 := []imagedesc.GPU{src(0, uA0, 1), src(1, uA1, 1)}
+	otherHost4 := []imagedesc.GPU{src(0, uA0, 1), src(1, uA1, 1), src(2, uA2, 1), src(3, uA3, 1)}
 	tests := []struct {
 		name     string
-		used     []store.GPU
-		visible  []store.GPU
+		used     []imagedesc.GPU
+		visible  []imagedesc.GPU
 		devs     []gpu.Device
 		targets  []int
 		gmap     map[string]string
@@ -236,32 +239,32 @@ func TestPlanVisiblePairs(t *testing.T) {
 		wantErr  error
 		noDriver bool // DriverPairs must be nil (nothing moves)
 	}{
-		{"2 GPUs, move 0 to 1: swap", []store.GPU{src(0, u0, 1)}, gpus(two...), two, []int{1}, nil, false, []string{"0>1*", "1>0"}, nil, false},
-		{"2 GPUs, move 1 to 0: swap", []store.GPU{src(1, u1, 1)}, gpus(two...), two, []int{0}, nil, true, []string{"1>0*", "0>1"}, nil, false},
-		{"4 GPUs, move 0 to 2", []store.GPU{src(0, u0, 1)}, gpus(four...), four, []int{2}, nil, false, []string{"0>2*", "1>1", "2>0", "3>3"}, nil, false},
-		{"4 GPUs, move 0,1 to 2,3", []store.GPU{src(0, u0, 1), src(1, u1, 1)}, gpus(four...), four, []int{2, 3}, nil, false, []string{"0>2*", "1>3*", "2>0", "3>1"}, nil, false},
-		{"4 GPUs, move 3 to 0 by --gpu-map", []store.GPU{src(3, u3, 1)}, gpus(four...), four, nil, map[string]string{u3: "0"}, false, []string{"3>0*", "0>3", "1>1", "2>2"}, nil, false},
-		{"CUDA_VISIBLE_DEVICES=2,3 (indexes), move 2 to 0", []store.GPU{src(2, u2, 1)}, cvd("2,3", four), four, []int{0}, nil, false, []string{"2>0*", "3>3"}, nil, false},
-		{"CUDA_VISIBLE_DEVICES by UUID prefix, move 1 to 3", []store.GPU{src(1, u1, 1)}, cvd("GPU-1111,GPU-3333", four), four, []int{3}, nil, false, []string{"1>3*", "3>1"}, nil, false},
-		{"CUDA_VISIBLE_DEVICES=0,1 on 4 GPUs, move 0 to 2", []store.GPU{src(0, u0, 1)}, cvd("0,1", four), four, []int{2}, nil, false, []string{"0>2*", "1>1"}, nil, false},
-		{"CUDA_VISIBLE_DEVICES=1,3 on 4 GPUs, move 1 to 0", []store.GPU{src(1, u1, 1)}, cvd("3,1", four), four, []int{0}, nil, false, []string{"1>0*", "3>3"}, nil, false},
-		{"CUDA_VISIBLE_DEVICES=0 on 2 GPUs: one pair", []store.GPU{src(0, u0, 1)}, cvd("0", two), two, []int{1}, nil, false, []string{"0>1*"}, nil, false},
-		{"no move: no driver pairs, visible listed", []store.GPU{src(0, u0, 1)}, gpus(two...), two, nil, nil, false, []string{"0>0*", "1>1"}, nil, true},
-		{"no move, --gpu naming the same GPU", []store.GPU{src(1, u1, 1)}, gpus(four...), four, []int{1}, nil, false, []string{"1>1*", "0>0", "2>2", "3>3"}, nil, true},
-		{"no move, a visible GPU gone from the host", []store.GPU{src(0, u0, 1)}, append(gpus(two...), src(5, uA3, 0)), two, nil, nil, false, []string{"0>0*"}, nil, true},
-		{"no move, visible set unknown", []store.GPU{src(0, u0, 1)}, nil, two, nil, nil, false, []string{"0>0*"}, nil, true},
-		{"mixed host: the other chip keeps its GPU", []store.GPU{src(0, u0, 1)}, gpus(mixed3...), mixed3, []int{1}, nil, false, []string{"0>1*", "1>0", "2>2"}, nil, false},
-		{"other host, visible recorded: pairs by index", []store.GPU{src(1, uA1, 1)}, otherHost2, two, nil, nil, false, []string{"1>1*", "0>0"}, nil, false},
-		{"other host, used GPU moved by --gpu", []store.GPU{src(1, uA1, 1)}, otherHost2, two, []int{0}, nil, false, []string{"1>0*", "0>1"}, nil, false},
-		{"memory checked only where used memory goes", []store.GPU{src(0, u0, 4<<30)}, gpus(gpu0Full...), gpu0Full, []int{1}, nil, false, []string{"0>1*", "1>0"}, nil, false},
-		{"used target without room refused", []store.GPU{src(0, u0, 4<<30)}, gpus(gpu1Full...), gpu1Full, []int{1}, nil, true, nil, ErrNoRoom, false},
-		{"other chip needed for a visible GPU: refused", []store.GPU{src(0, uA0, 1)}, otherHost2, h200a100, nil, nil, false, nil, ErrChipMismatch, false},
-		{"mixed chips in the visible set, target host all H200", []store.GPU{src(0, u0, 1)}, []store.GPU{src(0, u0, 1), a100(src(1, u1, 1))}, two, []int{1}, nil, false, nil, ErrChipMismatch, false},
-		{"H100 in the visible set, target host all H200: same family", []store.GPU{src(0, u0, 1)}, []store.GPU{src(0, u0, 1), chip(src(1, u1, 1), h100)}, two, []int{1}, nil, false, []string{"0>1*", "1>0"}, nil, false},
-		{"fewer target GPUs than visible: refused", []store.GPU{src(0, uA0, 1)}, otherHost4, two, nil, nil, false, nil, ErrTooFewGPUs, false},
-		{"move with visible set unknown: refused", []store.GPU{src(0, u0, 1)}, nil, two, []int{1}, nil, false, nil, ErrVisibleUnknown, false},
-		{"used GPU outside the visible set: refused", []store.GPU{src(1, u1, 1)}, cvd("0", two), two, []int{0}, nil, false, nil, ErrVisibleUnknown, false},
-		{"visible GPU listed twice: refused", []store.GPU{src(0, u0, 1)}, append(gpus(two...), src(1, u1, 0)), two, []int{1}, nil, false, nil, ErrVisibleUnknown, false},
+		{"2 GPUs, move 0 to 1: swap", []imagedesc.GPU{src(0, u0, 1)}, gpus(two...), two, []int{1}, nil, false, []string{"0>1*", "1>0"}, nil, false},
+		{"2 GPUs, move 1 to 0: swap", []imagedesc.GPU{src(1, u1, 1)}, gpus(two...), two, []int{0}, nil, true, []string{"1>0*", "0>1"}, nil, false},
+		{"4 GPUs, move 0 to 2", []imagedesc.GPU{src(0, u0, 1)}, gpus(four...), four, []int{2}, nil, false, []string{"0>2*", "1>1", "2>0", "3>3"}, nil, false},
+		{"4 GPUs, move 0,1 to 2,3", []imagedesc.GPU{src(0, u0, 1), src(1, u1, 1)}, gpus(four...), four, []int{2, 3}, nil, false, []string{"0>2*", "1>3*", "2>0", "3>1"}, nil, false},
+		{"4 GPUs, move 3 to 0 by --gpu-map", []imagedesc.GPU{src(3, u3, 1)}, gpus(four...), four, nil, map[string]string{u3: "0"}, false, []string{"3>0*", "0>3", "1>1", "2>2"}, nil, false},
+		{"CUDA_VISIBLE_DEVICES=2,3 (indexes), move 2 to 0", []imagedesc.GPU{src(2, u2, 1)}, cvd("2,3", four), four, []int{0}, nil, false, []string{"2>0*", "3>3"}, nil, false},
+		{"CUDA_VISIBLE_DEVICES by UUID prefix, move 1 to 3", []imagedesc.GPU{src(1, u1, 1)}, cvd("GPU-1111,GPU-3333", four), four, []int{3}, nil, false, []string{"1>3*", "3>1"}, nil, false},
+		{"CUDA_VISIBLE_DEVICES=0,1 on 4 GPUs, move 0 to 2", []imagedesc.GPU{src(0, u0, 1)}, cvd("0,1", four), four, []int{2}, nil, false, []string{"0>2*", "1>1"}, nil, false},
+		{"CUDA_VISIBLE_DEVICES=1,3 on 4 GPUs, move 1 to 0", []imagedesc.GPU{src(1, u1, 1)}, cvd("3,1", four), four, []int{0}, nil, false, []string{"1>0*", "3>3"}, nil, false},
+		{"CUDA_VISIBLE_DEVICES=0 on 2 GPUs: one pair", []imagedesc.GPU{src(0, u0, 1)}, cvd("0", two), two, []int{1}, nil, false, []string{"0>1*"}, nil, false},
+		{"no move: no driver pairs, visible listed", []imagedesc.GPU{src(0, u0, 1)}, gpus(two...), two, nil, nil, false, []string{"0>0*", "1>1"}, nil, true},
+		{"no move, --gpu naming the same GPU", []imagedesc.GPU{src(1, u1, 1)}, gpus(four...), four, []int{1}, nil, false, []string{"1>1*", "0>0", "2>2", "3>3"}, nil, true},
+		{"no move, a visible GPU gone from the host", []imagedesc.GPU{src(0, u0, 1)}, append(gpus(two...), src(5, uA3, 0)), two, nil, nil, false, []string{"0>0*"}, nil, true},
+		{"no move, visible set unknown", []imagedesc.GPU{src(0, u0, 1)}, nil, two, nil, nil, false, []string{"0>0*"}, nil, true},
+		{"mixed host: the other chip keeps its GPU", []imagedesc.GPU{src(0, u0, 1)}, gpus(mixed3...), mixed3, []int{1}, nil, false, []string{"0>1*", "1>0", "2>2"}, nil, false},
+		{"other host, visible recorded: pairs by index", []imagedesc.GPU{src(1, uA1, 1)}, otherHost2, two, nil, nil, false, []string{"1>1*", "0>0"}, nil, false},
+		{"other host, used GPU moved by --gpu", []imagedesc.GPU{src(1, uA1, 1)}, otherHost2, two, []int{0}, nil, false, []string{"1>0*", "0>1"}, nil, false},
+		{"memory checked only where used memory goes", []imagedesc.GPU{src(0, u0, 4<<30)}, gpus(gpu0Full...), gpu0Full, []int{1}, nil, false, []string{"0>1*", "1>0"}, nil, false},
+		{"used target without room refused", []imagedesc.GPU{src(0, u0, 4<<30)}, gpus(gpu1Full...), gpu1Full, []int{1}, nil, true, nil, ErrNoRoom, false},
+		{"other chip needed for a visible GPU: refused", []imagedesc.GPU{src(0, uA0, 1)}, otherHost2, h200a100, nil, nil, false, nil, ErrChipMismatch, false},
+		{"mixed chips in the visible set, target host all H200", []imagedesc.GPU{src(0, u0, 1)}, []imagedesc.GPU{src(0, u0, 1), a100(src(1, u1, 1))}, two, []int{1}, nil, false, nil, ErrChipMismatch, false},
+		{"H100 in the visible set, target host all H200: same family", []imagedesc.GPU{src(0, u0, 1)}, []imagedesc.GPU{src(0, u0, 1), chip(src(1, u1, 1), h100)}, two, []int{1}, nil, false, []string{"0>1*", "1>0"}, nil, false},
+		{"fewer target GPUs than visible: refused", []imagedesc.GPU{src(0, uA0, 1)}, otherHost4, two, nil, nil, false, nil, ErrTooFewGPUs, false},
+		{"move with visible set unknown: refused", []imagedesc.GPU{src(0, u0, 1)}, nil, two, []int{1}, nil, false, nil, ErrVisibleUnknown, false},
+		{"used GPU outside the visible set: refused", []imagedesc.GPU{src(1, u1, 1)}, cvd("0", two), two, []int{0}, nil, false, nil, ErrVisibleUnknown, false},
+		{"visible GPU listed twice: refused", []imagedesc.GPU{src(0, u0, 1)}, append(gpus(two...), src(1, u1, 0)), two, []int{1}, nil, false, nil, ErrVisibleUnknown, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -294,7 +297,7 @@ func TestPlanVisiblePairs(t *testing.T) {
 
 func TestTooFewGPUsNamesBothSets(t *testing.T) {
 	two := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h200, 0)}
-	vis := []store.GPU{src(0, uA0, 1), src(1, uA1, 1), src(2, uA2, 1)}
+	vis := []imagedesc.GPU{src(0, uA0, 1), src(1, uA1, 1), src(2, uA2, 1)}
 	_, err := PlanPairs(vis[:1], vis, two, nil, nil, false)
 	for _, w := range []string{uA0, uA1, uA2, u0, u1, "sees 3 GPUs"} {
 		if err == nil || !strings.Contains(err.Error(), w) {
@@ -312,14 +315,14 @@ func TestDriverPairsRefusesNonBijection(t *testing.T) {
 
 func TestAssumeVisible(t *testing.T) {
 	two := []gpu.Device{dev(0, u0, h200, 0), dev(1, u1, h200, 0)}
-	v, ok := AssumeVisible([]store.GPU{src(1, u1, 7)}, two)
+	v, ok := AssumeVisible([]imagedesc.GPU{src(1, u1, 7)}, two)
 	if !ok || len(v) != 2 || v[0].UUID != u0 || v[1].UUID != u1 || v[1].MemoryBytes != 7 || v[0].MemoryBytes != 0 {
 		t.Errorf("same host: %+v, %v; want both GPUs, memory on GPU 1", v, ok)
 	}
-	if v, ok := AssumeVisible([]store.GPU{src(0, uX, 1)}, two); ok {
+	if v, ok := AssumeVisible([]imagedesc.GPU{src(0, uX, 1)}, two); ok {
 		t.Errorf("other host: %+v accepted; its GPUs cannot be named", v)
 	}
-	meta := store.Metadata{GPUs: []store.GPU{src(0, u0, 1)}, Visible: []store.GPU{src(0, u0, 1)}}
+	meta := &imagedesc.Description{GPUs: []imagedesc.GPU{src(0, u0, 1)}, Visible: []imagedesc.GPU{src(0, u0, 1)}}
 	if v, assumed := RecordedVisible(meta, two); assumed || len(v) != 1 {
 		t.Errorf("recorded set: %+v, assumed %v", v, assumed)
 	}
@@ -342,7 +345,7 @@ func TestPairString(t *testing.T) {
 
 func TestCheckRoom(t *testing.T) {
 	devs := []gpu.Device{dev(0, u0, "NVIDIA H200", 0), dev(1, u1, "NVIDIA H200", 0)}
-	pairs, err := PlanPairs([]store.GPU{src(0, u0, 1)}, StoreGPUs(devs, nil), devs, []int{1}, nil, true)
+	pairs, err := PlanPairs([]imagedesc.GPU{src(0, u0, 1)}, StoreGPUs(devs, nil), devs, []int{1}, nil, true)
 	if err != nil {
 		t.Fatal(err)
 	}
