@@ -14,6 +14,7 @@ import (
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
@@ -21,15 +22,16 @@ import (
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/probe"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/store"
 )
 
 // Step names of a migration.
 const (
-	StepLock       = op.StepLock
-	StepCheckpoint = op.StepCheckpoint
-	StepRestore    = op.StepDriverRestore
-	StepUnlock     = op.StepUnlock
+	StepLock       = driverstep.StepLock
+	StepCheckpoint = driverstep.StepCheckpoint
+	StepRestore    = driverstep.StepDriverRestore
+	StepUnlock     = driverstep.StepUnlock
 )
 
 // Options of one in-place migration.
@@ -41,7 +43,7 @@ type Options struct {
 	AllowModelChange bool
 	LockTimeout      time.Duration // driver lock timeout; 0 waits for running kernels forever
 	// PreemptBudget: how long the quiesce of a process under the shim waits for preemptible
-	// kernels to stop (0: op.DefaultPreemptBudget).
+	// kernels to stop (0: shimstep.DefaultPreemptBudget).
 	PreemptBudget time.Duration
 	OpLockWait    time.Duration // wait for another ptxmig operation on the PID; 0 fails at once
 }
@@ -71,18 +73,18 @@ type Plan struct {
 // Result reports a migration. Downtime runs from the start of the lock to the end of the
 // unlock: the time the process could not use CUDA.
 type Result struct {
-	PID        int                 `json:"pid"`
-	Source     []GPURef            `json:"source"`
-	Target     []GPURef            `json:"target"`
-	Pairs      []placement.Pair    `json:"gpu_pairs"`
-	Preemption []*op.PreemptReport `json:"preemption,omitempty"`
-	Timings    op.Timings          `json:"timings"`
-	Lock       time.Duration       `json:"lock_ns"`
-	Checkpoint time.Duration       `json:"checkpoint_ns"`
-	Restore    time.Duration       `json:"restore_ns"`
-	Unlock     time.Duration       `json:"unlock_ns"`
-	Downtime   time.Duration       `json:"downtime_ns"`
-	Warnings   []string            `json:"warnings,omitempty"`
+	PID        int                       `json:"pid"`
+	Source     []GPURef                  `json:"source"`
+	Target     []GPURef                  `json:"target"`
+	Pairs      []placement.Pair          `json:"gpu_pairs"`
+	Preemption []*shimstep.PreemptReport `json:"preemption,omitempty"`
+	Timings    op.Timings                `json:"timings"`
+	Lock       time.Duration             `json:"lock_ns"`
+	Checkpoint time.Duration             `json:"checkpoint_ns"`
+	Restore    time.Duration             `json:"restore_ns"`
+	Unlock     time.Duration             `json:"unlock_ns"`
+	Downtime   time.Duration             `json:"downtime_ns"`
+	Warnings   []string                  `json:"warnings,omitempty"`
 }
 
 // Run plans and executes a migration.
@@ -174,12 +176,12 @@ func PlanMigrate(env *op.Env, o Options) (*Plan, error) {
 		return nil, op.Refusef("migrate pid %d: %w", pid, err)
 	}
 	p.Steps = []op.PlanStep{
-		{Step: op.StepQuiesce, Action: "if it runs under the ptxmig shim: stop preemptible kernels between blocks, hold new launches"},
+		{Step: shimstep.StepQuiesce, Action: "if it runs under the ptxmig shim: stop preemptible kernels between blocks, hold new launches"},
 		{Step: StepLock, Action: fmt.Sprintf("lock pid %d (timeout %s)", pid, lockTimeoutText(o.LockTimeout))},
 		{Step: StepCheckpoint, Action: fmt.Sprintf("checkpoint: copy its GPU memory (%s) to host memory", bytesize.FormatU(p.GPUBytes))},
 		{Step: StepRestore, Action: fmt.Sprintf("restore with %d GPU pairs, one per GPU of the host: %s", len(pairs), placement.PairText(pairs))},
 		{Step: StepUnlock, Action: fmt.Sprintf("unlock pid %d", pid)},
-		{Step: op.StepResume, Action: "under the shim: relaunch preempted kernels on the target, release held launches"},
+		{Step: shimstep.StepResume, Action: "under the shim: relaunch preempted kernels on the target, release held launches"},
 		{Step: "on failure", Action: fmt.Sprintf("restore without pairs (back onto GPU %s) and unlock", indexes(p.Source))},
 	}
 	return p, nil
@@ -227,14 +229,14 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		}
 		return placement.CheckRoom(p.Pairs, devs, true)
 	}
-	pre := op.NewPreemption(env, o.PreemptBudget)
+	pre := shimstep.NewPreemption(env, o.PreemptBudget)
 	defer pre.Close()
 	steps := Steps(env.Driver, p.PID, p.dpairs, o.LockTimeout, recheck)
 	steps[0] = pre.ExplainLock(steps[0])
 	steps = append(append([]op.Step{pre.QuiesceStep([]int{p.PID})}, steps...), pre.ResumeStep(op.Fixed([]int{p.PID}), false))
 	steps[len(steps)-1].Commit = true
 	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpMigrate, Root: p.PID, Tree: []int{p.PID}, CUDA: []int{p.PID},
-		Steps: op.StepNames(steps)})
+		Steps: steps})
 	if err != nil {
 		return nil, err
 	}
@@ -260,10 +262,10 @@ func Steps(drv op.Driver, pid int, dpairs []cudackpt.Pair, lockTimeout time.Dura
 		recheck = nil
 	}
 	return []op.Step{
-		op.LockStep(drv, pids, lockTimeout),
-		op.CheckpointStep(drv, pids),
-		op.RestoreStep(drv, op.Fixed(pids), dpairs, recheck, false),
-		op.UnlockStep(drv, op.Fixed(pids)),
+		driverstep.LockStep(drv, pids, lockTimeout),
+		driverstep.CheckpointStep(drv, pids),
+		driverstep.RestoreStep(drv, op.Fixed(pids), dpairs, recheck, false),
+		driverstep.UnlockStep(drv, op.Fixed(pids)),
 	}
 }
 

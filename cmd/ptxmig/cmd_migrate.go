@@ -10,6 +10,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/migrate"
 )
 
@@ -53,8 +54,8 @@ func init() {
 }
 
 // migrateLabels name the steps of a migration in its status line.
-var migrateLabels = map[string]string{op.StepQuiesce: "quiesce", migrate.StepLock: "lock", migrate.StepCheckpoint: "device->host",
-	migrate.StepRestore: "host->device", migrate.StepUnlock: "unlock", op.StepResume: "resume"}
+var migrateLabels = map[string]string{shimstep.StepQuiesce: "quiesce", migrate.StepLock: "lock", migrate.StepCheckpoint: "device->host",
+	migrate.StepRestore: "host->device", migrate.StepUnlock: "unlock", shimstep.StepResume: "resume"}
 
 func migrateAction(c *cli.Context) error {
 	if err := argsExactly(c, 1); err != nil {

@@ -3,6 +3,7 @@ package journal
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -20,7 +21,15 @@ func header() Header {
 		Time: time.Date(2026, 11, 25, 5, 0, 0, 0, time.UTC), Owner: Proc{PID: 4242, Start: 100}, Session: 4000, Root: 777,
 		Tree: []Proc{{PID: 777, Start: 50}, {PID: 778, Start: 51}}, CUDA: []int{778},
 		Staging: "/dev/shm/ptxmig/" + testID, Store: "/var/lib/ptxmig", Image: "job-1",
-		Steps: []string{"quiesce", "lock", "checkpoint", "detach", "dump", "store", "finish"}}
+		Steps: named("quiesce", "lock", "checkpoint", "detach", "dump", "store", "finish")}
+}
+
+func named(names ...string) []Step {
+	out := make([]Step, len(names))
+	for i, n := range names {
+		out[i] = Step{Name: n}
+	}
+	return out
 }
 
 func line(t *testing.T, r any) string {
@@ -97,7 +106,7 @@ func TestParseRefusesHostileJournals(t *testing.T) {
 		{"begin not first", `{"t":"commit"}` + "\n" + b, "begin comes first"},
 		{"begin twice", b + b, "begin comes first"},
 		{"begin without body", `{"t":"begin"}` + "\n", "without the operation"},
-		{"future version", begin(t, func(h *Header) { h.V = 2 }), "version 2"},
+		{"future version", begin(t, func(h *Header) { h.V = Version + 1 }), fmt.Sprintf("version %d", Version+1)},
 		{"unknown operation", begin(t, func(h *Header) { h.Op = "format-disk"; h.ID = "format-disk-1-0123456789abcdef" }), "unknown operation"},
 		{"id of another operation kind", begin(t, func(h *Header) { h.Op = OpRestore }), "bad id"},
 		{"id with a path", begin(t, func(h *Header) { h.ID = "checkpoint-1-../../etc" }), "bad id"},
@@ -126,8 +135,11 @@ func TestParseRefusesHostileJournals(t *testing.T) {
 		{"store relative", begin(t, func(h *Header) { h.Store = "store" }), "bad store"},
 		{"image name with a path", begin(t, func(h *Header) { h.Image = "../../x" }), "bad image"},
 		{"no steps", begin(t, func(h *Header) { h.Steps = nil }), "0 steps"},
-		{"bad step name", begin(t, func(h *Header) { h.Steps = []string{"rm -rf"} }), "bad or repeated step"},
-		{"repeated step", begin(t, func(h *Header) { h.Steps = []string{"dump", "dump"} }), "bad or repeated step"},
+		{"bad step name", begin(t, func(h *Header) { h.Steps = named("rm -rf") }), "bad or repeated step"},
+		{"repeated step", begin(t, func(h *Header) { h.Steps = named("dump", "dump") }), "bad or repeated step"},
+		{"bad step kind", begin(t, func(h *Header) { h.Steps[0].Kind = "../x" }), "bad kind"},
+		{"step data too long", begin(t, func(h *Header) { h.Steps[0].Data = []byte(`"` + strings.Repeat("x", MaxStepData) + `"`) }), "bad data"},
+		{"journal of version 1", `{"t":"begin","begin":{"v":1,"op":"checkpoint","steps":["dump"]}}` + "\n", "version 1 (written by another ptxmig), this ptxmig reads 2"},
 		{"step not planned", b + step("format", PhaseBegin, 5), "not one of the operation's"},
 		{"step done before it began", b + step("dump", PhaseDone, 0), "out of order"},
 		{"step began twice", b + step("dump", PhaseBegin, 5) + step("dump", PhaseBegin, 6), "began twice"},

@@ -48,22 +48,28 @@ type TxnSpec struct {
 	LeaveRunning bool
 	StagingRoot  string // where the operation's staging directory goes ("" for none)
 	Store, Image string
-	Steps        []string // the names of the planned steps, in order (StepNames)
+	// Steps are the planned steps, in order: the journal records each one's name, kind and data
+	// (their actions are not used: the steps Txn.Execute runs must match them by name and kind).
+	Steps []Step
 }
 
-// StepNames lists the names of steps.
-func StepNames(steps []Step) []string {
-	out := make([]string, len(steps))
+// JournalSteps is what the journal records of steps.
+func JournalSteps(steps []Step) ([]journal.Step, error) {
+	out := make([]journal.Step, len(steps))
 	for i, s := range steps {
-		out[i] = s.Name
+		data, err := marshalData(s.Data)
+		if err != nil {
+			return nil, fmt.Errorf("step %s: %w", s.Name, err)
+		}
+		out[i] = journal.Step{Name: s.Name, Kind: s.Kind, Commit: s.Commit, Data: data}
 	}
-	return out
+	return out, nil
 }
 
 // Txn is a journaled operation with its guardian.
 type Txn struct {
 	env     *Env
-	steps   []string
+	steps   []journal.Step
 	w       *journal.Writer
 	g       *guardianProc
 	id      string
@@ -99,7 +105,9 @@ func (e *Env) Begin(ctx context.Context, spec TxnSpec) (*Txn, error) {
 		}
 		h.Tree = append(h.Tree, p)
 	}
-	h.Steps = spec.Steps
+	if h.Steps, err = JournalSteps(spec.Steps); err != nil {
+		return nil, Refusef("operation journal: %w", err)
+	}
 	if spec.StagingRoot != "" {
 		root, err := filepath.Abs(spec.StagingRoot)
 		if err != nil {
@@ -166,11 +174,11 @@ func (t *Txn) Execute(ctx context.Context, steps []Step, hook Hook, rollbackTime
 	return execute(ctx, steps, hook, rollbackTimeout, t.log, t)
 }
 
-func (t *Txn) begin(step string) error {
-	if !slices.Contains(t.steps, step) {
-		return fmt.Errorf("step %q is not in the operation's journal", step)
+func (t *Txn) begin(s Step) error {
+	if !slices.ContainsFunc(t.steps, func(p journal.Step) bool { return p.Name == s.Name && p.Kind == s.Kind }) {
+		return fmt.Errorf("step %q (kind %q) is not in the operation's journal", s.Name, s.Kind)
 	}
-	if err := t.w.Append(journal.Record{T: journal.TStep, Step: step, Phase: journal.PhaseBegin, At: int64(max(1, proc.SinceBoot()))}); err != nil {
+	if err := t.w.Append(journal.Record{T: journal.TStep, Step: s.Name, Phase: journal.PhaseBegin, At: int64(max(1, proc.SinceBoot()))}); err != nil {
 		return fmt.Errorf("operation journal: %w", err)
 	}
 	return nil

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
 )
 
@@ -97,7 +98,7 @@ func describeSharing(s *shimctl.IPC) string {
 func shimStatus(ctx context.Context, pid int) (*shimctl.Status, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	c, err := dial(ctx, pid)
+	c, err := DialShim(ctx, pid)
 	if err == nil {
 		defer c.Close()
 		var st *shimctl.Status
@@ -109,4 +110,13 @@ func shimStatus(ctx context.Context, pid int) (*shimctl.Status, error) {
 		return nil, nil // no shim (or gone): nothing to ask
 	}
 	return nil, err
+}
+
+// DialShim reaches pid's shim in the socket directory of pid's own environment.
+func DialShim(ctx context.Context, pid int) (*shimctl.Client, error) {
+	dir := ""
+	if e, err := gpu.ProcessEnviron("/proc", pid); err == nil {
+		dir = e["PTXMIG_SOCKET_DIR"]
+	}
+	return shimctl.DialPID(ctx, shimctl.SocketDir(dir), pid)
 }

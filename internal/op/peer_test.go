@@ -126,3 +126,8 @@ func TestRefuseUnrestorableFailsClosed(t *testing.T) {
 		t.Fatalf("err = %v, want a refusal", err)
 	}
 }
+
+// reply is one line of a fake shim's answers.
+func reply(cmd, result string, proto int) string {
+	return fmt.Sprintf(`{"ok":true,"proto":%d,"cmd":%q,"result":%s}`+"\n", proto, cmd, result)
+}

@@ -1,0 +1,201 @@
+// Package driverstep holds the driver steps of the operations (lock, checkpoint, restore,
+// unlock through the NVIDIA driver's checkpoint API), each over every CUDA process of an
+// operation, with their undos and the step kinds a crash recovery rebuilds them by.
+package driverstep
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/op"
+)
+
+// Step names of the driver steps, shared by checkpoint, restore and migrate.
+const (
+	StepLock          = "lock"
+	StepCheckpoint    = "checkpoint"
+	StepDriverRestore = "driver-restore"
+	StepUnlock        = "unlock"
+)
+
+// The driver steps act on every CUDA process of an operation (a tree may hold several), in
+// order. Each Undo looks at the driver's actual state of each process and does only what is still
+// needed, so a step that failed halfway (two of three processes locked) rolls back cleanly.
+
+// Step kinds of the driver steps with an undo (see op.Kind): their journal data is the pids.
+const (
+	KindLock       = "driver.lock"
+	KindCheckpoint = "driver.checkpoint"
+)
+
+// pidsData is what the journal records of a driver step: the processes it acts on.
+type pidsData struct {
+	PIDs []int `json:"pids"`
+}
+
+func init() {
+	// After a crash the undos act on the recorded processes still alive as themselves, through
+	// the driver the recovery opens.
+	rebuild := func(undo func(d op.Driver, pids []int, note func(string, ...any)) error, what string) func(*op.Rec, json.RawMessage) (op.Recovery, error) {
+		return func(r *op.Rec, data json.RawMessage) (op.Recovery, error) {
+			var x pidsData
+			if err := json.Unmarshal(data, &x); err != nil {
+				return op.Recovery{}, err
+			}
+			return op.Recovery{Undo: func(context.Context) error {
+				pids := r.Alive(x.PIDs)
+				if len(pids) == 0 {
+					return nil
+				}
+				d, err := r.Driver()
+				if err != nil {
+					return fmt.Errorf("pid %s may be %s, but the NVIDIA driver cannot be used: %v", op.PIDText(pids), what, err)
+				}
+				return undo(d, pids, r.Note)
+			}}, nil
+		}
+	}
+	op.RegisterKind(op.Kind{ID: KindLock, Rebuild: rebuild(unlockLocked, "locked")})
+	op.RegisterKind(op.Kind{ID: KindCheckpoint, Rebuild: rebuild(restoreCheckpointed, "checkpointed")})
+}
+
+// unlockLocked unlocks those of pids the driver has locked: the lock step's undo, in-process
+// and after a crash. note (may be nil) is told what was done.
+func unlockLocked(d op.Driver, pids []int, note func(string, ...any)) error {
+	return eachPID(pids, func(pid int) error {
+		st, err := d.State(pid)
+		if errors.Is(err, cudackpt.ErrNotCUDA) || (err == nil && st != cudackpt.Locked) {
+			return nil // running again (or gone)
+		}
+		if err := d.Unlock(pid); err != nil {
+			return err
+		}
+		if note != nil {
+			note("driver unlock of pid %d", pid)
+		}
+		return nil
+	})
+}
+
+// restoreCheckpointed restores those of pids the driver holds checkpointed onto their own GPUs
+// (no pairs: the identity, which every driver accepts): the checkpoint step's undo, in-process
+// and after a crash (the lock's undo then unlocks).
+func restoreCheckpointed(d op.Driver, pids []int, note func(string, ...any)) error {
+	return eachPID(pids, func(pid int) error {
+		st, err := d.State(pid)
+		if errors.Is(err, cudackpt.ErrNotCUDA) || (err == nil && st != cudackpt.Checkpointed) {
+			return nil // restored already
+		}
+		if rerr := d.Restore(pid, nil); rerr != nil {
+			return fmt.Errorf("restore pid %d onto its own GPUs (state %v, %v): %w", pid, st, err, rerr)
+		}
+		if note != nil {
+			note("driver restore of pid %d onto its own GPUs", pid)
+		}
+		return nil
+	})
+}
+
+// LockStep locks each pid (waiting up to timeout for running kernels); undo unlocks those still
+// locked. When one pid fails, the step unlocks the ones it locked before failing: it leaves
+// nothing behind (StepUndid).
+func LockStep(d op.Driver, pids []int, timeout time.Duration) op.Step {
+	undo := func(pids []int) error { return unlockLocked(d, pids, nil) }
+	return op.Step{Name: StepLock, Kind: KindLock, Data: pidsData{PIDs: pids},
+		Do: func(context.Context) error {
+			return eachDo(pids, func(pid int) error {
+				if err := d.Lock(pid, timeout); err != nil {
+					return fmt.Errorf("lock pid %d: %w", pid, err)
+				}
+				return nil
+			}, undo)
+		},
+		Undo: func(context.Context) error { return undo(pids) }}
+}
+
+// CheckpointStep moves each pid's device memory to host memory; undo restores those still
+// checkpointed onto their own GPUs. When one pid fails, the step restores those it checkpointed
+// (the failed one too, should the driver have left it checkpointed) before failing.
+func CheckpointStep(d op.Driver, pids []int) op.Step {
+	undo := func(pids []int) error { return restoreCheckpointed(d, pids, nil) }
+	return op.Step{Name: StepCheckpoint, Kind: KindCheckpoint, Data: pidsData{PIDs: pids},
+		Do: func(context.Context) error {
+			return eachDo(pids, func(pid int) error {
+				if err := d.Checkpoint(pid); err != nil {
+					return fmt.Errorf("checkpoint pid %d: %w", pid, err)
+				}
+				return nil
+			}, undo)
+		},
+		Undo: func(context.Context) error { return undo(pids) }}
+}
+
+// eachDo runs do for every pid in order. When one fails, undo runs over the pids done so far
+// and the failed one (undos look at the driver's real state), and the error says the step undid
+// its own part (StepUndid), so no step over several processes leaves some of them changed.
+func eachDo(pids []int, do func(pid int) error, undo func(pids []int) error) error {
+	for i, pid := range pids {
+		if err := do(pid); err != nil {
+			return op.StepUndid(err, undo(pids[:i+1]))
+		}
+	}
+	return nil
+}
+
+// RestoreStep restores each pid's device memory (with pairs, nil for the identity). check, when
+// set, runs first: it re-reads the world and fails the step before the driver is asked (on driver
+// 580 a restore that runs out of memory leaves the process checkpointed for good). expectCheckpointed
+// makes the step verify each pid is checkpointed first (after a CRIU restore). No undo: the
+// checkpoint step's undo (or, after a CRIU restore, killing the process) covers it.
+func RestoreStep(d op.Driver, pids func() []int, pairs []cudackpt.Pair, check func() error, expectCheckpointed bool) op.Step {
+	return op.Step{Name: StepDriverRestore, Do: func(context.Context) error {
+		if check != nil {
+			if err := check(); err != nil {
+				return err
+			}
+		}
+		for _, pid := range pids() {
+			if expectCheckpointed {
+				st, err := d.State(pid)
+				if err != nil {
+					return fmt.Errorf("pid %d: %w", pid, err)
+				}
+				if st != cudackpt.Checkpointed {
+					return fmt.Errorf("restored pid %d is %s, expected checkpointed", pid, st)
+				}
+			}
+			if err := d.Restore(pid, pairs); err != nil {
+				return fmt.Errorf("driver restore pid %d: %w", pid, err)
+			}
+		}
+		return nil
+	}}
+}
+
+// UnlockStep unlocks each pid.
+func UnlockStep(d op.Driver, pids func() []int) op.Step {
+	return op.Step{Name: StepUnlock, Do: func(context.Context) error {
+		for _, pid := range pids() {
+			if err := d.Unlock(pid); err != nil {
+				return fmt.Errorf("unlock pid %d: %w", pid, err)
+			}
+		}
+		return nil
+	}}
+}
+
+// eachPID runs f for every pid (in reverse: the last one touched first) and joins the errors, so
+// one process that cannot be rolled back does not stop the others.
+func eachPID(pids []int, f func(pid int) error) error {
+	var errs []error
+	for i := len(pids) - 1; i >= 0; i-- {
+		if err := f(pids[i]); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
