@@ -153,8 +153,14 @@ type rebuilt struct {
 	rec   Recovery
 }
 
+// errUnknownKind marks a journal with a step of a kind this program does not know (a newer
+// ptxmig's, or a program that does not import the operation's package): it is left as it is, for
+// a ptxmig that knows the kind.
+var errUnknownKind = errors.New("a step kind this ptxmig does not know")
+
 // rebuild rebuilds every planned step of the journal. A step of a kind this ptxmig does not know
-// makes the whole journal unrecoverable (refused before anything is touched).
+// (errUnknownKind) makes the whole journal unrecoverable here; data its kind cannot read makes it
+// invalid (journal.ErrInvalid). Either way nothing has been touched.
 func (rb *journalRollback) rebuild() ([]*rebuilt, error) {
 	h := &rb.st.Header
 	var out []*rebuilt
@@ -166,7 +172,7 @@ func (rb *journalRollback) rebuild() ([]*rebuilt, error) {
 		}
 		k, ok := lookupKind(s.Kind)
 		if !ok {
-			return nil, fmt.Errorf("%w: step %s is of kind %q, which this ptxmig does not know", journal.ErrInvalid, s.Name, s.Kind)
+			return nil, fmt.Errorf("%w: step %s is of kind %q", errUnknownKind, s.Name, s.Kind)
 		}
 		x.kind = k
 		rec, err := k.Rebuild(&Rec{Header: h, Step: x.state, Log: rb.log, drv: rb.drv, rb: rb}, s.Data)

@@ -242,12 +242,19 @@ func recoverPath(ctx context.Context, path string, o *RecoverOptions, drv *drive
 	}
 	rb := &journalRollback{st: st, drv: drv, log: log}
 	steps, err := rb.rebuild()
-	if err != nil {
+	if errors.Is(err, errUnknownKind) && st.Outcome == "" {
+		// Left for a ptxmig that knows the kind: the journal stays as it is, no attempt counted.
+		r.Outcome, r.Error = RecoveredIncomplete, fmt.Sprintf("%v: left for a ptxmig that knows it", err)
+		log.Warn("cannot recover an interrupted operation; its journal stays", "journal", id, "err", err)
+		return r
+	}
+	if err != nil && st.Outcome == "" {
 		refuse(r, path, f, err, log)
 		return r
 	}
 	switch {
 	case st.Outcome != "":
+		// (Nothing is rebuilt: an ended operation left its staging directory at most.)
 		rb.note("the operation had ended (%s); removed what it left", st.Outcome)
 		r.Outcome = RecoveredCleaned
 	case len(st.Steps) == 0:

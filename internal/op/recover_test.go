@@ -627,3 +627,53 @@ func TestGuardianRollsBackJobMidStep(t *testing.T) {
 		}
 	}
 }
+
+// TestRecoverLeavesUnknownKinds: a journal with a step of a kind this ptxmig does not know (a
+// newer ptxmig's) is left as it is, touching nothing, and named in the report; one whose step data
+// its kind cannot read is refused (kept aside).
+func TestRecoverLeavesUnknownKinds(t *testing.T) {
+	pid := sleeper(t)
+	r := newRecoverRig(t, pid)
+	dead := exec.Command("true")
+	if err := dead.Run(); err != nil {
+		t.Fatal(err)
+	}
+	boot, _ := proc.BootID()
+	s, _ := proc.ReadStat(pid)
+	write := func(steps []journal.Step) string {
+		id, _ := journal.NewID(journal.OpMigrate, dead.Process.Pid)
+		h := journal.Header{V: journal.Version, Op: journal.OpMigrate, ID: id, Boot: boot, Time: time.Now(), Owner: journal.Proc{PID: dead.Process.Pid, Start: 1},
+			Session: 1, Root: pid, Tree: []journal.Proc{{PID: pid, Start: s.StartTicks}}, CUDA: []int{pid}, Steps: steps}
+		w, err := journal.Create(journal.Dir(), h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Append(journal.Record{T: journal.TStep, Step: steps[0].Name, Phase: journal.PhaseBegin, At: 1}); err != nil {
+			t.Fatal(err)
+		}
+		w.Abandon()
+		return w.Path()
+	}
+	if err := r.drv.Lock(pid, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	unknown := write([]journal.Step{{Name: "lock", Kind: "future.lock", Data: []byte(`{"pids":[1]}`)}})
+	rep := op.RecoverJournal(context.Background(), unknown, r.opts)
+	if rep == nil || rep.Outcome != op.RecoveredIncomplete || !strings.Contains(rep.Error, "future.lock") {
+		t.Fatalf("unknown kind: %+v", rep)
+	}
+	if _, err := os.Stat(unknown); err != nil {
+		t.Errorf("the journal of an unknown kind is gone: %v", err)
+	}
+	if st := r.drv.Get(pid).State; st != cudackpt.Locked {
+		t.Errorf("a journal of an unknown kind changed the driver state: %v", st)
+	}
+	bad := write([]journal.Step{{Name: "lock", Kind: driverstep.KindLock, Data: []byte(`{"pids":"all"}`)}})
+	if rep := op.RecoverJournal(context.Background(), bad, r.opts); rep == nil || rep.Outcome != op.RecoveredRefused {
+		t.Fatalf("unreadable step data: %+v", rep)
+	}
+	if st := r.drv.Get(pid).State; st != cudackpt.Locked {
+		t.Errorf("a refused journal changed the driver state: %v", st)
+	}
+	_ = os.Remove(unknown)
+}
