@@ -90,23 +90,28 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	pre := shimstep.NewPreemption(env, o.PreemptBudget)
 	defer pre.Close()
 	stored := func(m *store.Manifest, s *store.Stats) { manifest, stats = m, s }
-	// The journal lists the steps before the staging directory (named after it) exists.
-	planned, _ := buildSteps(env, p, "", tr, pre, nil, stored, t0)
+	// The steps are built once the staging directory (named after the journal) is known, and
+	// journaled before anything is touched.
+	var images string
+	cleanup := func() {}
 	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpCheckpoint, Root: p.PID, Tree: op.TreePIDs(p.Tree, false),
 		CUDA: p.CUDAPIDs, LeaveRunning: p.LeaveRunning, StagingRoot: p.StagingRoot, Store: env.Store.Dir(), Image: p.Image,
-		Steps: planned})
+		Build: func(t *op.Txn) []op.Step {
+			images = filepath.Join(t.Staging(), "images")
+			var steps []op.Step
+			steps, cleanup = buildSteps(env, p, images, tr, pre, t.Helper, stored, t0)
+			return steps
+		}})
 	if err != nil {
 		return nil, err
 	}
 	staging := txn.Staging()
-	images := filepath.Join(staging, "images")
 	if err := os.Mkdir(images, 0o700); err != nil {
 		err = op.Refusef("staging: %w", err)
 		txn.End(err, false)
 		return nil, err
 	}
-	steps, cleanup := buildSteps(env, p, images, tr, pre, txn.Helper, stored, t0)
-	timings, err := txn.Execute(ctx, steps, env.Hook, 0)
+	timings, err := txn.Execute(ctx, txn.Steps(), env.Hook, 0)
 	cleanup()
 	res.Timings, res.Preemption = timings, pre.Reports
 	if err != nil {

@@ -49,8 +49,12 @@ type TxnSpec struct {
 	StagingRoot  string // where the operation's staging directory goes ("" for none)
 	Store, Image string
 	// Steps are the planned steps, in order: the journal records each one's name, kind and data
-	// (their actions are not used: the steps Txn.Execute runs must match them by name and kind).
+	// (the steps Txn.Execute runs must match them by name and kind).
 	Steps []Step
+	// Build, when set, makes Steps once the operation's id and staging directory are known
+	// (t.Staging(); t.Helper may be called from the steps), before the journal is written: an
+	// operation whose steps need their staging paths builds them once (Txn.Steps).
+	Build func(t *Txn) []Step
 }
 
 // JournalSteps is what the journal records of steps.
@@ -70,6 +74,7 @@ func JournalSteps(steps []Step) ([]journal.Step, error) {
 type Txn struct {
 	env     *Env
 	steps   []journal.Step
+	planned []Step
 	w       *journal.Writer
 	g       *guardianProc
 	id      string
@@ -105,9 +110,6 @@ func (e *Env) Begin(ctx context.Context, spec TxnSpec) (*Txn, error) {
 		}
 		h.Tree = append(h.Tree, p)
 	}
-	if h.Steps, err = JournalSteps(spec.Steps); err != nil {
-		return nil, Refusef("operation journal: %w", err)
-	}
 	if spec.StagingRoot != "" {
 		root, err := filepath.Abs(spec.StagingRoot)
 		if err != nil {
@@ -115,11 +117,19 @@ func (e *Env) Begin(ctx context.Context, spec TxnSpec) (*Txn, error) {
 		}
 		h.Staging = filepath.Join(root, id)
 	}
+	t := &Txn{env: e, id: id, staging: h.Staging, log: log, planned: spec.Steps}
+	if spec.Build != nil {
+		t.planned = spec.Build(t)
+	}
+	if h.Steps, err = JournalSteps(t.planned); err != nil {
+		return nil, Refusef("operation journal: %w", err)
+	}
+	t.steps = h.Steps
 	w, err := journal.Create(journal.Dir(), h)
 	if err != nil {
 		return nil, Refusef("operation journal: %w", err)
 	}
-	t := &Txn{env: e, steps: h.Steps, w: w, id: id, staging: h.Staging, log: log}
+	t.w = w
 	if e.GuardianExe != "" {
 		g, err := startGuardian(e.GuardianExe, w.Path())
 		if err != nil {
@@ -155,6 +165,9 @@ func procOf(pid int) *journal.Proc {
 	}
 	return p
 }
+
+// Steps are the operation's planned steps (TxnSpec.Steps, or those TxnSpec.Build made).
+func (t *Txn) Steps() []Step { return t.planned }
 
 // ID is the operation's journal id.
 func (t *Txn) ID() string { return t.id }
