@@ -14,12 +14,14 @@ import (
 
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/devmem"
+	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/imgstream"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/store"
 )
 
@@ -49,12 +51,12 @@ type Result struct {
 	StreamOff string `json:"stream_off,omitempty"`
 	// Preemption is what the shim of each CUDA process reported (quiesce before the lock, resume
 	// after a --leave-running checkpoint).
-	Preemption []*op.PreemptReport `json:"preemption,omitempty"`
-	Timings    op.Timings          `json:"timings"`
-	Total      time.Duration       `json:"total_ns"`
-	Sizes      Sizes               `json:"sizes"`
-	StagingDir string              `json:"staging_dir,omitempty"` // kept (--keep-staging)
-	Warnings   []string            `json:"warnings,omitempty"`
+	Preemption []*shimstep.PreemptReport `json:"preemption,omitempty"`
+	Timings    op.Timings                `json:"timings"`
+	Total      time.Duration             `json:"total_ns"`
+	Sizes      Sizes                     `json:"sizes"`
+	StagingDir string                    `json:"staging_dir,omitempty"` // kept (--keep-staging)
+	Warnings   []string                  `json:"warnings,omitempty"`
 }
 
 // Run plans and executes a checkpoint of o.PID's process tree.
@@ -85,22 +87,21 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	var manifest *store.Manifest
 	var stats *store.Stats
 	tr := &treeTracker{root: p.PID, known: op.TreePIDs(p.Tree, false)}
-	pre := op.NewPreemption(env, o.PreemptBudget)
+	pre := shimstep.NewPreemption(env, o.PreemptBudget)
 	defer pre.Close()
 	stored := func(m *store.Manifest, s *store.Stats) { manifest, stats = m, s }
-	// The steps are built once, when the transaction has named its staging directory (CRIU's
-	// images go in it); their names are the journal's plan.
+	// The steps are built once the staging directory (named after the journal) is known, and
+	// journaled before anything is touched.
 	var images string
 	cleanup := func() {}
-	txn, steps, err := env.BeginWith(ctx, op.TxnSpec{Op: journal.OpCheckpoint, Root: p.PID, Tree: op.TreePIDs(p.Tree, false),
-		CUDA: p.CUDAPIDs, LeaveRunning: p.LeaveRunning, StagingRoot: p.StagingRoot, Store: env.Store.Dir(), Image: p.Image},
-		func(txn *op.Txn) []op.Step {
+	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpCheckpoint, Root: p.PID, Tree: op.TreePIDs(p.Tree, false),
+		CUDA: p.CUDAPIDs, LeaveRunning: p.LeaveRunning, StagingRoot: p.StagingRoot, Store: env.Store.Dir(), Image: p.Image,
+		Build: func(t *op.Txn) []op.Step {
+			images = filepath.Join(t.Staging(), "images")
 			var steps []op.Step
-			images = filepath.Join(txn.Staging(), "images")
-			steps, cleanup = buildSteps(env, p, images, tr, pre, txn.Helper, stored, t0)
+			steps, cleanup = buildSteps(env, p, images, tr, pre, t.Helper, stored, t0)
 			return steps
-		})
-	defer func() { cleanup() }() // what the steps left, on every way out (the run's is below)
+		}})
 	if err != nil {
 		return nil, err
 	}
@@ -110,7 +111,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		txn.End(err, false)
 		return nil, err
 	}
-	timings, err := txn.Execute(ctx, steps, env.Hook, 0)
+	timings, err := txn.Execute(ctx, txn.Steps(), env.Hook, 0)
 	cleanup()
 	cleanup = func() {}
 	res.Timings, res.Preemption = timings, pre.Reports
@@ -167,7 +168,7 @@ func (t *treeTracker) pids() []int {
 // the (slow) store, so it runs while the image is written. The store step commits: once the
 // image is stored the checkpoint has happened, whatever comes after (a signal included).
 // helper (may be nil) is told CRIU's pid; t0 is when the operation began.
-func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Preemption, helper func(int),
+func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *shimstep.Preemption, helper func(int),
 	stored func(*store.Manifest, *store.Stats), t0 time.Time) ([]op.Step, func()) {
 	o := p.opts
 	// Streamed, CRIU's files go into the store as it writes them (store.Ingest) and the store
@@ -223,7 +224,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 			steps = append(steps, qs.AlignStep(p.CUDAPIDs, o.LockTimeout))
 		}
 		steps = append(steps, qs.QuiesceStep(p.CUDAPIDs), qs.SaveMemoryStep(sink, prevMemory(env)),
-			qs.ExplainLock(op.LockStep(d, p.CUDAPIDs, o.LockTimeout)), op.CheckpointStep(d, p.CUDAPIDs), qs.DetachStep())
+			qs.ExplainLock(driverstep.LockStep(d, p.CUDAPIDs, o.LockTimeout)), driverstep.CheckpointStep(d, p.CUDAPIDs), qs.DetachStep())
 	}
 	criuRan := false // CRIU started: it has touched the tree, whatever it did then
 	dump := criu.DumpOptions{PID: p.PID, ImagesDir: images, LeaveRunning: o.LeaveRunning, LeaveStopped: !o.LeaveRunning,
@@ -243,7 +244,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 	if resumeAfterStream {
 		dump.LeaveRunning, dump.LeaveStopped = false, true
 	}
-	steps = append(steps, op.Step{Name: StepDump,
+	steps = append(steps, op.Step{Name: StepDump, Kind: KindDump,
 		Do: func(ctx context.Context) error {
 			// Resumed as CRIU's --leave-running would: every process but those that were stopped
 			// already.
@@ -308,15 +309,15 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 			if o.LeaveRunning {
 				return nil
 			}
-			return proc.Continue(tr.pids(), 5*time.Second)
+			return resumeTree(tr.pids(), nil)
 		}})
 	if o.LeaveRunning && len(p.CUDAPIDs) > 0 {
 		// The owned memory goes back from the ingest (not committed yet: the store step comes last).
 		has := func(name string) bool { return ing != nil && ing.HasFile(name) }
-		steps = append(steps, op.RestoreStep(d, op.Fixed(p.CUDAPIDs), nil, nil, false), op.UnlockStep(d, op.Fixed(p.CUDAPIDs)),
+		steps = append(steps, driverstep.RestoreStep(d, op.Fixed(p.CUDAPIDs), nil, nil, false), driverstep.UnlockStep(d, op.Fixed(p.CUDAPIDs)),
 			qs.LoadMemoryStep(op.Fixed(p.CUDAPIDs), ingestSource{&ing}, has), qs.ResumeStep(op.Fixed(p.CUDAPIDs), false))
 	}
-	steps = append(steps, op.Step{Name: StepStore, Commit: true, Do: func(ctx context.Context) error {
+	steps = append(steps, op.Step{Name: StepStore, Kind: KindStore, Commit: true, Do: func(ctx context.Context) error {
 		meta := p.meta
 		tr.tree = dumpedTree(p.Tree, tr.known)
 		meta.Tree = tr.tree
@@ -353,7 +354,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		if err != nil {
 			// A Put interrupted (by a signal) after it wrote the manifest has stored the image:
 			// the checkpoint happened, and must say so.
-			if m, gerr := env.Store.Get(p.Image); gerr == nil && m.Name == p.Image && imagedesc.RootPID(m) == p.PID && !m.Created.Before(t0.Add(-time.Second)) {
+			if m, ok := imageIn(env.Store, p.Image, p.PID, t0); ok {
 				env.Logger().Warn("the store reported an error after the image was stored; the image stands", "image", p.Image, "err", err)
 				stored(m, nil)
 				return nil
@@ -364,8 +365,8 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *op.Pre
 		return nil
 	}})
 	if !o.LeaveRunning {
-		steps = append(steps, op.Step{Name: StepFinish, Do: func(context.Context) error {
-			return proc.Kill(tr.pids(), 10*time.Second)
+		steps = append(steps, op.Step{Name: StepFinish, Kind: KindFinish, Do: func(context.Context) error {
+			return endTree(tr.pids(), nil)
 		}})
 	}
 	return steps, drop

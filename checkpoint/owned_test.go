@@ -16,7 +16,8 @@ import (
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/cudackpt/cudackpttest"
-	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/driverstep"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/internal/testproc"
 	"github.com/ptxmig/ptxmig/internal/testreq"
 )
@@ -112,7 +113,7 @@ func (a *ownedApp) waitSteps(t *testing.T, n int) int {
 	}
 }
 
-func ownedOf(t *testing.T, reports []*op.PreemptReport, pid int) *op.OwnedMemory {
+func ownedOf(t *testing.T, reports []*shimstep.PreemptReport, pid int) *shimstep.OwnedMemory {
 	t.Helper()
 	for _, r := range reports {
 		if r.PID == pid && r.Owned != nil {
@@ -181,7 +182,7 @@ func TestOwnedMemoryCheckpointRestore(t *testing.T) {
 // the image that was being written; the driver is back to running.
 func TestOwnedMemoryRollback(t *testing.T) {
 	injected := errors.New("injected")
-	for _, step := range []string{op.StepLock, checkpoint.StepDump, checkpoint.StepStore} {
+	for _, step := range []string{driverstep.StepLock, checkpoint.StepDump, checkpoint.StepStore} {
 		for _, leave := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/leave=%v", step, leave), func(t *testing.T) {
 				f := setup(t)

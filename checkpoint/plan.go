@@ -23,18 +23,8 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/store"
-)
-
-// Step names of a checkpoint, in order (the driver steps run only for CUDA processes).
-const (
-	StepLock       = op.StepLock
-	StepCheckpoint = op.StepCheckpoint
-	StepDump       = "dump"
-	StepRestore    = op.StepDriverRestore
-	StepUnlock     = op.StepUnlock
-	StepStore      = "store"
-	StepFinish     = "finish"
 )
 
 // Options of one checkpoint.
@@ -44,7 +34,7 @@ type Options struct {
 	NameSet        bool          // Name was given explicitly (so "" is an error, not "pick one")
 	LeaveRunning   bool          // the processes continue after the checkpoint
 	LockTimeout    time.Duration // driver lock timeout (0: wait forever)
-	PreemptBudget  time.Duration // how long a quiesce waits for preemptible kernels (0: op.DefaultPreemptBudget)
+	PreemptBudget  time.Duration // how long a quiesce waits for preemptible kernels (0: shimstep.DefaultPreemptBudget)
 	TCPEstablished bool
 	ShellJob       bool   // force CRIU's shell-job mode (it is turned on by itself when needed)
 	KeepStaging    bool   // keep the CRIU image directory after a successful store
@@ -380,9 +370,9 @@ func (p *Plan) describe() []op.PlanStep {
 	}
 	if len(p.CUDAPIDs) > 0 {
 		if len(p.CUDAPIDs) > 1 {
-			add(op.StepAlign, "processes under the shim that launch collectives (NCCL ranks): stop each right after the same collective (waits up to %s)", timeoutText(p.opts.LockTimeout))
+			add(shimstep.StepAlign, "processes under the shim that launch collectives (NCCL ranks): stop each right after the same collective (waits up to %s)", timeoutText(p.opts.LockTimeout))
 		}
-		add(op.StepQuiesce, "processes under the ptxmig shim: stop preemptible kernels between blocks (budget %s), hold new launches", budgetText(p.opts.PreemptBudget))
+		add(shimstep.StepQuiesce, "processes under the ptxmig shim: stop preemptible kernels between blocks (budget %s), hold new launches", budgetText(p.opts.PreemptBudget))
 		add(StepLock, "driver lock of pid %s (waits up to %s for running kernels)", pidList(p.CUDAPIDs), timeoutText(p.opts.LockTimeout))
 		add(StepCheckpoint, "driver checkpoint: copy %s of GPU memory to host memory, release the GPUs", bytesize.FormatU(p.Estimate.GPUBytes))
 	}
@@ -410,7 +400,7 @@ func (p *Plan) describe() []op.PlanStep {
 	if p.LeaveRunning && len(p.CUDAPIDs) > 0 {
 		add(StepRestore, "driver restore of pid %s onto the same GPUs", pidList(p.CUDAPIDs))
 		add(StepUnlock, "driver unlock of pid %s", pidList(p.CUDAPIDs))
-		add(op.StepResume, "processes under the shim: relaunch preempted kernels, release held launches")
+		add(shimstep.StepResume, "processes under the shim: relaunch preempted kernels, release held launches")
 	}
 	if p.Stream {
 		add(StepStore, "store CRIU's log with the image and commit it as %q", p.Image)
@@ -434,7 +424,7 @@ func pidList(pids []int) string {
 
 func budgetText(d time.Duration) string {
 	if d <= 0 {
-		d = op.DefaultPreemptBudget
+		d = shimstep.DefaultPreemptBudget
 	}
 	return d.String()
 }

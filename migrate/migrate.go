@@ -14,20 +14,22 @@ import (
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/probe"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 )
 
 // Step names of a migration.
 const (
-	StepLock       = op.StepLock
-	StepCheckpoint = op.StepCheckpoint
-	StepRestore    = op.StepDriverRestore
-	StepUnlock     = op.StepUnlock
+	StepLock       = driverstep.StepLock
+	StepCheckpoint = driverstep.StepCheckpoint
+	StepRestore    = driverstep.StepDriverRestore
+	StepUnlock     = driverstep.StepUnlock
 )
 
 // Options of one in-place migration.
@@ -39,7 +41,7 @@ type Options struct {
 	AllowModelChange bool
 	LockTimeout      time.Duration // driver lock timeout; 0 waits for running kernels forever
 	// PreemptBudget: how long the quiesce of a process under the shim waits for preemptible
-	// kernels to stop (0: op.DefaultPreemptBudget).
+	// kernels to stop (0: shimstep.DefaultPreemptBudget).
 	PreemptBudget time.Duration
 	OpLockWait    time.Duration // wait for another ptxmig operation on the PID; 0 fails at once
 }
@@ -72,19 +74,19 @@ type Plan struct {
 // Result reports a migration. Downtime runs from the start of the lock to the end of the
 // unlock: the time the process could not use CUDA.
 type Result struct {
-	PID        int                 `json:"pid"`
-	PIDs       []int               `json:"pids"`
-	Source     []GPURef            `json:"source"`
-	Target     []GPURef            `json:"target"`
-	Pairs      []placement.Pair    `json:"gpu_pairs"`
-	Preemption []*op.PreemptReport `json:"preemption,omitempty"`
-	Timings    op.Timings          `json:"timings"`
-	Lock       time.Duration       `json:"lock_ns"`
-	Checkpoint time.Duration       `json:"checkpoint_ns"`
-	Restore    time.Duration       `json:"restore_ns"`
-	Unlock     time.Duration       `json:"unlock_ns"`
-	Downtime   time.Duration       `json:"downtime_ns"`
-	Warnings   []string            `json:"warnings,omitempty"`
+	PID        int                       `json:"pid"`
+	PIDs       []int                     `json:"pids"`
+	Source     []GPURef                  `json:"source"`
+	Target     []GPURef                  `json:"target"`
+	Pairs      []placement.Pair          `json:"gpu_pairs"`
+	Preemption []*shimstep.PreemptReport `json:"preemption,omitempty"`
+	Timings    op.Timings                `json:"timings"`
+	Lock       time.Duration             `json:"lock_ns"`
+	Checkpoint time.Duration             `json:"checkpoint_ns"`
+	Restore    time.Duration             `json:"restore_ns"`
+	Unlock     time.Duration             `json:"unlock_ns"`
+	Downtime   time.Duration             `json:"downtime_ns"`
+	Warnings   []string                  `json:"warnings,omitempty"`
 }
 
 // Run plans and executes a migration.
@@ -137,7 +139,7 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 		return nil, op.Refusef("migrate pid %d: %w", pid, err)
 	}
 	if len(src) == 0 {
-		return nil, op.Refusef("pid %s holds no GPU memory according to NVML: nothing to migrate", op.PIDList(pids))
+		return nil, op.Refusef("pid %s holds no GPU memory according to NVML: nothing to migrate", op.PIDText(pids))
 	}
 	// Pairs cover every GPU of the host (see gpu.DriverSet; TreeGPUs refuses MIG), the same for
 	// every rank of a job: each takes its GPUs where the map says.
@@ -157,7 +159,7 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 		}
 	}
 	if !placement.AnyMove(pairs) {
-		return nil, op.Refusef("pid %s already runs on GPU %s: nothing to migrate", op.PIDList(pids), indexes(p.Target))
+		return nil, op.Refusef("pid %s already runs on GPU %s: nothing to migrate", op.PIDText(pids), indexes(p.Target))
 	}
 	p.Warnings = append(p.Warnings, op.Unchecked(pids, len(src) > 1)...)
 	if w := placement.SharedGPUWarning(placement.UsedTargets(pairs), func(q int) bool { return slices.Contains(pids, q) }); w != "" {
@@ -168,19 +170,19 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	}
 	who := fmt.Sprintf("pid %d", pid)
 	if len(pids) > 1 || pids[0] != pid {
-		who = fmt.Sprintf("the job's CUDA processes (pid %s)", op.PIDList(pids))
+		who = fmt.Sprintf("the job's CUDA processes (pid %s)", op.PIDText(pids))
 	}
 	var steps []op.PlanStep
 	if len(pids) > 1 {
-		steps = append(steps, op.PlanStep{Step: op.StepAlign, Action: fmt.Sprintf("processes under the shim that launch collectives (NCCL ranks): stop each right after the same collective (waits up to %s)", lockTimeoutText(o.LockTimeout))})
+		steps = append(steps, op.PlanStep{Step: shimstep.StepAlign, Action: fmt.Sprintf("processes under the shim that launch collectives (NCCL ranks): stop each right after the same collective (waits up to %s)", lockTimeoutText(o.LockTimeout))})
 	}
 	p.Steps = append(steps,
-		op.PlanStep{Step: op.StepQuiesce, Action: "if it runs under the ptxmig shim: stop preemptible kernels between blocks, hold new launches"},
+		op.PlanStep{Step: shimstep.StepQuiesce, Action: "if it runs under the ptxmig shim: stop preemptible kernels between blocks, hold new launches"},
 		op.PlanStep{Step: StepLock, Action: fmt.Sprintf("lock %s (timeout %s)", who, lockTimeoutText(o.LockTimeout))},
 		op.PlanStep{Step: StepCheckpoint, Action: fmt.Sprintf("checkpoint: copy its GPU memory (%s) to host memory", bytesize.FormatU(p.GPUBytes))},
 		op.PlanStep{Step: StepRestore, Action: fmt.Sprintf("restore with %d GPU pairs, one per GPU of the host: %s", len(pairs), placement.PairText(pairs))},
 		op.PlanStep{Step: StepUnlock, Action: fmt.Sprintf("unlock %s", who)},
-		op.PlanStep{Step: op.StepResume, Action: "under the shim: relaunch preempted kernels on the target, release held launches"},
+		op.PlanStep{Step: shimstep.StepResume, Action: "under the shim: relaunch preempted kernels on the target, release held launches"},
 		op.PlanStep{Step: "on failure", Action: fmt.Sprintf("restore without pairs (back onto GPU %s) and unlock", indexes(p.Source))},
 	)
 	return p, nil
@@ -235,7 +237,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		}
 		return placement.CheckRoom(p.Pairs, devs, true)
 	}
-	pre := op.NewPreemption(env, o.PreemptBudget)
+	pre := shimstep.NewPreemption(env, o.PreemptBudget)
 	defer pre.Close()
 	driver := Steps(env.Driver, p.PIDs, p.dpairs, o.LockTimeout, recheck)
 	driver[0] = pre.ExplainLock(driver[0])
@@ -251,8 +253,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	if !slices.Contains(tree, p.PID) {
 		tree = append([]int{p.PID}, tree...) // the journal's tree starts at its root
 	}
-	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpMigrate, Root: p.PID, Tree: tree, CUDA: p.PIDs,
-		Steps: op.StepNames(steps), Pairs: p.dpairs})
+	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpMigrate, Root: p.PID, Tree: tree, CUDA: p.PIDs, Steps: steps})
 	if err != nil {
 		return nil, err
 	}
@@ -278,10 +279,10 @@ func Steps(drv op.Driver, pids []int, dpairs []cudackpt.Pair, lockTimeout time.D
 		recheck = nil
 	}
 	return []op.Step{
-		op.LockStep(drv, pids, lockTimeout),
-		op.CheckpointStep(drv, pids),
-		op.RestoreStep(drv, op.Fixed(pids), dpairs, recheck, false),
-		op.UnlockStep(drv, op.Fixed(pids)),
+		driverstep.LockStep(drv, pids, lockTimeout),
+		driverstep.CheckpointStep(drv, pids),
+		driverstep.RestoreStep(drv, op.Fixed(pids), dpairs, recheck, false),
+		driverstep.UnlockStep(drv, op.Fixed(pids)),
 	}
 }
 

@@ -160,7 +160,7 @@ func jobPeers(procs []Process) map[int][]int {
 
 func pidsText(pids []int) string {
 	sort.Ints(pids)
-	return op.PIDList(pids)
+	return op.PIDText(pids)
 }
 
 // staticReason returns why process p may not move regardless of loads, or "".

@@ -21,6 +21,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/devmem"
+	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/imgstream"
 	"github.com/ptxmig/ptxmig/internal/journal"
@@ -29,16 +30,8 @@ import (
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/probe"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/store"
-)
-
-// Step names of a restore.
-const (
-	StepMaterialize   = "materialize"
-	StepCRIURestore   = "criu-restore"
-	StepPlaceFiles    = "place-files" // carried files put in place before CRIU (checkpoint --carry-files)
-	StepDriverRestore = op.StepDriverRestore
-	StepUnlock        = op.StepUnlock
 )
 
 // ErrPIDInUse: a pid of the image's tree is taken (CRIU restores every process under its pid).
@@ -101,23 +94,23 @@ type Plan struct {
 
 // Result of a restore.
 type Result struct {
-	Image       string              `json:"image"`
-	ImageID     string              `json:"image_id"`
-	PID         int                 `json:"pid"`
-	Kind        string              `json:"kind"`
-	Tree        []op.TreeProc       `json:"tree"`
-	Pairs       []placement.Pair    `json:"gpu_pairs,omitempty"`
-	Remapped    bool                `json:"remapped"`             // the driver got the pairs (a GPU moved)
-	Stream      bool                `json:"stream"`               // CRIU read the image straight out of the store
-	StreamOff   string              `json:"stream_off,omitempty"` // why it did not
-	Preemption  []*op.PreemptReport `json:"preemption,omitempty"` // resume of preempted kernels, per CUDA process under the shim
-	Materialize time.Duration       `json:"materialize_ns"`
-	Timings     op.Timings          `json:"timings"`
-	Total       time.Duration       `json:"total_ns"`
-	Bytes       int64               `json:"bytes"`
-	Cgroup      string              `json:"cgroup,omitempty"` // the root's cgroup v2 path after the restore
-	Placed      []Placement         `json:"placed_files,omitempty"`
-	StagingDir  string              `json:"staging_dir,omitempty"`
+	Image       string                    `json:"image"`
+	ImageID     string                    `json:"image_id"`
+	PID         int                       `json:"pid"`
+	Kind        string                    `json:"kind"`
+	Tree        []op.TreeProc             `json:"tree"`
+	Pairs       []placement.Pair          `json:"gpu_pairs,omitempty"`
+	Remapped    bool                      `json:"remapped"`             // the driver got the pairs (a GPU moved)
+	Stream      bool                      `json:"stream"`               // CRIU read the image straight out of the store
+	StreamOff   string                    `json:"stream_off,omitempty"` // why it did not
+	Preemption  []*shimstep.PreemptReport `json:"preemption,omitempty"` // resume of preempted kernels, per CUDA process under the shim
+	Materialize time.Duration             `json:"materialize_ns"`
+	Timings     op.Timings                `json:"timings"`
+	Total       time.Duration             `json:"total_ns"`
+	Bytes       int64                     `json:"bytes"`
+	Cgroup      string                    `json:"cgroup,omitempty"` // the root's cgroup v2 path after the restore
+	Placed      []Placement               `json:"placed_files,omitempty"`
+	StagingDir  string                    `json:"staging_dir,omitempty"`
 }
 
 // Run plans and executes a restore.
@@ -319,7 +312,7 @@ func (p *Plan) describe() []op.PlanStep {
 		}
 		add(StepDriverRestore, "driver restore of pid %v %s", p.cudaPIDs, where)
 		add(StepUnlock, "driver unlock of pid %v", p.cudaPIDs)
-		add(op.StepResume, "processes under the ptxmig shim: relaunch kernels preempted at the checkpoint, release held launches")
+		add(shimstep.StepResume, "processes under the ptxmig shim: relaunch kernels preempted at the checkpoint, release held launches")
 	}
 	add("on failure", "kill the restored processes; the image stays as it is (also if ptxmig dies: its guardian does it)")
 	return s
@@ -362,7 +355,9 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	var steps []op.Step
 	if len(p.Place) > 0 {
 		var unplace func()
-		steps = append(steps, op.Step{Name: StepPlaceFiles,
+		// The undo puts back what it moved aside; a recovery cannot (what was moved is known
+		// in-process only): its rebuilt undo says where the replaced files are (KindPlaceFiles).
+		steps = append(steps, op.Step{Name: StepPlaceFiles, Kind: KindPlaceFiles,
 			Do: func(ctx context.Context) error {
 				var err error
 				unplace, err = placeFiles(ctx, env, p.ImageID, rd, images, p.Place)
@@ -378,14 +373,15 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 				return nil
 			}})
 	}
+	var began time.Duration // when the CRIU restore began (CLOCK_BOOTTIME): what it restored started since
 	steps = append(steps, op.Step{
-		Name: StepCRIURestore,
+		Name: StepCRIURestore, Kind: KindCRIURestore,
 		Do: func(ctx context.Context) error {
 			dir, err := p.cgroups.prepare()
 			if err != nil {
 				return err
 			}
-			began := proc.SinceBoot()
+			began = proc.SinceBoot()
 			criuRan := false // CRIU started: it may have created processes, whatever it did then
 			ropts.CgroupDir, ropts.OnStart = dir, func(pid int) { criuRan = true; txn.Helper(pid) }
 			r, err := criuRestore(ctx)
@@ -424,10 +420,10 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 			if !restored {
 				return nil
 			}
-			return proc.Kill(restoredTree(meta.PID, treePIDs), 10*time.Second)
+			return killRestored(treePIDs, began, nil)
 		},
 	})
-	var pre *op.Preemption
+	var pre *shimstep.Preemption
 	if len(p.cudaPIDs) > 0 {
 		recheck := func() error {
 			if !p.Remapped || env.GPUs == nil {
@@ -439,11 +435,11 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 			}
 			return placement.CheckRoom(p.Pairs, devs, false)
 		}
-		pre = op.NewPreemption(env, 0)
+		pre = shimstep.NewPreemption(env, 0)
 		defer func() { res.Preemption = pre.Reports }()
 		steps = append(steps,
-			op.RestoreStep(env.Driver, op.Fixed(p.cudaPIDs), p.dpairs, recheck, true),
-			op.UnlockStep(env.Driver, op.Fixed(p.cudaPIDs)),
+			driverstep.RestoreStep(env.Driver, op.Fixed(p.cudaPIDs), p.dpairs, recheck, true),
+			driverstep.UnlockStep(env.Driver, op.Fixed(p.cudaPIDs)),
 			pre.LoadMemoryStep(op.Fixed(p.cudaPIDs), &memorySource{rd: &rd, dir: &images}, func(name string) bool {
 				if rd != nil {
 					_, ok := rd.Lookup(name)
@@ -457,7 +453,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	steps[len(steps)-1].Commit = true
 
 	txn, err = env.Begin(ctx, op.TxnSpec{Op: journal.OpRestore, Root: meta.PID, Tree: treePIDs, CUDA: p.cudaPIDs,
-		StagingRoot: p.Staging, Store: env.Store.Dir(), Image: p.Image, Steps: op.StepNames(steps)})
+		StagingRoot: p.Staging, Store: env.Store.Dir(), Image: p.Image, Steps: steps})
 	if err != nil {
 		return nil, err
 	}

@@ -14,7 +14,7 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/checkpoint"
-	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/migrate"
 )
 
@@ -230,7 +230,7 @@ func TestJITLongKernels(t *testing.T) {
 				waitExit(t, p.pid, 5*time.Minute)
 				sameResults(t, results(p.log), <-ref)
 				record(t, "%s %s (3 s a block): quiesce %s, lock %s, checkpoint %s; %s; identical output",
-					fw, wave, q, res.Timings.Of(op.StepLock).Round(time.Millisecond), res.Total.Round(time.Millisecond), what)
+					fw, wave, q, res.Timings.Of(driverstep.StepLock).Round(time.Millisecond), res.Total.Round(time.Millisecond), what)
 			})
 		}
 	}

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	procfs "github.com/ptxmig/ptxmig/internal/proc"
@@ -29,19 +30,19 @@ import (
 
 // TestGuardianKillAfterLock kills `ptxmig checkpoint` right after the driver lock.
 func TestGuardianKillAfterLock(t *testing.T) {
-	guardianKill(t, "checkpoint", op.StepLock, cudackpt.Locked)
+	guardianKill(t, "checkpoint", driverstep.StepLock, cudackpt.Locked)
 }
 
 // TestGuardianKillAfterCheckpoint kills `ptxmig checkpoint` right after the driver checkpoint
 // (the GPU memory is in host memory, the GPU released).
 func TestGuardianKillAfterCheckpoint(t *testing.T) {
-	guardianKill(t, "checkpoint", op.StepCheckpoint, cudackpt.Checkpointed)
+	guardianKill(t, "checkpoint", driverstep.StepCheckpoint, cudackpt.Checkpointed)
 }
 
 // TestGuardianKillMigrateAfterCheckpoint kills `ptxmig migrate --gpu 1` right after the driver
 // checkpoint: the guardian restores the process onto its source GPU.
 func TestGuardianKillMigrateAfterCheckpoint(t *testing.T) {
-	guardianKill(t, "migrate", op.StepCheckpoint, cudackpt.Checkpointed)
+	guardianKill(t, "migrate", driverstep.StepCheckpoint, cudackpt.Checkpointed)
 }
 
 func guardianKill(t *testing.T, verb, step string, wantState cudackpt.State) {

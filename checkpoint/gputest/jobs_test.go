@@ -17,9 +17,11 @@ import (
 
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	procfs "github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/migrate"
 )
 
@@ -347,9 +349,9 @@ func TestJobGuardian(t *testing.T) {
 		t.Fatal(err)
 	}
 	kills := []struct{ verb, step string }{
-		{"checkpoint", op.StepAlign}, {"checkpoint", op.StepQuiesce}, {"checkpoint", op.StepLock},
-		{"checkpoint", op.StepCheckpoint}, {"checkpoint", "dump"},
-		{"migrate", op.StepLock}, {"migrate", op.StepCheckpoint}, {"migrate", op.StepDriverRestore},
+		{"checkpoint", shimstep.StepAlign}, {"checkpoint", shimstep.StepQuiesce}, {"checkpoint", driverstep.StepLock},
+		{"checkpoint", driverstep.StepCheckpoint}, {"checkpoint", "dump"},
+		{"migrate", driverstep.StepLock}, {"migrate", driverstep.StepCheckpoint}, {"migrate", driverstep.StepDriverRestore},
 	}
 	for i, k := range kills {
 		dir := filepath.Join(out, "gputest", t.Name(), fmt.Sprintf("%d-%s-%s", i, k.verb, k.step))

@@ -12,7 +12,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/driverstep"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 )
 
 // TestPreemptMidBlock: longkernel (testdata/workloads) runs one kernel of about 30 s in which every
@@ -26,7 +27,7 @@ func TestPreemptMidBlock(t *testing.T) {
 	need(t, 1)
 	budget := os.Getenv("PTXMIG_PREEMPT_BUDGET")
 	if budget == "" {
-		budget = op.DefaultPreemptBudget.String()
+		budget = shimstep.DefaultPreemptBudget.String()
 	}
 	p := startShimmedCache(t, midAlways, filepath.Join(out, "gputest", "ptxcache"), filepath.Join(workloads, "longkernel"), "--seconds", "30", "--device", "0")
 	iters := strings.TrimPrefix(waitLine(t, p.log, "iters ", 3*time.Minute), "iters ")
@@ -61,7 +62,7 @@ func TestPreemptMidBlock(t *testing.T) {
 			t.Logf("first stop: %+v", q.Preempted[0])
 		}
 		quiesce = append(quiesce, time.Duration(q.ElapsedUS)*time.Microsecond)
-		toLock = append(toLock, r.Timings.Of(op.StepQuiesce)+r.Timings.Of(op.StepLock))
+		toLock = append(toLock, r.Timings.Of(shimstep.StepQuiesce)+r.Timings.Of(driverstep.StepLock))
 		if r.Preemption[0].Resume == nil || r.Preemption[0].Resume.Relaunched != 1 {
 			t.Fatalf("checkpoint %d: not resumed: %+v", i, r.Preemption[0].Resume)
 		}

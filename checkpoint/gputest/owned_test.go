@@ -13,7 +13,8 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/checkpoint"
-	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/driverstep"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/restore"
 )
 
@@ -34,7 +35,7 @@ func TestOwnedMemory(t *testing.T) {
 	ref := referenceAsync(t, "counter", args...)
 	p := startShimmedCache(t, []string{"--preempt", "auto", "--owned-memory"}, filepath.Join(out, "gputest", "ptxcache"), filepath.Join(workloads, "counter"), args...)
 	waitLine(t, p.log, "step 5 ", 3*time.Minute)
-	owned := func(res []*op.PreemptReport) *op.OwnedMemory {
+	owned := func(res []*shimstep.PreemptReport) *shimstep.OwnedMemory {
 		t.Helper()
 		for _, r := range res {
 			if r.PID == p.pid && r.Owned != nil {
@@ -57,11 +58,11 @@ func TestOwnedMemory(t *testing.T) {
 		return &ck
 	}
 	var rows []string
-	row := func(what string, ck *checkpoint.Result, m *op.OwnedMemory) {
+	row := func(what string, ck *checkpoint.Result, m *shimstep.OwnedMemory) {
 		s := m.Save
 		text := fmt.Sprintf("| %s | %d MiB owned in %d regions | copied %d MiB in %s (%.1f GB/s, hash %s), skipped %d MiB | lock %s, driver checkpoint %s, dump %s, store %s, total %s |",
 			what, s.OwnedBytes>>20, s.Regions, s.CopiedBytes>>20, s.Copy.Round(time.Millisecond), s.Throughput()/1e9, s.Hash.Round(time.Microsecond),
-			s.SkippedBytes>>20, ck.Timings.Of(op.StepLock).Round(time.Millisecond), ck.Timings.Of(op.StepCheckpoint).Round(time.Millisecond),
+			s.SkippedBytes>>20, ck.Timings.Of(driverstep.StepLock).Round(time.Millisecond), ck.Timings.Of(driverstep.StepCheckpoint).Round(time.Millisecond),
 			ck.Timings.Of(checkpoint.StepDump).Round(time.Millisecond), ck.Timings.Of(checkpoint.StepStore).Round(time.Millisecond), ck.Total.Round(time.Millisecond))
 		t.Log(text)
 		rows = append(rows, text)
@@ -99,8 +100,8 @@ func TestOwnedMemory(t *testing.T) {
 	}
 	lrow := fmt.Sprintf("| restore | loaded %d MiB in %s (%.1f GB/s, re-map %s) | | CRIU %s, driver restore %s, unlock %s, load %s, total %s |",
 		lm.Load.Bytes>>20, lm.Load.Copy.Round(time.Millisecond), float64(lm.Load.Bytes)/lm.Load.Copy.Seconds()/1e9, lm.Load.Remap.Round(time.Microsecond),
-		rs.Timings.Of(restore.StepCRIURestore).Round(time.Millisecond), rs.Timings.Of(op.StepDriverRestore).Round(time.Millisecond),
-		rs.Timings.Of(op.StepUnlock).Round(time.Millisecond), rs.Timings.Of(op.StepLoadMemory).Round(time.Millisecond), rs.Total.Round(time.Millisecond))
+		rs.Timings.Of(restore.StepCRIURestore).Round(time.Millisecond), rs.Timings.Of(driverstep.StepDriverRestore).Round(time.Millisecond),
+		rs.Timings.Of(driverstep.StepUnlock).Round(time.Millisecond), rs.Timings.Of(shimstep.StepLoadMemory).Round(time.Millisecond), rs.Total.Round(time.Millisecond))
 	t.Log(lrow)
 	rows = append(rows, lrow)
 	waitExit(t, rs.PID, 5*time.Minute)

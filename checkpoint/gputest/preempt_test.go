@@ -19,9 +19,11 @@ import (
 
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 )
 
 // Preemption on a real GPU: longgrid (testdata/workloads) runs one many-block kernel of about
@@ -80,8 +82,8 @@ func waitStarted(t *testing.T, p *proc, n int, timeout time.Duration) {
 }
 
 type ckptJSON struct {
-	Preemption []*op.PreemptReport `json:"preemption"`
-	Timings    op.Timings          `json:"timings"`
+	Preemption []*shimstep.PreemptReport `json:"preemption"`
+	Timings    op.Timings                `json:"timings"`
 }
 
 // TestPreemptLongKernel: checkpoints of a process in the middle of a ~30 s kernel do not wait
@@ -96,7 +98,7 @@ func TestPreemptLongKernel(t *testing.T) {
 	// preemption takes when the default is too short).
 	budget := os.Getenv("PTXMIG_PREEMPT_BUDGET")
 	if budget == "" {
-		budget = op.DefaultPreemptBudget.String()
+		budget = shimstep.DefaultPreemptBudget.String()
 	}
 	p := startShimmed(t, "always", "longgrid", "--seconds", "30", "--block-ms", "0.25", "--repeat", "2")
 	fixed := longgridParams(t, p)
@@ -127,7 +129,7 @@ func TestPreemptLongKernel(t *testing.T) {
 				t.Fatalf("first checkpoint preempted nothing: %+v", q)
 			}
 			quiesce = append(quiesce, time.Duration(q.ElapsedUS)*time.Microsecond)
-			toLock = append(toLock, r.Timings.Of(op.StepQuiesce)+r.Timings.Of(op.StepLock))
+			toLock = append(toLock, r.Timings.Of(shimstep.StepQuiesce)+r.Timings.Of(driverstep.StepLock))
 			if r.Preemption[0].Resume == nil {
 				t.Fatalf("checkpoint %d: not resumed", i)
 			}
@@ -313,7 +315,7 @@ func rollbackOnPurpose(t *testing.T, pid int, name string) {
 		}
 		return nil
 	}
-	_, err = checkpoint.Run(context.Background(), env, checkpoint.Options{PID: pid, Name: name, LeaveRunning: true, LockTimeout: 10 * time.Second, PreemptBudget: op.DefaultPreemptBudget})
+	_, err = checkpoint.Run(context.Background(), env, checkpoint.Options{PID: pid, Name: name, LeaveRunning: true, LockTimeout: 10 * time.Second, PreemptBudget: shimstep.DefaultPreemptBudget})
 	var fl *op.Failure
 	if !errors.As(err, &fl) || !fl.RolledBack() {
 		t.Fatalf("injected failure: %v, want a rolled-back failure", err)

@@ -14,7 +14,7 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/checkpoint"
-	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/restore"
 )
 
@@ -77,9 +77,9 @@ func TestVMMReleaseAcrossCRIU(t *testing.T) {
 				t.Fatalf("restored run ended with %q, an uninterrupted run with %q", got, want)
 			}
 			row := fmt.Sprintf("| %d MiB | %s | driver checkpoint %s, CRIU dump %s, total %s; image %d MiB logical | CRIU %s, driver restore %s, total %s | %s |",
-				mib, strings.TrimPrefix(rel, "released "), ck.Timings.Of(op.StepCheckpoint).Round(time.Millisecond),
+				mib, strings.TrimPrefix(rel, "released "), ck.Timings.Of(driverstep.StepCheckpoint).Round(time.Millisecond),
 				ck.Timings.Of(checkpoint.StepDump).Round(time.Millisecond), ck.Total.Round(time.Millisecond), ck.Sizes.Logical>>20,
-				rs.Timings.Of(restore.StepCRIURestore).Round(time.Millisecond), rs.Timings.Of(op.StepDriverRestore).Round(time.Millisecond),
+				rs.Timings.Of(restore.StepCRIURestore).Round(time.Millisecond), rs.Timings.Of(driverstep.StepDriverRestore).Round(time.Millisecond),
 				rs.Total.Round(time.Millisecond), strings.TrimPrefix(acq, "reacquired "))
 			t.Log(row)
 			rows = append(rows, row)

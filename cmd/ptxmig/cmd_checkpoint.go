@@ -14,6 +14,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/exitcode"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/store"
 )
 
@@ -91,7 +92,7 @@ func init() {
 
 // checkpointLabels name the steps of a checkpoint in its output and status line.
 var checkpointLabels = map[string]string{
-	op.StepAlign: "align", op.StepQuiesce: "quiesce", op.StepDetach: "detach", op.StepResume: "resume", checkpoint.StepLock: "lock",
+	shimstep.StepAlign: "align", shimstep.StepQuiesce: "quiesce", shimstep.StepDetach: "detach", shimstep.StepResume: "resume", checkpoint.StepLock: "lock",
 	checkpoint.StepCheckpoint: "device->host", checkpoint.StepDump: "criu dump", checkpoint.StepRestore: "driver restore",
 	checkpoint.StepUnlock: "unlock", checkpoint.StepStore: "store", checkpoint.StepFinish: "stop processes",
 }

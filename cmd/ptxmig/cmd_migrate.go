@@ -10,6 +10,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/migrate"
 )
 
@@ -64,8 +65,8 @@ func init() {
 }
 
 // migrateLabels name the steps of a migration in its status line.
-var migrateLabels = map[string]string{op.StepQuiesce: "quiesce", migrate.StepLock: "lock", migrate.StepCheckpoint: "device->host",
-	migrate.StepRestore: "host->device", migrate.StepUnlock: "unlock", op.StepResume: "resume"}
+var migrateLabels = map[string]string{shimstep.StepQuiesce: "quiesce", migrate.StepLock: "lock", migrate.StepCheckpoint: "device->host",
+	migrate.StepRestore: "host->device", migrate.StepUnlock: "unlock", shimstep.StepResume: "resume"}
 
 func migrateAction(c *cli.Context) error {
 	if err := argsExactly(c, 1); err != nil {
@@ -122,7 +123,7 @@ func migrateAction(c *cli.Context) error {
 	}
 	who := fmt.Sprintf("pid %d", res.PID)
 	if len(res.PIDs) > 1 || len(res.PIDs) == 1 && res.PIDs[0] != res.PID {
-		who = fmt.Sprintf("job %d (pid %s)", res.PID, op.PIDList(res.PIDs))
+		who = fmt.Sprintf("job %d (pid %s)", res.PID, op.PIDText(res.PIDs))
 	}
 	for i := range res.Source {
 		fmt.Fprintf(w, "migrated %s: GPU %d %s -> GPU %d %s\n", who, res.Source[i].Index, res.Source[i].UUID, res.Target[i].Index, res.Target[i].UUID)

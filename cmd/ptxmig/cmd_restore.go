@@ -10,6 +10,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/restore"
 )
 
@@ -76,7 +77,7 @@ func init() {
 // restoreLabels name the steps of a restore in its output and status line.
 var restoreLabels = map[string]string{restore.StepMaterialize: "materialize", restore.StepCRIURestore: "criu restore",
 	restore.StepPlaceFiles:    "place files",
-	restore.StepDriverRestore: "host->device", restore.StepUnlock: "unlock", op.StepResume: "resume"}
+	restore.StepDriverRestore: "host->device", restore.StepUnlock: "unlock", shimstep.StepResume: "resume"}
 
 func restoreAction(c *cli.Context) error {
 	if err := argsExactly(c, 1); err != nil {

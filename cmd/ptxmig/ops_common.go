@@ -21,6 +21,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/store"
 )
 
@@ -76,7 +77,7 @@ func parsePID(s string) (int, error) {
 
 // preemptBudgetFlag is --preempt-budget, shared by checkpoint and migrate.
 func preemptBudgetFlag() cli.Flag {
-	return &cli.DurationFlag{Name: "preempt-budget", Value: op.DefaultPreemptBudget,
+	return &cli.DurationFlag{Name: "preempt-budget", Value: shimstep.DefaultPreemptBudget,
 		Usage: "processes under the shim: how long (`DURATION`) to wait for preemptible kernels to stop before the driver lock"}
 }
 
@@ -109,7 +110,7 @@ func criuStall(c *cli.Context) (time.Duration, error) {
 
 // printPreemption reports, per process under the shim, what the quiesce stopped and what it
 // left to the driver lock, and the resume. Processes without the shim print nothing.
-func printPreemption(w io.Writer, reports []*op.PreemptReport) {
+func printPreemption(w io.Writer, reports []*shimstep.PreemptReport) {
 	for _, r := range reports {
 		if !r.Shim {
 			continue
@@ -141,7 +142,7 @@ func printPreemption(w io.Writer, reports []*op.PreemptReport) {
 }
 
 // printOwned prints what happened to the device memory a process's shim owns.
-func printOwned(w io.Writer, pid int, m *op.OwnedMemory) {
+func printOwned(w io.Writer, pid int, m *shimstep.OwnedMemory) {
 	if m.Note != "" {
 		fmt.Fprintf(w, "pid %d: owned device memory %s\n", pid, esc(m.Note))
 	}

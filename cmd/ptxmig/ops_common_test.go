@@ -4,8 +4,8 @@ import (
 	"bytes"
 	"testing"
 
-	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 )
 
 // TestPrintPreemption: per process under the shim, the quiesce's stops (between blocks or inside
@@ -17,7 +17,7 @@ func TestPrintPreemption(t *testing.T) {
 		{Launch: 3, Kernel: "old\x1bshim", BlocksDone: 1, BlocksTotal: 2},
 	}, NotStopped: []shimctl.LaunchNote{{Launch: 4, Kernel: "k2", Reason: "not the tail of its stream"}}}
 	var b bytes.Buffer
-	printPreemption(&b, []*op.PreemptReport{
+	printPreemption(&b, []*shimstep.PreemptReport{
 		{PID: 7, Shim: true, Quiesce: q, Resume: &shimctl.Resume{State: "running", Relaunched: 3, ElapsedUS: 120}},
 		{PID: 8, Shim: false, Note: "no shim"},
 	})

@@ -41,8 +41,10 @@ import (
 	"github.com/ptxmig/ptxmig/store"
 )
 
-// Version of the journal format.
-const Version = 1
+// Version of the journal format. Version 2 records each planned step's kind and the data its
+// recovery needs (Step); a journal of another version is refused, and so kept aside, by a
+// recovery: its steps cannot be rebuilt.
+const Version = 2
 
 // DefaultDir is where journals live unless $PTXMIG_JOURNAL_DIR says otherwise.
 const DefaultDir = "/run/ptxmig/journal"
@@ -57,6 +59,7 @@ const (
 	MaxRecords  = 10000
 	MaxTree     = 1 << 16
 	MaxSteps    = 32
+	MaxStepData = 1 << 20 // one step's data
 	MaxHelpers  = 64
 	MaxAttempts = 100
 	maxErrText  = 4096
@@ -140,25 +143,31 @@ type Header struct {
 	Staging      string    `json:"staging,omitempty"` // DIR/ID: removed when the operation ends, whatever happened
 	Store        string    `json:"store,omitempty"`
 	Image        string    `json:"image,omitempty"`
-	Steps        []string  `json:"steps"` // in order
+	Steps        []Step    `json:"steps"` // in order
 	// CRIUStall: how long the operation's CRIU may make no progress before it is killed (0: no
 	// bound); a guardian holds CRIU to the same bound.
 	CRIUStall time.Duration `json:"criu_stall_ns,omitempty"`
-	// Pairs are the GPU pairs of a live move (migrate), one per GPU of the host: a rollback moves
-	// what the driver already restored onto its targets back with their inverse.
-	Pairs []Pair `json:"pairs,omitempty"`
 }
 
-// Pair is one GPU pair of a move: GPU UUIDs as the driver and NVML write them.
-type Pair struct {
-	Old string `json:"old"`
-	New string `json:"new"`
+// Step is one planned step of an operation: its name, its kind (what a recovery rebuilds the
+// step's undo and finish from: the kinds registered with op.RegisterKind; "" for a step with
+// nothing to undo or finish), whether it commits the operation, and the data its kind needs.
+type Step struct {
+	Name   string          `json:"name"`
+	Kind   string          `json:"kind,omitempty"`
+	Commit bool            `json:"commit,omitempty"`
+	Data   json.RawMessage `json:"data,omitempty"`
 }
 
-// MaxPairs bounds a journal's GPU pairs (a host's GPUs).
-const MaxPairs = 64
-
-var gpuUUIDRE = regexp.MustCompile(`^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`)
+// Plan returns the planned step named name (nil when the operation has none).
+func (h *Header) Plan(name string) *Step {
+	for i := range h.Steps {
+		if h.Steps[i].Name == name {
+			return &h.Steps[i]
+		}
+	}
+	return nil
+}
 
 // MaxCRIUStall is the longest stall bound a journal may record.
 const MaxCRIUStall = 24 * time.Hour
@@ -215,7 +224,7 @@ func (s *State) Began(name string) bool { return s.Step(name) != nil }
 // AllDone reports whether every planned step is done.
 func (s *State) AllDone() bool {
 	for _, n := range s.Header.Steps {
-		if st := s.Step(n); st == nil || !st.Done {
+		if st := s.Step(n.Name); st == nil || !st.Done {
 			return false
 		}
 	}
@@ -226,6 +235,7 @@ var (
 	idRE   = regexp.MustCompile(`^(checkpoint|restore|migrate)-[1-9][0-9]{0,6}-[0-9a-f]{16}$`)
 	bootRE = regexp.MustCompile(`^[0-9a-f-]{16,64}$`)
 	stepRE = regexp.MustCompile(`^[a-z][a-z0-9-]{0,31}$`)
+	kindRE = regexp.MustCompile(`^[a-z][a-z0-9-]{0,31}(\.[a-z][a-z0-9-]{0,31})?$`)
 )
 
 // NewID makes a journal id for an operation of kind op by process pid.
@@ -290,15 +300,6 @@ func (h *Header) Validate() error {
 		return bad("%d steps", len(h.Steps))
 	case h.CRIUStall < 0 || h.CRIUStall > MaxCRIUStall:
 		return bad("CRIU stall bound %s", h.CRIUStall)
-	case len(h.Pairs) > MaxPairs:
-		return bad("%d GPU pairs", len(h.Pairs))
-	}
-	olds, news := map[string]bool{}, map[string]bool{}
-	for _, p := range h.Pairs {
-		if !gpuUUIDRE.MatchString(p.Old) || !gpuUUIDRE.MatchString(p.New) || olds[p.Old] || news[p.New] {
-			return bad("bad or repeated GPU pair %q -> %q", p.Old, p.New)
-		}
-		olds[p.Old], news[p.New] = true, true
 	}
 	seen := map[int]bool{}
 	for _, p := range h.Tree {
@@ -315,8 +316,14 @@ func (h *Header) Validate() error {
 		cuda[pid] = true
 	}
 	for i, s := range h.Steps {
-		if !stepRE.MatchString(s) || slices.Contains(h.Steps[:i], s) {
-			return bad("bad or repeated step %q", s)
+		if !stepRE.MatchString(s.Name) || h.Plan(s.Name) != &h.Steps[i] {
+			return bad("bad or repeated step %q", s.Name)
+		}
+		if s.Kind != "" && !kindRE.MatchString(s.Kind) {
+			return bad("step %s: bad kind %q", s.Name, s.Kind)
+		}
+		if len(s.Data) > MaxStepData || (len(s.Data) > 0 && !json.Valid(s.Data)) {
+			return bad("step %s: bad data (%d bytes)", s.Name, len(s.Data))
 		}
 	}
 	return nil
@@ -365,6 +372,21 @@ func decode(line []byte) (*Record, error) {
 	return &r, nil
 }
 
+// beginVersion is the format version a begin record claims (0 when it claims none), read
+// leniently: a journal of another version may not decode as this one.
+func beginVersion(line []byte) int {
+	var r struct {
+		T     string `json:"t"`
+		Begin struct {
+			V int `json:"v"`
+		} `json:"begin"`
+	}
+	if len(line) > MaxLine || json.Unmarshal(line, &r) != nil || r.T != TBegin {
+		return 0
+	}
+	return r.Begin.V
+}
+
 // only refuses a record that carries fields other than allowed (besides "t").
 func (r *Record) only(allowed ...string) error {
 	set := map[string]bool{
@@ -382,6 +404,9 @@ func (r *Record) only(allowed ...string) error {
 func (st *State) apply(line []byte, i int, name string) error {
 	r, err := decode(line)
 	if err != nil {
+		if v := beginVersion(line); i == 0 && v != 0 && v != Version {
+			return fmt.Errorf("%w: begin: version %d (written by another ptxmig), this ptxmig reads %d", ErrInvalid, v, Version)
+		}
 		return err
 	}
 	st.Records++
@@ -464,7 +489,7 @@ func (st *State) apply(line []byte, i int, name string) error {
 }
 
 func (st *State) applyStep(r *Record, i int) error {
-	if !slices.Contains(st.Header.Steps, r.Step) {
+	if st.Header.Plan(r.Step) == nil {
 		return fmt.Errorf("step %q is not one of the operation's", r.Step)
 	}
 	s := st.Step(r.Step)

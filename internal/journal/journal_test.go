@@ -3,9 +3,9 @@ package journal
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -21,7 +21,15 @@ func header() Header {
 		Time: time.Date(2026, 11, 25, 5, 0, 0, 0, time.UTC), Owner: Proc{PID: 4242, Start: 100}, Session: 4000, Root: 777,
 		Tree: []Proc{{PID: 777, Start: 50}, {PID: 778, Start: 51}}, CUDA: []int{778},
 		Staging: "/dev/shm/ptxmig/" + testID, Store: "/var/lib/ptxmig", Image: "job-1",
-		Steps: []string{"quiesce", "lock", "checkpoint", "detach", "dump", "store", "finish"}}
+		Steps: named("quiesce", "lock", "checkpoint", "detach", "dump", "store", "finish")}
+}
+
+func named(names ...string) []Step {
+	out := make([]Step, len(names))
+	for i, n := range names {
+		out[i] = Step{Name: n}
+	}
+	return out
 }
 
 func line(t *testing.T, r any) string {
@@ -42,12 +50,6 @@ func begin(t *testing.T, mod func(h *Header)) string {
 }
 
 // TestParseValid: a whole journal, as an operation writes it, reads back.
-// GPU UUIDs for the pairs of a migrate's journal.
-const (
-	testGPU0 = "GPU-00000000-0000-0000-0000-000000000000"
-	testGPU1 = "GPU-11111111-1111-1111-1111-111111111111"
-)
-
 func TestParseValid(t *testing.T) {
 	j := begin(t, nil) +
 		`{"t":"guardian","proc":{"pid":4300,"start":101}}` + "\n" +
@@ -104,7 +106,7 @@ func TestParseRefusesHostileJournals(t *testing.T) {
 		{"begin not first", `{"t":"commit"}` + "\n" + b, "begin comes first"},
 		{"begin twice", b + b, "begin comes first"},
 		{"begin without body", `{"t":"begin"}` + "\n", "without the operation"},
-		{"future version", begin(t, func(h *Header) { h.V = 2 }), "version 2"},
+		{"future version", begin(t, func(h *Header) { h.V = Version + 1 }), fmt.Sprintf("version %d", Version+1)},
 		{"unknown operation", begin(t, func(h *Header) { h.Op = "format-disk"; h.ID = "format-disk-1-0123456789abcdef" }), "unknown operation"},
 		{"id of another operation kind", begin(t, func(h *Header) { h.Op = OpRestore }), "bad id"},
 		{"id with a path", begin(t, func(h *Header) { h.ID = "checkpoint-1-../../etc" }), "bad id"},
@@ -131,13 +133,13 @@ func TestParseRefusesHostileJournals(t *testing.T) {
 		{"staging at the root", begin(t, func(h *Header) { h.Staging = "/" + testID }), "bad staging"},
 		{"staging with a control character", begin(t, func(h *Header) { h.Staging = "/dev/shm/\x1b[2J/" + testID }), "bad staging"},
 		{"store relative", begin(t, func(h *Header) { h.Store = "store" }), "bad store"},
-		{"GPU pair not a UUID", begin(t, func(h *Header) { h.Pairs = []Pair{{Old: "GPU-0; rm -rf /", New: testGPU1}} }), "bad or repeated GPU pair"},
-		{"GPU pair repeated", begin(t, func(h *Header) { h.Pairs = []Pair{{Old: testGPU0, New: testGPU1}, {Old: testGPU0, New: testGPU0}} }), "bad or repeated GPU pair"},
-		{"too many GPU pairs", begin(t, func(h *Header) { h.Pairs = make([]Pair, MaxPairs+1) }), "GPU pairs"},
 		{"image name with a path", begin(t, func(h *Header) { h.Image = "../../x" }), "bad image"},
 		{"no steps", begin(t, func(h *Header) { h.Steps = nil }), "0 steps"},
-		{"bad step name", begin(t, func(h *Header) { h.Steps = []string{"rm -rf"} }), "bad or repeated step"},
-		{"repeated step", begin(t, func(h *Header) { h.Steps = []string{"dump", "dump"} }), "bad or repeated step"},
+		{"bad step name", begin(t, func(h *Header) { h.Steps = named("rm -rf") }), "bad or repeated step"},
+		{"repeated step", begin(t, func(h *Header) { h.Steps = named("dump", "dump") }), "bad or repeated step"},
+		{"bad step kind", begin(t, func(h *Header) { h.Steps[0].Kind = "../x" }), "bad kind"},
+		{"step data too long", begin(t, func(h *Header) { h.Steps[0].Data = []byte(`"` + strings.Repeat("x", MaxStepData) + `"`) }), "bad data"},
+		{"journal of version 1", `{"t":"begin","begin":{"v":1,"op":"checkpoint","steps":["dump"]}}` + "\n", "version 1 (written by another ptxmig), this ptxmig reads 2"},
 		{"step not planned", b + step("format", PhaseBegin, 5), "not one of the operation's"},
 		{"step done before it began", b + step("dump", PhaseDone, 0), "out of order"},
 		{"step began twice", b + step("dump", PhaseBegin, 5) + step("dump", PhaseBegin, 6), "began twice"},
@@ -296,17 +298,5 @@ func TestOpenRefusesUnsafeFiles(t *testing.T) {
 	}
 	if _, err := List(link); !errors.Is(err, ErrUnsafe) {
 		t.Errorf("List of a symlinked directory: %v, want ErrUnsafe", err)
-	}
-}
-
-// TestParsePairs: a migrate's GPU pairs come back as written.
-func TestParsePairs(t *testing.T) {
-	want := []Pair{{Old: testGPU0, New: testGPU1}, {Old: testGPU1, New: testGPU0}}
-	st, err := Parse([]byte(begin(t, func(h *Header) { h.Pairs = want })), testID+Ext)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !slices.Equal(st.Header.Pairs, want) {
-		t.Errorf("pairs %v, want %v", st.Header.Pairs, want)
 	}
 }

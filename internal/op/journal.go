@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/criu"
-	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/proc"
 )
@@ -49,25 +48,33 @@ type TxnSpec struct {
 	LeaveRunning bool
 	StagingRoot  string // where the operation's staging directory goes ("" for none)
 	Store, Image string
-	Steps        []string // the names of the planned steps, in order (StepNames)
-	// Pairs are a live move's GPU pairs (migrate): a guardian moves what the driver restored
-	// onto its targets back with their inverse.
-	Pairs []cudackpt.Pair
+	// Steps are the planned steps, in order: the journal records each one's name, kind and data
+	// (the steps Txn.Execute runs must match them by name and kind).
+	Steps []Step
+	// Build, when set, makes Steps once the operation's id and staging directory are known
+	// (t.Staging(); t.Helper may be called from the steps), before the journal is written: an
+	// operation whose steps need their staging paths builds them once (Txn.Steps).
+	Build func(t *Txn) []Step
 }
 
-// StepNames lists the names of steps.
-func StepNames(steps []Step) []string {
-	out := make([]string, len(steps))
+// JournalSteps is what the journal records of steps.
+func JournalSteps(steps []Step) ([]journal.Step, error) {
+	out := make([]journal.Step, len(steps))
 	for i, s := range steps {
-		out[i] = s.Name
+		data, err := marshalData(s.Data)
+		if err != nil {
+			return nil, fmt.Errorf("step %s: %w", s.Name, err)
+		}
+		out[i] = journal.Step{Name: s.Name, Kind: s.Kind, Commit: s.Commit, Data: data}
 	}
-	return out
+	return out, nil
 }
 
 // Txn is a journaled operation with its guardian.
 type Txn struct {
 	env     *Env
-	steps   []string
+	steps   []journal.Step
+	planned []Step
 	w       *journal.Writer
 	g       *guardianProc
 	id      string
@@ -79,29 +86,19 @@ type Txn struct {
 // Recover), then writes the journal, starts the guardian (when e.GuardianExe is set) and creates
 // the staging directory. Nothing has been touched yet: every failure is a refusal.
 func (e *Env) Begin(ctx context.Context, spec TxnSpec) (*Txn, error) {
-	t, _, err := e.BeginWith(ctx, spec, nil)
-	return t, err
-}
-
-// BeginWith is Begin for an operation whose steps need their transaction (its staging
-// directory, its helper records): build gets the Txn before the journal is written, once its
-// staging directory is named, and returns the steps, whose names become the journal's plan
-// (spec.Steps is then ignored). The steps may call the Txn's Helper only while they run. With
-// a nil build it is Begin.
-func (e *Env) BeginWith(ctx context.Context, spec TxnSpec, build func(*Txn) []Step) (*Txn, []Step, error) {
 	log := e.Logger()
 	e.RecoverInterrupted(ctx)
 	self, err := proc.ReadStat(os.Getpid())
 	if err != nil {
-		return nil, nil, Refusef("operation journal: %w", err)
+		return nil, Refusef("operation journal: %w", err)
 	}
 	boot, err := proc.BootID()
 	if err != nil {
-		return nil, nil, Refusef("operation journal: %w", err)
+		return nil, Refusef("operation journal: %w", err)
 	}
 	id, err := journal.NewID(spec.Op, os.Getpid())
 	if err != nil {
-		return nil, nil, Refusef("operation journal: %w", err)
+		return nil, Refusef("operation journal: %w", err)
 	}
 	h := journal.Header{V: journal.Version, Op: spec.Op, ID: id, Boot: boot, Time: time.Now().UTC(),
 		Owner: journal.Proc{PID: self.PID, Start: self.StartTicks}, Session: self.SID, Root: spec.Root,
@@ -116,46 +113,43 @@ func (e *Env) BeginWith(ctx context.Context, spec TxnSpec, build func(*Txn) []St
 	if spec.StagingRoot != "" {
 		root, err := filepath.Abs(spec.StagingRoot)
 		if err != nil {
-			return nil, nil, Refusef("staging root %s: %w", spec.StagingRoot, err)
+			return nil, Refusef("staging root %s: %w", spec.StagingRoot, err)
 		}
 		h.Staging = filepath.Join(root, id)
 	}
-	t := &Txn{env: e, id: id, staging: h.Staging, log: log}
-	var steps []Step
-	for _, p := range spec.Pairs {
-		h.Pairs = append(h.Pairs, journal.Pair{Old: p.Old.String(), New: p.New.String()})
+	t := &Txn{env: e, id: id, staging: h.Staging, log: log, planned: spec.Steps}
+	if spec.Build != nil {
+		t.planned = spec.Build(t)
 	}
-	h.Steps = spec.Steps
-	if build != nil {
-		steps = build(t)
-		h.Steps = StepNames(steps)
+	if h.Steps, err = JournalSteps(t.planned); err != nil {
+		return nil, Refusef("operation journal: %w", err)
 	}
 	t.steps = h.Steps
 	w, err := journal.Create(journal.Dir(), h)
 	if err != nil {
-		return nil, nil, Refusef("operation journal: %w", err)
+		return nil, Refusef("operation journal: %w", err)
 	}
 	t.w = w
 	if e.GuardianExe != "" {
 		g, err := startGuardian(e.GuardianExe, w.Path())
 		if err != nil {
 			_ = w.End(journal.Failed, err.Error())
-			return nil, nil, Refusef("cannot start the operation's guardian: %w", err)
+			return nil, Refusef("cannot start the operation's guardian: %w", err)
 		}
 		t.g = g
 		if err := w.Append(journal.Record{T: journal.TGuardian, Proc: procOf(g.cmd.Process.Pid)}); err != nil {
 			t.abort(err)
-			return nil, nil, Refusef("operation journal: %w", err)
+			return nil, Refusef("operation journal: %w", err)
 		}
 	}
 	if t.staging != "" {
 		if err := os.Mkdir(t.staging, 0o700); err != nil {
 			t.abort(err)
-			return nil, nil, Refusef("staging directory in %s: %w", spec.StagingRoot, err)
+			return nil, Refusef("staging directory in %s: %w", spec.StagingRoot, err)
 		}
 	}
 	log.Debug("operation journaled", "journal", w.Path(), "guardian", t.g != nil)
-	return t, steps, nil
+	return t, nil
 }
 
 // abort ends a Txn that touched nothing.
@@ -171,6 +165,9 @@ func procOf(pid int) *journal.Proc {
 	}
 	return p
 }
+
+// Steps are the operation's planned steps (TxnSpec.Steps, or those TxnSpec.Build made).
+func (t *Txn) Steps() []Step { return t.planned }
 
 // ID is the operation's journal id.
 func (t *Txn) ID() string { return t.id }
@@ -190,11 +187,11 @@ func (t *Txn) Execute(ctx context.Context, steps []Step, hook Hook, rollbackTime
 	return execute(ctx, steps, hook, rollbackTimeout, t.log, t)
 }
 
-func (t *Txn) begin(step string) error {
-	if !slices.Contains(t.steps, step) {
-		return fmt.Errorf("step %q is not in the operation's journal", step)
+func (t *Txn) begin(s Step) error {
+	if !slices.ContainsFunc(t.steps, func(p journal.Step) bool { return p.Name == s.Name && p.Kind == s.Kind }) {
+		return fmt.Errorf("step %q (kind %q) is not in the operation's journal", s.Name, s.Kind)
 	}
-	if err := t.w.Append(journal.Record{T: journal.TStep, Step: step, Phase: journal.PhaseBegin, At: int64(max(1, proc.SinceBoot()))}); err != nil {
+	if err := t.w.Append(journal.Record{T: journal.TStep, Step: s.Name, Phase: journal.PhaseBegin, At: int64(max(1, proc.SinceBoot()))}); err != nil {
 		return fmt.Errorf("operation journal: %w", err)
 	}
 	return nil

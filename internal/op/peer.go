@@ -6,6 +6,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
 )
 
@@ -97,7 +98,7 @@ func describeSharing(s *shimctl.IPC) string {
 func shimStatus(ctx context.Context, pid int) (*shimctl.Status, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	c, err := dial(ctx, pid)
+	c, err := DialShim(ctx, pid)
 	if err == nil {
 		defer c.Close()
 		var st *shimctl.Status
@@ -130,11 +131,20 @@ func Unchecked(pids []int, multiGPU bool) []string {
 		return []string{fmt.Sprintf("pid %s not under the ptxmig shim: ptxmig cannot check whether they share GPU memory "+
 			"with each other or another process (CUDA IPC, VMM shareable handles: NCCL's default transports), which the "+
 			"driver checkpoints but cannot restore; if they do, a restore (or a rollback) fails. Start them with "+
-			"`ptxmig run` (a job: `ptxmig run --nccl-sockets`) to have it checked", PIDList(plain))}
+			"`ptxmig run` (a job: `ptxmig run --nccl-sockets`) to have it checked", PIDText(plain))}
 	case multiGPU:
 		return []string{fmt.Sprintf("pid %d is not under the ptxmig shim: ptxmig cannot check whether it enabled peer access "+
 			"between its GPUs, which the driver checkpoints but cannot restore; if it did, a restore (or a rollback) fails. "+
 			"Start it with `ptxmig run` to have it checked", plain[0])}
 	}
 	return nil
+}
+
+// DialShim reaches pid's shim in the socket directory of pid's own environment.
+func DialShim(ctx context.Context, pid int) (*shimctl.Client, error) {
+	dir := ""
+	if e, err := gpu.ProcessEnviron("/proc", pid); err == nil {
+		dir = e["PTXMIG_SOCKET_DIR"]
+	}
+	return shimctl.DialPID(ctx, shimctl.SocketDir(dir), pid)
 }

@@ -145,3 +145,8 @@ func TestUnchecked(t *testing.T) {
 		t.Errorf("one process on two GPUs: %q", w)
 	}
 }
+
+// reply is one line of a fake shim's answers.
+func reply(cmd, result string, proto int) string {
+	return fmt.Sprintf(`{"ok":true,"proto":%d,"cmd":%q,"result":%s}`+"\n", proto, cmd, result)
+}

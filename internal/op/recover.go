@@ -14,12 +14,8 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/criu"
-	"github.com/ptxmig/ptxmig/internal/cudackpt"
-	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/proc"
-	"github.com/ptxmig/ptxmig/internal/shimctl"
-	"github.com/ptxmig/ptxmig/store"
 )
 
 // Outcomes of a recovered operation (Recovered.Outcome).
@@ -75,28 +71,6 @@ func (o *RecoverOptions) logger() *slog.Logger {
 		return slog.Default()
 	}
 	return o.Log
-}
-
-// driverOpener caches the driver of a recovery.
-type driverOpener struct {
-	open func() (Driver, error)
-	d    Driver
-	err  error
-	done bool
-}
-
-func (d *driverOpener) get() (Driver, error) {
-	if !d.done {
-		d.done = true
-		if d.open != nil {
-			d.d, d.err = d.open()
-		} else if drv, err := cudackpt.Open(); err != nil {
-			d.err = err
-		} else {
-			d.d = drv
-		}
-	}
-	return d.d, d.err
 }
 
 // RecoverInterrupted runs Recover for an operation about to start, with e's driver; what it did
@@ -267,24 +241,30 @@ func recoverPath(ctx context.Context, path string, o *RecoverOptions, drv *drive
 		return r
 	}
 	rb := &journalRollback{st: st, drv: drv, log: log}
+	steps, err := rb.rebuild()
+	if errors.Is(err, errUnknownKind) && st.Outcome == "" {
+		// Left for a ptxmig that knows the kind: the journal stays as it is, no attempt counted.
+		r.Outcome, r.Error = RecoveredIncomplete, fmt.Sprintf("%v: left for a ptxmig that knows it", err)
+		log.Warn("cannot recover an interrupted operation; its journal stays", "journal", id, "err", err)
+		return r
+	}
+	if err != nil && st.Outcome == "" {
+		refuse(r, path, f, err, log)
+		return r
+	}
 	switch {
 	case st.Outcome != "":
+		// (Nothing is rebuilt: an ended operation left its staging directory at most.)
 		rb.note("the operation had ended (%s); removed what it left", st.Outcome)
 		r.Outcome = RecoveredCleaned
 	case len(st.Steps) == 0:
 		rb.note("ptxmig died before the first step: no process was touched")
 		r.Outcome = RecoveredCleaned
 	default:
-		r.Outcome = rb.run(ctx)
-	}
-	logs := []string{}
-	if h.Staging != "" {
-		for _, n := range []string{"images/dump.log", "work/restore.log"} {
-			logs = append(logs, filepath.Join(h.Staging, n))
-		}
+		r.Outcome = rb.run(ctx, steps)
 	}
 	if st.Outcome == "" {
-		if dir, err := KeepLogs("recovered-"+h.Op, h.Root, append(logs, path)...); dir != "" {
+		if dir, err := KeepLogs("recovered-"+h.Op, h.Root, append(stagingLogs(h.Staging), path)...); dir != "" {
 			r.LogDir = dir
 		} else if err != nil {
 			log.Warn("cannot keep the recovery's logs", "err", err)
@@ -383,22 +363,27 @@ func (rb *journalRollback) fail(err error) {
 	}
 }
 
-// run returns the outcome.
-func (rb *journalRollback) run(ctx context.Context) string {
+// run rolls the operation back, or finishes it when it had committed, through the undos and
+// finishes rebuilt from its journal (see Kind); it returns the outcome.
+func (rb *journalRollback) run(ctx context.Context, steps []*rebuilt) string {
 	h := rb.st.Header
 	if boot, err := proc.BootID(); err != nil || boot != h.Boot {
 		rb.note("journal of another boot: its processes are gone")
 		return RecoveredCleaned
 	}
-	rb.endHelpers()
-	switch h.Op {
-	case journal.OpCheckpoint:
-		return rb.checkpoint(ctx)
-	case journal.OpRestore:
-		return rb.restore()
-	default:
-		return rb.migrate(ctx)
+	rb.endHelpers(steps)
+	if committed(rb.st, steps) {
+		rb.note("the %s had committed: finished it", h.Op)
+		rb.fail(finishAll(ctx, steps))
+		return RecoveredFinished
 	}
+	// The one rollback, as in-process (rollback); the journal is not written to: a recovery
+	// that does not complete is retried from the same records.
+	var se *StepError
+	if errors.As(rollback(ctx, undoSteps(rb.st, steps), &StepError{}, 0, rb.log, nil), &se) {
+		rb.fail(se.UndoErr)
+	}
+	return RecoveredRolledBack
 }
 
 // HelperWait is the longest a rollback waits for the operation's CRIU to finish by itself before
@@ -413,20 +398,20 @@ var HelperWait = 10 * time.Minute
 // no progress for the operation's stall bound, or still runs after HelperWait, is killed, with
 // its process group (the helpers it forked share it).
 // A CRIU that ptxmig started but could not journal before it died is found by what it must be:
-// a process named criu, leader of its own process group, in ptxmig's session, started after the
-// step that starts it began.
-func (rb *journalRollback) endHelpers() {
+// a process named as its step's kind says (Kind.Helper), leader of its own process group, in
+// ptxmig's session, started after the step that starts it began.
+func (rb *journalRollback) endHelpers(steps []*rebuilt) {
 	st := rb.st
 	helpers := append([]journal.Proc(nil), st.Helpers...)
-	for _, name := range []string{stepDump, stepCRIURestore} {
-		s := st.Step(name)
-		if s == nil || slices.ContainsFunc(st.Helpers, func(h journal.Proc) bool {
+	for _, x := range steps {
+		s := x.state
+		if x.kind.Helper == "" || s == nil || slices.ContainsFunc(st.Helpers, func(h journal.Proc) bool {
 			return time.Duration(h.Start)*(time.Second/proc.ClockTicks) >= s.At/(time.Second/proc.ClockTicks)*(time.Second/proc.ClockTicks)
 		}) {
 			continue // not begun, or its CRIU was journaled
 		}
 		for _, c := range proc.Group(0) {
-			if c.Comm == "criu" && c.PGID == c.PID && c.SID == st.Header.Session && c.StartedSince(s.At) &&
+			if c.Comm == x.kind.Helper && c.PGID == c.PID && c.SID == st.Header.Session && c.StartedSince(s.At) &&
 				!slices.ContainsFunc(helpers, func(h journal.Proc) bool { return h.PID == c.PID }) {
 				helpers = append(helpers, journal.Proc{PID: c.PID, Start: c.StartTicks})
 			}
@@ -479,309 +464,13 @@ func (rb *journalRollback) endHelpers() {
 		}
 		switch {
 		case slices.Contains(running, hp.PID) && stalled:
-			rb.note("killed CRIU (pid %s): no progress for %s", PIDList(pids), rb.st.Header.CRIUStall)
+			rb.note("killed CRIU (pid %s): no progress for %s", pidText(pids), rb.st.Header.CRIUStall)
 		case slices.Contains(running, hp.PID):
-			rb.note("killed CRIU (pid %s) still running after %s", PIDList(pids), HelperWait)
+			rb.note("killed CRIU (pid %s) still running after %s", pidText(pids), HelperWait)
 		default:
-			rb.note("ended what CRIU (pid %d) left running (pid %s)", hp.PID, PIDList(pids))
+			rb.note("ended what CRIU (pid %d) left running (pid %s)", hp.PID, pidText(pids))
 		}
 	}
-}
-
-// tree is the recorded processes still alive as themselves, plus whatever their trees hold now
-// (forked since the plan: CRIU froze those too). Each recorded process's tree is walked, not
-// only the root's, so that a process forked since the plan is found even when the root is gone.
-func (rb *journalRollback) tree() []int {
-	h := rb.st.Header
-	var recorded []int
-	for _, p := range h.Tree {
-		if p.Start != 0 && proc.Same(p.PID, p.Start) {
-			recorded = append(recorded, p.PID)
-		}
-	}
-	out := slices.Clone(recorded)
-	walked := map[int]bool{} // in the tree of a recorded process walked already: its own tree is in out
-	for _, pid := range recorded {
-		if walked[pid] {
-			continue
-		}
-		if stats, err := proc.Tree(pid); err == nil {
-			for _, s := range stats {
-				walked[s.PID] = true
-				if !slices.Contains(out, s.PID) {
-					out = append(out, s.PID)
-				}
-			}
-		}
-	}
-	return out
-}
-
-// cudaPIDs are the recorded CUDA processes still alive as themselves.
-func (rb *journalRollback) cudaPIDs() []int {
-	h := rb.st.Header
-	var out []int
-	for _, pid := range h.CUDA {
-		for _, p := range h.Tree {
-			if p.PID == pid && p.Start != 0 && proc.Same(pid, p.Start) {
-				out = append(out, pid)
-			}
-		}
-	}
-	return out
-}
-
-// Step names the rollback knows (checkpoint's, restore's and migrate's).
-const (
-	stepDump        = "dump"
-	stepStore       = "store"
-	stepFinish      = "finish"
-	stepCRIURestore = "criu-restore"
-	stepPlaceFiles  = "place-files"
-)
-
-func (rb *journalRollback) checkpoint(ctx context.Context) string {
-	st, h := rb.st, rb.st.Header
-	committed := st.Committed || st.Began(stepFinish)
-	if !committed && st.Began(stepStore) && rb.imageStored() {
-		committed = true
-		rb.note("image %s was stored before ptxmig died", h.Image)
-	}
-	tree := rb.tree()
-	if committed {
-		if h.LeaveRunning {
-			rb.note("the checkpoint had committed (image %s); the tree runs on", h.Image)
-			return RecoveredFinished
-		}
-		if len(tree) > 0 {
-			rb.fail(proc.Kill(tree, 10*time.Second))
-			rb.note("the checkpoint had committed (image %s): ended the checkpointed tree as the checkpoint does (pid %s)", h.Image, PIDList(tree))
-		} else {
-			rb.note("the checkpoint had committed (image %s); the tree had already ended", h.Image)
-		}
-		return RecoveredFinished
-	}
-	if st.Began(stepDump) && len(tree) > 0 {
-		rb.fail(proc.Continue(tree, 5*time.Second))
-		rb.note("resumed the tree stopped by the dump (pid %s)", PIDList(tree))
-	}
-	cuda := rb.cudaPIDs()
-	if st.Began(StepLock) {
-		rb.driverBack(cuda)
-	}
-	if st.Began(StepQuiesce) {
-		rb.shimResume(ctx, cuda)
-	}
-	if st.Began(stepStore) {
-		rb.note("the image was not stored (`%s` removes what the store step left)", Command(st.Header.Store, "image", "gc"))
-	}
-	return RecoveredRolledBack
-}
-
-func (rb *journalRollback) restore() string {
-	st, h := rb.st, rb.st.Header
-	if st.Committed || st.AllDone() {
-		rb.note("the restore had completed; the tree runs")
-		return RecoveredFinished
-	}
-	if st.Began(stepPlaceFiles) {
-		rb.note("carried files put in place before ptxmig died stay (the processes need them); a file they replaced " +
-			"is next to it as NAME.ptxmig-replaced-TIME")
-	}
-	s := st.Step(stepCRIURestore)
-	if s == nil {
-		rb.note("no process had been restored")
-		return RecoveredRolledBack
-	}
-	var victims []int
-	for _, p := range h.Tree {
-		if ps, err := proc.ReadStat(p.PID); err == nil && !ps.Zombie() && ps.StartedSince(s.At) {
-			victims = append(victims, p.PID)
-			if sub, err := proc.Tree(p.PID); err == nil {
-				for _, c := range sub[1:] {
-					if !slices.Contains(victims, c.PID) {
-						victims = append(victims, c.PID)
-					}
-				}
-			}
-		}
-	}
-	if len(victims) == 0 {
-		rb.note("no half-restored process was left")
-		return RecoveredRolledBack
-	}
-	rb.fail(proc.Kill(victims, 10*time.Second))
-	rb.note("killed the half-restored processes (pid %s); the image is intact", PIDList(victims))
-	return RecoveredRolledBack
-}
-
-func (rb *journalRollback) migrate(ctx context.Context) string {
-	st := rb.st
-	if st.Committed || st.AllDone() {
-		rb.note("the migration had completed")
-		return RecoveredFinished
-	}
-	cuda := rb.cudaPIDs()
-	if s := st.Step(StepDriverRestore); s != nil && len(st.Header.Pairs) > 0 {
-		switch {
-		case !s.UndoBegan:
-			// Then driverBack finds every process on its source GPUs. (One case it gets wrong: a
-			// ptxmig that died while the step, failing for one process, moved the others back
-			// itself; a process already back is moved onto its targets again. It runs there.)
-			rb.moveBack(cuda)
-		case !s.Undone:
-			// ptxmig died while its own rollback moved the processes back: which ones it had
-			// moved, the driver's state does not say (a moved one is locked on its source GPUs,
-			// as one still on its targets is), so none is moved twice.
-			rb.note("ptxmig died while it moved the processes back onto their source GPUs: pid %s may run on their target GPUs",
-				PIDList(cuda))
-		}
-	}
-	if st.Began(StepLock) {
-		rb.driverBack(cuda)
-	}
-	if st.Began(StepQuiesce) {
-		rb.shimResume(ctx, cuda)
-	}
-	if len(st.Header.Pairs) > 0 {
-		return RecoveredRolledBack
-	}
-	// Without its pairs (a journal of an older ptxmig), a process the driver restored onto its
-	// targets stays there: unlocking it finished its move. The report says so rather than claim
-	// it went back.
-	if s := st.Step(StepDriverRestore); s != nil && s.Done {
-		rb.note("the driver had restored every process onto its target GPUs: unlocked there, they run on the targets (the move was finished, not undone)")
-		return RecoveredFinished
-	} else if s != nil {
-		rb.note("the driver restore onto the target GPUs had begun: a process it had restored runs on its target GPUs, the others on their source GPUs")
-	}
-	return RecoveredRolledBack
-}
-
-// moveBack returns the processes a migrate's driver restore had put on their targets to their
-// source GPUs, with the journal's pairs inverted (see RestoreStep); they stay locked for
-// driverBack.
-func (rb *journalRollback) moveBack(pids []int) {
-	var pairs []cudackpt.Pair
-	for _, p := range rb.st.Header.Pairs {
-		o, err1 := cudackpt.ParseUUID(p.Old)
-		n, err2 := cudackpt.ParseUUID(p.New)
-		if err := errors.Join(err1, err2); err != nil {
-			rb.fail(fmt.Errorf("the journal's GPU pair %s -> %s: %w", p.Old, p.New, err))
-			return
-		}
-		pairs = append(pairs, cudackpt.Pair{Old: o, New: n})
-	}
-	d, err := rb.drv.get()
-	if err != nil || d == nil {
-		rb.fail(fmt.Errorf("pid %s may run on its target GPUs, but the NVIDIA driver cannot be used: %v", PIDList(pids), err))
-		return
-	}
-	var moved []int
-	for _, pid := range pids {
-		if st, err := d.State(pid); err == nil && st != cudackpt.Checkpointed {
-			moved = append(moved, pid) // restored onto its targets (locked, or unlocked since)
-		}
-	}
-	if len(moved) == 0 {
-		return
-	}
-	if err := moveBack(d, moved, pairs); err != nil {
-		rb.fail(err)
-		return
-	}
-	rb.note("moved pid %s back onto its source GPUs (checkpoint, restore with the inverse pairs)", PIDList(moved))
-}
-
-// driverBack puts each CUDA process back to running: a checkpointed one is restored onto its own
-// GPUs (no pairs), a locked one unlocked.
-func (rb *journalRollback) driverBack(pids []int) {
-	if len(pids) == 0 {
-		return
-	}
-	d, err := rb.drv.get()
-	if err != nil || d == nil {
-		rb.fail(fmt.Errorf("pid %s may be locked or checkpointed, but the NVIDIA driver cannot be used: %v", PIDList(pids), err))
-		return
-	}
-	for _, pid := range pids {
-		s, err := d.State(pid)
-		if errors.Is(err, cudackpt.ErrNotCUDA) {
-			continue
-		}
-		if err != nil {
-			rb.fail(fmt.Errorf("driver state of pid %d: %w", pid, err))
-			continue
-		}
-		if s == cudackpt.Checkpointed {
-			if err := d.Restore(pid, nil); err != nil {
-				rb.fail(fmt.Errorf("driver restore of pid %d onto its own GPUs: %w", pid, err))
-				continue
-			}
-			rb.note("driver restore of pid %d onto its own GPUs", pid)
-			if s, err = d.State(pid); err != nil {
-				rb.fail(fmt.Errorf("driver state of pid %d: %w", pid, err))
-				continue
-			}
-		}
-		if s == cudackpt.Locked {
-			if err := d.Unlock(pid); err != nil {
-				rb.fail(fmt.Errorf("driver unlock of pid %d: %w", pid, err))
-				continue
-			}
-			rb.note("driver unlock of pid %d", pid)
-		}
-	}
-}
-
-// shimResume resumes the processes under the shim (a quiesce that ptxmig detached stays until
-// resumed; an attached one ended when ptxmig's connection closed).
-func (rb *journalRollback) shimResume(ctx context.Context, pids []int) {
-	for _, pid := range pids {
-		dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		c, err := dial(dctx, pid)
-		cancel()
-		if errors.Is(err, shimctl.ErrNoShim) {
-			continue
-		}
-		if err != nil {
-			rb.fail(fmt.Errorf("shim of pid %d: %w", pid, err))
-			continue
-		}
-		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		res, err := c.Resume(rctx)
-		cancel()
-		c.Close()
-		switch {
-		case errors.Is(err, shimctl.ErrNoPreemption):
-		case err != nil:
-			rb.fail(fmt.Errorf("shim resume of pid %d: %w", pid, err))
-		default:
-			rb.note("shim resume of pid %d (was %s, %d kernels relaunched)", pid, res.Was, res.Relaunched)
-			for _, e := range res.Errors {
-				rb.fail(fmt.Errorf("shim resume of pid %d: relaunch of %s failed: CUresult %d", pid, e.Kernel, e.Error))
-			}
-		}
-	}
-}
-
-// imageStored reports whether the checkpoint's image is in the store (its manifest is written
-// last: a stored image is complete).
-func (rb *journalRollback) imageStored() bool {
-	h := rb.st.Header
-	if h.Store == "" || h.Image == "" {
-		return false
-	}
-	if fi, err := os.Lstat(h.Store); err != nil || !fi.IsDir() {
-		return false
-	}
-	st, err := store.Open(h.Store)
-	if err != nil {
-		rb.log.Warn("cannot open the store to see whether the image was stored", "store", h.Store, "err", err)
-		return false
-	}
-	m, err := st.Get(h.Image)
-	return err == nil && m.Name == h.Image && imagedesc.RootPID(m) == h.Root && !m.Created.Before(h.Time.Add(-time.Second))
 }
 
 // removeStaging removes the operation's staging directory: a directory (not a symlink) named by
@@ -815,6 +504,28 @@ func ownedDir(dir string) bool {
 	}
 	st, ok := fi.Sys().(*syscall.Stat_t)
 	return ok && int(st.Uid) == os.Geteuid() && fi.Mode().Perm()&0o022 == 0
+}
+
+// stagingLogs are the log files (*.log) in an operation's staging directory and the directories
+// right below it (CRIU's), kept with a recovery's report.
+func stagingLogs(staging string) []string {
+	if staging == "" {
+		return nil
+	}
+	var out []string
+	for _, pat := range []string{"*.log", "*/*.log"} {
+		m, _ := filepath.Glob(filepath.Join(staging, pat))
+		out = append(out, m...)
+	}
+	return out
+}
+
+func pidText(pids []int) string {
+	s := make([]string, len(pids))
+	for i, p := range pids {
+		s[i] = fmt.Sprint(p)
+	}
+	return strings.Join(s, ", ")
 }
 
 // legacyStaging matches the staging directories of ptxmig versions without journals

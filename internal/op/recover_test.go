@@ -1,4 +1,4 @@
-package op
+package op_test
 
 import (
 	"context"
@@ -14,13 +14,18 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/cudackpt/cudackpttest"
+	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/internal/journal"
+	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/shimctl/shimctltest"
-	"github.com/ptxmig/ptxmig/internal/testproc"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/internal/testreq"
+	"github.com/ptxmig/ptxmig/migrate"
+	"github.com/ptxmig/ptxmig/restore"
 )
 
 // The guardian's rollback (RecoverJournal, Recover), driven in-process against the fake driver,
@@ -30,10 +35,49 @@ import (
 
 const gpu0 = "GPU-00000000-0000-0000-0000-000000000000"
 
+// kindOf is the kind each operation journals its own steps with.
+var kindOf = map[string]string{checkpoint.StepDump: checkpoint.KindDump, checkpoint.StepStore: checkpoint.KindStore,
+	checkpoint.StepFinish: checkpoint.KindFinish, restore.StepCRIURestore: restore.KindCRIURestore}
+
+// planned is the operations' own steps named, as they are journaled (the store step commits),
+// each doing nothing.
+func planned(names ...string) []op.Step {
+	out := make([]op.Step, len(names))
+	for i, n := range names {
+		out[i] = op.Step{Name: n, Kind: kindOf[n], Commit: n == checkpoint.StepStore, Do: func(context.Context) error { return nil }}
+	}
+	return out
+}
+
+// journaled is what the journal records of planned(names...).
+func journaled(names ...string) []journal.Step {
+	out, err := op.JournalSteps(planned(names...))
+	if err != nil {
+		panic(err)
+	}
+	return out
+}
+
+// checkpointPlan is the steps a checkpoint of the CUDA processes pids journals (align: a job).
+func checkpointPlan(drv op.Driver, pids []int, align bool) []op.Step {
+	pre := shimstep.NewPreemption(&op.Env{}, 0)
+	var s []op.Step
+	if align {
+		s = append(s, pre.AlignStep(pids, 0))
+	}
+	s = append(s, pre.QuiesceStep(pids), driverstep.LockStep(drv, pids, time.Second), driverstep.CheckpointStep(drv, pids), pre.DetachStep())
+	return append(s, planned(checkpoint.StepDump, checkpoint.StepStore, checkpoint.StepFinish)...)
+}
+
+// reply is one line of a fake shim's answers.
+func reply(cmd, result string, proto int) string {
+	return fmt.Sprintf(`{"ok":true,"proto":%d,"cmd":%q,"result":%s}`+"\n", proto, cmd, result)
+}
+
 type recoverRig struct {
-	env  *Env
+	env  *op.Env
 	drv  *cudackpttest.Driver
-	opts RecoverOptions
+	opts op.RecoverOptions
 	logs string
 }
 
@@ -52,8 +96,8 @@ func newRecoverRig(t *testing.T, pids ...int) *recoverRig {
 	drv := cudackpttest.New(gpu0, nil, pids...)
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	r := &recoverRig{drv: drv, logs: filepath.Join(dir, "logs"),
-		env:  &Env{Driver: drv, Euid: 0, Log: log},
-		opts: RecoverOptions{Driver: func() (Driver, error) { return drv, nil }, Log: log, Wait: time.Second}}
+		env:  &op.Env{Driver: drv, Euid: 0, Log: log},
+		opts: op.RecoverOptions{Driver: func() (op.Driver, error) { return drv, nil }, Log: log, Wait: time.Second}}
 	return r
 }
 
@@ -71,11 +115,8 @@ func sleeper(t *testing.T) int {
 	return cmd.Process.Pid
 }
 
-// die abandons a Txn as if ptxmig had been killed: the journal stays, unlocked, unended.
-func (tx *Txn) die() { tx.w.Abandon() }
-
 // begin journals an operation and runs the steps given (the first of the planned ones).
-func (r *recoverRig) begin(t *testing.T, spec TxnSpec, run []Step) *Txn {
+func (r *recoverRig) begin(t *testing.T, spec op.TxnSpec, run []op.Step) *op.Txn {
 	t.Helper()
 	tx, err := r.env.Begin(context.Background(), spec)
 	if err != nil {
@@ -87,14 +128,14 @@ func (r *recoverRig) begin(t *testing.T, spec TxnSpec, run []Step) *Txn {
 	return tx
 }
 
-func (r *recoverRig) recoverOne(t *testing.T, tx *Txn) *Recovered {
+func (r *recoverRig) recoverOne(t *testing.T, tx *op.Txn) *op.Recovered {
 	t.Helper()
-	path := tx.w.Path()
-	rep := RecoverJournal(context.Background(), path, r.opts)
+	path := tx.JournalPath()
+	rep := op.RecoverJournal(context.Background(), path, r.opts)
 	if rep == nil {
 		t.Fatal("RecoverJournal found nothing")
 	}
-	if _, err := os.Stat(path); !os.IsNotExist(err) && rep.Outcome != RecoveredIncomplete {
+	if _, err := os.Stat(path); !os.IsNotExist(err) && rep.Outcome != op.RecoveredIncomplete {
 		t.Errorf("journal still there after %s: %v", rep.Outcome, err)
 	}
 	return rep
@@ -111,11 +152,11 @@ func stopped(pid int) bool {
 func TestGuardianRollsBackCheckpoint(t *testing.T) {
 	pid := sleeper(t)
 	r := newRecoverRig(t, pid)
-	steps := []string{StepQuiesce, StepLock, StepCheckpoint, StepDetach, "dump", "store", "finish"}
-	tx := r.begin(t, TxnSpec{Op: journal.OpCheckpoint, Root: pid, Tree: []int{pid}, CUDA: []int{pid}, StagingRoot: os.Getenv("PTXMIG_STAGING_DIR"), Steps: steps},
-		[]Step{LockStep(r.drv, []int{pid}, time.Second), CheckpointStep(r.drv, []int{pid})})
+	steps := checkpointPlan(r.drv, []int{pid}, false)
+	tx := r.begin(t, op.TxnSpec{Op: journal.OpCheckpoint, Root: pid, Tree: []int{pid}, CUDA: []int{pid}, StagingRoot: os.Getenv("PTXMIG_STAGING_DIR"), Steps: steps},
+		[]op.Step{driverstep.LockStep(r.drv, []int{pid}, time.Second), driverstep.CheckpointStep(r.drv, []int{pid})})
 	// The dump began and stopped the tree; then ptxmig died.
-	if err := tx.begin("dump"); err != nil {
+	if err := tx.BeginStep("dump"); err != nil {
 		t.Fatal(err)
 	}
 	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
@@ -127,10 +168,10 @@ func TestGuardianRollsBackCheckpoint(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(tx.Staging(), "pages-1.img"), []byte("x"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	tx.die()
+	tx.Die()
 
 	rep := r.recoverOne(t, tx)
-	if rep.Outcome != RecoveredRolledBack || rep.Error != "" {
+	if rep.Outcome != op.RecoveredRolledBack || rep.Error != "" {
 		t.Fatalf("recovery %+v", rep)
 	}
 	if stopped(pid) {
@@ -171,13 +212,13 @@ func TestGuardianResumesShim(t *testing.T) {
 		"status": reply("status", fmt.Sprintf(`{"pid":%d,"proto":2}`, pid), 2),
 		"resume": reply("resume", `{"state":"running","was":"detached","relaunched":3,"elapsed_us":90}`, 2),
 	})
-	steps := []string{StepQuiesce, StepLock, StepCheckpoint, StepDetach, "dump", "store", "finish"}
-	tx := r.begin(t, TxnSpec{Op: journal.OpCheckpoint, Root: pid, Tree: []int{pid}, CUDA: []int{pid}, Steps: steps},
-		[]Step{{Name: StepQuiesce, Do: func(context.Context) error { return nil }}, LockStep(r.drv, []int{pid}, time.Second), CheckpointStep(r.drv, []int{pid}),
-			{Name: StepDetach, Do: func(context.Context) error { return nil }}})
-	tx.die()
+	steps := checkpointPlan(r.drv, []int{pid}, false)
+	tx := r.begin(t, op.TxnSpec{Op: journal.OpCheckpoint, Root: pid, Tree: []int{pid}, CUDA: []int{pid}, Steps: steps},
+		[]op.Step{{Name: shimstep.StepQuiesce, Kind: shimstep.KindQuiesce, Do: func(context.Context) error { return nil }}, driverstep.LockStep(r.drv, []int{pid}, time.Second), driverstep.CheckpointStep(r.drv, []int{pid}),
+			{Name: shimstep.StepDetach, Do: func(context.Context) error { return nil }}})
+	tx.Die()
 	rep := r.recoverOne(t, tx)
-	if rep.Outcome != RecoveredRolledBack || rep.Error != "" {
+	if rep.Outcome != op.RecoveredRolledBack || rep.Error != "" {
 		t.Fatalf("recovery %+v", rep)
 	}
 	if st := r.drv.Get(pid).State; st != cudackpt.Running {
@@ -192,31 +233,32 @@ func TestGuardianResumesShim(t *testing.T) {
 
 // TestGuardianMigrate: ptxmig dies during the driver restore onto the target (the process is
 // still checkpointed): the guardian restores it onto its source GPUs and unlocks. Killed after
-// the driver restore and the unlock, it is left running where it is, and the report says the
-// move was finished, not undone.
+// the unlock, it is left running where it is.
 func TestGuardianMigrate(t *testing.T) {
 	pid := sleeper(t)
 	r := newRecoverRig(t, pid)
-	steps := []string{StepQuiesce, StepLock, StepCheckpoint, StepDriverRestore, StepUnlock, StepResume}
-	spec := TxnSpec{Op: journal.OpMigrate, Root: pid, Tree: []int{pid}, CUDA: []int{pid}, Steps: steps}
-	tx := r.begin(t, spec, []Step{LockStep(r.drv, []int{pid}, time.Second), CheckpointStep(r.drv, []int{pid})})
-	if err := tx.begin(StepDriverRestore); err != nil {
+	pre := shimstep.NewPreemption(r.env, 0)
+	steps := append([]op.Step{pre.QuiesceStep([]int{pid})}, migrate.Steps(r.drv, []int{pid}, nil, time.Second, nil)...)
+	steps = append(steps, pre.ResumeStep(op.Fixed([]int{pid}), false))
+	steps[len(steps)-1].Commit = true
+	spec := op.TxnSpec{Op: journal.OpMigrate, Root: pid, Tree: []int{pid}, CUDA: []int{pid}, Steps: steps}
+	tx := r.begin(t, spec, []op.Step{driverstep.LockStep(r.drv, []int{pid}, time.Second), driverstep.CheckpointStep(r.drv, []int{pid})})
+	if err := tx.BeginStep(driverstep.StepDriverRestore); err != nil {
 		t.Fatal(err)
 	}
-	tx.die()
-	if rep := r.recoverOne(t, tx); rep.Outcome != RecoveredRolledBack || rep.Error != "" {
+	tx.Die()
+	if rep := r.recoverOne(t, tx); rep.Outcome != op.RecoveredRolledBack || rep.Error != "" {
 		t.Fatalf("recovery %+v", rep)
 	}
 	if p := r.drv.Get(pid); p.State != cudackpt.Running || p.GPU != gpu0 {
 		t.Errorf("after recovery: %+v, want running on %s", p, gpu0)
 	}
 	calls := len(r.drv.Calls)
-	tx = r.begin(t, spec, []Step{LockStep(r.drv, []int{pid}, time.Second), CheckpointStep(r.drv, []int{pid}),
-		RestoreStep(r.drv, Fixed([]int{pid}), nil, nil, false), UnlockStep(r.drv, Fixed([]int{pid}))})
-	tx.die()
-	if rep := r.recoverOne(t, tx); rep.Outcome != RecoveredFinished || rep.Error != "" ||
-		!slices.ContainsFunc(rep.Actions, func(a string) bool { return strings.Contains(a, "they run on the targets") }) {
-		t.Fatalf("recovery %+v, want finished: the processes run on their targets", rep)
+	tx = r.begin(t, spec, []op.Step{driverstep.LockStep(r.drv, []int{pid}, time.Second), driverstep.CheckpointStep(r.drv, []int{pid}),
+		driverstep.RestoreStep(r.drv, op.Fixed([]int{pid}), nil, nil, false), driverstep.UnlockStep(r.drv, op.Fixed([]int{pid}))})
+	tx.Die()
+	if rep := r.recoverOne(t, tx); rep.Outcome != op.RecoveredRolledBack || rep.Error != "" {
+		t.Fatalf("recovery %+v", rep)
 	}
 	if got := r.drv.Calls[calls:]; !slices.Equal(got, []string{"lock", "checkpoint", "restore", "unlock"}) {
 		t.Errorf("a recovery after the unlock called the driver: %v", got)
@@ -228,12 +270,11 @@ func TestGuardianMigrate(t *testing.T) {
 func TestGuardianFinishesCommittedCheckpoint(t *testing.T) {
 	pid := sleeper(t)
 	r := newRecoverRig(t)
-	ok := func(context.Context) error { return nil }
-	tx := r.begin(t, TxnSpec{Op: journal.OpCheckpoint, Root: pid, Tree: []int{pid}, Steps: []string{"dump", "store", "finish"}},
-		[]Step{{Name: "dump", Do: ok}, {Name: "store", Do: ok, Commit: true}})
-	tx.die()
+	tx := r.begin(t, op.TxnSpec{Op: journal.OpCheckpoint, Root: pid, Tree: []int{pid}, Steps: planned("dump", "store", "finish")},
+		planned("dump", "store"))
+	tx.Die()
 	rep := r.recoverOne(t, tx)
-	if rep.Outcome != RecoveredFinished {
+	if rep.Outcome != op.RecoveredFinished {
 		t.Fatalf("recovery %+v", rep)
 	}
 	if proc.Alive(pid) {
@@ -254,18 +295,20 @@ func TestGuardianFinishesHalfEndedTree(t *testing.T) {
 	done := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(done) }()
 	root := cmd.Process.Pid
-	tree, err := testproc.WaitTree(root, 3, 10*time.Second)
-	if err != nil {
-		t.Fatal(err)
+	var tree []proc.Stat
+	for deadline := time.Now().Add(10 * time.Second); len(tree) < 3; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the tree of %d did not grow to three processes: %+v", root, tree)
+		}
+		tree, _ = proc.Tree(root)
 	}
 	pids := proc.PIDs(tree)
 	t.Cleanup(func() { _ = proc.Kill(pids, 5*time.Second) })
 	child, grandchild := pids[1], pids[2]
 	r := newRecoverRig(t)
-	ok := func(context.Context) error { return nil }
 	// The plan saw the root and its child; the grandchild is "forked since".
-	tx := r.begin(t, TxnSpec{Op: journal.OpCheckpoint, Root: root, Tree: []int{root, child}, Steps: []string{"dump", "store", "finish"}},
-		[]Step{{Name: "dump", Do: ok}, {Name: "store", Do: ok, Commit: true}})
+	tx := r.begin(t, op.TxnSpec{Op: journal.OpCheckpoint, Root: root, Tree: []int{root, child}, Steps: planned("dump", "store", "finish")},
+		planned("dump", "store"))
 	for _, pid := range pids[1:] {
 		if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
 			t.Fatal(err)
@@ -275,9 +318,9 @@ func TestGuardianFinishesHalfEndedTree(t *testing.T) {
 		t.Fatal(err)
 	}
 	<-done
-	tx.die()
+	tx.Die()
 	rep := r.recoverOne(t, tx)
-	if rep.Outcome != RecoveredFinished || rep.Error != "" {
+	if rep.Outcome != op.RecoveredFinished || rep.Error != "" {
 		t.Fatalf("recovery %+v", rep)
 	}
 	for _, pid := range []int{child, grandchild} {
@@ -309,7 +352,7 @@ func TestRecoverTouchesOnlyItsOwnProcesses(t *testing.T) {
 	write := func(op string, tree []journal.Proc, recs ...journal.Record) string {
 		id, _ := journal.NewID(op, dead.Process.Pid)
 		h := journal.Header{V: journal.Version, Op: op, ID: id, Boot: boot, Time: time.Now(), Owner: journal.Proc{PID: dead.Process.Pid, Start: 1},
-			Session: 1, Root: tree[0].PID, Tree: tree, Steps: []string{"dump", "store", "finish", "criu-restore"}}
+			Session: 1, Root: tree[0].PID, Tree: tree, Steps: journaled("dump", "store", "finish", "criu-restore")}
 		w, err := journal.Create(journal.Dir(), h)
 		if err != nil {
 			t.Fatal(err)
@@ -329,7 +372,7 @@ func TestRecoverTouchesOnlyItsOwnProcesses(t *testing.T) {
 	// Start times count in 10 ms ticks: let one pass before the restore "begins".
 	time.Sleep(30 * time.Millisecond)
 	write(journal.OpRestore, []journal.Proc{{PID: pid}}, at("criu-restore", proc.SinceBoot())) // began after the pid started
-	rep, err := Recover(context.Background(), r.opts)
+	rep, err := op.Recover(context.Background(), r.opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -341,7 +384,7 @@ func TestRecoverTouchesOnlyItsOwnProcesses(t *testing.T) {
 	}
 	// The same restore journal, begun before the pid started: it is the half-restored process.
 	write(journal.OpRestore, []journal.Proc{{PID: pid}}, at("criu-restore", s.StartedAt()-time.Second))
-	if rep, err = Recover(context.Background(), r.opts); err != nil || len(rep.Operations) != 1 || rep.Operations[0].Outcome != RecoveredRolledBack {
+	if rep, err = op.Recover(context.Background(), r.opts); err != nil || len(rep.Operations) != 1 || rep.Operations[0].Outcome != op.RecoveredRolledBack {
 		t.Fatalf("recover: %+v, %v", rep, err)
 	}
 	if proc.Alive(pid) {
@@ -356,14 +399,14 @@ func TestRecoverRefusesInvalidJournals(t *testing.T) {
 	pid := sleeper(t)
 	r := newRecoverRig(t)
 	// The live operation first: its Begin recovers what it finds.
-	live, err := r.env.Begin(context.Background(), TxnSpec{Op: journal.OpCheckpoint, Root: pid, Tree: []int{pid}, Steps: []string{"dump"}})
+	live, err := r.env.Begin(context.Background(), op.TxnSpec{Op: journal.OpCheckpoint, Root: pid, Tree: []int{pid}, Steps: planned("dump")})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer live.End(nil, false)
 	dir := journal.Dir()
 	bad := filepath.Join(dir, "restore-77-0123456789abcdef"+journal.Ext)
-	hostile := fmt.Sprintf(`{"t":"begin","begin":{"v":1,"op":"restore","id":"restore-77-0123456789abcdef","boot":"x","time":"2026-01-01T00:00:00Z","owner":{"pid":77,"start":1},"session":1,"root":%d,"tree":[{"pid":%d,"start":0}],"steps":["criu-restore"]}}`+"\n", pid, pid)
+	hostile := fmt.Sprintf(`{"t":"begin","begin":{"v":%d,"op":"restore","id":"restore-77-0123456789abcdef","boot":"x","time":"2026-01-01T00:00:00Z","owner":{"pid":77,"start":1},"session":1,"root":%d,"tree":[{"pid":%d,"start":0}],"steps":[{"name":"criu-restore","kind":%q}]}}`+"\n", journal.Version, pid, pid, restore.KindCRIURestore)
 	if err := os.WriteFile(bad, []byte(hostile+`{"t":"step","step":"criu-restore","phase":"begin","at":1}`+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -371,7 +414,7 @@ func TestRecoverRefusesInvalidJournals(t *testing.T) {
 	if err := os.WriteFile(cut, []byte(`{"t":"begin","be`), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	rep, err := Recover(context.Background(), r.opts)
+	rep, err := op.Recover(context.Background(), r.opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -379,7 +422,7 @@ func TestRecoverRefusesInvalidJournals(t *testing.T) {
 	for _, o := range rep.Operations {
 		outcomes[o.Journal] = o.Outcome
 	}
-	want := map[string]string{"restore-77-0123456789abcdef": RecoveredRefused, "checkpoint-78-0123456789abcdef": RecoveredCleaned, live.ID(): RecoveredRunning}
+	want := map[string]string{"restore-77-0123456789abcdef": op.RecoveredRefused, "checkpoint-78-0123456789abcdef": op.RecoveredCleaned, live.ID(): op.RecoveredRunning}
 	for id, o := range want {
 		if outcomes[id] != o {
 			t.Errorf("%s: %q, want %q (all: %v)", id, outcomes[id], o, outcomes)
@@ -393,7 +436,7 @@ func TestRecoverRefusesInvalidJournals(t *testing.T) {
 			t.Errorf("%s still in the journal directory", p)
 		}
 	}
-	if _, err := os.Stat(live.w.Path()); err != nil {
+	if _, err := os.Stat(live.JournalPath()); err != nil {
 		t.Errorf("the live operation's journal: %v", err)
 	}
 	kept, _ := filepath.Glob(filepath.Join(r.logs, "refused-journal-*", "restore-77-*"))
@@ -403,7 +446,7 @@ func TestRecoverRefusesInvalidJournals(t *testing.T) {
 	live.End(nil, false)
 	t0 := time.Now()
 	for range 100 {
-		if rep, err := Recover(context.Background(), r.opts); err != nil || len(rep.Operations) != 0 {
+		if rep, err := op.Recover(context.Background(), r.opts); err != nil || len(rep.Operations) != 0 {
 			t.Fatalf("recover with nothing to do: %+v, %v", rep, err)
 		}
 	}
@@ -417,10 +460,10 @@ func TestRecoverRefusesInvalidJournals(t *testing.T) {
 func TestPending(t *testing.T) {
 	pid, guard := sleeper(t), sleeper(t)
 	r := newRecoverRig(t)
-	if got, err := Pending(); err != nil || len(got) != 0 {
+	if got, err := op.Pending(); err != nil || len(got) != 0 {
 		t.Fatalf("Pending with no journal directory: %+v, %v", got, err)
 	}
-	live, err := r.env.Begin(context.Background(), TxnSpec{Op: journal.OpCheckpoint, Root: pid, Tree: []int{pid}, Steps: []string{"dump"}})
+	live, err := r.env.Begin(context.Background(), op.TxnSpec{Op: journal.OpCheckpoint, Root: pid, Tree: []int{pid}, Steps: planned("dump")})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -435,7 +478,7 @@ func TestPending(t *testing.T) {
 	write := func(op string, recs ...journal.Record) string {
 		id, _ := journal.NewID(op, dead.Process.Pid)
 		h := journal.Header{V: journal.Version, Op: op, ID: id, Boot: boot, Time: time.Now(), Owner: journal.Proc{PID: dead.Process.Pid, Start: 1},
-			Session: 1, Root: pid, Tree: []journal.Proc{{PID: pid, Start: ps.StartTicks}}, Steps: []string{"dump"}}
+			Session: 1, Root: pid, Tree: []journal.Proc{{PID: pid, Start: ps.StartTicks}}, Steps: journaled("dump")}
 		w, err := journal.Create(journal.Dir(), h)
 		if err != nil {
 			t.Fatal(err)
@@ -467,15 +510,15 @@ func TestPending(t *testing.T) {
 	}
 	before := snapshot()
 
-	got, err := Pending()
+	got, err := op.Pending()
 	if err != nil {
 		t.Fatal(err)
 	}
-	outcomes := map[string]Recovered{}
+	outcomes := map[string]op.Recovered{}
 	for _, o := range got {
 		outcomes[o.Journal] = o
 	}
-	want := map[string]string{interrupted: PendingInterrupted, guarded: RecoveredBusy, "restore-77-0123456789abcdef": RecoveredRefused}
+	want := map[string]string{interrupted: op.PendingInterrupted, guarded: op.RecoveredBusy, "restore-77-0123456789abcdef": op.RecoveredRefused}
 	if len(got) != len(want) {
 		t.Errorf("Pending: %+v, want %v", got, want)
 	}
@@ -497,12 +540,12 @@ func TestPending(t *testing.T) {
 		t.Error("Pending touched a process")
 	}
 	// Nothing is left locked: recover handles them all now (the guarded one waits for no lock).
-	rep, err := Recover(context.Background(), r.opts)
+	rep, err := op.Recover(context.Background(), r.opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, o := range rep.Operations {
-		if o.Journal == interrupted && o.Outcome != RecoveredRolledBack && o.Outcome != RecoveredCleaned {
+		if o.Journal == interrupted && o.Outcome != op.RecoveredRolledBack && o.Outcome != op.RecoveredCleaned {
 			t.Errorf("recover after Pending: %+v", o)
 		}
 	}
@@ -521,11 +564,11 @@ func TestRecoverHintNamesStore(t *testing.T) {
 	s, _ := proc.ReadStat(pid)
 	for _, tt := range []struct{ store, want string }{
 		{"/data/other-store", "`ptxmig --store /data/other-store image gc`"},
-		{DefaultStoreDir, "`ptxmig image gc`"},
+		{op.DefaultStoreDir, "`ptxmig image gc`"},
 	} {
 		id, _ := journal.NewID(journal.OpCheckpoint, dead.Process.Pid)
 		h := journal.Header{V: journal.Version, Op: journal.OpCheckpoint, ID: id, Boot: boot, Time: time.Now(), Owner: journal.Proc{PID: dead.Process.Pid, Start: 1},
-			Session: 1, Root: pid, Tree: []journal.Proc{{PID: pid, Start: s.StartTicks}}, Store: tt.store, Image: "img", Steps: []string{"dump", "store", "finish"}}
+			Session: 1, Root: pid, Tree: []journal.Proc{{PID: pid, Start: s.StartTicks}}, Store: tt.store, Image: "img", Steps: journaled("dump", "store", "finish")}
 		w, err := journal.Create(journal.Dir(), h)
 		if err != nil {
 			t.Fatal(err)
@@ -534,8 +577,8 @@ func TestRecoverHintNamesStore(t *testing.T) {
 			t.Fatal(err)
 		}
 		w.Abandon()
-		rep := RecoverJournal(context.Background(), w.Path(), r.opts)
-		if rep == nil || rep.Outcome != RecoveredRolledBack || !slices.ContainsFunc(rep.Actions, func(a string) bool { return strings.Contains(a, tt.want) }) {
+		rep := op.RecoverJournal(context.Background(), w.Path(), r.opts)
+		if rep == nil || rep.Outcome != op.RecoveredRolledBack || !slices.ContainsFunc(rep.Actions, func(a string) bool { return strings.Contains(a, tt.want) }) {
 			t.Errorf("store %s: %+v, want an action with %s", tt.store, rep, tt.want)
 		}
 	}
@@ -545,23 +588,23 @@ func TestRecoverHintNamesStore(t *testing.T) {
 // job's three CUDA processes (some ranks done, the others not): the guardian's rollback brings
 // every rank back to running, whatever point it died at.
 func TestGuardianRollsBackJobMidStep(t *testing.T) {
-	for _, step := range []string{StepLock, StepCheckpoint} {
+	for _, step := range []string{driverstep.StepLock, driverstep.StepCheckpoint} {
 		for k := 1; k <= 3; k++ {
 			t.Run(fmt.Sprintf("%s/%d-of-3", step, k), func(t *testing.T) {
 				pids := []int{sleeper(t), sleeper(t), sleeper(t)}
 				r := newRecoverRig(t, pids...)
-				steps := []string{StepAlign, StepQuiesce, StepLock, StepCheckpoint, StepDetach, "dump", "store", "finish"}
-				var run []Step
-				if step == StepCheckpoint {
-					run = []Step{LockStep(r.drv, pids, time.Second)}
+				steps := checkpointPlan(r.drv, pids, true)
+				var run []op.Step
+				if step == driverstep.StepCheckpoint {
+					run = []op.Step{driverstep.LockStep(r.drv, pids, time.Second)}
 				}
-				tx := r.begin(t, TxnSpec{Op: journal.OpCheckpoint, Root: pids[0], Tree: pids, CUDA: pids, Steps: steps}, run)
-				if err := tx.begin(step); err != nil {
+				tx := r.begin(t, op.TxnSpec{Op: journal.OpCheckpoint, Root: pids[0], Tree: pids, CUDA: pids, Steps: steps}, run)
+				if err := tx.BeginStep(step); err != nil {
 					t.Fatal(err)
 				}
 				for _, pid := range pids[:k] {
 					var err error
-					if step == StepLock {
+					if step == driverstep.StepLock {
 						err = r.drv.Lock(pid, time.Second)
 					} else {
 						err = r.drv.Checkpoint(pid)
@@ -570,9 +613,9 @@ func TestGuardianRollsBackJobMidStep(t *testing.T) {
 						t.Fatal(err)
 					}
 				}
-				tx.die()
+				tx.Die()
 				rep := r.recoverOne(t, tx)
-				if rep.Outcome != RecoveredRolledBack || rep.Error != "" {
+				if rep.Outcome != op.RecoveredRolledBack || rep.Error != "" {
 					t.Fatalf("recovery %+v", rep)
 				}
 				for _, pid := range pids {
@@ -585,88 +628,121 @@ func TestGuardianRollsBackJobMidStep(t *testing.T) {
 	}
 }
 
+// TestRecoverLeavesUnknownKinds: a journal with a step of a kind this ptxmig does not know (a
+// newer ptxmig's) is left as it is, touching nothing, and named in the report; one whose step data
+// its kind cannot read is refused (kept aside).
+func TestRecoverLeavesUnknownKinds(t *testing.T) {
+	pid := sleeper(t)
+	r := newRecoverRig(t, pid)
+	dead := exec.Command("true")
+	if err := dead.Run(); err != nil {
+		t.Fatal(err)
+	}
+	boot, _ := proc.BootID()
+	s, _ := proc.ReadStat(pid)
+	write := func(steps []journal.Step) string {
+		id, _ := journal.NewID(journal.OpMigrate, dead.Process.Pid)
+		h := journal.Header{V: journal.Version, Op: journal.OpMigrate, ID: id, Boot: boot, Time: time.Now(), Owner: journal.Proc{PID: dead.Process.Pid, Start: 1},
+			Session: 1, Root: pid, Tree: []journal.Proc{{PID: pid, Start: s.StartTicks}}, CUDA: []int{pid}, Steps: steps}
+		w, err := journal.Create(journal.Dir(), h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Append(journal.Record{T: journal.TStep, Step: steps[0].Name, Phase: journal.PhaseBegin, At: 1}); err != nil {
+			t.Fatal(err)
+		}
+		w.Abandon()
+		return w.Path()
+	}
+	if err := r.drv.Lock(pid, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	unknown := write([]journal.Step{{Name: "lock", Kind: "future.lock", Data: []byte(`{"pids":[1]}`)}})
+	rep := op.RecoverJournal(context.Background(), unknown, r.opts)
+	if rep == nil || rep.Outcome != op.RecoveredIncomplete || !strings.Contains(rep.Error, "future.lock") {
+		t.Fatalf("unknown kind: %+v", rep)
+	}
+	if _, err := os.Stat(unknown); err != nil {
+		t.Errorf("the journal of an unknown kind is gone: %v", err)
+	}
+	if st := r.drv.Get(pid).State; st != cudackpt.Locked {
+		t.Errorf("a journal of an unknown kind changed the driver state: %v", st)
+	}
+	bad := write([]journal.Step{{Name: "lock", Kind: driverstep.KindLock, Data: []byte(`{"pids":"all"}`)}})
+	if rep := op.RecoverJournal(context.Background(), bad, r.opts); rep == nil || rep.Outcome != op.RecoveredRefused {
+		t.Fatalf("unreadable step data: %+v", rep)
+	}
+	if st := r.drv.Get(pid).State; st != cudackpt.Locked {
+		t.Errorf("a refused journal changed the driver state: %v", st)
+	}
+	_ = os.Remove(unknown)
+}
+
+// jobMove is a job migrate's planned steps for pids, their GPUs swapped (the driver restore of
+// kind driverstep.KindMove journals the pairs).
+func jobMove(r *recoverRig, pids []int) (op.TxnSpec, []cudackpt.Pair) {
+	g0, _ := cudackpt.ParseUUID(gpu0)
+	g1, _ := cudackpt.ParseUUID(jobGPU1)
+	swap := []cudackpt.Pair{{Old: g0, New: g1}, {Old: g1, New: g0}}
+	steps := migrate.Steps(r.drv, pids, swap, time.Second, nil)
+	return op.TxnSpec{Op: journal.OpMigrate, Root: pids[0], Tree: pids, CUDA: pids, Steps: steps}, swap
+}
+
+const jobGPU1 = "GPU-11111111-1111-1111-1111-111111111111"
+
 // TestGuardianJobMigrateMidRestore: ptxmig dies in the middle of a job migrate's driver restore
 // (k of 3 ranks restored onto their target, the others still checkpointed), or right after it
-// (k = 3, some ranks unlocked there too). The guardian moves the restored ranks back with the
-// journal's pairs inverted and brings every rank back to running on its own GPU. A journal
-// without pairs (an older ptxmig's) leaves the restored ranks on their targets, and says so.
+// (k = 3, one rank unlocked there too). The guardian rebuilds the restore's undo from the journal
+// (the pairs inverted) and brings every rank back to running on its own GPU.
 func TestGuardianJobMigrateMidRestore(t *testing.T) {
-	const gpu1 = "GPU-11111111-1111-1111-1111-111111111111"
-	g0, err := cudackpt.ParseUUID(gpu0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	g1, err := cudackpt.ParseUUID(gpu1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	swap := []cudackpt.Pair{{Old: g0, New: g1}, {Old: g1, New: g0}}
-	for _, journaled := range []bool{true, false} {
-		for k := 0; k <= 3; k++ {
-			t.Run(fmt.Sprintf("pairs-%v/%d-of-3-restored", journaled, k), func(t *testing.T) {
-				pids := []int{sleeper(t), sleeper(t), sleeper(t)}
-				r := newRecoverRig(t, pids...)
-				steps := []string{StepAlign, StepQuiesce, StepLock, StepCheckpoint, StepDriverRestore, StepUnlock, StepResume}
-				spec := TxnSpec{Op: journal.OpMigrate, Root: pids[0], Tree: pids, CUDA: pids, Steps: steps}
-				if journaled {
-					spec.Pairs = swap
-				}
-				tx := r.begin(t, spec, []Step{LockStep(r.drv, pids, time.Second), CheckpointStep(r.drv, pids)})
-				if err := tx.begin(StepDriverRestore); err != nil {
+	for k := 0; k <= 3; k++ {
+		t.Run(fmt.Sprintf("%d-of-3-restored", k), func(t *testing.T) {
+			pids := []int{sleeper(t), sleeper(t), sleeper(t)}
+			r := newRecoverRig(t, pids...)
+			spec, swap := jobMove(r, pids)
+			tx := r.begin(t, spec, []op.Step{driverstep.LockStep(r.drv, pids, time.Second), driverstep.CheckpointStep(r.drv, pids)})
+			if err := tx.BeginStep(driverstep.StepDriverRestore); err != nil {
+				t.Fatal(err)
+			}
+			for _, pid := range pids[:k] {
+				if err := r.drv.Restore(pid, swap); err != nil {
 					t.Fatal(err)
 				}
-				for _, pid := range pids[:k] {
-					if err := r.drv.Restore(pid, swap); err != nil {
-						t.Fatal(err)
-					}
+			}
+			if k == 3 { // the restore step done, the unlock under way: one rank unlocked already
+				tx.EndStep(driverstep.StepDriverRestore, nil)
+				if err := tx.BeginStep(driverstep.StepUnlock); err != nil {
+					t.Fatal(err)
 				}
-				if k == 3 { // the restore step done, the unlock under way: one rank unlocked already
-					tx.end(StepDriverRestore, nil)
-					if err := tx.begin(StepUnlock); err != nil {
-						t.Fatal(err)
-					}
-					if err := r.drv.Unlock(pids[0]); err != nil {
-						t.Fatal(err)
-					}
+				if err := r.drv.Unlock(pids[0]); err != nil {
+					t.Fatal(err)
 				}
-				tx.die()
-				rep := r.recoverOne(t, tx)
-				note := "moved pid"
-				if !journaled && k > 0 {
-					note = "target GPUs"
+			}
+			tx.Die()
+			rep := r.recoverOne(t, tx)
+			if rep.Outcome != op.RecoveredRolledBack || rep.Error != "" {
+				t.Fatalf("recovery %+v", rep)
+			}
+			for _, pid := range pids {
+				if p := r.drv.Get(pid); p.State != cudackpt.Running || p.GPU != gpu0 {
+					t.Errorf("rank pid %d: %+v, want running on %s (driver calls %v)", pid, p, gpu0, r.drv.PIDCalls)
 				}
-				if rep.Error != "" || k > 0 && !slices.ContainsFunc(rep.Actions, func(a string) bool { return strings.Contains(a, note) }) {
-					t.Fatalf("recovery %+v, want a note with %q", rep, note)
-				}
-				for i, pid := range pids {
-					want := gpu0
-					if !journaled && i < k {
-						want = gpu1
-					}
-					if p := r.drv.Get(pid); p.State != cudackpt.Running || p.GPU != want {
-						t.Errorf("rank pid %d: %+v, want running on %s (driver calls %v)", pid, p, want, r.drv.PIDCalls)
-					}
-				}
-			})
-		}
+			}
+		})
 	}
 }
 
 // TestGuardianJobMigrateDiesInItsRollback: ptxmig dies while its own rollback moves a job's ranks
 // back (the driver restore's undo begun, one rank moved): the guardian moves nothing twice (the
-// moved rank stays on its source GPU) and brings every rank back to running.
+// moved rank stays on its source GPU, the other on its target), says so, and brings every rank
+// back to running.
 func TestGuardianJobMigrateDiesInItsRollback(t *testing.T) {
-	const gpu1 = "GPU-11111111-1111-1111-1111-111111111111"
-	g0, _ := cudackpt.ParseUUID(gpu0)
-	g1, _ := cudackpt.ParseUUID(gpu1)
-	swap := []cudackpt.Pair{{Old: g0, New: g1}, {Old: g1, New: g0}}
-	back := []cudackpt.Pair{{Old: g1, New: g0}, {Old: g0, New: g1}}
 	pids := []int{sleeper(t), sleeper(t)}
 	r := newRecoverRig(t, pids...)
-	steps := []string{StepQuiesce, StepLock, StepCheckpoint, StepDriverRestore, StepUnlock, StepResume}
-	tx := r.begin(t, TxnSpec{Op: journal.OpMigrate, Root: pids[0], Tree: pids, CUDA: pids, Steps: steps, Pairs: swap},
-		[]Step{LockStep(r.drv, pids, time.Second), CheckpointStep(r.drv, pids)})
-	if err := tx.begin(StepDriverRestore); err != nil {
+	spec, swap := jobMove(r, pids)
+	back := []cudackpt.Pair{{Old: swap[0].New, New: swap[0].Old}, {Old: swap[1].New, New: swap[1].Old}}
+	tx := r.begin(t, spec, []op.Step{driverstep.LockStep(r.drv, pids, time.Second), driverstep.CheckpointStep(r.drv, pids)})
+	if err := tx.BeginStep(driverstep.StepDriverRestore); err != nil {
 		t.Fatal(err)
 	}
 	for _, pid := range pids {
@@ -674,20 +750,20 @@ func TestGuardianJobMigrateDiesInItsRollback(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	tx.end(StepDriverRestore, nil)
-	tx.undo(StepDriverRestore)
+	tx.EndStep(driverstep.StepDriverRestore, nil)
+	tx.UndoStep(driverstep.StepDriverRestore)
 	if err := r.drv.Checkpoint(pids[1]); err != nil { // the rollback moved the second rank back
 		t.Fatal(err)
 	}
 	if err := r.drv.Restore(pids[1], back); err != nil {
 		t.Fatal(err)
 	}
-	tx.die()
+	tx.Die()
 	rep := r.recoverOne(t, tx)
 	if rep.Error != "" || !slices.ContainsFunc(rep.Actions, func(a string) bool { return strings.Contains(a, "may run on their target GPUs") }) {
 		t.Fatalf("recovery %+v", rep)
 	}
-	for i, want := range []string{gpu1, gpu0} {
+	for i, want := range []string{jobGPU1, gpu0} {
 		if p := r.drv.Get(pids[i]); p.State != cudackpt.Running || p.GPU != want {
 			t.Errorf("rank pid %d: %+v, want running on %s (driver calls %v)", pids[i], p, want, r.drv.PIDCalls)
 		}

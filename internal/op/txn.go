@@ -18,12 +18,23 @@ import (
 // A step marked Commit makes the operation's result final once it completes (the image is
 // stored, the restored tree runs): the steps after it run even if the context is cancelled,
 // and their failure rolls nothing back (the error says the operation committed).
+//
+// Kind and Data are what the operation's journal records of the step (see Kind): a recovery
+// rebuilds the step's undo, or its finish, from them when ptxmig dies. A step with an Undo, or
+// one that must be finished after a commit, has a Kind; its package builds Undo with the same
+// function its kind's Rebuild uses.
 type Step struct {
 	Name   string
+	Kind   string // a registered Kind's id ("": nothing for a recovery to undo or finish)
+	Data   any    // journaled with the step (JSON), for Kind.Rebuild
 	Do     func(ctx context.Context) error
 	Undo   func(ctx context.Context) error // nil: nothing to undo
 	Commit bool
 }
+
+// Fixed returns a pid list known in advance, for the steps that take their pids when they run
+// (a restore's pids are known once CRIU restored them).
+func Fixed(pids []int) func() []int { return func() []int { return pids } }
 
 // Timing is how long one step took.
 type Timing struct {
@@ -112,7 +123,7 @@ func Execute(ctx context.Context, steps []Step, hook Hook, rollbackTimeout time.
 // from begin fails the step before its Do runs: an action the journal does not know of could
 // not be rolled back by the guardian.
 type observer interface {
-	begin(step string) error
+	begin(step Step) error
 	end(step string, err error)
 	undo(step string)
 	undone(step string, err error)
@@ -136,7 +147,7 @@ func execute(ctx context.Context, steps []Step, hook Hook, rollbackTimeout time.
 		t0 := time.Now()
 		var err error
 		if obs != nil {
-			err = obs.begin(s.Name)
+			err = obs.begin(s)
 		}
 		if err == nil && hook != nil {
 			err = hook(sctx, s.Name)

@@ -1,13 +1,17 @@
-package op
+// Package shimstep holds the operations' steps that go through the ptxmig shim of a process
+// (preemption: align, quiesce, detach, resume; owned device memory: save, load), with their undos
+// and the step kinds a crash recovery rebuilds them by.
+package shimstep
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
 	"time"
 
-	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
 )
 
@@ -46,13 +50,14 @@ type Preemption struct {
 	leases  map[int]*shimctl.Client // open quiesce leases by pid
 	aligned map[int]*shimctl.Client // armed by AlignStep: the quiesce takes the connection over
 	log     func(msg string, args ...any)
+	note    func(format string, a ...any) // a recovery's report (nil in-process)
 	// dialer reaches a pid's shim (nil: dial, through the socket directory in its environment);
 	// tests serve several fake shims from one process.
 	dialer func(ctx context.Context, pid int) (*shimctl.Client, error)
 }
 
 // NewPreemption prepares the preemption of an operation.
-func NewPreemption(env *Env, budget time.Duration) *Preemption {
+func NewPreemption(env *op.Env, budget time.Duration) *Preemption {
 	if budget <= 0 {
 		budget = DefaultPreemptBudget
 	}
@@ -79,17 +84,34 @@ func (p *Preemption) dial(ctx context.Context, pid int) (*shimctl.Client, error)
 }
 
 // dial reaches pid's shim in the socket directory of pid's own environment.
-func dial(ctx context.Context, pid int) (*shimctl.Client, error) {
-	dir := ""
-	if e, err := gpu.ProcessEnviron("/proc", pid); err == nil {
-		dir = e["PTXMIG_SOCKET_DIR"]
-	}
-	return shimctl.DialPID(ctx, shimctl.SocketDir(dir), pid)
+func dial(ctx context.Context, pid int) (*shimctl.Client, error) { return op.DialShim(ctx, pid) }
+
+// KindQuiesce is the quiesce step's kind (see op.Kind): its journal data is the pids.
+const KindQuiesce = "shim.quiesce"
+
+type pidsData struct {
+	PIDs []int `json:"pids"`
+}
+
+func init() {
+	// After a crash: resume the recorded processes still alive as themselves whose shim can be
+	// reached (a quiesce that ptxmig detached stays until resumed; an attached one ended when
+	// ptxmig's connection closed).
+	op.RegisterKind(op.Kind{ID: KindQuiesce, Rebuild: func(r *op.Rec, data json.RawMessage) (op.Recovery, error) {
+		var x pidsData
+		if err := json.Unmarshal(data, &x); err != nil {
+			return op.Recovery{}, err
+		}
+		return op.Recovery{Undo: func(ctx context.Context) error {
+			p := &Preemption{leases: map[int]*shimctl.Client{}, log: r.Log.Info, note: r.Note}
+			return p.resumeAll(ctx, r.Alive(x.PIDs), false)
+		}}, nil
+	}})
 }
 
 // QuiesceStep quiesces every pid that runs under a preemption-capable shim; its undo resumes them.
-func (p *Preemption) QuiesceStep(pids []int) Step {
-	return Step{Name: StepQuiesce,
+func (p *Preemption) QuiesceStep(pids []int) op.Step {
+	return op.Step{Name: StepQuiesce, Kind: KindQuiesce, Data: pidsData{PIDs: pids},
 		Do: func(ctx context.Context) error {
 			for _, pid := range pids {
 				p.quiesce(ctx, pid)
@@ -177,8 +199,8 @@ func waitStopped(ctx context.Context, c *shimctl.Client, max time.Duration) (int
 // DetachStep keeps every quiesced process quiesced after ptxmig's connections close: it must run
 // after the driver checkpoint and before CRIU dumps the processes (no connection may be open
 // then). No undo: the quiesce step's undo resumes.
-func (p *Preemption) DetachStep() Step {
-	return Step{Name: StepDetach, Do: func(ctx context.Context) error {
+func (p *Preemption) DetachStep() op.Step {
+	return op.Step{Name: StepDetach, Do: func(ctx context.Context) error {
 		var errs []error
 		for pid, c := range p.leases {
 			dctx, cancel := context.WithTimeout(ctx, 5*time.Second)
@@ -196,8 +218,8 @@ func (p *Preemption) DetachStep() Step {
 // ResumeStep resumes the processes this operation quiesced (after --leave-running, after a
 // migrate); with restored set, every pid whose shim can be reached (a restored process was
 // quiesced by the checkpoint that made its image). A process without the shim is skipped.
-func (p *Preemption) ResumeStep(pids func() []int, restored bool) Step {
-	return Step{Name: StepResume, Do: func(ctx context.Context) error { return p.resumeAll(ctx, pids(), !restored) }}
+func (p *Preemption) ResumeStep(pids func() []int, restored bool) op.Step {
+	return op.Step{Name: StepResume, Do: func(ctx context.Context) error { return p.resumeAll(ctx, pids(), !restored) }}
 }
 
 // resumeAll resumes through the open lease, or a new connection after a detach or a restore;
@@ -233,6 +255,9 @@ func (p *Preemption) resumeAll(ctx context.Context, pids []int, onlyQuiesced boo
 			errs = append(errs, fmt.Errorf("resume pid %d: %w", pid, err))
 		default:
 			r.Shim, r.Resume = true, res
+			if p.note != nil {
+				p.note("shim resume of pid %d (was %s, %d kernels relaunched)", pid, res.Was, res.Relaunched)
+			}
 			for _, e := range res.Errors {
 				errs = append(errs, fmt.Errorf("resume pid %d: relaunch of %s failed: CUresult %d", pid, e.Kernel, e.Error))
 			}
@@ -277,7 +302,7 @@ func (p *Preemption) LockHint() string {
 }
 
 // ExplainLock decorates a lock step's failure with LockHint.
-func (p *Preemption) ExplainLock(s Step) Step {
+func (p *Preemption) ExplainLock(s op.Step) op.Step {
 	do := s.Do
 	s.Do = func(ctx context.Context) error {
 		err := do(ctx)

@@ -1,4 +1,4 @@
-package op
+package shimstep
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
 	"github.com/ptxmig/ptxmig/internal/shimctl/shimctltest"
 )
@@ -93,10 +94,10 @@ func TestAlignStep(t *testing.T) {
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	run := func(t *testing.T, ranks []*fakeRank, wait time.Duration) (*Preemption, []int, error) {
 		pids, dialer := serveRanks(t, ranks)
-		p := NewPreemption(&Env{Log: log}, 0)
+		p := NewPreemption(&op.Env{Log: log}, 0)
 		p.dialer = dialer
 		t.Cleanup(p.Close)
-		_, err := Execute(context.Background(), []Step{p.AlignStep(pids, wait)}, nil, 0, log)
+		_, err := op.Execute(context.Background(), []op.Step{p.AlignStep(pids, wait)}, nil, 0, log)
 		return p, pids, err
 	}
 	t.Run("aligned", func(t *testing.T) {
@@ -121,7 +122,7 @@ func TestAlignStep(t *testing.T) {
 	t.Run("one rank keeps passing", func(t *testing.T) {
 		a, b := &fakeRank{count: 5}, &fakeRank{count: 5, passEveryAlign: true}
 		_, _, err := run(t, []*fakeRank{a, b}, time.Second)
-		var se *StepError
+		var se *op.StepError
 		if !errors.As(err, &se) || !se.RolledBack() || !strings.Contains(err.Error(), "kept passing") {
 			t.Fatalf("err = %v, want a rolled-back failure", err)
 		}
@@ -132,7 +133,7 @@ func TestAlignStep(t *testing.T) {
 	t.Run("ranks do not get there", func(t *testing.T) {
 		a, b := &fakeRank{count: 9}, &fakeRank{count: 3}
 		_, pids, err := run(t, []*fakeRank{a, b}, 200*time.Millisecond)
-		var se *StepError
+		var se *op.StepError
 		if !errors.As(err, &se) || !se.RolledBack() || !strings.Contains(err.Error(), fmt.Sprintf("pid %d at 3", pids[1])) {
 			t.Fatalf("err = %v, want a rolled-back failure naming the rank behind", err)
 		}

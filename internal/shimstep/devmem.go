@@ -1,4 +1,4 @@
-package op
+package shimstep
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/devmem"
+	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
 )
 
@@ -39,7 +40,7 @@ type MemorySink func(ctx context.Context) (devmem.Sink, devmem.Source, error)
 // copy it into the image (chunks unchanged since prev's image by reference) and release its
 // physical memory. Its undo loads the memory back from what was stored and ends the session,
 // so that the quiesce's undo can resume the process.
-func (p *Preemption) SaveMemoryStep(sink MemorySink, prev func(pid int, instance string) *devmem.Prev) Step {
+func (p *Preemption) SaveMemoryStep(sink MemorySink, prev func(pid int, instance string) *devmem.Prev) op.Step {
 	var src devmem.Source
 	saved := map[int]*devmem.Index{}
 	var undo func(ctx context.Context) error
@@ -113,7 +114,7 @@ func (p *Preemption) SaveMemoryStep(sink MemorySink, prev func(pid int, instance
 		}
 		return errors.Join(errs...)
 	}
-	return Step{Name: StepSaveMemory, Undo: undo,
+	return op.Step{Name: StepSaveMemory, Undo: undo,
 		// A failure after some processes' memory was released loads theirs back here: the
 		// transaction does not undo the step that failed.
 		Do: func(ctx context.Context) error {
@@ -122,9 +123,9 @@ func (p *Preemption) SaveMemoryStep(sink MemorySink, prev func(pid int, instance
 				return err
 			}
 			if uerr := undo(context.WithoutCancel(ctx)); uerr != nil {
-				return StepUndid(err, fmt.Errorf("load the owned memory back: %w", uerr))
+				return op.StepUndid(err, fmt.Errorf("load the owned memory back: %w", uerr))
 			}
-			return StepUndid(err, nil)
+			return op.StepUndid(err, nil)
 		}}
 }
 
@@ -142,8 +143,8 @@ func (p *Preemption) Saved() map[int]string {
 // LoadMemoryStep, after the driver restore and unlock and before the resume: for every process
 // whose shim has its owned memory released, re-create it and load it from src (the image), the
 // index read through has/src. No undo: a failure rolls back the whole restore (the process goes).
-func (p *Preemption) LoadMemoryStep(pids func() []int, src devmem.Source, has func(string) bool) Step {
-	return Step{Name: StepLoadMemory, Do: func(ctx context.Context) error {
+func (p *Preemption) LoadMemoryStep(pids func() []int, src devmem.Source, has func(string) bool) op.Step {
+	return op.Step{Name: StepLoadMemory, Do: func(ctx context.Context) error {
 		for _, pid := range pids() {
 			c, done, err := p.client(ctx, pid)
 			if errors.Is(err, shimctl.ErrNoShim) {

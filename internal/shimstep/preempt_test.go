@@ -1,4 +1,4 @@
-package op
+package shimstep
 
 import (
 	"context"
@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ptxmig/ptxmig/internal/driverstep"
+	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
 	"github.com/ptxmig/ptxmig/internal/shimctl/shimctltest"
 )
@@ -54,11 +56,11 @@ func TestPreemptionSteps(t *testing.T) {
 			if tt.replies != nil {
 				shimctltest.Serve(t, filepath.Join(dir, fmt.Sprintf("%d.sock", pid)), tt.replies)
 			}
-			env := &Env{Log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+			env := &op.Env{Log: slog.New(slog.NewTextHandler(io.Discard, nil))}
 			p := NewPreemption(env, 0)
 			defer p.Close()
-			steps := []Step{p.QuiesceStep([]int{pid}), p.DetachStep(), p.ResumeStep(Fixed([]int{pid}), false)}
-			if _, err := Execute(context.Background(), steps, nil, 0, env.Log); err != nil {
+			steps := []op.Step{p.QuiesceStep([]int{pid}), p.DetachStep(), p.ResumeStep(op.Fixed([]int{pid}), false)}
+			if _, err := op.Execute(context.Background(), steps, nil, 0, env.Log); err != nil {
 				t.Fatalf("steps: %v", err)
 			}
 			if len(p.Reports) != 1 {
@@ -89,13 +91,13 @@ func TestPreemptionRollback(t *testing.T) {
 		"quiesce": reply("quiesce", `{"state":"quiesced","elapsed_us":5,"gate":"closed"}`, 2),
 		"resume":  reply("resume", `{"state":"running","was":"quiesced","relaunched":0,"elapsed_us":3}`, 2),
 	})
-	env := &Env{Log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	env := &op.Env{Log: slog.New(slog.NewTextHandler(io.Discard, nil))}
 	p := NewPreemption(env, 0)
 	defer p.Close()
 	boom := errors.New("lock timed out")
-	lock := p.ExplainLock(Step{Name: StepLock, Do: func(context.Context) error { return boom }})
-	_, err := Execute(context.Background(), []Step{p.QuiesceStep([]int{pid}), lock}, nil, 0, env.Log)
-	var se *StepError
+	lock := p.ExplainLock(op.Step{Name: driverstep.StepLock, Do: func(context.Context) error { return boom }})
+	_, err := op.Execute(context.Background(), []op.Step{p.QuiesceStep([]int{pid}), lock}, nil, 0, env.Log)
+	var se *op.StepError
 	if !errors.As(err, &se) || !se.RolledBack() || se.Undone[0] != StepQuiesce {
 		t.Fatalf("err = %v, want the quiesce undone", err)
 	}
@@ -118,10 +120,10 @@ func TestPreemptionWaitsForStopping(t *testing.T) {
 		"status":  reply("status", fmt.Sprintf(`{"pid":%d,"proto":2,"preempt":{"stopping":0}}`, pid), 2),
 		"quiesce": reply("quiesce", `{"state":"quiesced","elapsed_us":10000,"gate":"closed","stopping":[7],"not_stopped":[{"launch":7,"kernel":"k","reason":"still running after the budget"}]}`, 2),
 	})
-	env := &Env{Log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	env := &op.Env{Log: slog.New(slog.NewTextHandler(io.Discard, nil))}
 	p := NewPreemption(env, 0)
 	defer p.Close()
-	if _, err := Execute(context.Background(), []Step{p.QuiesceStep([]int{pid})}, nil, 0, env.Log); err != nil {
+	if _, err := op.Execute(context.Background(), []op.Step{p.QuiesceStep([]int{pid})}, nil, 0, env.Log); err != nil {
 		t.Fatal(err)
 	}
 	if r := p.Reports[0]; r.StopWait <= 0 || r.Note != "" || len(r.Quiesce.Stopping) != 1 {

@@ -1,4 +1,4 @@
-package op
+package shimstep
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
 )
 
@@ -35,15 +36,15 @@ type AlignReport struct {
 // start again, further ahead). wait bounds how long the ranks may take to get there (0: no bound). Fewer than
 // two such processes: nothing to do. A failure disarms every process (StepUndid): the job runs
 // on as before. The undo disarms too; the arming connections become the quiesce leases.
-func (p *Preemption) AlignStep(pids []int, wait time.Duration) Step {
-	return Step{Name: StepAlign,
+func (p *Preemption) AlignStep(pids []int, wait time.Duration) op.Step {
+	return op.Step{Name: StepAlign,
 		Do: func(ctx context.Context) error {
 			err := p.align(ctx, pids, wait)
 			if err != nil {
 				if p.aligned == nil {
 					return err // nothing was armed
 				}
-				return StepUndid(err, p.disarm(context.WithoutCancel(ctx)))
+				return op.StepUndid(err, p.disarm(context.WithoutCancel(ctx)))
 			}
 			return nil
 		},
