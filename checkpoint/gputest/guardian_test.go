@@ -63,40 +63,15 @@ func guardianKill(t *testing.T, verb, step string, wantState cudackpt.State) {
 	} else {
 		args = append(args, "--name", fmt.Sprintf("guardian-%s-%d", step, time.Now().UnixNano()))
 	}
-	cmd := exec.Command(bin, append(args, strconv.Itoa(p.pid))...)
-	cmd.Env = append(os.Environ(), op.FaultStopAfter+"="+step, "PTXMIG_JOURNAL_DIR="+jdir, "PTXMIG_LOG_DIR="+logs)
-	var so bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &so, &so
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(exited) }()
-	deadline := time.Now().Add(2 * time.Minute)
-	for {
-		if s, err := procfs.ReadStat(cmd.Process.Pid); err == nil && s.Stopped() {
-			break
-		}
-		select {
-		case <-exited:
-			t.Fatalf("ptxmig %s exited before stopping after %s:\n%s", verb, step, so.String())
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("ptxmig did not stop after %s", step)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 	drv, err := cudackpt.Open()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if st, err := drv.State(p.pid); err != nil || st != wantState {
-		t.Fatalf("after %s the workload is %v (%v), want %v", step, st, err, wantState)
-	}
-	t0 := time.Now()
-	_ = cmd.Process.Signal(syscall.SIGKILL)
-	<-exited
+	t0 := killAfterStep(t, append(args, strconv.Itoa(p.pid)), step, jdir, logs, func() {
+		if st, err := drv.State(p.pid); err != nil || st != wantState {
+			t.Fatalf("after %s the workload is %v (%v), want %v", step, st, err, wantState)
+		}
+	})
 	// The guardian: the journal goes once it has restored and unlocked the process.
 	for {
 		js, err := journal.List(jdir)
@@ -135,4 +110,40 @@ func guardianKill(t *testing.T, verb, step string, wantState cudackpt.State) {
 		[]byte(fmt.Sprintf("SIGKILL of ptxmig %s right after %s: running again after %s\n", verb, step, back)), 0o644)
 	waitExit(t, p.pid, 3*time.Minute)
 	sameResults(t, results(p.log), <-ref)
+}
+
+// killAfterStep runs ptxmig with args, stopping itself right after step (op.FaultStopAfter), its
+// journal in jdir and logs in logs; once it is stopped it runs check (may be nil), then kills it
+// with SIGKILL and returns the time of the kill, when the guardian takes over.
+func killAfterStep(t *testing.T, args []string, step, jdir, logs string, check func()) time.Time {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
+	cmd.Env = append(os.Environ(), op.FaultStopAfter+"="+step, "PTXMIG_JOURNAL_DIR="+jdir, "PTXMIG_LOG_DIR="+logs)
+	var so bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &so, &so
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(5 * time.Millisecond) {
+		if s, err := procfs.ReadStat(cmd.Process.Pid); err == nil && s.Stopped() {
+			break
+		}
+		select {
+		case <-exited:
+			t.Fatalf("ptxmig %v exited before stopping after %s:\n%s", args, step, so.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("ptxmig %v did not stop after %s", args, step)
+		}
+	}
+	if check != nil {
+		check()
+	}
+	t0 := time.Now()
+	_ = cmd.Process.Signal(syscall.SIGKILL)
+	<-exited
+	return t0
 }

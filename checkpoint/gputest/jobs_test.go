@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -19,7 +18,6 @@ import (
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/internal/journal"
-	"github.com/ptxmig/ptxmig/internal/op"
 	procfs "github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/migrate"
@@ -362,31 +360,7 @@ func TestJobGuardian(t *testing.T) {
 		} else {
 			args = append(args, "--leave-running", "--tcp-established", "--name", fmt.Sprintf("job-guardian-%d", i))
 		}
-		cmd := exec.Command(bin, append(args, strconv.Itoa(p.pid))...)
-		cmd.Env = append(os.Environ(), op.FaultStopAfter+"="+k.step, "PTXMIG_JOURNAL_DIR="+jdir, "PTXMIG_LOG_DIR="+logs)
-		var so strings.Builder
-		cmd.Stdout, cmd.Stderr = &so, &so
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		exited := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(exited) }()
-		for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(5 * time.Millisecond) {
-			if s, err := procfs.ReadStat(cmd.Process.Pid); err == nil && s.Stopped() {
-				break
-			}
-			select {
-			case <-exited:
-				t.Fatalf("ptxmig %s exited before stopping after %s:\n%s", k.verb, k.step, so.String())
-			default:
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("ptxmig %s did not stop after %s", k.verb, k.step)
-			}
-		}
-		t0 := time.Now()
-		_ = cmd.Process.Signal(syscall.SIGKILL)
-		<-exited
+		t0 := killAfterStep(t, append(args, strconv.Itoa(p.pid)), k.step, jdir, logs, nil)
 		for {
 			js, err := journal.List(jdir)
 			ok := err == nil && len(js) == 0
