@@ -23,6 +23,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/shimctl/shimctltest"
 	"github.com/ptxmig/ptxmig/internal/shimstep"
+	"github.com/ptxmig/ptxmig/internal/testproc"
 	"github.com/ptxmig/ptxmig/internal/testreq"
 	"github.com/ptxmig/ptxmig/migrate"
 	"github.com/ptxmig/ptxmig/restore"
@@ -295,12 +296,9 @@ func TestGuardianFinishesHalfEndedTree(t *testing.T) {
 	done := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(done) }()
 	root := cmd.Process.Pid
-	var tree []proc.Stat
-	for deadline := time.Now().Add(10 * time.Second); len(tree) < 3; time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("the tree of %d did not grow to three processes: %+v", root, tree)
-		}
-		tree, _ = proc.Tree(root)
+	tree, err := testproc.WaitTree(root, 3, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
 	}
 	pids := proc.PIDs(tree)
 	t.Cleanup(func() { _ = proc.Kill(pids, 5*time.Second) })
