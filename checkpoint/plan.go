@@ -209,6 +209,9 @@ func PlanCheckpoint(ctx context.Context, env *op.Env, o Options) (*Plan, error) 
 		for _, g := range p.GPUs {
 			p.Estimate.GPUBytes += g.MemoryBytes
 		}
+		if err := op.CheckHostMemory(p.Estimate.GPUBytes); err != nil {
+			return nil, fmt.Errorf("pid %d: %w", o.PID, err)
+		}
 	}
 	for _, s := range stats {
 		p.Estimate.HostBytes += proc.RSS(s.PID)

@@ -161,6 +161,9 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if !placement.AnyMove(pairs) {
 		return nil, op.Refusef("pid %s already runs on GPU %s: nothing to migrate", op.PIDText(pids), indexes(p.Target))
 	}
+	if err := op.CheckHostMemory(p.GPUBytes); err != nil {
+		return nil, fmt.Errorf("migrate pid %s: %w", op.PIDText(pids), err)
+	}
 	p.Warnings = append(p.Warnings, op.Unchecked(pids, len(src) > 1)...)
 	if w := placement.SharedGPUWarning(placement.UsedTargets(pairs), func(q int) bool { return slices.Contains(pids, q) }); w != "" {
 		p.Warnings = append(p.Warnings, w)

@@ -153,6 +153,9 @@ var (
 	ErrTimeout = errors.New("lock timed out: a kernel or copy was still running")
 	// ErrNotCUDA: the process has no CUDA state the driver knows of.
 	ErrNotCUDA = errors.New("process does not use CUDA")
+	// ErrNotInitialized: the driver answers CUDA_ERROR_NOT_INITIALIZED about the process: it has
+	// loaded libcuda but never initialized CUDA (a torch.compile worker), or the driver lost it.
+	ErrNotInitialized = errors.New("the driver has no initialized CUDA in the process")
 )
 
 // CUDA driver result codes ptxmig treats specially (cuda.h).
@@ -189,6 +192,8 @@ func (e *Error) Is(target error) bool {
 		return e.Code == cuNotSupported
 	case ErrNotCUDA:
 		return e.Code == cuNotFound
+	case ErrNotInitialized:
+		return e.Code == cuNotInitialized
 	}
 	return false
 }

@@ -37,6 +37,7 @@ func TestErrorSentinels(t *testing.T) {
 		{cuNotReady, ErrTimeout},
 		{cuNotSupported, ErrNotSupported},
 		{cuNotFound, ErrNotCUDA},
+		{cuNotInitialized, ErrNotInitialized},
 	}
 	for _, tt := range tests {
 		e := &Error{Op: "op", Code: tt.code, Name: "X", Msg: "y"}

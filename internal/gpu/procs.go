@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"sort"
@@ -108,6 +109,30 @@ func scanMaps(path string) (cuda, shim bool, err error) {
 		}
 	}
 	return cuda, shim, sc.Err()
+}
+
+// MapsDevice returns the first NVIDIA device file (/dev/nvidia*) that pid maps into its memory,
+// "" when none. CRIU cannot dump such a mapping itself: only a process whose CUDA state the driver
+// checkpoints first gets rid of it.
+func MapsDevice(pid int) (string, error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/maps", pid))
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	return mappedDevice(f)
+}
+
+// mappedDevice scans a maps listing for an NVIDIA device file.
+func mappedDevice(r io.Reader) (string, error) {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64*1024), 1024*1024)
+	for sc.Scan() {
+		if i := bytes.Index(sc.Bytes(), []byte(" /dev/nvidia")); i >= 0 {
+			return string(bytes.TrimSpace(sc.Bytes()[i:])), nil
+		}
+	}
+	return "", sc.Err()
 }
 
 // ReadCmdline returns the command line of pid (nil when unreadable).

@@ -80,6 +80,8 @@ type Env struct {
 	// UsesCUDA reports whether a process has the CUDA driver loaded; nil means
 	// gpu.MapsCUDA. Tests with a fake driver make CPU processes count as CUDA ones.
 	UsesCUDA func(pid int) (bool, error)
+	// MapsDevice returns an NVIDIA device file pid maps ("" for none); nil means gpu.MapsDevice.
+	MapsDevice func(pid int) (string, error)
 	// DriverVersion reads the NVIDIA driver's version for the preflight's feature checks
 	// (DriverTooOld); nil means probe.DriverVersion. NewEnv gives the version NVML reported;
 	// tests give fake ones.

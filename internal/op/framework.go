@@ -11,8 +11,10 @@ import (
 // Frameworks ptxmig cannot yet checkpoint, found by the libraries a process maps, each refused by
 // name before anything is touched (a checkpoint must never kill a process).
 
-// jaxMarker is in the path of every library of JAX's runtime (jaxlib, its CUDA plugin).
-var jaxMarker = []byte("/jaxlib/")
+// jaxMarker is in the path of every library of JAX's runtime (jaxlib, its CUDA plugin). A string
+// variable, so that a diagnostic build can take the refusal away (scripts/probe-jax.sh:
+// -ldflags "-X github.com/ptxmig/ptxmig/internal/op.jaxMarker=/none/").
+var jaxMarker = "/jaxlib/"
 
 // RefuseFrameworks refuses the CUDA processes that ptxmig is known to lose. JAX (XLA), measured
 // 2026-11-28 on an H200, driver 580.159.04, JAX 0.11: under the shim the driver checkpoint failed
@@ -25,7 +27,7 @@ var jaxMarker = []byte("/jaxlib/")
 func RefuseFrameworks(pids []int, imageOnly bool) error {
 	for _, pid := range pids {
 		maps, err := proc.ReadFile("", pid, "maps", 64<<20)
-		if err != nil || !bytes.Contains(maps, jaxMarker) {
+		if err != nil || !bytes.Contains(maps, []byte(jaxMarker)) {
 			continue
 		}
 		shim, _ := shimctl.MapsListingHasShim(bytes.NewReader(maps))

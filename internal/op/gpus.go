@@ -10,6 +10,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/probe"
+	"github.com/ptxmig/ptxmig/internal/proc"
 )
 
 // TreeGPUs lists the GPUs the CUDA processes use (NVML's compute processes; else their open
@@ -88,8 +89,21 @@ func (env *Env) DriverProcess(pid int) (bool, error) {
 	}
 	st, err := env.Driver.State(pid)
 	switch {
-	case errors.Is(err, cudackpt.ErrNotCUDA):
-		env.Logger().Info("libcuda is loaded but the driver knows no CUDA state; checkpointing with CRIU alone", "pid", pid)
+	case errors.Is(err, cudackpt.ErrNotCUDA), errors.Is(err, cudackpt.ErrNotInitialized):
+		// libcuda loaded, no CUDA state the driver can checkpoint (CUDA_ERROR_NOT_INITIALIZED for
+		// torch.compile's Inductor workers; H200, driver 580.159.04). CRIU dumps such a process
+		// like any other, unless it maps the GPU's device files: CRIU cannot dump those mappings
+		// (its dump failed, "handle_device_vma plugin failed"), so that is refused up front.
+		maps := env.MapsDevice
+		if maps == nil {
+			maps = gpu.MapsDevice
+		}
+		if dev, merr := maps(pid); merr == nil && dev != "" {
+			return false, Refusef("pid %d (%s) maps %s but holds no CUDA state the driver can checkpoint (%v): CRIU cannot dump "+
+				"that mapping, and nothing was touched. A torch.compile worker pool does this: start the job with "+
+				"TORCHINDUCTOR_COMPILE_THREADS=1 (Inductor then compiles in the process itself)", pid, proc.Comm(pid), dev, err)
+		}
+		env.Logger().Info("libcuda is loaded but the driver knows no CUDA state; checkpointing with CRIU alone", "pid", pid, "driver", err)
 		return false, nil
 	case err != nil:
 		return false, Refusef("pid %d: checkpoint state: %w", pid, err)

@@ -70,3 +70,26 @@ func ensureStagingRoot(root string, need uint64) (string, error) {
 // StreamStagingBytes is the staging space a streamed dump or restore needs: CRIU's log and
 // statistics only, the image files go through the streamer socket.
 const StreamStagingBytes = 64 << 20
+
+// hostReserve is host memory left to everything else when the driver's checkpoint copies GPU
+// memory into a process's host memory.
+const hostReserve = 1 << 30
+
+// CheckHostMemory refuses a driver checkpoint of gpuBytes of device memory that the host's
+// available memory cannot take: the driver copies the device memory into the process's own host
+// memory, and past what is available its checkpoint fails (CUDA_ERROR_OPERATING_SYSTEM) or the
+// kernel's OOM killer ends the process. (JAX preallocates 75 % of a GPU by default: 105 GB of an
+// H200's, against 128 GiB of host memory.) Memory the shim owns (--owned-memory) is counted too,
+// though it goes to the image first: the plan cannot tell it apart.
+func CheckHostMemory(gpuBytes uint64) error { return checkHostMemory(gpuBytes, proc.MemAvailable()) }
+
+func checkHostMemory(gpuBytes, avail uint64) error {
+	if avail == 0 || gpuBytes == 0 || gpuBytes+hostReserve <= avail {
+		return nil // unknown (no /proc/meminfo): the driver decides, as before
+	}
+	return Refusef("the driver's checkpoint copies %s of GPU memory into host memory, and the host has %s available (%s kept "+
+		"for the rest): the copy would fail or the OOM killer would end the process; nothing was touched. Free host memory, "+
+		"or have the process hold less GPU memory (JAX: XLA_PYTHON_CLIENT_PREALLOCATE=false, or a smaller "+
+		"XLA_PYTHON_CLIENT_MEM_FRACTION; PyTorch: torch.cuda.empty_cache())",
+		bytesize.FormatU(gpuBytes), bytesize.FormatU(avail), bytesize.FormatU(hostReserve))
+}

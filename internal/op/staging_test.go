@@ -47,3 +47,24 @@ func TestChooseStagingRefusesUnsafeRoot(t *testing.T) {
 		t.Errorf("ChooseStaging with no room: %v, want ErrRefused", err)
 	}
 }
+
+func TestCheckHostMemory(t *testing.T) {
+	const gib = 1 << 30
+	tests := []struct {
+		gpu, avail uint64
+		refused    bool
+	}{
+		{gpu: 8 * gib, avail: 100 * gib},
+		{gpu: 99 * gib, avail: 100 * gib},
+		{gpu: 105 * gib, avail: 100 * gib, refused: true}, // JAX's default preallocation on an H200
+		{gpu: 100 * gib, avail: 100 * gib, refused: true},  // nothing left for the rest
+		{gpu: 105 * gib, avail: 0},                         // unknown: the driver decides
+		{gpu: 0, avail: gib / 2},
+	}
+	for _, tt := range tests {
+		err := checkHostMemory(tt.gpu, tt.avail)
+		if got := errors.Is(err, ErrRefused); got != tt.refused {
+			t.Errorf("checkHostMemory(%d GiB, %d GiB) = %v; want refused %v", tt.gpu/gib, tt.avail/gib, err, tt.refused)
+		}
+	}
+}

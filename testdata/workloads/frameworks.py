@@ -140,8 +140,12 @@ def run_cupy(a, emit):
 
 
 def run_numba(a, emit):
-    from numba import cuda
     import numpy as np
+    if not hasattr(np, "row_stack"):
+        # numba-cuda 0.2x registers an overload of np.row_stack at import, which NumPy 2.4 removed
+        # (the GPU hosts' image: numba 0.68, numba-cuda's import fails). Its old alias is enough.
+        np.row_stack = np.vstack
+    from numba import cuda
 
     # The same kernel as CUDA_SRC; the spin is `spin_us` sleeps of about 1 µs (numba has no clock64).
     @cuda.jit

@@ -97,6 +97,10 @@ func (d *Driver) State(pid int) (cudackpt.State, error) {
 	if !ok {
 		return 0, cudackpt.ErrNotCUDA
 	}
+	if err, ok := d.FailNext[fmt.Sprintf("state %d", pid)]; ok {
+		delete(d.FailNext, fmt.Sprintf("state %d", pid))
+		return 0, err
+	}
 	return p.State, nil
 }
 
