@@ -4,10 +4,10 @@
 #      unlock; no quiesce, no CRIU): does the process die at the driver checkpoint without ptxmig?
 #   B: without the shim, the driver calls around a bare CRIU dump and restore: does the driver know
 #      the restored process (state), at once and a second later, and does it run on?
-#   C, D (with PTXMIG_PROBE_BIN, a ptxmig built without the JAX refusal:
-#      go build -ldflags "-X github.com/ptxmig/ptxmig/internal/op.jaxMarker=/none/" ./cmd/ptxmig):
-#      C `checkpoint --leave-running` under `ptxmig run` (the shim quiesces first), D checkpoint +
-#      restore without the shim; what ptxmig and JAX said.
+#   C: ptxmig's `checkpoint --leave-running` under `ptxmig run` (the shim quiesces first);
+#   D: ptxmig's checkpoint + restore without the shim;
+#   E: C with XLA's default preallocation (75 % of the GPU): refused when the host lacks the memory
+#      the driver's checkpoint copies it into, the process running on.
 # Everything goes to OUT/summary.txt (the step outputs, the tails of the logs, the kernel's NVRM
 # lines). Needs PTXMIG_BIN, PTXMIG_WORKLOADS (frameworks.py) and PTXMIG_CRIU, as gpu-e2e.sh sets.
 set -u
@@ -18,11 +18,11 @@ gcc -O2 -o "$out/cuckpt" "$here/cuckpt.c" -ldl || exit 1
 ck=$out/cuckpt fw=$PTXMIG_WORKLOADS/frameworks.py criu=$PTXMIG_CRIU
 export CUDA_VISIBLE_DEVICES=0
 
-# start LOG CMD...: a JAX loop in its own session, its pid on stdout.
+# start LOG CMD...: a JAX loop in its own session, a child of this shell, its pid in $pid.
 start() {
   local log=$1; shift
   setsid "$@" python3 "$fw" jax --steps 100000 --sleep-ms 20 >"$log" 2>&1 </dev/null &
-  echo $!
+  pid=$!
 }
 # steps LOG: the last step printed.
 steps() { awk '/^step /{s=$2} END{print s+0}' "$1"; }
@@ -37,11 +37,11 @@ nvrm() { echo "-- dmesg NVRM/Xid ($1):"; dmesg 2>/dev/null | grep -iE 'nvrm|xid'
 # show NAME FILE [N]: the last N lines of FILE into the summary.
 show() { echo "-- $1 (last ${3:-25} lines):"; tail -n "${3:-25}" "$2" 2>/dev/null; }
 
-parts=${PROBE_PARTS:-ABCD} # which of the probes run
+parts=${PROBE_PARTS:-ABCDE} # which of the probes run
 [[ $parts == *A* ]] && echo "== A: under ptxmig run, bare driver calls" | tee -a "$out/summary.txt"
 [[ $parts == *A* ]] && for mode in auto off; do
   log=$out/A-$mode.log
-  pid=$(start "$log" env PTXMIG_DEBUG=1 "$PTXMIG_BIN" run --preempt "$mode" --socket-dir "$out/sock" --)
+  start "$log" env PTXMIG_DEBUG=1 "$PTXMIG_BIN" run --preempt "$mode" --socket-dir "$out/sock" --
   ready "$log" || { echo "A $mode: JAX did not start" | tee -a "$out/summary.txt"; tail -n 20 "$log"; kill -9 "$pid"; continue; }
   "$ck" "$pid" state lock:10000 state checkpoint state restore state unlock state >"$out/A-$mode-cuckpt.txt" 2>&1
   echo "A $mode: cuckpt exit $? ($(tr '\n' ' ' <"$out/A-$mode-cuckpt.txt"))" | tee -a "$out/summary.txt"
@@ -53,7 +53,7 @@ done
 [[ $parts == *B* ]] && echo "== B: no shim, driver calls around a bare CRIU dump and restore" | tee -a "$out/summary.txt"
 log=$out/B.log
 if [[ $parts != *B* ]]; then :
-elif pid=$(start "$log" env) && ready "$log"; then
+elif start "$log" env && ready "$log"; then
   "$ck" "$pid" lock:10000 checkpoint state >"$out/B-ck.txt" 2>&1
   echo "B: lock+checkpoint exit $? ($(tr '\n' ' ' <"$out/B-ck.txt"))" | tee -a "$out/summary.txt"
   img=$(mktemp -d /tmp/probe-jax.XXXX)
@@ -77,12 +77,11 @@ else
   echo "B: JAX did not start" | tee -a "$out/summary.txt"; tail -n 20 "$log"
 fi
 
-[ -n "${PTXMIG_PROBE_BIN:-}" ] || exit 0
-pm() { "$PTXMIG_PROBE_BIN" --store "$out/store" "$@"; }
+pm() { "$PTXMIG_BIN" --store "$out/store" "$@"; }
 [[ $parts == *C* ]] && echo "== C: ptxmig checkpoint --leave-running under ptxmig run (shim quiesce first)" | tee -a "$out/summary.txt"
 log=$out/C.log
 if [[ $parts != *C* ]]; then :
-elif pid=$(start "$log" env PTXMIG_DEBUG=1 "$PTXMIG_BIN" run --socket-dir "$out/sock" --) && ready "$log"; then
+elif start "$log" env PTXMIG_DEBUG=1 "$PTXMIG_BIN" run --socket-dir "$out/sock" -- && ready "$log"; then
   pm --log-level debug checkpoint --leave-running --lock-timeout 10s --name c1 "$pid" >"$out/C-ptxmig.txt" 2>&1
   echo "C: ptxmig exit $?" | tee -a "$out/summary.txt"
   { show "ptxmig (C)" "$out/C-ptxmig.txt" 40; runs_on C "$pid" "$log"; nvrm C
@@ -94,7 +93,7 @@ fi
 [[ $parts == *D* ]] && echo "== D: ptxmig checkpoint + restore, no shim" | tee -a "$out/summary.txt"
 log=$out/D.log
 if [[ $parts != *D* ]]; then :
-elif pid=$(start "$log" env) && ready "$log"; then
+elif start "$log" env && ready "$log"; then
   pm checkpoint --lock-timeout 10s --name d1 "$pid" >"$out/D-ck.txt" 2>&1
   echo "D: checkpoint exit $?" | tee -a "$out/summary.txt"
   wait "$pid" 2>/dev/null
@@ -106,4 +105,16 @@ elif pid=$(start "$log" env) && ready "$log"; then
   kill -9 "$pid" 2>/dev/null
 else
   echo "D: JAX did not start" | tee -a "$out/summary.txt"
+fi
+[[ $parts == *E* ]] && echo "== E: C with XLA's default preallocation" | tee -a "$out/summary.txt"
+log=$out/E.log
+if [[ $parts != *E* ]]; then :
+elif start "$log" env XLA_PYTHON_CLIENT_PREALLOCATE=true "$PTXMIG_BIN" run --socket-dir "$out/sock" -- && ready "$log"; then
+  { grep MemAvailable /proc/meminfo; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; } >>"$out/summary.txt"
+  pm checkpoint --leave-running --lock-timeout 10s --name e1 "$pid" >"$out/E-ptxmig.txt" 2>&1
+  echo "E: ptxmig exit $?" | tee -a "$out/summary.txt"
+  { show "ptxmig (E)" "$out/E-ptxmig.txt" 5; runs_on E "$pid" "$log"; } >>"$out/summary.txt"
+  kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+else
+  echo "E: JAX did not start" | tee -a "$out/summary.txt"
 fi
