@@ -57,8 +57,8 @@ func TestCheckHostMemory(t *testing.T) {
 		{gpu: 8 * gib, avail: 100 * gib},
 		{gpu: 99 * gib, avail: 100 * gib},
 		{gpu: 105 * gib, avail: 100 * gib, refused: true}, // JAX's default preallocation on an H200
-		{gpu: 100 * gib, avail: 100 * gib, refused: true},  // nothing left for the rest
-		{gpu: 105 * gib, avail: 0},                         // unknown: the driver decides
+		{gpu: 100 * gib, avail: 100 * gib, refused: true}, // nothing left for the rest
+		{gpu: 105 * gib, avail: 0},                        // unknown: the driver decides
 		{gpu: 0, avail: gib / 2},
 	}
 	for _, tt := range tests {
