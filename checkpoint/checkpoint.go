@@ -3,20 +3,15 @@ package checkpoint
 import (
 	"context"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/devmem"
 	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/internal/imagedesc"
-	"github.com/ptxmig/ptxmig/internal/imgstream"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
@@ -99,7 +94,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		Build: func(t *op.Txn) []op.Step {
 			images = filepath.Join(t.Staging(), "images")
 			var steps []op.Step
-			steps, cleanup = buildSteps(env, p, images, tr, pre, t.Helper, stored, t0)
+			steps, cleanup = buildSteps(env, p, newSink(env, p, images), images, tr, pre, t.Helper, stored, t0)
 			return steps
 		}})
 	if err != nil {
@@ -161,74 +156,39 @@ func (t *treeTracker) pids() []int {
 	return t.known
 }
 
-// buildSteps assembles the transaction and a cleanup to run after it whatever happened (it drops
-// the store's prestaged work if the store step did not take it). Without LeaveRunning the tree is
-// dumped and left stopped, stored, then ended: a store failure rolls back to a running tree. With
-// LeaveRunning, CRIU resumes the tree after the dump and the driver restores and unlocks before
-// the (slow) store, so it runs while the image is written. The store step commits: once the
-// image is stored the checkpoint has happened, whatever comes after (a signal included).
-// helper (may be nil) is told CRIU's pid; t0 is when the operation began.
-func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *shimstep.Preemption, helper func(int),
+// buildSteps assembles the transaction over sink, the image's data path (streamed or staged),
+// and a cleanup to run after it whatever happened (it drops what the sink holds uncommitted).
+// Without LeaveRunning the tree is dumped and left stopped, stored, then ended: a store failure
+// rolls back to a running tree. With LeaveRunning, CRIU resumes the tree after the dump and the
+// driver restores and unlocks before the (slow) store, so it runs while the image is written.
+// The store step commits: once the image is stored the checkpoint has happened, whatever comes
+// after (a signal included). helper (may be nil) is told CRIU's pid; t0 is when the operation
+// began.
+func buildSteps(env *op.Env, p *Plan, sink imageSink, images string, tr *treeTracker, qs *shimstep.Preemption, helper func(int),
 	stored func(*store.Manifest, *store.Stats), t0 time.Time) ([]op.Step, func()) {
 	o := p.opts
-	// Streamed, CRIU's files go into the store as it writes them (store.Ingest) and the store
-	// step adds CRIU's log and commits. Otherwise the store starts on the dump's files while CRIU
-	// still writes them (store.Prestage), so the store step after the dump only re-reads,
-	// re-hashes and commits what is already encoded.
-	var pre *store.Prestage
-	var ing *store.Ingest
 	rec := &criuRecord{}
-	// dropEarly frees the store's work at a failure, unless a rollback must still load owned
-	// memory back from the ingest (the cleanup after the transaction drops it then).
-	var dropEarly func()
-	drop := func() {
-		if pre != nil {
-			pre.Close()
-			pre = nil
-		}
-		if ing != nil {
-			ing.Close()
-			ing = nil
-		}
-	}
-	// The ingest opens before the dump when owned device memory goes into it first.
-	openIngest := func(ctx context.Context) (*store.Ingest, error) {
-		if ing != nil {
-			return ing, nil
-		}
-		var err error
-		ing, err = newIngest(ctx, env, p)
-		return ing, err
-	}
-	dropEarly = func() {
+	// dropEarly frees the sink's work at a failure, unless a rollback must still load owned
+	// memory back from it (the cleanup after the transaction drops it then).
+	dropEarly := func() {
 		if len(qs.Saved()) == 0 {
-			drop()
+			sink.Close()
 		}
 	}
 	d := env.Driver
 	var steps []op.Step
 	if len(p.CUDAPIDs) > 0 {
-		sink := func(ctx context.Context) (devmem.Sink, devmem.Source, error) {
-			if !p.Stream {
-				return nil, nil, fmt.Errorf("the checkpoint is not streamed (%s)", p.StreamOff)
-			}
-			in, err := openIngest(ctx)
-			if err != nil {
-				return nil, nil, err
-			}
-			return in, in, nil
-		}
 		if len(p.CUDAPIDs) > 1 {
 			// A job (NCCL ranks): stop every rank right after the same collective first, so that
 			// no rank's collective kernel waits for one already locked.
 			steps = append(steps, qs.AlignStep(p.CUDAPIDs, o.LockTimeout))
 		}
-		steps = append(steps, qs.QuiesceStep(p.CUDAPIDs), qs.SaveMemoryStep(sink, prevMemory(env)),
+		steps = append(steps, qs.QuiesceStep(p.CUDAPIDs), qs.SaveMemoryStep(sink.Memory, prevMemory(env)),
 			qs.ExplainLock(driverstep.LockStep(d, p.CUDAPIDs, o.LockTimeout)), driverstep.CheckpointStep(d, p.CUDAPIDs), qs.DetachStep())
 	}
 	criuRan := false // CRIU started: it has touched the tree, whatever it did then
 	dump := criu.DumpOptions{PID: p.PID, ImagesDir: images, LeaveRunning: o.LeaveRunning, LeaveStopped: !o.LeaveRunning,
-		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, NetworkLock: p.meta.NetworkLock, Stream: p.Stream, Stall: env.CRIUStall,
+		ShellJob: p.ShellJob, TCPEstablished: o.TCPEstablished, NetworkLock: p.meta.NetworkLock, Stream: sink.Streamed(), Stall: env.CRIUStall,
 		OnStart: func(pid int) {
 			criuRan = true
 			if helper != nil {
@@ -240,8 +200,8 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *shimst
 	// of its dump (--leave-running) would write into pages still waiting in a pipe, and the image
 	// would mix memory from before and after (TestLeaveRunningBusy caught it). So CRIU leaves the
 	// tree stopped, and it is resumed here once the stream has been read to the end.
-	resumeAfterStream := p.Stream && o.LeaveRunning
-	if resumeAfterStream {
+	resumeAfterDump := sink.Streamed() && o.LeaveRunning
+	if resumeAfterDump {
 		dump.LeaveRunning, dump.LeaveStopped = false, true
 	}
 	steps = append(steps, op.Step{Name: StepDump, Kind: KindDump,
@@ -261,32 +221,16 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *shimst
 				}
 				return nil
 			}
-			var err error
-			if p.Stream {
-				if _, err = openIngest(ctx); err == nil {
-					err = streamDump(ctx, env, ing, dump, rec)
-				}
-				if resumeAfterStream {
-					// (CRIU resumes the tree itself when its dump fails; SIGCONT then changes
-					// nothing, and a failure to resume is reported either way.)
-					if rerr := resume(); rerr != nil {
-						if err == nil {
-							return rerr
-						}
-						dropEarly()
-						return op.StepUndid(err, rerr)
+			err := sink.Dump(ctx, dump, rec)
+			if resumeAfterDump {
+				// (CRIU resumes the tree itself when its dump fails; SIGCONT then changes nothing,
+				// and a failure to resume is reported either way.)
+				if rerr := resume(); rerr != nil {
+					if err == nil {
+						return rerr
 					}
-				}
-			} else {
-				pre = prestage(ctx, env, o, images)
-				_, err = env.CRIU.Dump(ctx, dump)
-				if err == nil {
-					rec.fromDir(images)
-				}
-				if pre != nil {
-					if perr := pre.Stop(); perr != nil {
-						env.Logger().Debug("prestage stopped early", "err", perr)
-					}
+					dropEarly()
+					return op.StepUndid(err, rerr)
 				}
 			}
 			if err != nil {
@@ -297,7 +241,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *shimst
 				// A failed step leaves nothing behind: CRIU resumes the tree when its dump fails,
 				// but a CRIU its watchdog killed could not, and what it had stopped stays so.
 				var rerr error
-				if !resumeAfterStream {
+				if !resumeAfterDump {
 					rerr = resume()
 				}
 				return op.StepUndid(err, rerr)
@@ -312,10 +256,9 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *shimst
 			return resumeTree(tr.pids(), nil)
 		}})
 	if o.LeaveRunning && len(p.CUDAPIDs) > 0 {
-		// The owned memory goes back from the ingest (not committed yet: the store step comes last).
-		has := func(name string) bool { return ing != nil && ing.HasFile(name) }
+		// The owned memory goes back from the sink (not committed yet: the store step comes last).
 		steps = append(steps, driverstep.RestoreStep(d, op.Fixed(p.CUDAPIDs), nil, nil, false), driverstep.UnlockStep(d, op.Fixed(p.CUDAPIDs)),
-			qs.LoadMemoryStep(op.Fixed(p.CUDAPIDs), ingestSource{&ing}, has), qs.ResumeStep(op.Fixed(p.CUDAPIDs), false))
+			qs.LoadMemoryStep(op.Fixed(p.CUDAPIDs), sink, sink.Has), qs.ResumeStep(op.Fixed(p.CUDAPIDs), false))
 	}
 	steps = append(steps, op.Step{Name: StepStore, Kind: KindStore, Commit: true, Do: func(ctx context.Context) error {
 		meta := p.meta
@@ -324,15 +267,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *shimst
 		if saved := qs.Saved(); len(saved) > 0 {
 			meta.Devmem = saved
 		}
-		var m *store.Manifest
-		var s *store.Stats
-		add := func(name string, r io.Reader, mode uint32) (int64, error) {
-			return writeFile(filepath.Join(images, name), r, mode)
-		}
-		if ing != nil {
-			add = func(name string, r io.Reader, mode uint32) (int64, error) { return ing.AddFile(name, mode, r) }
-		}
-		err := recordHost(env, p, rec, &meta, add)
+		err := recordHost(env, p, rec, &meta, sink.AddFile)
 		var raw store.Metadata
 		if err == nil {
 			raw, err = meta.Encode()
@@ -341,17 +276,9 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *shimst
 			dropEarly()
 			return err
 		}
-		if ing != nil {
-			m, s, err = commitStreamed(ing, images, raw)
-		} else {
-			m, s, err = env.Store.Put(ctx, images, store.PutOptions{Name: p.Image, Meta: raw, Progress: env.Progress, Prestaged: pre})
-		}
-		if err == nil {
-			drop()
-		} else {
-			dropEarly()
-		}
+		m, s, err := sink.Commit(ctx, raw)
 		if err != nil {
+			dropEarly()
 			// A Put interrupted (by a signal) after it wrote the manifest has stored the image:
 			// the checkpoint happened, and must say so.
 			if m, ok := imageIn(env.Store, p.Image, p.PID, t0); ok {
@@ -361,6 +288,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *shimst
 			}
 			return fmt.Errorf("store image %q: %w", p.Image, err)
 		}
+		sink.Close()
 		stored(m, s)
 		return nil
 	}})
@@ -369,65 +297,7 @@ func buildSteps(env *op.Env, p *Plan, images string, tr *treeTracker, qs *shimst
 			return endTree(tr.pids(), nil)
 		}})
 	}
-	return steps, drop
-}
-
-// stoppedNow returns the processes among pids that are stopped (job control, a debugger).
-func stoppedNow(pids []int) map[int]bool {
-	m := map[int]bool{}
-	for _, pid := range pids {
-		if s, err := proc.ReadStat(pid); err == nil && s.Stopped() {
-			m[pid] = true
-		}
-	}
-	return m
-}
-
-// prestage starts storing the dump's files while CRIU writes them (nil when it cannot).
-func prestage(ctx context.Context, env *op.Env, o Options, images string) *store.Prestage {
-	if o.PrestageWorkers < 0 {
-		return nil
-	}
-	w := o.PrestageWorkers
-	if w == 0 {
-		w = max(1, runtime.NumCPU()/2) // leave half the CPUs to CRIU
-	}
-	pre, err := env.Store.Prestage(ctx, images, store.PutOptions{Workers: w})
-	if err != nil {
-		env.Logger().Debug("no prestage; the store runs after the dump", "err", err)
-		return nil
-	}
-	return pre
-}
-
-// newIngest starts the streamed image of a checkpoint (not committed until the store step).
-func newIngest(ctx context.Context, env *op.Env, p *Plan) (*store.Ingest, error) {
-	var progress func(done, total int64)
-	if report := env.Progress; report != nil {
-		// The ingest cannot know its total: the estimate (resident + GPU memory) stands in.
-		est := int64(p.Estimate.HostBytes + p.Estimate.GPUBytes)
-		progress = func(done, _ int64) { report(done, max(est, done)) }
-	}
-	meta, err := p.meta.Encode() // checked now, replaced at the commit
-	if err != nil {
-		return nil, fmt.Errorf("store image %q: %w", p.Image, err)
-	}
-	ing, err := env.Store.NewIngest(ctx, store.PutOptions{Name: p.Image, Meta: meta, Progress: progress})
-	if err != nil {
-		return nil, fmt.Errorf("store image %q: %w", p.Image, err)
-	}
-	return ing, nil
-}
-
-// ingestSource reads back what the checkpoint's ingest holds (owned memory loaded back after a
-// --leave-running checkpoint or on rollback).
-type ingestSource struct{ ing **store.Ingest }
-
-func (s ingestSource) WriteFile(ctx context.Context, name string, w io.Writer) (int64, error) {
-	if *s.ing == nil {
-		return 0, fmt.Errorf("%s: no image being written", name)
-	}
-	return (*s.ing).WriteFile(ctx, name, w)
+	return steps, sink.Close
 }
 
 // prevMemory finds the previous image holding a process's owned memory (by its instance).
@@ -448,90 +318,15 @@ func prevMemory(env *op.Env) func(pid int, instance string) *devmem.Prev {
 	}
 }
 
-// streamDump runs CRIU's dump with its image files streamed into ing, a new image of the store:
-// CRIU writes each file into a pipe, ptxmig chunks, hashes, compresses and stages it as it
-// arrives. The image is not committed yet (the store step does that). On failure ing is failed
-// (never committed; what it staged stays readable until it is closed, for a rollback that loads
-// owned memory back from it) and the error says which side failed first: a store failure breaks
-// CRIU's pipes, so CRIU's own error is then only a consequence.
-func streamDump(ctx context.Context, env *op.Env, ing *store.Ingest, dump criu.DumpOptions, rec *criuRecord) error {
-	srv, err := imgstream.Listen(dump.ImagesDir, imgstream.Capture)
-	if err != nil {
-		ing.Fail(err)
-		return err
-	}
-	derr, serr := imgstream.With(ctx, srv, func(sctx context.Context) error {
-		_, err := srv.Capture(sctx, func(name string, r io.Reader) error {
-			_, err := ing.AddFile(name, 0o600, rec.tee(name, r))
-			return err
-		})
-		return err
-	}, func() error {
-		dump.Progress = srv.Moved // what CRIU streamed is progress too
-		_, err := env.CRIU.Dump(ctx, dump)
-		return err
-	})
-	switch {
-	case derr != nil && serr != nil && !imgstream.Consequence(serr):
-		err := fmt.Errorf("stream the dump into the store: %w (CRIU then failed: %w)", serr, derr)
-		ing.Fail(err)
-		return err
-	case derr != nil:
-		ing.Fail(derr)
-		return derr
-	case serr != nil:
-		// CRIU succeeded: the tree is dumped (and stopped, unless left running), so the dump step
-		// stands and its undo resumes the tree; the failure surfaces at the store step, which
-		// cannot commit a failed ingest, and rolls everything back.
-		ing.Fail(fmt.Errorf("stream the dump into the store: %w", serr))
-	}
-	return nil
-}
-
-// commitStreamed adds what CRIU wrote locally (its log and statistics) to a streamed image and
-// commits it.
-func commitStreamed(ing *store.Ingest, images string, meta store.Metadata) (*store.Manifest, *store.Stats, error) {
-	ents, err := os.ReadDir(images)
-	if err != nil {
-		return nil, nil, err
-	}
-	for _, e := range ents {
-		if !e.Type().IsRegular() {
-			continue // the streamer's socket, gone already
-		}
-		if err := addLocal(ing, filepath.Join(images, e.Name()), e.Name()); err != nil {
-			return nil, nil, err
+// stoppedNow returns the processes among pids that are stopped (job control, a debugger).
+func stoppedNow(pids []int) map[int]bool {
+	m := map[int]bool{}
+	for _, pid := range pids {
+		if s, err := proc.ReadStat(pid); err == nil && s.Stopped() {
+			m[pid] = true
 		}
 	}
-	return ing.Commit(meta)
-}
-
-// writeFile writes r into a new file (a carried file next to CRIU's images, not streamed) and
-// returns the bytes written.
-func writeFile(path string, r io.Reader, mode uint32) (int64, error) {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW, os.FileMode(mode&0o777))
-	if err != nil {
-		return 0, err
-	}
-	n, err := io.Copy(f, r)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	return n, err
-}
-
-func addLocal(ing *store.Ingest, path, name string) error {
-	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_NOFOLLOW, 0)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return err
-	}
-	_, err = ing.AddFile(name, uint32(fi.Mode().Perm()), f)
-	return err
+	return m
 }
 
 // dumpedTree is the planned tree plus the processes found in it after the dump (forked between

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -124,28 +123,18 @@ func imageHostFiles(ctx context.Context, env *op.Env, m *store.Manifest, d *imag
 	return hostreq.Decode(files, remaps)
 }
 
-// placeFiles puts the planned carried files in place, reading each from the image (open as rd,
-// else materialized in images). It returns how to undo it: placed files removed, replaced ones
-// moved back, directories it created removed.
-func placeFiles(ctx context.Context, env *op.Env, imageID string, rd *store.ImageReader, images string, place []Placement) (func(), error) {
+// placeFiles puts the planned carried files in place, reading each from the image (src). It
+// returns how to undo it: placed files removed, replaced ones moved back, directories it created
+// removed.
+func placeFiles(ctx context.Context, env *op.Env, src imageSource, place []Placement) (func(), error) {
 	var undo []func()
 	undoAll := func() {
 		for i := len(undo) - 1; i >= 0; i-- {
 			undo[i]()
 		}
 	}
-	if len(place) == 0 {
-		return undoAll, nil
-	}
-	if rd == nil && images == "" {
-		var err error
-		if rd, err = env.Store.OpenImage(ctx, imageID, store.GetOptions{}); err != nil {
-			return undoAll, err
-		}
-		defer rd.Close()
-	}
 	for _, pl := range place {
-		u, err := placeOne(ctx, rd, images, pl)
+		u, err := placeOne(ctx, src, pl)
 		if u != nil {
 			undo = append(undo, u...)
 		}
@@ -158,7 +147,7 @@ func placeFiles(ctx context.Context, env *op.Env, imageID string, rd *store.Imag
 	return undoAll, nil
 }
 
-func placeOne(ctx context.Context, rd *store.ImageReader, images string, pl Placement) ([]func(), error) {
+func placeOne(ctx context.Context, src imageSource, pl Placement) ([]func(), error) {
 	var undo []func()
 	dir, base := filepath.Dir(pl.Path), filepath.Base(pl.Path)
 	if len(base) > 200 {
@@ -183,16 +172,7 @@ func placeOne(ctx context.Context, rd *store.ImageReader, images string, pl Plac
 	}
 	tmp := os.NewFile(uintptr(fd), tmpName)
 	defer unix.Unlinkat(dfd, tmpName, 0) // gone once linked into place, or on failure
-	var n int64
-	if rd != nil {
-		n, err = rd.WriteFile(ctx, pl.File, tmp)
-	} else {
-		var src *os.File
-		if src, err = os.OpenFile(filepath.Join(images, pl.File), os.O_RDONLY|unix.O_NOFOLLOW, 0); err == nil {
-			n, err = io.Copy(tmp, src)
-			src.Close()
-		}
-	}
+	n, err := src.WriteFile(ctx, pl.File, tmp)
 	if err == nil && n != pl.Size {
 		err = fmt.Errorf("the image's copy has %d bytes, its record %d", n, pl.Size)
 	}

@@ -9,21 +9,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
-	"github.com/ptxmig/ptxmig/internal/devmem"
 	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/internal/imagedesc"
-	"github.com/ptxmig/ptxmig/internal/imgstream"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
@@ -318,10 +312,10 @@ func (p *Plan) describe() []op.PlanStep {
 	return s
 }
 
-// Execute runs a plan: materialize → CRIU restore (detached, under the original pids, into the
-// planned cgroups) → driver restore with GPU pairs → unlock → resume (under the shim). The last
-// step commits; any failure before kills the restored tree, and so does the guardian if ptxmig
-// dies before the commit.
+// Execute runs a plan: materialize (or open the image for streaming) → CRIU restore (detached,
+// under the original pids, into the planned cgroups) → driver restore with GPU pairs → unlock →
+// resume (under the shim). The last step commits; any failure before kills the restored tree,
+// and so does the guardian if ptxmig dies before the commit.
 func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	t0 := time.Now()
 	o, meta := p.opts, p.meta
@@ -337,21 +331,73 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	res := &Result{Image: p.Image, ImageID: p.ImageID, PID: meta.PID, Kind: meta.Kind, Tree: p.Tree, Pairs: p.Pairs, Remapped: p.Remapped,
 		Stream: p.Stream, StreamOff: p.StreamOff}
 	treePIDs := op.TreePIDs(p.Tree, false)
-	var restored bool
-	var txn *op.Txn
-	// An image of established TCP connections is restored with them, locked the way the dump locked
-	// them (PlanRestore checked the method): no flag to remember.
-	ropts := criu.RestoreOptions{ShellJob: p.ShellJob, TCPEstablished: meta.TCPEstablished,
-		NetworkLock: meta.NetworkLock, IgnoreCgroups: true,
-		Stream: p.Stream, Stall: env.CRIUStall}
-	var rd *store.ImageReader // streamed: the image, open in the store
-	criuRestore := func(ctx context.Context) (*criu.RestoreResult, error) {
-		if rd == nil {
-			return env.CRIU.Restore(ctx, ropts)
-		}
-		return streamRestore(ctx, env, p.Image, rd, ropts)
+	// The steps are built once the staging directory (named after the journal) is known, and
+	// journaled before anything is touched.
+	var src imageSource
+	var work string
+	var pre *shimstep.Preemption
+	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpRestore, Root: meta.PID, Tree: treePIDs, CUDA: p.cudaPIDs,
+		StagingRoot: p.Staging, Store: env.Store.Dir(), Image: p.Image,
+		Build: func(t *op.Txn) []op.Step {
+			images := filepath.Join(t.Staging(), "images")
+			work = filepath.Join(t.Staging(), "work")
+			src = newSource(env, p, images)
+			// An image of established TCP connections is restored with them, locked the way the
+			// dump locked them (PlanRestore checked the method): no flag to remember.
+			ropts := criu.RestoreOptions{ImagesDir: images, WorkDir: work, ShellJob: p.ShellJob, TCPEstablished: meta.TCPEstablished,
+				NetworkLock: meta.NetworkLock, IgnoreCgroups: true, Stream: p.Stream, Stall: env.CRIUStall}
+			var steps []op.Step
+			steps, pre = buildSteps(env, p, res, src, ropts, t.Helper)
+			return steps
+		}})
+	if err != nil {
+		return nil, err
 	}
-	var images string // staging: CRIU's images (materialized) or its streamer socket
+	defer src.Close()
+	if pre != nil {
+		defer func() { res.Preemption = pre.Reports }()
+	}
+	staging := txn.Staging()
+	if err := os.Mkdir(work, 0o700); err != nil {
+		err = op.Refusef("staging: %w", err)
+		txn.End(err, false)
+		return nil, err
+	}
+	tm := time.Now()
+	res.Bytes, err = src.Open(ctx)
+	res.Materialize = time.Since(tm)
+	if err != nil {
+		if errors.Is(err, store.ErrCorrupt) {
+			err = op.Refusef("image %s is corrupt, nothing was restored: %w", p.Image, err)
+		}
+		txn.End(err, o.KeepStaging)
+		return nil, err
+	}
+	res.Timings, err = txn.Execute(ctx, txn.Steps(), env.Hook, 0)
+	if p.Stream {
+		res.Bytes = p.Bytes
+	}
+	if err != nil {
+		ferr := env.NewFailure(err, "restore", meta.PID, []string{filepath.Join(work, "restore.log")}, treePIDs, p.cudaPIDs)
+		txn.End(err, o.KeepStaging)
+		return nil, ferr
+	}
+	txn.End(nil, o.KeepStaging)
+	res.Cgroup, _ = proc.Cgroup(meta.PID)
+	if o.KeepStaging {
+		res.StagingDir = staging
+	}
+	res.Total = time.Since(t0)
+	return res, nil
+}
+
+// buildSteps assembles the restore's transaction over src, the image's data path (streamed or
+// staged), and returns the state of the shim's steps (nil for a tree without CUDA). helper is
+// told CRIU's pid.
+func buildSteps(env *op.Env, p *Plan, res *Result, src imageSource, ropts criu.RestoreOptions, helper func(int)) ([]op.Step, *shimstep.Preemption) {
+	meta := p.meta
+	treePIDs := op.TreePIDs(p.Tree, false)
+	var restored bool
 	var steps []op.Step
 	if len(p.Place) > 0 {
 		var unplace func()
@@ -360,7 +406,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		steps = append(steps, op.Step{Name: StepPlaceFiles, Kind: KindPlaceFiles,
 			Do: func(ctx context.Context) error {
 				var err error
-				unplace, err = placeFiles(ctx, env, p.ImageID, rd, images, p.Place)
+				unplace, err = placeFiles(ctx, env, src, p.Place)
 				if err != nil {
 					return fmt.Errorf("image %s: carried files: %w", p.Image, err)
 				}
@@ -383,14 +429,14 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 			}
 			began = proc.SinceBoot()
 			criuRan := false // CRIU started: it may have created processes, whatever it did then
-			ropts.CgroupDir, ropts.OnStart = dir, func(pid int) { criuRan = true; txn.Helper(pid) }
-			r, err := criuRestore(ctx)
+			ropts.CgroupDir, ropts.OnStart = dir, func(pid int) { criuRan = true; helper(pid) }
+			r, err := src.Restore(ctx, ropts)
 			if errors.Is(err, criu.ErrStart) && dir != "" {
 				// CLONE_INTO_CGROUP refused (an old kernel, a cgroup that cannot hold processes):
 				// start CRIU where ptxmig is and move the processes after.
 				env.Logger().Warn("cannot start CRIU in the target cgroup; moving the restored processes after", "cgroup", p.cgroups.target, "err", err)
 				ropts.CgroupDir = ""
-				r, err = criuRestore(ctx)
+				r, err = src.Restore(ctx, ropts)
 			}
 			if r != nil && r.PID > 0 {
 				restored = true
@@ -436,170 +482,14 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 			return placement.CheckRoom(p.Pairs, devs, false)
 		}
 		pre = shimstep.NewPreemption(env, 0)
-		defer func() { res.Preemption = pre.Reports }()
 		steps = append(steps,
 			driverstep.RestoreStep(env.Driver, op.Fixed(p.cudaPIDs), p.dpairs, recheck, true),
 			driverstep.UnlockStep(env.Driver, op.Fixed(p.cudaPIDs)),
-			pre.LoadMemoryStep(op.Fixed(p.cudaPIDs), &memorySource{rd: &rd, dir: &images}, func(name string) bool {
-				if rd != nil {
-					_, ok := rd.Lookup(name)
-					return ok
-				}
-				fi, err := os.Lstat(filepath.Join(images, name))
-				return err == nil && fi.Mode().IsRegular()
-			}),
+			pre.LoadMemoryStep(op.Fixed(p.cudaPIDs), src, src.Has),
 			pre.ResumeStep(op.Fixed(p.cudaPIDs), true))
 	}
 	steps[len(steps)-1].Commit = true
-
-	txn, err = env.Begin(ctx, op.TxnSpec{Op: journal.OpRestore, Root: meta.PID, Tree: treePIDs, CUDA: p.cudaPIDs,
-		StagingRoot: p.Staging, Store: env.Store.Dir(), Image: p.Image, Steps: steps})
-	if err != nil {
-		return nil, err
-	}
-	staging := txn.Staging()
-	images = filepath.Join(staging, "images")
-	work := filepath.Join(staging, "work")
-	ropts.ImagesDir, ropts.WorkDir = images, work
-	if err := os.Mkdir(work, 0o700); err != nil {
-		err = op.Refusef("staging: %w", err)
-		txn.End(err, false)
-		return nil, err
-	}
-	if p.Stream {
-		if err := os.Mkdir(images, 0o700); err != nil {
-			err = op.Refusef("staging: %w", err)
-			txn.End(err, false)
-			return nil, err
-		}
-	}
-	tm := time.Now()
-	var st *store.Stats
-	if p.Stream {
-		rd, err = openStreamed(ctx, env, p)
-		if rd != nil {
-			defer rd.Close()
-			rd.DeferVerify(devmem.IsData) // verified as the load step reads it, before the resume
-		}
-	} else {
-		st, err = env.Store.Materialize(ctx, p.ImageID, images, store.GetOptions{Progress: env.Progress})
-	}
-	res.Materialize = time.Since(tm)
-	if err != nil {
-		if errors.Is(err, store.ErrCorrupt) {
-			err = op.Refusef("image %s is corrupt, nothing was restored: %w", p.Image, err)
-		} else if p.Stream {
-			err = fmt.Errorf("open image %s in the store: %w", p.Image, err)
-		} else {
-			err = fmt.Errorf("materialize image %s: %w", p.Image, err)
-		}
-		txn.End(err, o.KeepStaging)
-		return nil, err
-	}
-	if st != nil {
-		res.Bytes = st.LogicalBytes
-	}
-	res.Timings, err = txn.Execute(ctx, steps, env.Hook, 0)
-	if rd != nil {
-		res.Bytes = p.Bytes
-	}
-	if err != nil {
-		ferr := env.NewFailure(err, "restore", meta.PID, []string{filepath.Join(work, "restore.log")}, treePIDs, p.cudaPIDs)
-		txn.End(err, o.KeepStaging)
-		return nil, ferr
-	}
-	txn.End(nil, o.KeepStaging)
-	res.Cgroup, _ = proc.Cgroup(meta.PID)
-	if o.KeepStaging {
-		res.StagingDir = staging
-	}
-	res.Total = time.Since(t0)
-	return res, nil
-}
-
-// openStreamed opens the image for a streamed restore and verifies, before anything runs, every
-// file but the memory pages: CRIU may not read all of them, and they are small. The pages are
-// verified chunk by chunk as they are streamed, and whatever CRIU left unread after it.
-func openStreamed(ctx context.Context, env *op.Env, p *Plan) (*store.ImageReader, error) {
-	rd, err := env.Store.OpenImage(ctx, p.ImageID, store.GetOptions{Progress: env.Progress})
-	if err != nil {
-		return nil, err
-	}
-	for _, f := range rd.Manifest().Files {
-		if f.Type != store.TypeFile || isPages(f.Path) || devmem.IsData(f.Path) {
-			continue
-		}
-		if _, err := rd.WriteFile(ctx, f.Path, io.Discard); err != nil {
-			return rd, err
-		}
-	}
-	return rd, nil
-}
-
-// isPages reports whether an image file holds memory pages (CRIU's pages-N.img).
-func isPages(name string) bool {
-	return strings.HasPrefix(name, "pages-") && strings.HasSuffix(name, ".img")
-}
-
-// streamRestore runs CRIU's restore reading its image files from the store through the streamer
-// socket, then verifies every chunk CRIU did not read. A corrupt chunk CRIU asks for breaks its
-// pipe: CRIU fails before the restored processes run, and the error names the file and offset.
-func streamRestore(ctx context.Context, env *op.Env, image string, rd *store.ImageReader, ropts criu.RestoreOptions) (*criu.RestoreResult, error) {
-	srv, err := imgstream.Listen(ropts.ImagesDir, imgstream.Serve)
-	if err != nil {
-		return nil, err
-	}
-	var r *criu.RestoreResult
-	cerr, serr := imgstream.With(ctx, srv, func(sctx context.Context) error {
-		_, err := srv.Serve(sctx, imageSource{rd})
-		return err
-	}, func() error {
-		var err error
-		r, err = env.CRIU.Restore(ctx, ropts)
-		return err
-	})
-	switch {
-	case cerr != nil && errors.Is(serr, store.ErrCorrupt):
-		return r, fmt.Errorf("%w; CRIU stopped before the restored processes ran (CRIU then failed: %w)", serr, cerr)
-	case cerr != nil && serr != nil && !imgstream.Consequence(serr):
-		return r, fmt.Errorf("stream the image to CRIU: %w (CRIU then failed: %w)", serr, cerr)
-	case cerr != nil:
-		return r, cerr
-	case serr != nil:
-		return r, fmt.Errorf("stream the image to CRIU: %w", serr)
-	}
-	if err := rd.VerifyRest(ctx); err != nil {
-		return r, fmt.Errorf("image %s: a part CRIU did not read is corrupt: %w", image, err)
-	}
-	return r, nil
-}
-
-// imageSource serves an open image's files to the streamer.
-type imageSource struct{ rd *store.ImageReader }
-
-func (s imageSource) Has(name string) bool { _, ok := s.rd.Lookup(name); return ok }
-
-func (s imageSource) WriteFile(ctx context.Context, name string, w io.Writer) (int64, error) {
-	return s.rd.WriteFile(ctx, name, w)
-}
-
-// memorySource reads owned device memory from the open image (streamed) or the materialized
-// images directory.
-type memorySource struct {
-	rd  **store.ImageReader
-	dir *string
-}
-
-func (s *memorySource) WriteFile(ctx context.Context, name string, w io.Writer) (int64, error) {
-	if *s.rd != nil {
-		return (*s.rd).WriteFile(ctx, name, w)
-	}
-	f, err := os.OpenFile(filepath.Join(*s.dir, name), os.O_RDONLY|unix.O_NOFOLLOW, 0)
-	if err != nil {
-		return 0, err
-	}
-	defer f.Close()
-	return io.Copy(w, f)
+	return steps, pre
 }
 
 // restoredTree is every process to kill when a restore rolls back: the recorded pids and whatever
