@@ -6,8 +6,10 @@
 #      the restored process (state), at once and a second later, and does it run on?
 #   C: ptxmig's `checkpoint --leave-running` under `ptxmig run` (the shim quiesces first);
 #   D: ptxmig's checkpoint + restore without the shim;
-#   E: C with XLA's default preallocation (75 % of the GPU): refused when the host lacks the memory
-#      the driver's checkpoint copies it into, the process running on.
+#   E: C with XLA's default preallocation (75 % of the GPU).
+# ptxmig refuses JAX by name (op.RefuseFrameworks): C, D and E need PTXMIG_PROBE_BIN, a ptxmig
+# built without the refusal:
+#   go build -ldflags "-X github.com/ptxmig/ptxmig/internal/op.jaxMarker=/none/" -o ptxmig-probe ./cmd/ptxmig
 # Everything goes to OUT/summary.txt (the step outputs, the tails of the logs, the kernel's NVRM
 # lines). Needs PTXMIG_BIN, PTXMIG_WORKLOADS (frameworks.py) and PTXMIG_CRIU, as gpu-e2e.sh sets.
 set -u
@@ -77,7 +79,7 @@ else
   echo "B: JAX did not start" | tee -a "$out/summary.txt"; tail -n 20 "$log"
 fi
 
-pm() { "$PTXMIG_BIN" --store "$out/store" "$@"; }
+pm() { "${PTXMIG_PROBE_BIN:-$PTXMIG_BIN}" --store "$out/store" "$@"; }
 [[ $parts == *C* ]] && echo "== C: ptxmig checkpoint --leave-running under ptxmig run (shim quiesce first)" | tee -a "$out/summary.txt"
 log=$out/C.log
 if [[ $parts != *C* ]]; then :

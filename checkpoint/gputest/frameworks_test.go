@@ -24,19 +24,21 @@ type fwRow struct {
 	name    string // the row, and frameworks.py's FRAMEWORK unless fw says
 	fw      string
 	refused string // a word the refusal names ("" when it must work)
+	maybe   bool   // the refusal may not come (then the row must work)
 	steps   int
 	env     []string
 }
 
 var fwRows = []fwRow{
 	{name: "resnet", steps: 300}, {name: "gpt2", steps: 300},
-	// torch.compile's Inductor compiles in a pool of worker processes that map the GPU's device
-	// files without a CUDA context (CRIU cannot dump them): refused; compiling in the process works.
+	// torch.compile's Inductor compiles in a pool of worker processes, which load libcuda without
+	// a CUDA context and, in some runs, map the GPU's device files (CRIU cannot dump those): such a
+	// tree is refused, naming the fix; compiling in the process works.
 	{name: "compile", steps: 300, env: []string{"TORCHINDUCTOR_COMPILE_THREADS=1"}},
-	{name: "compile-workers", fw: "compile", refused: "TORCHINDUCTOR_COMPILE_THREADS=1", steps: 300},
+	{name: "compile-workers", fw: "compile", refused: "TORCHINDUCTOR_COMPILE_THREADS=1", maybe: true, steps: 300},
 	{name: "triton", steps: 400}, {name: "cupy", steps: 400}, {name: "numba", steps: 400},
-	// JAX on one GPU: on several, XLA enables peer access between them (refused for that).
-	{name: "jax", steps: 400, env: []string{"CUDA_VISIBLE_DEVICES=0"}},
+	// JAX on one GPU: on several, XLA enables peer access between them (refused for that too).
+	{name: "jax", refused: "JAX", steps: 400, env: []string{"CUDA_VISIBLE_DEVICES=0"}},
 }
 
 // fwAvailable skips the test when the host lacks the framework (frameworks.py says "skip:").
@@ -133,7 +135,7 @@ func TestFrameworks(t *testing.T) {
 				so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--lock-timeout", "10s",
 					"--name", fmt.Sprintf("fw-%s-%d-%d", row.name, i, time.Now().UnixNano()), strconv.Itoa(p.pid))
 				walls = append(walls, time.Since(t0))
-				if row.refused != "" {
+				if row.refused != "" && (code != 0 || !row.maybe) {
 					if code != 3 || !strings.Contains(so+se, row.refused) { // --json: the refusal is on stdout
 						t.Fatalf("checkpoint of %s: exit %d, want 3 naming %s:\n%s", row.name, code, row.refused, se)
 					}
