@@ -200,8 +200,8 @@ func buildSteps(env *op.Env, p *Plan, sink imageSink, images string, tr *treeTra
 	// of its dump (--leave-running) would write into pages still waiting in a pipe, and the image
 	// would mix memory from before and after (TestLeaveRunningBusy caught it). So CRIU leaves the
 	// tree stopped, and it is resumed here once the stream has been read to the end.
-	resumeAfterDump := sink.Streamed() && o.LeaveRunning
-	if resumeAfterDump {
+	resumeAfterStream := sink.Streamed() && o.LeaveRunning
+	if resumeAfterStream {
 		dump.LeaveRunning, dump.LeaveStopped = false, true
 	}
 	steps = append(steps, op.Step{Name: StepDump, Kind: KindDump,
@@ -222,7 +222,7 @@ func buildSteps(env *op.Env, p *Plan, sink imageSink, images string, tr *treeTra
 				return nil
 			}
 			err := sink.Dump(ctx, dump, rec)
-			if resumeAfterDump {
+			if resumeAfterStream {
 				// (CRIU resumes the tree itself when its dump fails; SIGCONT then changes nothing,
 				// and a failure to resume is reported either way.)
 				if rerr := resume(); rerr != nil {
@@ -241,7 +241,7 @@ func buildSteps(env *op.Env, p *Plan, sink imageSink, images string, tr *treeTra
 				// A failed step leaves nothing behind: CRIU resumes the tree when its dump fails,
 				// but a CRIU its watchdog killed could not, and what it had stopped stays so.
 				var rerr error
-				if !resumeAfterDump {
+				if !resumeAfterStream {
 					rerr = resume()
 				}
 				return op.StepUndid(err, rerr)

@@ -554,6 +554,9 @@ func TestRestoreCorruptImage(t *testing.T) {
 	if !errors.Is(err, op.ErrRefused) || !errors.Is(err, store.ErrCorrupt) {
 		t.Fatalf("restore of a corrupt image: %v, want a refusal wrapping store.ErrCorrupt", err)
 	}
+	if msg := err.Error(); !strings.HasPrefix(msg, "image bad is corrupt, nothing was restored: image bad: ") {
+		t.Errorf("restore of a corrupt image says %q; want the image named once, then the corrupt part", msg)
+	}
 	if testproc.Alive(p.PID) {
 		t.Fatal("a process was restored from a corrupt image")
 	}

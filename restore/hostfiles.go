@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -126,7 +127,7 @@ func imageHostFiles(ctx context.Context, env *op.Env, m *store.Manifest, d *imag
 // placeFiles puts the planned carried files in place, reading each from the image (src). It
 // returns how to undo it: placed files removed, replaced ones moved back, directories it created
 // removed.
-func placeFiles(ctx context.Context, env *op.Env, src imageSource, place []Placement) (func(), error) {
+func placeFiles(ctx context.Context, log *slog.Logger, src imageSource, place []Placement) (func(), error) {
 	var undo []func()
 	undoAll := func() {
 		for i := len(undo) - 1; i >= 0; i-- {
@@ -142,7 +143,7 @@ func placeFiles(ctx context.Context, env *op.Env, src imageSource, place []Place
 			undoAll()
 			return func() {}, fmt.Errorf("put %s in place: %w", pl.Path, err)
 		}
-		env.Logger().Info("put a carried file in place", "path", pl.Path, "bytes", pl.Size, "replaced", pl.Replace)
+		log.Info("put a carried file in place", "path", pl.Path, "bytes", pl.Size, "replaced", pl.Replace)
 	}
 	return undoAll, nil
 }

@@ -334,13 +334,12 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	// The steps are built once the staging directory (named after the journal) is known, and
 	// journaled before anything is touched.
 	var src imageSource
-	var work string
+	var images, work string
 	var pre *shimstep.Preemption
 	txn, err := env.Begin(ctx, op.TxnSpec{Op: journal.OpRestore, Root: meta.PID, Tree: treePIDs, CUDA: p.cudaPIDs,
 		StagingRoot: p.Staging, Store: env.Store.Dir(), Image: p.Image,
 		Build: func(t *op.Txn) []op.Step {
-			images := filepath.Join(t.Staging(), "images")
-			work = filepath.Join(t.Staging(), "work")
+			images, work = filepath.Join(t.Staging(), "images"), filepath.Join(t.Staging(), "work")
 			src = newSource(env, p, images)
 			// An image of established TCP connections is restored with them, locked the way the
 			// dump locked them (PlanRestore checked the method): no flag to remember.
@@ -358,10 +357,16 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		defer func() { res.Preemption = pre.Reports }()
 	}
 	staging := txn.Staging()
-	if err := os.Mkdir(work, 0o700); err != nil {
-		err = op.Refusef("staging: %w", err)
-		txn.End(err, false)
-		return nil, err
+	dirs := []string{work}
+	if p.Stream {
+		dirs = append(dirs, images) // CRIU's streamer socket (materialized, the store makes it)
+	}
+	for _, dir := range dirs {
+		if err := os.Mkdir(dir, 0o700); err != nil {
+			err = op.Refusef("staging: %w", err)
+			txn.End(err, false)
+			return nil, err
+		}
 	}
 	tm := time.Now()
 	res.Bytes, err = src.Open(ctx)
@@ -406,7 +411,7 @@ func buildSteps(env *op.Env, p *Plan, res *Result, src imageSource, ropts criu.R
 		steps = append(steps, op.Step{Name: StepPlaceFiles, Kind: KindPlaceFiles,
 			Do: func(ctx context.Context) error {
 				var err error
-				unplace, err = placeFiles(ctx, env, src, p.Place)
+				unplace, err = placeFiles(ctx, env.Logger(), src, p.Place)
 				if err != nil {
 					return fmt.Errorf("image %s: carried files: %w", p.Image, err)
 				}

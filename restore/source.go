@@ -55,12 +55,9 @@ type streamSource struct {
 // streamed, owned device memory as the load step reads it (before the resume), and whatever CRIU
 // left unread after its restore.
 func (s *streamSource) Open(ctx context.Context) (int64, error) {
-	if err := os.Mkdir(s.images, 0o700); err != nil {
-		return 0, op.Refusef("staging: %w", err)
-	}
 	rd, err := s.env.Store.OpenImage(ctx, s.p.ImageID, store.GetOptions{Progress: s.env.Progress})
 	if err != nil {
-		return 0, fmt.Errorf("open image %s in the store: %w", s.p.Image, err)
+		return 0, openErr("open image %s in the store: %w", s.p.Image, err)
 	}
 	s.rd = rd
 	rd.DeferVerify(devmem.IsData)
@@ -69,10 +66,19 @@ func (s *streamSource) Open(ctx context.Context) (int64, error) {
 			continue
 		}
 		if _, err := rd.WriteFile(ctx, f.Path, io.Discard); err != nil {
-			return 0, fmt.Errorf("open image %s in the store: %w", s.p.Image, err)
+			return 0, openErr("open image %s in the store: %w", s.p.Image, err)
 		}
 	}
 	return 0, nil
+}
+
+// openErr wraps an error of Open with what it was doing, except a corrupt image's: Execute turns
+// that into a refusal which names the image already.
+func openErr(format, image string, err error) error {
+	if errors.Is(err, store.ErrCorrupt) {
+		return err
+	}
+	return fmt.Errorf(format, image, err)
 }
 
 // isPages reports whether an image file holds memory pages (CRIU's pages-N.img).
@@ -145,7 +151,10 @@ type stagedSource struct {
 func (s *stagedSource) Open(ctx context.Context) (int64, error) {
 	st, err := s.env.Store.Materialize(ctx, s.p.ImageID, s.images, store.GetOptions{Progress: s.env.Progress})
 	if err != nil {
-		return 0, fmt.Errorf("materialize image %s: %w", s.p.Image, err)
+		return 0, openErr("materialize image %s: %w", s.p.Image, err)
+	}
+	if st == nil {
+		return 0, nil
 	}
 	return st.LogicalBytes, nil
 }
