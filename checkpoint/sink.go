@@ -48,7 +48,7 @@ func newSink(env *op.Env, p *Plan, images string) imageSink {
 	if p.Stream {
 		return &streamSink{env: env, p: p, images: images}
 	}
-	return &stagedSink{env: env, p: p, images: images}
+	return &stagedSink{ImageDir: op.ImageDir(images), env: env, p: p}
 }
 
 // streamSink streams the image into the store (store.Ingest). The ingest opens with the first
@@ -196,10 +196,10 @@ func (s *streamSink) Close() {
 // CRIU still writes them (store.Prestage), so that the commit only re-reads, re-hashes and
 // commits what is already encoded.
 type stagedSink struct {
-	env    *op.Env
-	p      *Plan
-	images string
-	pre    *store.Prestage
+	op.ImageDir // CRIU's images, read back with Has and WriteFile
+	env         *op.Env
+	p           *Plan
+	pre         *store.Prestage
 }
 
 func (s *stagedSink) Streamed() bool { return false }
@@ -212,7 +212,7 @@ func (s *stagedSink) Dump(ctx context.Context, dump criu.DumpOptions, rec *criuR
 	s.prestage(ctx)
 	_, err := s.env.CRIU.Dump(ctx, dump)
 	if err == nil {
-		rec.fromDir(s.images)
+		rec.fromDir(string(s.ImageDir))
 	}
 	if s.pre != nil {
 		if perr := s.pre.Stop(); perr != nil {
@@ -231,7 +231,7 @@ func (s *stagedSink) prestage(ctx context.Context) {
 	if w == 0 {
 		w = max(1, runtime.NumCPU()/2) // leave half the CPUs to CRIU
 	}
-	pre, err := s.env.Store.Prestage(ctx, s.images, store.PutOptions{Workers: w})
+	pre, err := s.env.Store.Prestage(ctx, string(s.ImageDir), store.PutOptions{Workers: w})
 	if err != nil {
 		s.env.Logger().Debug("no prestage; the store runs after the dump", "err", err)
 		return
@@ -241,7 +241,7 @@ func (s *stagedSink) prestage(ctx context.Context) {
 
 // AddFile writes a carried file next to CRIU's images.
 func (s *stagedSink) AddFile(name string, r io.Reader, mode uint32) (int64, error) {
-	f, err := os.OpenFile(filepath.Join(s.images, name), os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW, os.FileMode(mode&0o777))
+	f, err := os.OpenFile(filepath.Join(string(s.ImageDir), name), os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW, os.FileMode(mode&0o777))
 	if err != nil {
 		return 0, err
 	}
@@ -252,22 +252,8 @@ func (s *stagedSink) AddFile(name string, r io.Reader, mode uint32) (int64, erro
 	return n, err
 }
 
-func (s *stagedSink) Has(name string) bool {
-	fi, err := os.Lstat(filepath.Join(s.images, name))
-	return err == nil && fi.Mode().IsRegular()
-}
-
-func (s *stagedSink) WriteFile(_ context.Context, name string, w io.Writer) (int64, error) {
-	f, err := os.OpenFile(filepath.Join(s.images, name), os.O_RDONLY|unix.O_NOFOLLOW, 0)
-	if err != nil {
-		return 0, err
-	}
-	defer f.Close()
-	return io.Copy(w, f)
-}
-
 func (s *stagedSink) Commit(ctx context.Context, meta store.Metadata) (*store.Manifest, *store.Stats, error) {
-	return s.env.Store.Put(ctx, s.images, store.PutOptions{Name: s.p.Image, Meta: meta, Progress: s.env.Progress, Prestaged: s.pre})
+	return s.env.Store.Put(ctx, string(s.ImageDir), store.PutOptions{Name: s.p.Image, Meta: meta, Progress: s.env.Progress, Prestaged: s.pre})
 }
 
 func (s *stagedSink) Close() {

@@ -5,11 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
-	"path/filepath"
 	"strings"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/devmem"
@@ -37,17 +33,16 @@ type imageSource interface {
 // directory (CRIU's images, materialized, or its streamer socket).
 func newSource(env *op.Env, p *Plan, images string) imageSource {
 	if p.Stream {
-		return &streamSource{env: env, p: p, images: images}
+		return &streamSource{env: env, p: p} // CRIU finds the streamer in images (RestoreOptions)
 	}
-	return &stagedSource{env: env, p: p, images: images}
+	return &stagedSource{ImageDir: op.ImageDir(images), env: env, p: p}
 }
 
 // streamSource serves the image to CRIU out of the store.
 type streamSource struct {
-	env    *op.Env
-	p      *Plan
-	images string
-	rd     *store.ImageReader
+	env *op.Env
+	p   *Plan
+	rd  *store.ImageReader
 }
 
 // Open opens the image and verifies, before anything runs, every file but the memory pages: CRIU
@@ -143,13 +138,13 @@ func (s *streamSource) Close() {
 
 // stagedSource materializes the image into the staging directory, verified, for CRIU to read.
 type stagedSource struct {
-	env    *op.Env
-	p      *Plan
-	images string
+	op.ImageDir // where the image is materialized, read with Has and WriteFile
+	env         *op.Env
+	p           *Plan
 }
 
 func (s *stagedSource) Open(ctx context.Context) (int64, error) {
-	st, err := s.env.Store.Materialize(ctx, s.p.ImageID, s.images, store.GetOptions{Progress: s.env.Progress})
+	st, err := s.env.Store.Materialize(ctx, s.p.ImageID, string(s.ImageDir), store.GetOptions{Progress: s.env.Progress})
 	if err != nil {
 		return 0, openErr("materialize image %s: %w", s.p.Image, err)
 	}
@@ -161,20 +156,6 @@ func (s *stagedSource) Open(ctx context.Context) (int64, error) {
 
 func (s *stagedSource) Restore(ctx context.Context, ropts criu.RestoreOptions) (*criu.RestoreResult, error) {
 	return s.env.CRIU.Restore(ctx, ropts)
-}
-
-func (s *stagedSource) Has(name string) bool {
-	fi, err := os.Lstat(filepath.Join(s.images, name))
-	return err == nil && fi.Mode().IsRegular()
-}
-
-func (s *stagedSource) WriteFile(_ context.Context, name string, w io.Writer) (int64, error) {
-	f, err := os.OpenFile(filepath.Join(s.images, name), os.O_RDONLY|unix.O_NOFOLLOW, 0)
-	if err != nil {
-		return 0, err
-	}
-	defer f.Close()
-	return io.Copy(w, f)
 }
 
 func (s *stagedSource) Close() {}

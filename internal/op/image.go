@@ -1,6 +1,13 @@
 package op
 
 import (
+	"context"
+	"io"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+
 	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/proc"
 )
@@ -25,3 +32,23 @@ func TreePIDs(t []TreeProc, cudaOnly bool) []int { return imagedesc.TreePIDs(t, 
 
 // TreeOf converts /proc stats into a tree record; cuda marks the CUDA processes.
 func TreeOf(stats []proc.Stat, cuda map[int]bool) []TreeProc { return imagedesc.TreeOf(stats, cuda) }
+
+// ImageDir is a directory of an image's files on the host (a staged dump, a materialized image):
+// what the staged data paths of checkpoint and restore read back. No symbolic link is followed.
+type ImageDir string
+
+// Has reports whether the directory holds name as a regular file.
+func (d ImageDir) Has(name string) bool {
+	fi, err := os.Lstat(filepath.Join(string(d), name))
+	return err == nil && fi.Mode().IsRegular()
+}
+
+// WriteFile copies the file name into w.
+func (d ImageDir) WriteFile(_ context.Context, name string, w io.Writer) (int64, error) {
+	f, err := os.OpenFile(filepath.Join(string(d), name), os.O_RDONLY|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	return io.Copy(w, f)
+}
