@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -211,24 +212,30 @@ func TestFrameworks(t *testing.T) {
 	}
 }
 
-// TestJITLongKernels: CuPy's and Numba's JIT-linked kernels spinning about 3 s a block, over
+// TestJITLongKernels: CuPy's and Numba's JIT-compiled kernels spinning about 3 s a block, over
 // many blocks (about four waves) and over one wave, under the default `ptxmig run`: a
 // `checkpoint --leave-running` one second into a launch must succeed within the lock timeout,
-// with identical output. Recorded: the quiesce, the lock, and what the shim did with the launch
-// (preempted: the twin from the link's PTX; or why it ran as the original: a one-wave grid stops
-// inside its blocks only with mid-block twins, not yet the default).
+// with identical output. CuPy compiles with NVRTC straight to a cubin, numba-cuda links NVVM's PTX
+// with nvJitLink: the shim takes the PTX from the compiler, so a many-block launch must be
+// preempted by its twin (CuPy gets a kernel cache of its own, so that the kernel is compiled
+// under the shim and not loaded from a cubin cached by the reference run). Recorded: the quiesce,
+// the lock, and what the shim did with the launch (preempted, or why it ran as the original: a
+// one-wave grid stops inside its blocks only with mid-block twins).
 func TestJITLongKernels(t *testing.T) {
 	need(t, 1)
 	for _, fw := range []string{"cupy", "numba"} {
 		for _, wave := range []string{"many-blocks", "one-wave"} {
 			t.Run(fw+"/"+wave, func(t *testing.T) {
-				args := []string{fw, "--steps", "4", "--sleep-ms", "0", "--long-ms", "3000"}
+				args := []string{fw, "--steps", "3", "--sleep-ms", "0", "--long-ms", "3000"}
 				if wave == "one-wave" {
 					args = append(args, "--one-wave")
 				}
 				fwAvailable(t, fw)
-				ref := fwReference(t, nil, args...)
-				p := fwStart(t, nil, "step 1 ", args...)
+				// The reference first, not beside: two processes' multi-second kernels on one GPU
+				// share it by time slices (each launch then takes about twice as long), and a
+				// restored process among them can be killed by Xid 109 (docs/PLATFORM.md).
+				want := <-fwReference(t, nil, args...)
+				p := fwStart(t, []string{"CUPY_CACHE_DIR=" + t.TempDir()}, "step 1 ", args...)
 				time.Sleep(time.Second) // into the second launch
 				so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--lock-timeout", "10s",
 					"--name", fmt.Sprintf("jit-%s-%s-%d", fw, wave, time.Now().UnixNano()), strconv.Itoa(p.pid))
@@ -240,6 +247,7 @@ func TestJITLongKernels(t *testing.T) {
 					t.Fatalf("checkpoint --json: %v\n%s", err, so)
 				}
 				what := "no shim report"
+				preempted := 0
 				q, _ := quiesceOf(&res)
 				for _, r := range res.Preemption {
 					if r.Quiesce == nil {
@@ -247,12 +255,33 @@ func TestJITLongKernels(t *testing.T) {
 					}
 					var why []string
 					for _, o := range r.Quiesce.Originals {
-						why = append(why, o.Reason)
+						why = append(why, o.Kernel+": "+o.Reason)
 					}
-					what = fmt.Sprintf("%d launch(es) preempted, originals: %q", len(r.Quiesce.Preempted), why)
+					var still []string
+					for _, o := range r.Quiesce.NotStopped {
+						still = append(still, o.Kernel+": "+o.Reason)
+					}
+					preempted += len(r.Quiesce.Preempted)
+					what = fmt.Sprintf("%d launch(es) preempted, %d still stopping after the budget (stop wait %s) %q, originals: %q",
+						len(r.Quiesce.Preempted), len(r.Quiesce.Stopping), r.StopWait.Round(time.Millisecond), still, why)
+				}
+				if wave == "many-blocks" && preempted == 0 {
+					// Read the stopping twins too: a twin raised within the budget but still
+					// finishing its blocks ends up preempted after the reply.
+					stopped := false
+					for _, r := range res.Preemption {
+						stopped = stopped || (r.Quiesce != nil && len(r.Quiesce.Stopping) > 0)
+					}
+					if !stopped {
+						t.Errorf("%s many blocks: the long kernel ran as the original (no twin from the JIT compiler's PTX): %s", fw, what)
+					}
 				}
 				waitExit(t, p.pid, 5*time.Minute)
-				sameResults(t, results(p.log), <-ref)
+				if got := results(p.log); !slices.Equal(got, want) {
+					l := lines(p.log)
+					t.Logf("the process's log, last lines:\n%s", strings.Join(l[max(0, len(l)-30):], "\n"))
+				}
+				sameResults(t, results(p.log), want)
 				record(t, "%s %s (3 s a block): quiesce %s, lock %s, checkpoint %s; %s; identical output",
 					fw, wave, q, res.Timings.Of(driverstep.StepLock).Round(time.Millisecond), res.Total.Round(time.Millisecond), what)
 			})

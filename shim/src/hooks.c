@@ -10,6 +10,7 @@
 #include "ctl.h"
 #include "hooks.h"
 #include "instr.h"
+#include "jit.h"
 #include "json.h"
 #include "preempt.h"
 #include "track.h"
@@ -337,7 +338,12 @@ static void *substitute(const char *symbol, void *p, int version, unsigned long 
 #define DLSYM_PASS ((void *)1)
 static void *dlsym_decide_cu(void *handle, const char *name);
 NO_SAN __attribute__((used)) void *ptxmig_dlsym_decide(void *handle, const char *name) {
-  if (!name || name[0] != 'c' || name[1] != 'u' || handle == RTLD_NEXT) return DLSYM_PASS;
+  if (!name || handle == RTLD_NEXT) return DLSYM_PASS;
+  if ((name[0] == 'n' && name[1] == 'v') || (name[0] == '_' && name[1] == '_' && name[2] == 'n')) {
+    void *w = jit_dlsym(handle, name);  // NVRTC's and nvJitLink's cubins (jit.c)
+    return w ? w : DLSYM_PASS;
+  }
+  if (name[0] != 'c' || name[1] != 'u') return DLSYM_PASS;
   return dlsym_decide_cu(handle, name);
 }
 static void *dlsym_decide_cu(void *handle, const char *name) {

@@ -151,8 +151,10 @@ static char *extract_ptx(const void *image, size_t known, const char *path, kinf
     fb = p;
     fblen = fb_container_size(p, known ? known : SIZE_MAX);
   } else if (is_elf((const char *)p, 4)) {
+    // A cubin whose PTX the shim never saw compiled (instr_link_ptx): built ahead of time, or
+    // JIT-compiled without the shim and loaded from a framework's disk cache.
     free(file);
-    instr_failed(ks, "module has no PTX");
+    instr_failed(ks, "module has no PTX (a cubin not compiled under the shim)");
     return NULL;
   } else {
     size_t n = strnlen((const char *)p, known ? known : cfg.helper_max_bytes + 1);
@@ -804,16 +806,19 @@ int instr_prepare(const void *image, size_t known, const char *path, char **ptx_
   return 1;
 }
 
-// ---- JIT-linked modules ----
-// CuPy and Numba compile to PTX (NVRTC, NVVM), link it (cuLinkAddData, cuLinkComplete) and load
-// the cubin the link returned, often from a copy made before cuLinkDestroy: the module holds no
-// PTX, so it would get no twins. A link whose only input is one PTX keeps a copy of that PTX, and
-// once complete, the cubin's hash; a module loaded from a cubin with that hash (the link's buffer
-// or any copy of it) is instrumented from the PTX, which holds the same kernels. A link with
-// anything else (a library, a cubin, several PTX inputs) leaves its module as it is. The last
-// MAX_LINKS completed links are remembered.
+// ---- JIT-compiled modules ----
+// CuPy and Numba compile to PTX (NVRTC, NVVM), then to a cubin (NVRTC itself, the driver's link:
+// cuLinkAddData + cuLinkComplete, or nvJitLink) and load that cubin, often from a copy made
+// before the link is destroyed: the module holds no PTX, so it would get no twins. The shim keeps
+// the PTX each such cubin came from, keyed by the cubin's hash: a link whose only input is one
+// PTX keeps a copy of that PTX and, once complete, the cubin's hash; NVRTC's cubins come with
+// their program's PTX (jit.c, instr_jit_cubin). A module loaded from a cubin with a known hash (the
+// link's buffer or any copy of it) is instrumented from the PTX, which holds the same kernels. A
+// link with anything else (a library, a cubin, several PTX inputs) leaves its module as it is.
+// The last MAX_LINKS are remembered, and each is also written to the PTX cache as
+// <cubin sha>.jit.ptx: frameworks cache their cubins on disk (CuPy's kernel cache) and load them
+// in later runs without compiling, and the cache finds their PTX again.
 #define MAX_LINKS 64
-#define CU_JIT_INPUT_PTX 1
 #define MAX_LINK_PTX (64u << 20)
 typedef struct linkrec {
   void *state;  // while the link is open (NULL once destroyed)
@@ -870,7 +875,7 @@ void instr_link_input(void *state, int type, const void *data, size_t size, cons
   if (!state) return;
   char *ptx = NULL;
   size_t len = 0;
-  if (type == CU_JIT_INPUT_PTX) {  // copied outside the lock
+  if (type == JIT_INPUT_PTX) {  // copied outside the lock
     if (data && size > 0 && size < MAX_LINK_PTX && (ptx = malloc(size + 1))) {
       memcpy(ptx, data, size);
       ptx[size] = 0;
@@ -899,17 +904,65 @@ void instr_link_input(void *state, int type, const void *data, size_t size, cons
   free(ptx);
 }
 
+// jit_persist writes <sha>.jit.ptx into the PTX cache (when there is one) unless it is there.
+static void jit_persist(const char *sha, const char *ptx, size_t len) {
+  int dfd = cache_dir();
+  if (dfd < 0) return;
+  char name[80];
+  snprintf(name, sizeof name, "%s.jit.ptx", sha);
+  struct stat st;
+  if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) cache_write(dfd, name, ptx, len);
+  close(dfd);
+}
+
+// jit_sha hashes the ELF at cubin as a later load will (its extent from its own headers, at most
+// size bytes); 0 when it is not an ELF.
+static int jit_sha(const void *cubin, size_t size, char sha[65]) {
+  const uint8_t *p = cubin;
+  if (!p || size < 4 || !is_elf(cubin, size)) return 0;
+  size_t n = fb_elf_size(p, size);
+  if (!n) return 0;
+  sha256_hex(p, n, sha);
+  return 1;
+}
+
 void instr_link_complete(void *state, const void *cubin, size_t size) {
   char sha[65];
-  sha256_hex(cubin, size, sha);  // outside the lock
+  if (!jit_sha(cubin, size, sha)) return;  // outside the lock
+  char *ptx = NULL;
+  size_t len = 0;
   pthread_mutex_lock(&link_mu);
   linkrec *l = state ? link_find_locked(state) : NULL;
   if (l && l->ptx && !l->complete) {
     memcpy(l->sha, sha, sizeof sha);
     l->complete = 1;
     atomic_fetch_add(&links_done, 1);
+    if ((ptx = malloc(l->len))) memcpy(ptx, l->ptx, len = l->len);
   }
   pthread_mutex_unlock(&link_mu);
+  if (ptx) jit_persist(sha, ptx, len);
+  free(ptx);
+}
+
+void instr_jit_cubin(const void *cubin, size_t size, const char *ptx, size_t len) {
+  char sha[65];
+  if (!ptx || !len || len >= MAX_LINK_PTX || !jit_sha(cubin, size, sha)) return;
+  char *copy = malloc(len + 1);
+  if (!copy) return;
+  memcpy(copy, ptx, len);
+  copy[len] = 0;
+  len = strlen(copy);  // NVRTC's size counts the terminating NUL
+  pthread_mutex_lock(&link_mu);
+  linkrec *l = link_find_locked(NULL);
+  if (!l) {  // full: the oldest slot goes
+    l = &links[link_next++ % MAX_LINKS];
+    link_clear_locked(l);
+  }
+  *l = (linkrec){.ptx = copy, .len = len, .inputs = 1, .complete = 1};
+  memcpy(l->sha, sha, sizeof sha);
+  atomic_fetch_add(&links_done, 1);
+  pthread_mutex_unlock(&link_mu);
+  jit_persist(sha, ptx, len);
 }
 
 void instr_link_destroy(void *state) {
@@ -925,19 +978,36 @@ void instr_link_destroy(void *state) {
 
 char *instr_link_ptx(const void *image) {
   const uint8_t *p = image;
-  if (!p || !atomic_load(&links_done) || p[0] != 0x7f || p[1] != 'E') return NULL;
+  if (!p || cfg.preempt == PM_OFF || p[0] != 0x7f || p[1] != 'E') return NULL;
   size_t size = fb_elf_size(p, SIZE_MAX);  // an ELF's extent, from its own headers
   if (!size) return NULL;
   char sha[65], *out = NULL;
   sha256_hex(image, size, sha);
-  pthread_mutex_lock(&link_mu);
-  for (int i = 0; i < MAX_LINKS; i++) {
-    if (links[i].complete && links[i].ptx && strcmp(links[i].sha, sha) == 0) {
-      out = strndup(links[i].ptx, links[i].len);
-      break;
+  if (atomic_load(&links_done)) {
+    pthread_mutex_lock(&link_mu);
+    for (int i = 0; i < MAX_LINKS; i++) {
+      if (links[i].complete && links[i].ptx && strcmp(links[i].sha, sha) == 0) {
+        out = strndup(links[i].ptx, links[i].len);
+        break;
+      }
+    }
+    pthread_mutex_unlock(&link_mu);
+  }
+  if (!out) {  // compiled in an earlier run, loaded from a framework's own cache
+    int dfd = cache_dir();
+    if (dfd >= 0) {
+      char name[80];
+      size_t len = 0;
+      snprintf(name, sizeof name, "%s.jit.ptx", sha);
+      out = cache_read(dfd, name, MAX_LINK_PTX, &len);
+      close(dfd);
+      if (out && (len == 0 || memchr(out, 0, len))) {  // not text: not ours
+        free(out);
+        out = NULL;
+      }
+      if (out && cfg.debug) shim_log("jit: cubin %.12s: PTX from the cache (%zu bytes)", sha, len);
     }
   }
-  pthread_mutex_unlock(&link_mu);
   return out;
 }
 

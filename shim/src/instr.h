@@ -36,11 +36,16 @@ void kinfo_set_free(kinfo_set *ks);  // frees the kernels (keeps reason)
 void instr_failed(kinfo_set *ks, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void instr_stats(jbuf *b);  // the PTX cache's and the helper's counters, as a JSON object
 
-// JIT links (cuLinkAddData/AddFile, cuLinkComplete, cuLinkDestroy): instr_link_ptx returns a copy
-// (malloc'd) of the one PTX input of the link that produced image, or NULL.
+// JIT-compiled cubins. Links (the driver's cuLinkAddData/AddFile, cuLinkComplete, cuLinkDestroy,
+// and nvJitLink's through jit.c; state is the link's handle, type a CU_JIT_INPUT_* value) and
+// NVRTC's cubins (instr_jit_cubin: the cubin and the PTX it was compiled from). instr_link_ptx
+// returns a copy (malloc'd) of the PTX that the cubin at image was compiled from (kept in memory
+// or in the PTX cache), or NULL.
+#define JIT_INPUT_PTX 1  // CU_JIT_INPUT_PTX
 void instr_link_input(void *state, int type, const void *data, size_t size, const char *path);
 void instr_link_complete(void *state, const void *cubin, size_t size);
 void instr_link_destroy(void *state);
+void instr_jit_cubin(const void *cubin, size_t size, const char *ptx, size_t len);
 char *instr_link_ptx(const void *image);
 
 #endif

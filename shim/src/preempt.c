@@ -365,6 +365,10 @@ typedef struct tl {
   int started, nohold;  // sub_hold (pre_mu): go seen complete; a hold gave up on this launch
   int stopping;  // raised, not ended when the quiesce replied: the raiser thread owns it (pre_mu)
 } tl;
+static const char *kname(krec *r) {
+  char *n = r ? atomic_load(&r->name) : NULL;
+  return n ? n : "(unnamed)";
+}
 static tl *live;  // pre_mu
 static atomic_int nlive;  // changed under pre_mu; read without it by sub_hold
 static uint64_t next_launch_id = 1;
@@ -890,6 +894,9 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   x->init.v2.version = PTXMIG_CTL_VERSION;
   x->init.v2.batch_max = batch_max_for(r, (uint64_t)occ * (uint64_t)c->sms);
   if (x->init.v2.batch_max < PTXMIG_BATCH_MIN_DEFAULT) x->init.v2.batch_min = x->init.v2.batch_max;
+  if (cfg.debug)
+    shim_log("preemption: twin of %s: %llu blocks on %u CTAs (%d a SM), batch_max %u%s", kname(r),
+             (unsigned long long)total, x->W, occ, x->init.v2.batch_max, mid ? ", mid-block" : "");
   pthread_mutex_lock(&pre_mu);
   retire_locked(c, 4);
   int got = ctl_slot(c, &x->ctl, &x->slab, &x->slot) == 0;
@@ -1133,10 +1140,6 @@ static const char *const pstate_names[] = {"running", "quiesced", "detached"};
 static int pstate;       // pre_mu
 static char *last_reply;  // pre_mu: the last quiesce's result object
 
-static const char *kname(krec *r) {
-  char *n = r ? atomic_load(&r->name) : NULL;
-  return n ? n : "(unnamed)";
-}
 static void jb_stream(jbuf *b, CUstream s) { jb_printf(b, "\"0x%llx\"", (unsigned long long)(uintptr_t)s); }
 
 static int is_tail(const tl *t) {

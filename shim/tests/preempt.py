@@ -141,6 +141,42 @@ def t_basic(name, env):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def t_jit_cache(name):
+    """A cubin compiled by NVRTC under the shim, loaded again in a later run straight from a file
+    (CuPy's kernel cache: no compiler call) gets its twins from the PTX cache's <sha>.jit.ptx; with
+    an empty PTX cache it loads as it is, without twins."""
+    tmp = harness.scratch("ptxmig-jitcache-")
+    cache, cubin = os.path.join(tmp, "ptxcache"), os.path.join(tmp, "k.cubin")
+    first = App(tmp, {"APP_MODULE": "nvrtc", "APP_SAVE_CUBIN": cubin, "PTXMIG_PTX_CACHE": cache})
+    c = first.conn()
+    check(kern(c, "k_count")["twin"] is True, f"{name}: first run (NVRTC): no twin")
+    c.close()
+    ended_ok(name, first)
+    kept = [f for f in os.listdir(cache) if f.endswith(".jit.ptx")]
+    check(len(kept) == 1, f"{name}: PTX cache entries for JIT cubins: {os.listdir(cache)}")
+    if kept:
+        st = os.stat(os.path.join(cache, kept[0]))
+        check(stat.S_IMODE(st.st_mode) == 0o600, f"{name}: {kept[0]} mode {oct(st.st_mode)}")
+    for label, env, twin in (("cached", {"PTXMIG_PTX_CACHE": cache}, True),
+                             ("cold", {"PTXMIG_PTX_CACHE": os.path.join(tmp, "empty")}, False)):
+        app = App(tmp, dict(env, APP_MODULE="cubin", APP_CUBIN=cubin))
+        c = app.conn()
+        k = kern(c, "k_count")
+        if twin:
+            check(k and k["twin"] is True, f"{name}: {label}: the cached cubin got no twin: {k}")
+            check(app.cmd("launch s 300") == "launched s", f"{name}: {label}: launch")
+            r = c.req(cmd="quiesce", budget_ms=500)["result"]
+            check(len(r.get("preempted", [])) == 1, f"{name}: {label}: preempted {r}")
+            c.req(cmd="resume")
+            check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: {label}: blocks")
+        else:
+            check(k is None or (k["twin"] is False and "no PTX" in (k["twin_reason"] or "")),
+                  f"{name}: {label}: a cubin with no known PTX: {k}")
+        c.close()
+        ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def t_free_attrs(name):
     tmp, app = with_app(name)
     c = app.conn()
@@ -1003,6 +1039,13 @@ def main():
         # CuPy and Numba: the module is loaded from a JIT link's cubin (a copy of it); its twins
         # come from the link's PTX input.
         ("basic-link", lambda n: t_basic(n, {"APP_MODULE": "link"}), ()),
+        # CuPy (NVRTC straight to a cubin) and cuda.core / numba-cuda (nvJitLink): the module is
+        # loaded from a cubin; its twins come from the PTX the shim took from the compiler.
+        ("basic-nvrtc", lambda n: t_basic(n, {"APP_MODULE": "nvrtc"}), ()),
+        ("basic-nvjitlink", lambda n: t_basic(n, {"APP_MODULE": "nvjitlink"}), ()),
+        # numba-cuda: NVVM's LTO-IR linked with -lto; the shim links it again with -ptx.
+        ("basic-nvjitlink-lto", lambda n: t_basic(n, {"APP_MODULE": "nvjitlink-lto"}), ()),
+        ("jit-cache", t_jit_cache, ()),
         # The other module loads take the instrumented PTX too (cuModuleLoad and
         # cuModuleLoadFatBinary through cuModuleLoadData).
         ("basic-dataex", lambda n: t_basic(n, {"APP_MODULE": "dataex"}), ()),

@@ -209,9 +209,15 @@ def main() -> int:
     print(f"pid {os.getpid()} framework {a.framework} steps {a.steps}", flush=True)
     last = [None]
 
+    t0 = [time.monotonic()]
+
     def emit(step, value):
         last[0] = value
         print(f"step {step} {value}", flush=True)
+        if os.environ.get("FW_TIMES") == "1":  # the step's wall time (probe-jit.sh)
+            now = time.monotonic()
+            print(f"time step {step} {now - t0[0]:.3f}", flush=True)
+            t0[0] = now
         if a.sleep_ms > 0:
             time.sleep(a.sleep_ms / 1000)
 

@@ -18,13 +18,19 @@
 //   calls NAME      prints "calls N": the fake driver's count of NAME (fake_calls)
 //   quit
 // APP_MODULE=library loads through cuLibraryLoadData/cuLibraryGetKernel, APP_MODULE=link links the
-// PTX (cuLinkAddData, cuLinkComplete) and loads the cubin, APP_MODULE=dataex, fatbinary or file
+// PTX (cuLinkAddData, cuLinkComplete) and loads the cubin, APP_MODULE=nvrtc compiles it with NVRTC
+// to a cubin (CuPy), APP_MODULE=nvjitlink links it with nvJitLink (cuda.core), nvjitlink-lto
+// links it as LTO-IR with -lto (numba-cuda), all
+// reached through dlopen + dlsym, and loads the cubin; with APP_SAVE_CUBIN=PATH the cubin is also
+// written there; APP_MODULE=cubin loads the cubin at APP_CUBIN (a framework's disk cache, no
+// compiler involved); APP_MODULE=dataex, fatbinary or file
 // loads through cuModuleLoadDataEx, cuModuleLoadFatBinary or cuModuleLoad (the PTX written to a
 // temporary file), else cuModuleLoadData.
 // APP_KERNEL=loop: launches use k_count_loop instead (a CTA-wide barrier in a uniform loop before
 // the count: ptxstate gives it a mid-block twin), from a module that has both.
 // APP_GO_FILE=PATH (the CRIU test: no pipes to the harness): print "pid N", launch k_count over 400
 // blocks on the blocking stream, wait until PATH exists, then check and exit.
+#include <dlfcn.h>
 #include <pthread.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -168,6 +174,80 @@ static void *bg(void *arg) {
   return NULL;
 }
 
+// A symbol of a JIT library the app opened, or exit.
+static void *jit_sym(void *lib, const char *name) {
+  void *f = lib ? dlsym(lib, name) : NULL;
+  if (!f) {
+    fprintf(stderr, "app_preempt: %s: %s\n", name, dlerror());
+    exit(1);
+  }
+  return f;
+}
+#define JCK(x)                                          \
+  do {                                                  \
+    int r_ = (x);                                       \
+    if (r_) {                                           \
+      fprintf(stderr, "app_preempt: %s: %d\n", #x, r_); \
+      exit(1);                                          \
+    }                                                   \
+  } while (0)
+// nvrtc_cubin: the cubin NVRTC compiles the source src to (as CuPy's RawKernel does).
+static void *nvrtc_cubin(const char *src, size_t *n) {
+  void *lib = dlopen("libnvrtc.so", RTLD_NOW | RTLD_LOCAL), *prog;
+  int (*create)(void **, const char *, const char *, int, const char *const *, const char *const *) =
+      jit_sym(lib, "nvrtcCreateProgram");
+  int (*compile)(void *, int, const char *const *) = jit_sym(lib, "nvrtcCompileProgram");
+  int (*size)(void *, size_t *) = jit_sym(lib, "nvrtcGetCUBINSize");
+  int (*get)(void *, char *) = jit_sym(lib, "nvrtcGetCUBIN");
+  int (*destroy)(void **) = jit_sym(lib, "nvrtcDestroyProgram");
+  const char *opts[] = {"--gpu-architecture=sm_90"};
+  JCK(create(&prog, src, "kc.cu", 0, NULL, NULL));
+  JCK(compile(prog, 1, opts));
+  JCK(size(prog, n));
+  char *cubin = malloc(*n);
+  JCK(get(prog, cubin));
+  JCK(destroy(&prog));
+  return cubin;
+}
+// nvjitlink_cubin: the cubin nvJitLink links the PTX ptx into (cuda.core's Linker), through the
+// versioned names cuda-bindings looks up; lto: as LTO-IR with -lto (numba-cuda), the fake
+// library's LTO-IR being "LTOIR\n" and the PTX.
+static void *nvjitlink_cubin(const char *ptx, size_t *n, int lto) {
+  void *lib = dlopen("libnvJitLink.so", RTLD_NOW | RTLD_LOCAL), *h;
+  int (*create)(void **, unsigned, const char **) = jit_sym(lib, "__nvJitLinkCreate_13_0");
+  int (*add)(void *, int, const void *, size_t, const char *) = jit_sym(lib, "__nvJitLinkAddData_13_0");
+  int (*complete)(void *) = jit_sym(lib, "__nvJitLinkComplete_13_0");
+  int (*size)(void *, size_t *) = jit_sym(lib, "__nvJitLinkGetLinkedCubinSize_13_0");
+  int (*get)(void *, void *) = jit_sym(lib, "__nvJitLinkGetLinkedCubin_13_0");
+  int (*destroy)(void **) = jit_sym(lib, "__nvJitLinkDestroy_13_0");
+  const char *opts[] = {"-arch=sm_90", "-lto"};
+  JCK(create(&h, lto ? 2 : 1, opts));
+  if (lto) {
+    static char ir[16384];
+    snprintf(ir, sizeof ir, "LTOIR\n%s", ptx);
+    JCK(add(h, 3 /* NVJITLINK_INPUT_LTOIR */, ir, strlen(ir), "kc.ltoir"));
+  } else {
+    JCK(add(h, 2 /* NVJITLINK_INPUT_PTX */, ptx, strlen(ptx) + 1, "kc.ptx"));
+  }
+  JCK(complete(h));
+  JCK(size(h, n));
+  char *cubin = malloc(*n);
+  JCK(get(h, cubin));
+  JCK(destroy(&h));
+  return cubin;
+}
+static void *read_cubin(const char *path, size_t *n) {
+  static char buf[1 << 16];
+  FILE *f = path ? fopen(path, "rb") : NULL;
+  if (!f) {
+    perror("APP_CUBIN");
+    exit(1);
+  }
+  *n = fread(buf, 1, sizeof buf, f);
+  fclose(f);
+  return buf;
+}
+
 int main(void) {
   void *ctx, *mod;
   CK(cuInit(0));
@@ -179,7 +259,23 @@ int main(void) {
   static char image[sizeof kc_ptx + sizeof kc_loop_ptx];
   snprintf(image, sizeof image, "%s%s", kc_ptx, loop ? kc_loop_ptx : "");
   const char *count = loop ? "k_count_loop" : "k_count";
-  if (how && strcmp(how, "link") == 0) {
+  if (how && (strcmp(how, "nvrtc") == 0 || strncmp(how, "nvjitlink", 9) == 0 || strcmp(how, "cubin") == 0)) {
+    size_t csz = 0;
+    void *cubin = strcmp(how, "nvrtc") == 0 ? nvrtc_cubin(image, &csz)
+                  : how[0] == 'n'          ? nvjitlink_cubin(image, &csz, strcmp(how, "nvjitlink-lto") == 0)
+                                           : read_cubin(getenv("APP_CUBIN"), &csz);
+    const char *save = getenv("APP_SAVE_CUBIN");
+    if (save) {
+      FILE *f = fopen(save, "wb");
+      if (!f || fwrite(cubin, 1, csz, f) != csz || fclose(f)) {
+        perror("APP_SAVE_CUBIN");
+        return 1;
+      }
+    }
+    CK(cuModuleLoadData(&mod, cubin));
+    CK(cuModuleGetFunction(&fn_count, mod, count));
+    CK(cuModuleGetFunction(&fn_refused, mod, "k_refused"));
+  } else if (how && strcmp(how, "link") == 0) {
     // A JIT link (CuPy, Numba): PTX linked into a cubin, loaded from a copy made before the
     // link is destroyed.
     void *ls, *cubin;
