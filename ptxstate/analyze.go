@@ -58,8 +58,12 @@ type KernelReport struct {
 	// TwinMaxNReg is the .maxnreg given to the twin (Options.MaxNReg), 0 when none.
 	TwinMaxNReg int `json:"twin_maxnreg,omitempty"`
 	// MidBlock is set when the twin also stops at mid-block sites (Options.MidBlock): a
-	// version-3 twin, with the layout of its save records.
+	// version-3 twin, with the layout of its save records. With Options.MidBlockTwins it is the
+	// layout of the second twin, MidTwin.
 	MidBlock *MidBlockLayout `json:"mid_block,omitempty"`
+	// MidTwin names the kernel's mid-block twin beside its block-granular one
+	// (Options.MidBlockTwins), "" when it has none.
+	MidTwin string `json:"mid_twin,omitempty"`
 }
 
 // Report is the analysis of a module.

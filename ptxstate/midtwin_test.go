@@ -274,3 +274,110 @@ func irreducibleEdge(g *CFG) (int, int, bool) {
 	}
 	return 0, 0, true
 }
+
+// TestMidBlockTwins: with Options.MidBlockTwins each kernel keeps the block-granular twin it gets
+// without options, byte for byte, and a kernel with eligible sites gets a second twin, the
+// --mid-block one under the name K_mid__ptxmig (with its own scheduler slot); the module
+// assembles.
+func TestMidBlockTwins(t *testing.T) {
+	m, src := mustParse(t, "testdata/nvcc12/midblock.sm_90.ptx")
+	plain, _, err := Instrument(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mid, _, err := InstrumentWith(m, Options{MidBlock: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	both, r, err := InstrumentWith(m, Options{MidBlockTwins: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	text, plainText, midText := string(both.Bytes()), string(plain.Bytes()), string(mid.Bytes())
+	n := 0
+	for _, k := range r.Kernels {
+		if !k.Eligible {
+			continue
+		}
+		if got, want := funcText(t, text, k.Twin), funcText(t, plainText, k.Twin); got != want {
+			t.Errorf("%s: the block twin differs from the one without options", k.Name)
+		}
+		if k.MidBlock == nil {
+			if k.MidTwin != "" || strings.Contains(text, k.Name+MidTwinInfix+TwinSuffix) {
+				t.Errorf("%s: no eligible site, yet a mid-block twin %q", k.Name, k.MidTwin)
+			}
+			continue
+		}
+		n++
+		if k.MidTwin != k.Name+MidTwinInfix+TwinSuffix {
+			t.Fatalf("%s: mid twin named %q", k.Name, k.MidTwin)
+		}
+		want := strings.NewReplacer(k.Twin, k.MidTwin, slotPrefix+k.Name, slotPrefix+k.Name+MidTwinInfix).Replace(funcText(t, midText, k.Twin))
+		if got := funcText(t, text, k.MidTwin); got != want {
+			t.Errorf("%s: the mid-block twin differs from --mid-block's, renamed:\n%s\nwant:\n%s", k.Name, got, want)
+		}
+		if !strings.Contains(text, ".shared .align 16 .b8 "+slotPrefix+k.Name+MidTwinInfix+"[") {
+			t.Errorf("%s: no scheduler slot of its own for the mid twin", k.Name)
+		}
+	}
+	if n < 4 {
+		t.Fatalf("only %d mid-block twins", n)
+	}
+	if _, err := Parse(both.Bytes()); err != nil {
+		t.Fatalf("the module with both twins does not parse again: %v", err)
+	}
+	if testing.Short() {
+		return
+	}
+	ptxas := ptxasPath(t)
+	for _, arch := range []string{"sm_80", "sm_90"} {
+		t.Run(arch, func(t *testing.T) { assembleBoth(t, ptxas, arch, src, both.Bytes()) })
+	}
+}
+
+// TestMidBlockTwinNameTaken: a module that already has a kernel K_mid (whose own twin would be
+// K_mid__ptxmig) gives K no second twin, and says why.
+func TestMidBlockTwinNameTaken(t *testing.T) {
+	_, src := mustParse(t, "testdata/nvcc12/midblock.sm_90.ptx")
+	// A copy of mc_hist named mc_hist_mid.
+	text := string(src)
+	start := strings.Index(text, ".visible .entry mc_hist(")
+	if start < 0 {
+		t.Fatal("no mc_hist in the fixture")
+	}
+	end := start + strings.Index(text[start:], "\n}\n") + 3
+	dup := strings.ReplaceAll(text[start:end], "mc_hist", "mc_hist_mid")
+	m, err := Parse([]byte(text + "\n" + dup))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, r, err := InstrumentWith(m, Options{MidBlockTwins: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range r.Kernels {
+		if k.Name != "mc_hist" {
+			continue
+		}
+		if k.MidTwin != "" || k.MidBlock != nil || !strings.Contains(strings.Join(k.Notes, "\n"), "no mid-block twin") {
+			t.Fatalf("mc_hist beside mc_hist_mid: mid twin %q, layout %v, notes %q", k.MidTwin, k.MidBlock, k.Notes)
+		}
+		return
+	}
+	t.Fatal("mc_hist not reported")
+}
+
+// funcText is the text of the function named name in a printed module, from ".entry name(" to
+// its closing brace.
+func funcText(t *testing.T, text, name string) string {
+	t.Helper()
+	i := strings.Index(text, ".entry "+name+"(")
+	if i < 0 {
+		t.Fatalf("no function %s", name)
+	}
+	j := strings.Index(text[i:], "\n}\n")
+	if j < 0 {
+		t.Fatalf("function %s has no end", name)
+	}
+	return text[i : i+j+3]
+}

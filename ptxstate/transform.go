@@ -23,7 +23,15 @@ type Options struct {
 	// inside a block, at those sites (midtwin.go). Such a twin runs with a version-2 control
 	// block too, with mid-block stops disabled.
 	MidBlock bool
+	// MidBlockTwins keeps every twin block-granular (K__ptxmig, as without MidBlock) and gives a
+	// kernel with eligible mid-block sites a second twin, the version-3 one, named
+	// K + MidTwinInfix + TwinSuffix: the shim chooses per launch (a grid that fits in one wave
+	// of resident blocks cannot stop between blocks, only inside them). Overrides MidBlock.
+	MidBlockTwins bool
 }
+
+// MidTwinInfix names a kernel's second, mid-block twin (Options.MidBlockTwins): K_mid__ptxmig.
+const MidTwinInfix = "_mid"
 
 // InstrumentWith is Instrument with options.
 func InstrumentWith(m *Module, o Options) (*Module, *Report, error) {
@@ -50,19 +58,42 @@ func InstrumentWith(m *Module, o Options) (*Module, *Report, error) {
 				kr.TwinMaxNReg = maxnreg
 			}
 			var mid *midPlan
-			if o.MidBlock {
+			if o.MidBlock || o.MidBlockTwins {
 				if mid = a.planMidBlock(it.Func, kr, info); mid != nil {
 					l := mid.layout
 					kr.MidBlock = &l
 				}
 			}
-			slot, twin, err := makeTwin(it.Func, info, maxnreg, mid)
+			name := it.Func.Name
+			first := mid
+			if o.MidBlockTwins {
+				first = nil // the block-granular twin under the usual name
+			}
+			slot, twin, err := makeTwin(it.Func, info, maxnreg, first, name+TwinSuffix, slotPrefix+name)
 			if err != nil {
-				return nil, nil, fmt.Errorf("kernel %s: %w", it.Func.Name, err)
+				return nil, nil, fmt.Errorf("kernel %s: %w", name, err)
 			}
 			out.Items = append(out.Items, slot, twin)
+			if o.MidBlockTwins && mid != nil {
+				// K_mid__ptxmig must be free: neither defined, nor the twin of a kernel K_mid.
+				n := name + MidTwinInfix + TwinSuffix
+				_, defined := a.funcs[n]
+				_, kernel := a.funcs[name+MidTwinInfix]
+				if defined || kernel {
+					kr.Notes = append(kr.Notes, "no mid-block twin: its name "+n+" is taken (defined in the module, or the twin of a kernel of that name)")
+					kr.MidBlock, mid = nil, nil
+				}
+			}
+			if o.MidBlockTwins && mid != nil {
+				kr.MidTwin = name + MidTwinInfix + TwinSuffix
+				slot, twin, err := makeTwin(it.Func, info, maxnreg, mid, kr.MidTwin, slotPrefix+name+MidTwinInfix)
+				if err != nil {
+					return nil, nil, fmt.Errorf("kernel %s: mid-block twin: %w", name, err)
+				}
+				out.Items = append(out.Items, slot, twin)
+			}
 			if mid != nil {
-				out.Items = append(out.Items, mid.descVar(it.Func.Name))
+				out.Items = append(out.Items, mid.descVar(name))
 			}
 		}
 		r.Kernels = append(r.Kernels, *kr)
@@ -156,9 +187,7 @@ var virtualSpecial = map[string]string{
 // would only move to local memory (the hardware allocates registers in groups of 8 anyway).
 const minTwinRegs = 24
 
-func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan) (*Item, *Item, error) {
-	twinName := f.Name + TwinSuffix
-	slotName := slotPrefix + f.Name
+func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan, twinName, slotName string) (*Item, *Item, error) {
 	slotBytes := twinSlotBytes
 	if mid != nil {
 		slotBytes = midSlotBytes

@@ -216,26 +216,36 @@ func TestFrameworks(t *testing.T) {
 // many blocks (about four waves) and over one wave, under the default `ptxmig run`: a
 // `checkpoint --leave-running` one second into a launch must succeed within the lock timeout,
 // with identical output. CuPy compiles with NVRTC straight to a cubin, numba-cuda links NVVM's PTX
-// with nvJitLink: the shim takes the PTX from the compiler, so a many-block launch must be
+// with nvJitLink (LTO-IR): the shim takes the PTX from the compiler, so a many-block launch must be
 // preempted by its twin (CuPy gets a kernel cache of its own, so that the kernel is compiled
 // under the shim and not loaded from a cubin cached by the reference run). Recorded: the quiesce,
 // the lock, and what the shim did with the launch (preempted, or why it ran as the original: a
-// one-wave grid stops inside its blocks only with mid-block twins).
+// one-wave grid stops inside its blocks only with mid-block twins). one-wave-mid: the one-wave
+// grid under `PTXMIG_MID_BLOCK=one-wave` (`ptxmig run --mid-block-one-wave`) must stop inside its
+// blocks (Numba's loop has a mid-block site; CuPy's clock-bound spin has none).
 func TestJITLongKernels(t *testing.T) {
 	need(t, 1)
 	for _, fw := range []string{"cupy", "numba"} {
-		for _, wave := range []string{"many-blocks", "one-wave"} {
+		for _, wave := range []string{"many-blocks", "one-wave", "one-wave-mid"} {
 			t.Run(fw+"/"+wave, func(t *testing.T) {
 				args := []string{fw, "--steps", "3", "--sleep-ms", "0", "--long-ms", "3000"}
-				if wave == "one-wave" {
+				env := []string{"CUPY_CACHE_DIR=" + t.TempDir()}
+				if wave != "many-blocks" {
 					args = append(args, "--one-wave")
+				}
+				if wave == "one-wave-mid" {
+					if fw == "cupy" {
+						t.Skip("CuPy's spin loop has no mid-block site: each thread leaves it on its own clock (ptx analyze: C1, C4)")
+					}
+					// `ptxmig run --mid-block-one-wave`: the one-wave grid gets the mid-block twin.
+					env = append(env, "PTXMIG_MID_BLOCK=one-wave")
 				}
 				fwAvailable(t, fw)
 				// The reference first, not beside: two processes' multi-second kernels on one GPU
 				// share it by time slices (each launch then takes about twice as long), and a
 				// restored process among them can be killed by Xid 109 (docs/PLATFORM.md).
 				want := <-fwReference(t, nil, args...)
-				p := fwStart(t, []string{"CUPY_CACHE_DIR=" + t.TempDir()}, "step 1 ", args...)
+				p := fwStart(t, env, "step 1 ", args...)
 				time.Sleep(time.Second) // into the second launch
 				so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--lock-timeout", "10s",
 					"--name", fmt.Sprintf("jit-%s-%s-%d", fw, wave, time.Now().UnixNano()), strconv.Itoa(p.pid))
@@ -264,6 +274,19 @@ func TestJITLongKernels(t *testing.T) {
 					preempted += len(r.Quiesce.Preempted)
 					what = fmt.Sprintf("%d launch(es) preempted, %d still stopping after the budget (stop wait %s) %q, originals: %q",
 						len(r.Quiesce.Preempted), len(r.Quiesce.Stopping), r.StopWait.Round(time.Millisecond), still, why)
+				}
+				if wave == "one-wave-mid" {
+					mid := false
+					for _, r := range res.Preemption {
+						if r.Quiesce != nil {
+							for _, l := range r.Quiesce.Preempted {
+								mid = mid || l.MidBlockStop()
+							}
+						}
+					}
+					if !mid {
+						t.Errorf("%s one wave under --mid-block-one-wave: no launch stopped inside its blocks: %s", fw, what)
+					}
 				}
 				if wave == "many-blocks" && preempted == 0 {
 					// Read the stopping twins too: a twin raised within the budget but still

@@ -96,7 +96,12 @@ func kernelsAction(c *cli.Context) error {
 		twin := "no"
 		if x.Twin {
 			twin = fmt.Sprintf("yes (%d)", x.TwinLaunches)
-			if x.MidBlock != nil {
+			switch {
+			case x.MidTwin && x.MidBlock != nil:
+				twin = fmt.Sprintf("yes (%d; %d mid-block)", x.TwinLaunches, x.MidBlock.Launches)
+			case x.MidTwin:
+				twin = fmt.Sprintf("yes (%d; + mid-block)", x.TwinLaunches)
+			case x.MidBlock != nil:
 				twin = fmt.Sprintf("mid-block (%d)", x.TwinLaunches)
 			}
 		}

@@ -65,8 +65,10 @@ func init() {
 					"With --mid-block, a kernel with eligible mid-block sites (see `ptx analyze`) gets a twin that\n" +
 					"can also stop inside a block at those sites, saving its registers and shared memory, and\n" +
 					"resume there (control block version 3, docs/PTXSTATE.md); the report gives each such\n" +
-					"kernel's record layout. The shim does not launch such twins yet: this is for hosts that\n" +
-					"drive the twins themselves (ptxstate/gputest).\n\n" +
+					"kernel's record layout (the shim launches them with `ptxmig run --mid-block`; ptxstate/gputest\n" +
+					"drives them itself). With --mid-block-twins instead, every twin stays block-granular and a\n" +
+					"kernel with such sites gets a second, mid-block twin K_mid__ptxmig, so that the shim can\n" +
+					"choose per launch (`ptxmig run --mid-block-one-wave`).\n\n" +
 					"Examples:\n" +
 					"   ptxmig ptx instrument -o kernels.twins.ptx kernels.ptx\n" +
 					"   ptxmig ptx instrument --match-registers sm_90 -o kernels.twins.ptx kernels.ptx\n" +
@@ -79,6 +81,7 @@ func init() {
 					&cli.StringFlag{Name: "match-registers", Usage: "cap each twin's registers so that it fits as many CTAs per SM as its original, as ptxas assembles FILE for `ARCH` (sm_XX)"},
 					&cli.BoolFlag{Name: "cubin", Usage: "write the instrumented module assembled by ptxas for the --match-registers ARCH (a cubin) instead of PTX, where ptxas can"},
 					&cli.BoolFlag{Name: "mid-block", Usage: "give kernels with eligible mid-block sites twins that can also stop and resume inside a block"},
+					&cli.BoolFlag{Name: "mid-block-twins", Usage: "keep the twins block-granular and give kernels with eligible mid-block sites a second, mid-block twin (K_mid__ptxmig)"},
 				},
 				Action: ptxInstrumentAction,
 			},
@@ -151,6 +154,9 @@ func ptxInstrumentAction(c *cli.Context) error {
 	if c.Bool("cubin") && c.String("match-registers") == "" {
 		return exitcode.Usagef("ptx instrument: --cubin needs --match-registers ARCH (the architecture to assemble for)")
 	}
+	if c.Bool("mid-block") && c.Bool("mid-block-twins") {
+		return exitcode.Usagef("ptx instrument: --mid-block and --mid-block-twins exclude each other")
+	}
 	if outName == "-" {
 		// stdout carries the PTX: the --json document, the error's too, goes to stderr.
 		env(c).jsonOut = env(c).Err
@@ -161,6 +167,7 @@ func ptxInstrumentAction(c *cli.Context) error {
 	}
 	opts, note := matchRegisters(c, m)
 	opts.MidBlock = c.Bool("mid-block")
+	opts.MidBlockTwins = c.Bool("mid-block-twins")
 	var out *ptxstate.Module
 	var r *ptxstate.Report
 	err = interruptible(c, func() (err error) { out, r, err = ptxstate.InstrumentWith(m, opts); return err })
@@ -305,8 +312,12 @@ func writeReport(w io.Writer, r *ptxstate.Report, detail bool) error {
 			if l.DynamicShared {
 				dyn = " + the dynamic shared memory"
 			}
-			fmt.Fprintf(&b, "  mid-block twin (control block v3): %d site(s); record = 64 + (8 x %d + %d) x threads + %d%s bytes\n",
-				l.Sites, l.Slots, l.LocalBytes, l.StaticSharedBytes, dyn)
+			which := "mid-block twin"
+			if k.MidTwin != "" {
+				which = "second twin " + esc(k.MidTwin) + ", mid-block"
+			}
+			fmt.Fprintf(&b, "  %s (control block v3): %d site(s); record = 64 + (8 x %d + %d) x threads + %d%s bytes\n",
+				which, l.Sites, l.Slots, l.LocalBytes, l.StaticSharedBytes, dyn)
 		}
 		for _, n := range k.Notes {
 			fmt.Fprintf(&b, "  note: %s\n", esc(n))

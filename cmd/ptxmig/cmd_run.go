@@ -9,6 +9,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 
 	"github.com/urfave/cli/v2"
@@ -50,7 +51,11 @@ func init() {
 			"saving registers and shared memory, so a kernel whose blocks run for minutes (one wave of\n" +
 			"threads looping for the whole kernel) stops within microseconds instead of holding the\n" +
 			"checkpoint until it ends. Off by default: such twins made other long kernels slower (matrixMul\n" +
-			"1.4x, docs/BENCHMARKS.md). `ptxmig kernels PID` shows which kernels have which twin.\n\n" +
+			"1.4x, docs/BENCHMARKS.md). With --mid-block-one-wave instead, every twin stays block-granular\n" +
+			"and such kernels get a second, mid-block twin that the shim launches only for a grid that fits\n" +
+			"in one wave of resident blocks (a block twin cannot stop those sooner than their blocks end);\n" +
+			"not yet the default (PTXMIG_MID_BLOCK=one-wave). `ptxmig kernels PID` shows which kernels have\n" +
+			"which twin.\n\n" +
 			"Owned memory: with --owned-memory the shim serves the app's cuMemAlloc and cuMemAllocPitch of\n" +
 			"at least PTXMIG_OWNED_MIN_KB (default 1024) from CUDA VMM mappings of its own. A checkpoint then\n" +
 			"copies that memory out itself at link speed (skipping chunks unchanged since the process's\n" +
@@ -71,14 +76,17 @@ func init() {
 			"   ptxmig run --nccl-sockets -- python3 train_ddp.py   # ranks by mp.spawn: a checkpointable job\n" +
 			"   ptxmig run --preempt always ./longgrid --seconds 30\n" +
 			"   ptxmig run --mid-block -- ./longkernel --seconds 600   # stop inside its blocks\n" +
+			"   ptxmig run --mid-block-one-wave -- python3 jit_app.py   # mid-block twins for one-wave grids only\n" +
 			"   ptxmig run --owned-memory -- python3 serve.py   # checkpoints copy GPU memory at link speed\n" +
 			"   ptxmig run --socket-dir /tmp/ptxmig -- ./app > app.log 2>&1 &   # $! is the app's PID",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "shim", Usage: "`PATH` of libptxmig.so", EnvVars: []string{"PTXMIG_SHIM"}},
 			&cli.StringFlag{Name: "preempt", Value: "auto", EnvVars: []string{"PTXMIG_PREEMPT"},
 				Usage: "preemptible kernels (`MODE`): auto (twins for long or untimed kernels), always, or off (launch originals only)"},
-			&cli.BoolFlag{Name: "mid-block", EnvVars: []string{"PTXMIG_MID_BLOCK"},
-				Usage: "twins that also stop inside a block where the kernel allows it (for kernels whose blocks run long; costs other kernels time)"},
+			&cli.BoolFlag{Name: "mid-block",
+				Usage: "twins that also stop inside a block where the kernel allows it (for kernels whose blocks run long; costs other kernels time); without either mid-block flag, $PTXMIG_MID_BLOCK (1, one-wave or 0) decides"},
+			&cli.BoolFlag{Name: "mid-block-one-wave",
+				Usage: "block-granular twins, and a second, mid-block twin for launches whose grid fits in one wave (where a kernel allows it)"},
 			&cli.BoolFlag{Name: "owned-memory", EnvVars: []string{"PTXMIG_OWNED_MEMORY"},
 				Usage: "the shim serves device allocations from VMM mappings it moves itself at checkpoint and restore (fast; no CUDA IPC of them)"},
 			&cli.BoolFlag{Name: "nccl-sockets",
@@ -250,9 +258,11 @@ func runAction(c *cli.Context) error {
 		return exitcode.Wrap(exitcode.Of(err), fmt.Errorf("run: %w; nothing was started", err))
 	}
 	settings := map[string]string{"PTXMIG_SOCKET_DIR": sockDir, "PTXMIG_PREEMPT": mode, "PTXMIG_MID_BLOCK": "0"}
-	if c.Bool("mid-block") {
-		settings["PTXMIG_MID_BLOCK"] = "1"
+	mb, err := midBlockSetting(c)
+	if err != nil {
+		return err
 	}
+	settings["PTXMIG_MID_BLOCK"] = mb
 	settings["PTXMIG_OWNED_MEMORY"] = "0"
 	if c.Bool("owned-memory") {
 		settings["PTXMIG_OWNED_MEMORY"] = "1"
@@ -303,4 +313,36 @@ func runAction(c *cli.Context) error {
 		err = fmt.Errorf("%w (its #! interpreter or ELF loader is missing)", err)
 	}
 	return exitcode.Wrap(exitcode.RunNoExec, fmt.Errorf("run: exec %s: %w", esc(path), err))
+}
+
+// midBlockSetting is the shim's PTXMIG_MID_BLOCK: "1" (--mid-block), "one-wave"
+// (--mid-block-one-wave) or "0"; without either flag the environment's PTXMIG_MID_BLOCK (the
+// shim's own spellings, or a boolean), else "0".
+func midBlockSetting(c *cli.Context) (string, error) {
+	on, wave := c.Bool("mid-block"), c.Bool("mid-block-one-wave")
+	switch {
+	case on && wave:
+		return "", exitcode.Usagef("run: --mid-block and --mid-block-one-wave exclude each other")
+	case on:
+		return "1", nil
+	case wave:
+		return "one-wave", nil
+	case c.IsSet("mid-block") || c.IsSet("mid-block-one-wave"):
+		return "0", nil // turned off explicitly
+	}
+	v, ok := os.LookupEnv("PTXMIG_MID_BLOCK")
+	if !ok || v == "" {
+		return "0", nil
+	}
+	if v == "one-wave" {
+		return v, nil
+	}
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		return "", exitcode.Usagef("run: PTXMIG_MID_BLOCK=%q: want 1, one-wave or 0", v)
+	}
+	if b {
+		return "1", nil
+	}
+	return "0", nil
 }

@@ -345,6 +345,10 @@ func TestRun(t *testing.T) {
 			{[]string{"--mid-block"}, nil, "1\n"},
 			{nil, []string{"PTXMIG_MID_BLOCK=1"}, "1\n"},
 			{[]string{"--mid-block=false"}, []string{"PTXMIG_MID_BLOCK=1"}, "0\n"},
+			{[]string{"--mid-block-one-wave"}, nil, "one-wave\n"},
+			{nil, []string{"PTXMIG_MID_BLOCK=one-wave"}, "one-wave\n"},
+			{nil, []string{"PTXMIG_MID_BLOCK=true"}, "1\n"},
+			{[]string{"--mid-block-one-wave=false"}, []string{"PTXMIG_MID_BLOCK=one-wave"}, "0\n"},
 		}
 		for _, tt := range tests {
 			args := append(append([]string{"run", "--shim", f.shim, "--socket-dir", f.sock}, tt.flags...), "--", "sh", "-c", `echo "$PTXMIG_MID_BLOCK"`)
@@ -352,6 +356,19 @@ func TestRun(t *testing.T) {
 			if err != nil || string(out) != tt.want {
 				t.Errorf("run %v with %v: %v, PTXMIG_MID_BLOCK=%q, want %q", tt.flags, tt.env, err, out, tt.want)
 			}
+		}
+		// Both: run's own usage failure (125), nothing started.
+		args := []string{"run", "--shim", f.shim, "--socket-dir", f.sock, "--mid-block", "--mid-block-one-wave", "--", "sh", "-c", "echo started"}
+		out, err := f.cmd(args).Output()
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 125 || len(out) != 0 {
+			t.Errorf("run --mid-block --mid-block-one-wave: %v, output %q; want exit 125 and nothing", err, out)
+		}
+		// A value the shim would not understand: refused before anything starts.
+		args = []string{"run", "--shim", f.shim, "--socket-dir", f.sock, "--", "sh", "-c", "echo started"}
+		out, err = f.cmd(args, "PTXMIG_MID_BLOCK=sometimes").Output()
+		if !errors.As(err, &ee) || ee.ExitCode() != 125 || len(out) != 0 {
+			t.Errorf("run with PTXMIG_MID_BLOCK=sometimes: %v, output %q; want exit 125 and nothing", err, out)
 		}
 	})
 

@@ -134,6 +134,9 @@ type Kernel struct {
 	// MidBlock: the twin also stops inside a block (its module carries the record layout, read
 	// at its first twin launch); nil otherwise.
 	MidBlock *MidBlockKernel `json:"mid_block,omitempty"`
+	// MidTwin: the module also carries a second, mid-block twin, launched for grids that fit in
+	// one wave (PTXMIG_MID_BLOCK=one-wave, `ptxmig run --mid-block-one-wave`).
+	MidTwin bool `json:"mid_twin,omitempty"`
 }
 
 // MidBlockKernel is a mid-block twin's record layout and how often it ran and stopped inside a block.

@@ -440,13 +440,15 @@ static const layout *param_layout_of(krec *r, const kinfo *k) {
   return l;
 }
 
-// twin_handle looks up K__ptxmig once per kernel record.
-static CUfunction twin_handle(krec *r, const kinfo *k, void *owner, int is_lib) {
-  int st = atomic_load(&r->twin_fn_state);
-  if (st) return st > 0 ? atomic_load(&r->twin_fn) : NULL;
+// fn_handle looks up, once per kernel record, the function named after the kernel plus suffix in
+// its module or library (fn and state: the record's twin_fn/twin_fn_state or mid_fn/mid_fn_state).
+static CUfunction fn_handle(const kinfo *k, void *owner, int is_lib, const char *suffix, void *_Atomic *fn,
+                            atomic_int *state) {
+  int st = atomic_load(state);
+  if (st) return st > 0 ? atomic_load(fn) : NULL;
   char tn[600];
   void *f = NULL;
-  int l = snprintf(tn, sizeof tn, "%s" PTXMIG_TWIN_SUFFIX, k->name);
+  int l = snprintf(tn, sizeof tn, "%s%s", k->name, suffix);
   if (l > 0 && (size_t)l < sizeof tn && owner) {
     if (is_lib && d.lib_get_kernel && d.kernel_get_fn) {
       CUkernel kk;
@@ -456,10 +458,29 @@ static CUfunction twin_handle(krec *r, const kinfo *k, void *owner, int is_lib) 
       if (d.mod_get_fn(&ff, (CUmodule)owner, tn) == CUDA_SUCCESS) f = ff;
     }
   }
-  atomic_store(&r->twin_fn, f);
-  atomic_store(&r->twin_fn_state, !f ? -1 : is_lib ? 2 : 1);
+  atomic_store(fn, f);
+  atomic_store(state, !f ? -1 : is_lib ? 2 : 1);
   if (!f) shim_log("preemption: %s not found in its module; kernel launches as the original", tn);
   return f;
+}
+
+// function_of: a library's twin is a CUkernel; its function in the current context serves
+// occupancy and launch (NULL when the driver refuses it).
+static CUfunction function_of(CUfunction f, atomic_int *state) {
+  if (f && atomic_load(state) == 2 && d.kernel_get_fn(&f, (CUkernel)f) != CUDA_SUCCESS) return NULL;
+  return f;
+}
+
+// replay_attrs replays the app's cuFuncSetAttribute calls on the kernel (e.g. the dynamic shared
+// memory limit) on one of its twins, once per change (applied: that twin's generation).
+static void replay_attrs(krec *r, CUfunction twin, atomic_int *applied) {
+  int ag = atomic_load(&r->attrs_gen);
+  if (ag && atomic_load(applied) != ag && d.func_set_attr) {
+    int at[8][2], na;
+    ag = trk_func_attrs(r, at, &na);
+    for (int i = 0; i < na; i++) d.func_set_attr(twin, at[i][0], at[i][1]);
+    atomic_store(applied, ag);
+  }
 }
 
 // ctl_slot takes a control block from c's pool; pre_mu held (allocates a slab when all are used).
@@ -768,22 +789,13 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
     *why = "context not tracked";
     return 0;
   }
-  CUfunction twin = twin_handle(r, k, owner, is_lib);
-  // A library's twin is a CUkernel: its function in the current context serves occupancy and launch.
-  if (twin && atomic_load(&r->twin_fn_state) == 2 && d.kernel_get_fn(&twin, (CUkernel)twin) != CUDA_SUCCESS)
-    twin = NULL;
+  CUfunction twin = function_of(fn_handle(k, owner, is_lib, PTXMIG_TWIN_SUFFIX, &r->twin_fn, &r->twin_fn_state),
+                                 &r->twin_fn_state);
   if (!twin) {
     *why = "twin not found in the loaded module";
     return 0;
   }
-  // Replay the app's cuFuncSetAttribute calls (e.g. the dynamic shared memory limit) on the twin.
-  int ag = atomic_load(&r->attrs_gen);
-  if (ag && atomic_load(&r->attrs_applied) != ag && d.func_set_attr) {
-    int at[8][2], na;
-    ag = trk_func_attrs(r, at, &na);
-    for (int i = 0; i < na; i++) d.func_set_attr(twin, at[i][0], at[i][1]);
-    atomic_store(&r->attrs_applied, ag);
-  }
+  replay_attrs(r, twin, &r->attrs_applied);
   if (!lay) {
     *why = "parameter layout unknown";
     return 0;
@@ -800,7 +812,22 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
     return 0;
   }
   // A mid-block twin (one whose module carries its record layout) stops inside a block.
-  int mid = cfg.mid_block && mid_layout(r, k, owner, is_lib);
+  int mid = cfg.mid_block == MB_ON && mid_layout(r, k, owner, is_lib);
+  // one-wave (PTXMIG_MID_BLOCK=one-wave): a grid that fits in one wave of resident blocks gives each
+  // block-twin CTA one block, which it cannot cut short; the kernel's second, mid-block twin can
+  // stop inside it. Chosen when all of the grid is resident as that twin too (its occupancy, not
+  // the block twin's: it holds more registers), so the launch still runs in one wave.
+  int one_wave = 0;
+  if (cfg.mid_block == MB_ONE_WAVE && k->mid_twin && blocks <= (uint64_t)occ * (uint64_t)c->sms) {
+    CUfunction mf = function_of(fn_handle(k, owner, is_lib, PTXMIG_MID_TWIN_SUFFIX, &r->mid_fn, &r->mid_fn_state),
+                                &r->mid_fn_state);
+    int occ_mid = 0;
+    if (mf) replay_attrs(r, mf, &r->mid_attrs_applied);
+    if (mf && d.occupancy(&occ_mid, mf, (int)threads, shmem) == CUDA_SUCCESS && occ_mid > 0 &&
+        blocks <= (uint64_t)occ_mid * (uint64_t)c->sms && mid_layout(r, k, owner, is_lib)) {
+      twin = mf, occ = occ_mid, mid = one_wave = 1;
+    }
+  }
   // auto: a grid that fits in one wave of the twin gives each twin CTA at most one block, and a
   // block-granular twin never cuts a block short: it could not stop sooner than the original, only
   // run slower (a grid-stride loop over SMs x 8 CTAs, as counter's, took 1.28x on an H100).
@@ -811,7 +838,7 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   // auto: a twin that fits fewer CTAs per SM than its original (more registers, e.g. 40 against
   // 32 at 1024 threads: half the CTAs) runs markedly slower; a kernel sampled shorter than
   // PTXMIG_PREEMPT_LONG_US drains within about the budget anyway, so it launches as the original.
-  if (cfg.preempt == PM_AUTO) {
+  if (cfg.preempt == PM_AUTO && !one_wave) {  // one wave: every block resident either way
     uint64_t m = est_us(r, blocks, sig);
     int occ_orig = 0;
     if (m && m < cfg.preempt_long_us && d.occupancy(&occ_orig, f, (int)threads, shmem) == CUDA_SUCCESS &&
@@ -836,6 +863,10 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
     if (rec_bytes > 0xffffffffu || cap > 0xffffffffu || rec_bytes > cfg.mid_max_bytes / 2 / cap) {
       mid = 0;
       atomic_fetch_add(&st_mid_refused, 1);
+      if (one_wave) {  // stopping between blocks only, the one-wave launch would gain nothing
+        *why = "one wave, and its mid-block save areas exceed PTXMIG_MID_BLOCK_MAX_MB";
+        return 0;
+      }
       LOG_ONCE("preemption: a mid-block twin's save areas exceed PTXMIG_MID_BLOCK_MAX_MB; it stops between blocks only");
     }
   }
@@ -927,6 +958,13 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
       x->area_n = 0;
       mid = 0;
       atomic_fetch_add(&st_mid_refused, 1);
+      if (one_wave) {
+        pthread_mutex_lock(&pre_mu);
+        tl_free(x);
+        pthread_mutex_unlock(&pre_mu);
+        *why = "one wave, and no device memory for its mid-block save areas";
+        return 0;
+      }
       LOG_ONCE("preemption: no device memory for a mid-block twin's save areas; it stops between blocks only");
     } else {
       // An area taken from the pool may be larger than this launch needs: its capacity is what it holds.
@@ -1780,12 +1818,13 @@ void preempt_report_status(jbuf *b) {
             "{\"mode\":\"%s\",\"min_us\":%u,\"state\":\"%s\",\"gate\":\"%s\",\"twins_in_flight\":%d,\"preempted_pending\":%d,"
             "\"stopping\":%d,\"batch_max\":%u,"
             "\"instrumented_modules\":%d,\"twin_launches\":%lu,\"relaunches\":%lu,\"quiesces\":%lu,\"preempted\":%lu,\"hold\":%s,\"holds\":%lu,\"hold_ms\":%.3f,\"hold_not_started\":%lu,"
-            "\"mid_block\":%s,\"mid_block_launches\":%lu,\"mid_block_stops\":%lu,\"mid_block_refused\":%lu,\"cache\":",
+            "\"mid_block\":%s,\"mid_block_mode\":\"%s\",\"mid_block_launches\":%lu,\"mid_block_stops\":%lu,\"mid_block_refused\":%lu,\"cache\":",
             preempt_mode_names[cfg.preempt], cfg.preempt_min_us, pstate_names[st],
             atomic_load(&gate_closed) ? "closed" : "open", n, np, ns, cfg.preempt_batch_max, trk_instrumented_modules(),
             atomic_load(&st_twin_launches), atomic_load(&st_relaunches), atomic_load(&st_quiesces),
             atomic_load(&st_preempted), cfg.preempt_hold ? "true" : "false", atomic_load(&st_holds),
             (double)atomic_load(&st_hold_ns) / 1e6, atomic_load(&st_hold_gaveup), cfg.mid_block ? "true" : "false",
+            cfg.mid_block == MB_ON ? "on" : cfg.mid_block == MB_ONE_WAVE ? "one-wave" : "off",
             atomic_load(&st_mid_launches), atomic_load(&st_mid_stops), atomic_load(&st_mid_refused));
   instr_stats(b);
   jb_printf(b, ",\"helper\":");

@@ -713,6 +713,9 @@ static void twin_reset(krec *r) {
   atomic_store(&r->attrs_applied, 0);
   atomic_store(&r->no_twin_why, NULL);
   atomic_store(&r->mid_state, 0);
+  atomic_store(&r->mid_fn_state, 0);
+  atomic_store(&r->mid_fn, NULL);
+  atomic_store(&r->mid_attrs_applied, 0);
 }
 
 void trk_func_named(void *fn, void *owner, const char *name) {
@@ -1493,6 +1496,7 @@ void report_kernels(jbuf *b) {
       else jb_s(b, "null");
       jb_printf(b, ",\"twin_launches\":%lu,\"twin_fallbacks\":%lu", atomic_load(&r->twin_launches),
                 atomic_load(&r->twin_fallbacks));
+      if (twin && k->mid_twin) jb_s(b, ",\"mid_twin\":true");
       if (twin && atomic_load(&r->mid_state) == 1)  // read at its first twin launch
         jb_printf(b, ",\"mid_block\":{\"sites\":%u,\"register_slots\":%u,\"static_shared_bytes\":%u,\"local_bytes\":%u,"
                      "\"launches\":%lu,\"stops\":%lu}",

@@ -877,6 +877,52 @@ def t_mid_block(name, env=None):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def t_mid_one_wave(name, env=None, mid_fits=True):
+    """PTXMIG_MID_BLOCK=one-wave: the module carries k_count_loop's block twin and its second,
+    mid-block twin. A grid that fits in one wave (the fake: 4 SMs x 2 CTAs) runs as the mid-block
+    twin and stops inside its blocks; a larger grid runs as the block twin and stops between
+    blocks; every block counts once. With the mid twin fitting fewer CTAs per SM
+    (mid_fits=False), the one-wave grid is not one wave for it: the block twin runs."""
+    full = dict({"APP_KERNEL": "loop", "PTXMIG_MID_BLOCK": "one-wave", "FAKE_CUDA_BLOCK_US_ARG": "1",
+                 "FAKE_CUDA_BLOCK_US": "1000"}, **(env or {}))
+    tmp, app = with_app(name, full)
+    c = app.conn()
+    st = c.req(cmd="status")["result"]["preempt"]
+    check(st.get("mid_block_mode") == "one-wave", f"{name}: status {st}")
+    # One wave of 8 blocks of 400 ms each (the loop count is the fake block's time factor).
+    check(app.cmd("launchw s 8 400") == "launched s", f"{name}: one-wave launch")
+    time.sleep(0.05)
+    k = kern(c, "k_count_loop")
+    check(k and k["twin"] is True and k.get("mid_twin") is True, f"{name}: kernels k_count_loop {k}")
+    r = c.req(cmd="quiesce", budget_ms=500)["result"]
+    p = r.get("preempted", [])
+    if check(len(p) == 1 and p[0]["kernel"] == "k_count_loop" and p[0]["blocks_total"] == 8, f"{name}: preempted {p}"):
+        if mid_fits:
+            check(p[0]["mid_block"] is True and p[0]["stop"] == "mid-block" and p[0]["records"] >= 1,
+                  f"{name}: the one-wave grid did not stop inside its blocks: {p[0]}")
+        else:
+            check(p[0]["mid_block"] is False and p[0]["stop"] == "block boundary", f"{name}: {p[0]}")
+    rs = c.req(cmd="resume")["result"]
+    check(rs["relaunched"] == 1 and not rs.get("errors"), f"{name}: resume {rs}")
+    check(app.cmd("check", timeout=60) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks after the one-wave stop")
+    k = kern(c, "k_count_loop")
+    mb = (k or {}).get("mid_block") or {}
+    check(mb.get("launches") == (1 if mid_fits else 0) or (not mid_fits and not mb),
+          f"{name}: mid-block launches {k}")
+    # Many blocks: the block twin, stopped between blocks.
+    check(app.cmd("launchw s 200 2") == "launched s", f"{name}: many-block launch")
+    time.sleep(0.05)
+    r = c.req(cmd="quiesce", budget_ms=500)["result"]
+    p = r.get("preempted", [])
+    check(len(p) == 1 and p[0]["mid_block"] is False and p[0]["stop"] == "block boundary" and
+          p[0]["blocks_done"] < p[0]["blocks_total"] == 200, f"{name}: many blocks: preempted {p}")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=60) == "check ok 2 launches, 0 bad blocks", f"{name}: blocks after the many-block stop")
+    c.close()
+    ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def t_mid_block_off(name, env, want_refused, layout=False):
     """Mid-block stops off (PTXMIG_MID_BLOCK=0 or unset: the default), without the module's layout,
     or over the save-area limit: the same kernel's twin stops between blocks only, and every block
@@ -1078,6 +1124,10 @@ def main():
         ("mid-block-no-layout", lambda n: t_mid_block_off(n, {"FAKE_CUDA_NO_GLOBALS": "1"}, 0), ()),
         ("mid-block-over-limit", lambda n: t_mid_block_off(n, {"PTXMIG_MID_BLOCK_MAX_MB": "0"}, 1, layout=True), ()),
         ("mid-block-default-off", lambda n: t_mid_block_off(n, {"PTXMIG_MID_BLOCK": None}, 0), ()),
+        # One-wave grids get the second, mid-block twin; larger ones the block twin.
+        ("mid-block-one-wave", lambda n: t_mid_one_wave(n), ()),
+        ("mid-block-one-wave-library", lambda n: t_mid_one_wave(n, {"APP_MODULE": "library"}), ()),
+        ("mid-block-one-wave-mid-occupancy", lambda n: t_mid_one_wave(n, {"FAKE_CUDA_MID_OCC": "1"}, mid_fits=False), ()),
         ("mid-block-criu", lambda n: t_criu(n, {"APP_KERNEL": "loop", "PTXMIG_MID_BLOCK": "1"}), ()),
     ]
     for n, fn, _ in cases:

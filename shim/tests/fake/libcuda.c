@@ -190,11 +190,13 @@ EXPORT CUresult cuFuncSetAttribute(void *fp, int attr, int v) {
 EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *n, void *f, int bs, size_t sh) {
   (void)sh;
   if (!fn_ok(f) || bs <= 0) return E_INVALID_VALUE;
-  // FAKE_CUDA_TWIN_OCC=1: twins fit one CTA per SM, originals two (a twin with more registers).
-  const char *v = getenv("FAKE_CUDA_TWIN_OCC");
+  // FAKE_CUDA_TWIN_OCC=1: twins fit one CTA per SM, originals two (a twin with more registers);
+  // FAKE_CUDA_MID_OCC=1: the same for second, mid-block twins (K_mid__ptxmig) only.
+  const char *v = getenv("FAKE_CUDA_TWIN_OCC"), *mv = getenv("FAKE_CUDA_MID_OCC");
   const char *nm = ((func *)f)->name;
-  size_t tl = strlen(nm), sl = strlen("__ptxmig");
-  *n = v && *v == '1' && tl > sl && strcmp(nm + tl - sl, "__ptxmig") == 0 ? 1 : 2;
+  size_t tl = strlen(nm), sl = strlen("__ptxmig"), ml = strlen("_mid__ptxmig");
+  int twin = tl > sl && strcmp(nm + tl - sl, "__ptxmig") == 0, mid = tl > ml && strcmp(nm + tl - ml, "_mid__ptxmig") == 0;
+  *n = (v && *v == '1' && twin) || (mv && *mv == '1' && mid) ? 1 : 2;
   return OK;
 }
 
@@ -1545,8 +1547,10 @@ static CUresult kernel_op(func *f, unsigned gx, unsigned gy, unsigned gz, unsign
   o->total = gx * gy * gz;
   if (twin) o->total = 0;  // the twin reads total_blocks from its control block
   if (twin) {
+    // The record layout of K__ptxmig's or of K_mid__ptxmig's kernel K.
+    size_t ml = strlen("_mid__ptxmig"), base = tl > ml && strcmp(f->name + tl - ml, "_mid__ptxmig") == 0 ? tl - ml : tl - sl;
     char gn[200];
-    snprintf(gn, sizeof gn, "__ptxmig_mid_%.*s", (int)(tl - sl), f->name);
+    snprintf(gn, sizeof gn, "__ptxmig_mid_%.*s", (int)base, f->name);
     for (int i = 0; i < f->mod->ng; i++)
       if (strcmp(f->mod->g[i].name, gn) == 0) {
         const uint32_t *v = f->mod->g[i].v;
