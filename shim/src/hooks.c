@@ -185,7 +185,9 @@ static void report_interception(jbuf *b) {
   X(cuLibraryGetModule, "cuLibraryGetModule", 0, 0, 0, 0)                         \
   X(cuKernelGetFunction, "cuKernelGetFunction", 0, 0, 0, 0)                       \
   X(cuLinkComplete, "cuLinkComplete", 0, 0, 0, 0)                                 \
+  X(cuLinkAddData, "cuLinkAddData", 0, 6050, 0, 0)                                \
   X(cuLinkAddData_v2, "cuLinkAddData", 6050, 0, 0, 0)                             \
+  X(cuLinkAddFile, "cuLinkAddFile", 0, 6050, 0, 0)                                \
   X(cuLinkAddFile_v2, "cuLinkAddFile", 6050, 0, 0, 0)                             \
   X(cuLinkDestroy, "cuLinkDestroy", 0, 0, 0, 0)                                   \
   X(cuMemAlloc_v2, "cuMemAlloc", 3020, 0, 0, 0)                                   \
@@ -687,19 +689,27 @@ EXPORT CUresult cuLinkComplete(CUlinkState st, void **cubin, size_t *size) {
   }
   return r_;
 }
-// A JIT link's PTX input (CuPy, Numba): kept so that the module loaded from the link's cubin can
-// be instrumented from it (instr_link_ptx).
-EXPORT CUresult cuLinkAddData_v2(CUlinkState st, int type, void *data, size_t size, const char *name, unsigned n,
-                                 CUjit_option *o, void **v) {
-  CALL_REAL(cuLinkAddData_v2, st, type, data, size, name, n, o, v);
-  if (r_ == CUDA_SUCCESS) instr_link_input(st, type, data, size, NULL);
-  return r_;
-}
-EXPORT CUresult cuLinkAddFile_v2(CUlinkState st, int type, const char *path, unsigned n, CUjit_option *o, void **v) {
-  CALL_REAL(cuLinkAddFile_v2, st, type, path, n, o, v);
-  if (r_ == CUDA_SUCCESS) instr_link_input(st, type, NULL, 0, path);
-  return r_;
-}
+// A JIT link's PTX input (CuPy with CUPY_COMPILE_WITH_PTX, Numba's older releases): kept so that
+// the module loaded from the link's cubin can be instrumented from it (instr_link_ptx). cuda.h
+// maps both to _v2 (same parameters); the plain symbols are what cuGetProcAddress gives for
+// versions before 6.5 (CuPy 14 asks for cuLinkAddData at 5050) and what older binaries call.
+#define LINK_ADD_DATA(fn)                                                                                     \
+  EXPORT CUresult fn(CUlinkState st, int type, void *data, size_t size, const char *name, unsigned n,         \
+                     CUjit_option *o, void **v) {                                                            \
+    CALL_REAL(fn, st, type, data, size, name, n, o, v);                                                      \
+    if (r_ == CUDA_SUCCESS) instr_link_input(st, type, data, size, NULL);                                    \
+    return r_;                                                                                               \
+  }
+#define LINK_ADD_FILE(fn)                                                                                     \
+  EXPORT CUresult fn(CUlinkState st, int type, const char *path, unsigned n, CUjit_option *o, void **v) {     \
+    CALL_REAL(fn, st, type, path, n, o, v);                                                                  \
+    if (r_ == CUDA_SUCCESS) instr_link_input(st, type, NULL, 0, path);                                      \
+    return r_;                                                                                               \
+  }
+LINK_ADD_DATA(cuLinkAddData)
+LINK_ADD_DATA(cuLinkAddData_v2)
+LINK_ADD_FILE(cuLinkAddFile)
+LINK_ADD_FILE(cuLinkAddFile_v2)
 EXPORT CUresult cuLinkDestroy(CUlinkState st) {
   CALL_REAL(cuLinkDestroy, st);
   instr_link_destroy(st);  // the cubin is gone with the link, whatever the driver answered

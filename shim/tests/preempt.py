@@ -1085,6 +1085,7 @@ def main():
         # CuPy and Numba: the module is loaded from a JIT link's cubin (a copy of it); its twins
         # come from the link's PTX input.
         ("basic-link", lambda n: t_basic(n, {"APP_MODULE": "link"}), ()),
+        ("basic-link-5050", lambda n: t_basic(n, {"APP_MODULE": "link-5050"}), ()),
         # CuPy (NVRTC straight to a cubin) and cuda.core / numba-cuda (nvJitLink): the module is
         # loaded from a cubin; its twins come from the PTX the shim took from the compiler.
         ("basic-nvrtc", lambda n: t_basic(n, {"APP_MODULE": "nvrtc"}), ()),

@@ -18,7 +18,8 @@
 //   calls NAME      prints "calls N": the fake driver's count of NAME (fake_calls)
 //   quit
 // APP_MODULE=library loads through cuLibraryLoadData/cuLibraryGetKernel, APP_MODULE=link links the
-// PTX (cuLinkAddData, cuLinkComplete) and loads the cubin, APP_MODULE=nvrtc compiles it with NVRTC
+// PTX (cuLinkAddData, cuLinkComplete) and loads the cubin (link-5050: with the cuLinkAddData that
+// cuGetProcAddress gives for version 5050), APP_MODULE=nvrtc compiles it with NVRTC
 // to a cubin (CuPy), APP_MODULE=nvjitlink links it with nvJitLink (cuda.core), nvjitlink-lto
 // links it as LTO-IR with -lto (numba-cuda), all
 // reached through dlopen + dlsym, and loads the cubin; with APP_SAVE_CUBIN=PATH the cubin is also
@@ -51,6 +52,7 @@ CUresult cuLinkCreate_v2(unsigned, void *, void **, void **);
 CUresult cuLinkAddData_v2(void *, int, void *, size_t, const char *, unsigned, void *, void **);
 CUresult cuLinkComplete(void *, void **, size_t *);
 CUresult cuLinkDestroy(void *);
+CUresult cuGetProcAddress(const char *, void **, int, unsigned long long);
 CUresult cuModuleGetFunction(void **, void *, const char *);
 CUresult cuLibraryLoadData(void **, const void *, void *, void *, unsigned, void *, void *, unsigned);
 CUresult cuLibraryGetKernel(void **, void *, const char *);
@@ -275,13 +277,16 @@ int main(void) {
     CK(cuModuleLoadData(&mod, cubin));
     CK(cuModuleGetFunction(&fn_count, mod, count));
     CK(cuModuleGetFunction(&fn_refused, mod, "k_refused"));
-  } else if (how && strcmp(how, "link") == 0) {
+  } else if (how && strncmp(how, "link", 4) == 0) {
     // A JIT link (CuPy, Numba): PTX linked into a cubin, loaded from a copy made before the
     // link is destroyed.
     void *ls, *cubin;
     size_t csz;
     CK(cuLinkCreate_v2(0, NULL, NULL, &ls));
-    CK(cuLinkAddData_v2(ls, 1 /* CU_JIT_INPUT_PTX */, image, strlen(image) + 1, "kc.ptx", 0, NULL, NULL));
+    CUresult (*add)(void *, int, void *, size_t, const char *, unsigned, void *, void **) = cuLinkAddData_v2;
+    if (strcmp(how, "link-5050") == 0)  // the entry point CuPy 14 resolves: cuLinkAddData at version 5050
+      CK(cuGetProcAddress("cuLinkAddData", (void **)&add, 5050, 0));
+    CK(add(ls, 1 /* CU_JIT_INPUT_PTX */, image, strlen(image) + 1, "kc.ptx", 0, NULL, NULL));
     CK(cuLinkComplete(ls, &cubin, &csz));
     void *copy = malloc(csz);
     memcpy(copy, cubin, csz);

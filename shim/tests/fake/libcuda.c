@@ -239,11 +239,19 @@ EXPORT CUresult cuLinkCreate_v2(unsigned n, void *o, void **v, void **st) {
   *st = l;
   return OK;
 }
-EXPORT CUresult cuLinkAddData_v2(void *st, int type, void *data, size_t size, const char *name, unsigned n, void *o, void **v) {
-  (void)type; (void)name; (void)n; (void)o; (void)v;
+static CUresult link_add_data(void *st, void *data, size_t size) {
   if (!st || ((flink *)st)->magic != LINK_MAGIC || !data || !size) return E_INVALID_VALUE;
   ((flink *)st)->inputs++;
   return OK;
+}
+EXPORT CUresult cuLinkAddData_v2(void *st, int type, void *data, size_t size, const char *name, unsigned n, void *o, void **v) {
+  (void)type; (void)name; (void)n; (void)o; (void)v;
+  return link_add_data(st, data, size);
+}
+// The pre-6.5 entry point (what cuGetProcAddress gives for versions before 6050), same parameters.
+EXPORT CUresult cuLinkAddData(void *st, int type, void *data, size_t size, const char *name, unsigned n, void *o, void **v) {
+  (void)type; (void)name; (void)n; (void)o; (void)v;
+  return link_add_data(st, data, size);
 }
 EXPORT CUresult cuLinkAddFile_v2(void *st, int type, const char *path, unsigned n, void *o, void **v) {
   (void)type; (void)n; (void)o; (void)v;
@@ -1603,7 +1611,7 @@ static const struct { const char *name; void *fn; } table[] = {
     T(cuIpcOpenMemHandle) T(cuIpcOpenMemHandle_v2) T(cuIpcCloseMemHandle) T(cuMemExportToShareableHandle)
     T(cuMemImportFromShareableHandle) T(cuMemRetainAllocationHandle) T(cuMemPoolCreate) T(cuMemPoolDestroy)
     T(cuMemPoolExportToShareableHandle) T(cuMemPoolImportFromShareableHandle) T(cuMemPoolExportPointer)
-    T(cuMemPoolImportPointer) T(cuLinkCreate_v2) T(cuLinkAddData_v2) T(cuLinkAddFile_v2) T(cuLinkComplete)
+    T(cuMemPoolImportPointer) T(cuLinkCreate_v2) T(cuLinkAddData_v2) T(cuLinkAddData) T(cuLinkAddFile_v2) T(cuLinkComplete)
     T(cuLinkDestroy)
 #undef T
 };
