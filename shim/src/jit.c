@@ -322,8 +322,11 @@ static int wrapped_fn(const char *name, char suffix[16]) {
   return -1;
 }
 
-// helpers_locked looks up the helpers of a new slot in the library at path.
-static void helpers_locked(jitlib *l, const char *path, const char *suffix) {
+// helpers looks up, in the library at path, the entry points the wrappers call themselves
+// (sizes, the PTX, a second link), plain or with the version suffix of the name the app asked for.
+// It takes the dynamic loader's lock (dlopen, dlsym): never call it holding jit_mu, which a
+// library constructor's dlsym could be waiting for while the loader lock is held.
+static void helpers(const char *path, const char *suffix, void *out[F_COUNT]) {
   void *h = dlopen(path, RTLD_NOLOAD | RTLD_LAZY | RTLD_LOCAL);
   if (!h) return;
   for (int f = F_WRAPPED; f < F_COUNT; f++) {
@@ -333,8 +336,15 @@ static void helpers_locked(jitlib *l, const char *path, const char *suffix) {
       snprintf(v, sizeof v, "__%s%s", fn_names[f], suffix);
       p = real_dlsym(h, v);
     }
-    __atomic_store_n(&l->fn[f], p, __ATOMIC_RELEASE);
+    out[f] = p;
   }
+}
+
+// slot_locked: the slot of the library loaded at base, -1 when it has none.
+static int slot_locked(void *base) {
+  for (int i = 0; i < JIT_LIBS; i++)
+    if (libs[i].base == base) return i;
+  return -1;
 }
 
 void *jit_dlsym(void *handle, const char *name) {
@@ -345,17 +355,23 @@ void *jit_dlsym(void *handle, const char *name) {
   void *r = real_dlsym(handle, name);
   Dl_info di;
   if (!r || !dladdr(r, &di) || !di.dli_fbase || !di.dli_fname) return NULL;
+  pthread_mutex_lock(&jit_mu);
+  int i = slot_locked(di.dli_fbase);
+  pthread_mutex_unlock(&jit_mu);
+  void *h[F_COUNT] = {0};
+  if (i < 0) helpers(di.dli_fname, suffix, h);  // a library not seen yet: outside the lock
   void *w = NULL;
   pthread_mutex_lock(&jit_mu);
-  int i, free_slot = -1;
-  for (i = 0; i < JIT_LIBS && libs[i].base != di.dli_fbase; i++)
-    if (!libs[i].base && free_slot < 0) free_slot = i;
-  if (i == JIT_LIBS && free_slot >= 0) {
-    i = free_slot;
-    libs[i].base = di.dli_fbase;
-    helpers_locked(&libs[i], di.dli_fname, suffix);
+  if ((i = slot_locked(di.dli_fbase)) < 0) {  // still new (another thread may have filed it meanwhile)
+    for (i = 0; i < JIT_LIBS && libs[i].base; i++) {}
+    if (i < JIT_LIBS) {
+      for (int k = F_WRAPPED; k < F_COUNT; k++) __atomic_store_n(&libs[i].fn[k], h[k], __ATOMIC_RELEASE);
+      libs[i].base = di.dli_fbase;
+    } else {
+      i = -1;
+    }
   }
-  if (i < JIT_LIBS) {
+  if (i >= 0) {
     __atomic_store_n(&libs[i].fn[f], r, __ATOMIC_RELEASE);
     w = wrappers[i][f];
   }
