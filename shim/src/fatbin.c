@@ -123,6 +123,27 @@ int fb_elf_has_text(const uint8_t *p, size_t avail, const char *name, size_t nle
   return 0;
 }
 
+int fb_elf_each_text(const uint8_t *p, size_t avail, int (*fn)(void *arg, const char *name, size_t nlen), void *arg) {
+  static const uint8_t ident[] = {0x7f, 'E', 'L', 'F', 2 /*64-bit*/, 1 /*LE*/};
+  if (avail < 64 || memcmp(p, ident, sizeof ident) != 0) return -1;
+  uint64_t shoff = rd64(p + 0x28);
+  uint16_t shes = rd16(p + 0x3a), shn = rd16(p + 0x3c), shstrndx = rd16(p + 0x3e);
+  if (shes < 0x40 || shstrndx >= shn || shoff > avail || (uint64_t)shn * shes > avail - shoff) return -1;
+  const uint8_t *strh = p + shoff + (uint64_t)shstrndx * shes;
+  uint64_t stroff = rd64(strh + 0x18), strsize = rd64(strh + 0x20);
+  if (stroff > avail || strsize > avail - stroff) return -1;
+  for (uint16_t i = 0; i < shn; i++) {
+    uint64_t off = rd32(p + shoff + (uint64_t)i * shes);
+    if (off >= strsize || strsize - off <= 6) continue;
+    const char *nm = (const char *)p + stroff + off;
+    const char *end = memchr(nm, 0, strsize - off);  // names end inside the table
+    if (!end || memcmp(nm, ".text.", 6) != 0 || end == nm + 6) continue;
+    int r = fn(arg, nm + 6, (size_t)(end - nm - 6));
+    if (r) return r;
+  }
+  return 0;
+}
+
 size_t fb_elf_size(const uint8_t *p, size_t avail) {
   static const uint8_t ident[] = {0x7f, 'E', 'L', 'F', 2 /*64-bit*/, 1 /*LE*/};
   if (avail < 64 || memcmp(p, ident, sizeof ident) != 0) return 0;

@@ -67,6 +67,10 @@ size_t fb_elf_size(const uint8_t *p, size_t avail);
 // ".text.<name>" (a kernel's code): section names are read through the section headers and
 // compared whole, since string tables may share tails. Anything malformed is "no" (0).
 int fb_elf_has_text(const uint8_t *p, size_t avail, const char *name, size_t nlen);
+// fb_elf_each_text calls fn with the name after ".text." of each such section of the ELF at p
+// (its kernels and device functions), until fn returns non-zero; that value, 0 when all were
+// seen, or -1 when the section headers cannot be read.
+int fb_elf_each_text(const uint8_t *p, size_t avail, int (*fn)(void *arg, const char *name, size_t nlen), void *arg);
 
 // lz4_block_decode decodes one LZ4 block (no frame) into dst; returns the bytes produced or -1.
 long lz4_block_decode(const uint8_t *src, size_t srclen, uint8_t *dst, size_t dstcap);

@@ -409,18 +409,21 @@ static int entries_kept(const kinfo_set *ks, const char *out, size_t outlen) {
 }
 
 // ---- the cache ----
-// cache_dir opens (creating 0700) the cache directory; -1 when it is missing, unsafe or off.
-static int cache_dir(void) {
+// cache_dir_open opens the cache directory, creating it (0700) first when create is set; -1 when
+// it is missing, unsafe or off. cache_dir creates it.
+static int cache_dir_open(int create);
+static int cache_dir(void) { return cache_dir_open(1); }
+static int cache_dir_open(int create) {
   if (!cfg.ptx_cache[0] || strcmp(cfg.ptx_cache, "off") == 0 || cfg.ptx_cache[0] != '/') return -1;
   char p[sizeof cfg.ptx_cache];
   snprintf(p, sizeof p, "%s", cfg.ptx_cache);
-  for (char *s = p + 1; *s; s++) {
+  for (char *s = p + 1; create && *s; s++) {
     if (*s != '/') continue;
     *s = 0;
     mkdir(p, 0700);
     *s = '/';
   }
-  mkdir(p, 0700);
+  if (create) mkdir(p, 0700);
   int fd = open(p, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) return -1;
   struct stat st;
@@ -821,7 +824,7 @@ int instr_prepare(const void *image, size_t known, const char *path, char **ptx_
 // link's buffer or any copy of it) is instrumented from the PTX, which holds the same kernels. A
 // link with anything else (a library, a cubin, several PTX inputs) leaves its module as it is.
 // The last MAX_LINKS are remembered, and each is also written to the PTX cache as
-// <cubin sha>.jit.ptx: frameworks cache their cubins on disk (CuPy's kernel cache) and load them
+// <cubin sha>.jit-v1.ptx: frameworks cache their cubins on disk (CuPy's kernel cache) and load them
 // in later runs without compiling, and the cache finds their PTX again.
 #define MAX_LINKS 64
 #define MAX_LINK_PTX (64u << 20)
@@ -848,6 +851,16 @@ static void link_clear_locked(linkrec *l) {
   if (l->complete && l->ptx) atomic_fetch_sub(&links_done, 1);
   free(l->ptx);
   *l = (linkrec){0};
+}
+
+// link_slot_locked: an unused slot (all zero), else the oldest, cleared (round robin). A kept
+// record (a complete link or a JIT cubin's PTX, its state NULL) is not unused.
+static linkrec *link_slot_locked(void) {
+  for (int i = 0; i < MAX_LINKS; i++)
+    if (!links[i].state && !links[i].ptx && !links[i].complete && !links[i].inputs) return &links[i];
+  linkrec *l = &links[link_next++ % MAX_LINKS];
+  link_clear_locked(l);
+  return l;
 }
 
 // read_ptx_file reads a PTX file of a cuLinkAddFile (NULL when unreadable or too large).
@@ -891,11 +904,7 @@ void instr_link_input(void *state, int type, const void *data, size_t size, cons
   }
   pthread_mutex_lock(&link_mu);
   linkrec *l = link_find_locked(state);
-  if (!l && !(l = link_find_locked(NULL))) {  // full: the oldest slot goes
-    l = &links[link_next++ % MAX_LINKS];
-    link_clear_locked(l);
-  }
-  if (!l->state) *l = (linkrec){.state = state};
+  if (!l) *(l = link_slot_locked()) = (linkrec){.state = state};
   l->inputs++;
   if (l->inputs == 1 && ptx) {
     l->ptx = ptx;
@@ -909,12 +918,15 @@ void instr_link_input(void *state, int type, const void *data, size_t size, cons
   free(ptx);
 }
 
-// jit_persist writes <sha>.jit.ptx into the PTX cache (when there is one) unless it is there.
+// The cache's JIT entries: <cubin sha>.jit-v<this>.ptx. Bump to invalidate them all.
+#define JIT_CACHE_VERSION "1"
+
+// jit_persist writes <sha>.jit-v1.ptx into the PTX cache (when there is one) unless it is there.
 static void jit_persist(const char *sha, const char *ptx, size_t len) {
   int dfd = cache_dir();
   if (dfd < 0) return;
   char name[80];
-  snprintf(name, sizeof name, "%s.jit.ptx", sha);
+  snprintf(name, sizeof name, "%s.jit-v" JIT_CACHE_VERSION ".ptx", sha);
   struct stat st;
   if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) cache_write(dfd, name, ptx, len);
   close(dfd);
@@ -957,12 +969,12 @@ void instr_jit_cubin(const void *cubin, size_t size, const char *ptx, size_t len
   memcpy(copy, ptx, len);
   copy[len] = 0;
   len = strlen(copy);  // NVRTC's size counts the terminating NUL
-  pthread_mutex_lock(&link_mu);
-  linkrec *l = link_find_locked(NULL);
-  if (!l) {  // full: the oldest slot goes
-    l = &links[link_next++ % MAX_LINKS];
-    link_clear_locked(l);
+  if (!len) {
+    free(copy);
+    return;
   }
+  pthread_mutex_lock(&link_mu);
+  linkrec *l = link_slot_locked();
   *l = (linkrec){.ptx = copy, .len = len, .inputs = 1, .complete = 1};
   memcpy(l->sha, sha, sizeof sha);
   atomic_fetch_add(&links_done, 1);
@@ -979,6 +991,24 @@ void instr_link_destroy(void *state) {
     link_clear_locked(l);
   }
   pthread_mutex_unlock(&link_mu);
+}
+
+// missing_fn (fb_elf_each_text): 1 when the cubin's function name is nowhere in the PTX.
+typedef struct {
+  const char *ptx;
+  size_t len;
+  const char *name;
+  size_t nlen;
+} cubin_fns;
+static int missing_fn(void *arg, const char *name, size_t nlen) {
+  cubin_fns *c = arg;
+  for (const char *s = c->ptx, *e = c->ptx + c->len; s < e && (s = memmem(s, (size_t)(e - s), name, nlen)); s++) {
+    char after = s + nlen < e ? s[nlen] : 0;  // the whole identifier, not a prefix of another
+    char before = s > c->ptx ? s[-1] : ' ';
+    if (!ident_char(after) && !ident_char(before)) return 0;
+  }
+  c->name = name, c->nlen = nlen;
+  return 1;
 }
 
 char *instr_link_ptx(const void *image) {
@@ -999,11 +1029,11 @@ char *instr_link_ptx(const void *image) {
     pthread_mutex_unlock(&link_mu);
   }
   if (!out) {  // compiled in an earlier run, loaded from a framework's own cache
-    int dfd = cache_dir();
+    int dfd = cache_dir_open(0);
     if (dfd >= 0) {
       char name[80];
       size_t len = 0;
-      snprintf(name, sizeof name, "%s.jit.ptx", sha);
+      snprintf(name, sizeof name, "%s.jit-v" JIT_CACHE_VERSION ".ptx", sha);
       out = cache_read(dfd, name, MAX_LINK_PTX, &len);
       close(dfd);
       if (out && (len == 0 || memchr(out, 0, len))) {  // not text: not ours
@@ -1012,6 +1042,14 @@ char *instr_link_ptx(const void *image) {
       }
       if (out && cfg.debug) shim_log("jit: cubin %.12s: PTX from the cache (%zu bytes)", sha, len);
     }
+  }
+  // Every function of the cubin must be in the PTX: instrumented PTX without one of them would
+  // load without it, and the app's lookup of that kernel would fail.
+  cubin_fns c = {out, out ? strlen(out) : 0, NULL, 0};
+  if (out && fb_elf_each_text(p, size, missing_fn, &c) > 0) {
+    LOG_ONCE("jit: a cubin's PTX lacks its function %.*s: the cubin loads as it is (no twins)", (int)c.nlen, c.name);
+    free(out);
+    out = NULL;
   }
   return out;
 }

@@ -8,10 +8,11 @@
 //                      for sm_XX too) and records it for the cubin (instr_jit_cubin);
 //   nvJitLinkCreate, AddData, AddFile  the link's options and inputs (copied: the app may free
 //                      them), and nvJitLinkGetLinkedCubin its output: a link of one PTX input
-//                      records that PTX; a link-time-optimized link (-lto) of LTO-IR and PTX
-//                      inputs only (numba-cuda 0.30 hands NVVM's LTO-IR) is linked a second time
-//                      by the shim, the same options plus -ptx, and records the PTX that link
-//                      emits, whose kernels are the cubin's; nvJitLinkDestroy drops the record.
+//                      records that PTX; a link-time-optimized link (-lto) of LTO-IR inputs
+//                      only (numba-cuda 0.30 hands NVVM's LTO-IR) is linked a second time by
+//                      the shim, the same options plus -ptx, and records the PTX that link
+//                      emits, whose kernels are the cubin's (instr.c checks that every function
+//                      of the cubin is in it before use); nvJitLinkDestroy drops the record.
 // Everything else, and every lookup while preemption is off, passes through untouched. A library
 // linked at build time (not reached through dlsym) is not seen: its modules load without twins, as
 // before. Lookups of a library's helpers (sizes, the PTX, a second link) go through
@@ -112,6 +113,7 @@ typedef struct jlink {
   void *h;  // NULL: a free slot
   char *opt[JL_OPTS];
   int nopt, nin, lto, lost;  // lost: an input or option the shim could not keep, or of another type
+  int done;                  // its cubin's PTX was recorded (a second GetLinkedCubin does nothing)
   size_t bytes;
   jlinput in[JL_INPUTS];
 } jlink;
@@ -163,8 +165,9 @@ static int ends_with(const char *s, const char *tail) {
 static int jl_create(const jitlib *l, void **hp, unsigned n, const char **opts) {
   int r = ((int (*)(void **, unsigned, const char **))fn_of(l, F_JL_CREATE))(hp, n, opts);
   if (r != 0 || !hp || !*hp) return r;
-  jlink k = {.h = *hp};
-  for (unsigned i = 0; i < n; i++) {
+  jlink k = {.h = *hp}, old;
+  if (jl_take(*hp, &old)) jl_free(&old);  // a record left by a handle of the same address
+  for (unsigned i = 0; opts && i < n; i++) {
     if (!opts[i]) continue;
     if (k.nopt == JL_OPTS || !(k.opt[k.nopt] = strdup(opts[i]))) {
       k.lost = 1;
@@ -197,12 +200,17 @@ static void jl_input(void *h, int type, const void *data, size_t size, const cha
     k.bytes += data ? size : 0;
     k.nin++;
   }
+  if (k.lost) {  // never usable: keep no copies
+    for (int i = 0; i < k.nin; i++) free(k.in[i].data), free(k.in[i].path);
+    k.nin = 0, k.bytes = 0;
+    memset(k.in, 0, sizeof k.in);
+  }
   jl_put(&k);
 }
 
 static int jl_add_data(const jitlib *l, void *h, int type, const void *data, size_t size, const char *name) {
   int r = ((int (*)(void *, int, const void *, size_t, const char *))fn_of(l, F_JL_ADD_DATA))(h, type, data, size, name);
-  if (r == 0) jl_input(h, type, data, size, NULL);
+  if (r == 0 && data && size) jl_input(h, type, data, size, NULL);
   if (r == 0 && cfg.debug) shim_log("jit: nvJitLinkAddData %p: input type %d, %zu bytes", h, type, size);
   return r;
 }
@@ -252,10 +260,17 @@ static int jl_get_cubin(const jitlib *l, void *h, void *cubin) {
   size_t n = 0;
   jlink k;
   if (r != 0 || !cubin || !size || size(h, &n) != 0 || !jl_take(h, &k)) return r;
-  if (!k.lost && k.nin == 1 && k.in[0].type == NVJITLINK_INPUT_PTX && k.in[0].data) {
+  int all_lto = k.nin > 0;
+  for (int i = 0; i < k.nin; i++) all_lto = all_lto && k.in[i].type == NVJITLINK_INPUT_LTOIR;
+  if (k.done) {
+    // recorded at an earlier call
+  } else if (!k.lost && k.nin == 1 && k.in[0].type == NVJITLINK_INPUT_PTX && k.in[0].data) {
     instr_jit_cubin(cubin, n, k.in[0].data, k.in[0].size);  // the one PTX input is the cubin's
+    k.done = 1;
     if (cfg.debug) shim_log("jit: nvJitLinkGetLinkedCubin: %zu-byte cubin of one PTX input", n);
-  } else if (!k.lost && k.lto && k.nin > 0) {
+  } else if (!k.lost && k.lto && all_lto) {
+    // LTO-IR only: the PTX of a link with -ptx is the whole program (with PTX inputs beside it,
+    // whether the emitted PTX holds their kernels too is not known: such a link gets no twins).
     uint64_t t0 = shim_now_ns();
     size_t plen = 0;
     char *ptx = lto_ptx(l, &k, &plen);
@@ -266,6 +281,7 @@ static int jl_get_cubin(const jitlib *l, void *h, void *cubin) {
                (double)(shim_now_ns() - t0) / 1e6);
     if (!ptx) LOG_ONCE("jit: an LTO link's second link with -ptx failed; its kernels get no twins");
     free(ptx);
+    k.done = 1;
   } else if (cfg.debug) {
     shim_log("jit: nvJitLinkGetLinkedCubin: %zu-byte cubin; its inputs cannot give the PTX", n);
   }
@@ -274,11 +290,11 @@ static int jl_get_cubin(const jitlib *l, void *h, void *cubin) {
 }
 
 static int jl_destroy(const jitlib *l, void **hp) {
-  void *h = hp ? *hp : NULL;
-  int r = ((int (*)(void **))fn_of(l, F_JL_DESTROY))(hp);
+  // The record goes first: once the real destroy returns, another thread's link can get the
+  // same address.
   jlink k;
-  if (h && jl_take(h, &k)) jl_free(&k);
-  return r;
+  if (hp && *hp && jl_take(*hp, &k)) jl_free(&k);
+  return ((int (*)(void **))fn_of(l, F_JL_DESTROY))(hp);
 }
 
 // One set of wrappers per library slot.
@@ -326,10 +342,19 @@ static int wrapped_fn(const char *name, char suffix[16]) {
 // (sizes, the PTX, a second link), plain or with the version suffix of the name the app asked for.
 // It takes the dynamic loader's lock (dlopen, dlsym): never call it holding jit_mu, which a
 // library constructor's dlsym could be waiting for while the loader lock is held.
-static void helpers(const char *path, const char *suffix, void *out[F_COUNT]) {
+// Only the library's own helpers are looked up (NVRTC's or nvJitLink's, by the name the app asked
+// for), and dlerror() is cleared after: the app's dlsym succeeded and must leave no error behind.
+// 0 when the library cannot be opened again (then it is not wrapped: holding no reference, the
+// shim could not know when it is unloaded and another mapped at its address).
+static int helpers(const char *path, const char *name, const char *suffix, void *out[F_COUNT]) {
   void *h = dlopen(path, RTLD_NOLOAD | RTLD_LAZY | RTLD_LOCAL);
-  if (!h) return;
+  if (!h) {
+    dlerror();
+    return 0;
+  }
+  int nvrtc = strncmp(name, "nvrtc", 5) == 0;
   for (int f = F_WRAPPED; f < F_COUNT; f++) {
+    if ((strncmp(fn_names[f], "nvrtc", 5) == 0) != nvrtc) continue;
     void *p = real_dlsym(h, fn_names[f]);
     if (!p && suffix[0]) {
       char v[96];
@@ -338,6 +363,8 @@ static void helpers(const char *path, const char *suffix, void *out[F_COUNT]) {
     }
     out[f] = p;
   }
+  dlerror();
+  return 1;
 }
 
 // slot_locked: the slot of the library loaded at base, -1 when it has none.
@@ -359,7 +386,7 @@ void *jit_dlsym(void *handle, const char *name) {
   int i = slot_locked(di.dli_fbase);
   pthread_mutex_unlock(&jit_mu);
   void *h[F_COUNT] = {0};
-  if (i < 0) helpers(di.dli_fname, suffix, h);  // a library not seen yet: outside the lock
+  if (i < 0 && !helpers(di.dli_fname, name, suffix, h)) return NULL;  // a library not seen yet: outside the lock
   void *w = NULL;
   pthread_mutex_lock(&jit_mu);
   if ((i = slot_locked(di.dli_fbase)) < 0) {  // still new (another thread may have filed it meanwhile)

@@ -152,7 +152,7 @@ def t_jit_cache(name):
     check(kern(c, "k_count")["twin"] is True, f"{name}: first run (NVRTC): no twin")
     c.close()
     ended_ok(name, first)
-    kept = [f for f in os.listdir(cache) if f.endswith(".jit.ptx")]
+    kept = [f for f in os.listdir(cache) if f.endswith(".jit-v1.ptx")]
     check(len(kept) == 1, f"{name}: PTX cache entries for JIT cubins: {os.listdir(cache)}")
     if kept:
         st = os.stat(os.path.join(cache, kept[0]))
@@ -170,10 +170,38 @@ def t_jit_cache(name):
             c.req(cmd="resume")
             check(app.cmd("check", timeout=30) == "check ok 1 launches, 0 bad blocks", f"{name}: {label}: blocks")
         else:
-            check(k is None or (k["twin"] is False and "no PTX" in (k["twin_reason"] or "")),
+            check(k is not None and k["twin"] is False and "no PTX" in (k["twin_reason"] or ""),
                   f"{name}: {label}: a cubin with no known PTX: {k}")
         c.close()
         ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def t_jit_many(name):
+    """Several NVRTC programs compiled before any is loaded, without a PTX cache: each cubin's PTX
+    stays known in memory (one record per cubin, none overwriting another), so every module gets
+    its twins."""
+    tmp, app = with_app(name, {"APP_MODULE": "nvrtc", "APP_JIT_EXTRA": "3", "PTXMIG_PTX_CACHE": "off"})
+    c = app.conn()
+    st = c.req(cmd="status")["result"]["preempt"]
+    check(st["instrumented_modules"] == 4, f"{name}: instrumented modules {st['instrumented_modules']}, want 4")
+    k = kern(c, "k_count")
+    check(k and k["twin"] is True, f"{name}: k_count {k}")
+    c.close()
+    ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def t_jit_no_twin(name, env, why):
+    """A JIT cubin whose PTX the shim cannot vouch for loads as it is: no twins, the app runs."""
+    tmp, app = with_app(name, env)
+    c = app.conn()
+    k = kern(c, "k_count")
+    check(k is not None and k["twin"] is False and why in (k["twin_reason"] or ""), f"{name}: k_count {k}")
+    # (The fake driver runs no original kernel from a cubin: the app's own lookups of both
+    # kernels, done before it said "ready", are what must work.)
+    c.close()
+    ended_ok(name, app)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -1093,6 +1121,11 @@ def main():
         # numba-cuda: NVVM's LTO-IR linked with -lto; the shim links it again with -ptx.
         ("basic-nvjitlink-lto", lambda n: t_basic(n, {"APP_MODULE": "nvjitlink-lto"}), ()),
         ("jit-cache", t_jit_cache, ()),
+        ("jit-many", t_jit_many, ()),
+        # An LTO link with a PTX input beside the LTO-IR: not linked again, no twins.
+        ("jit-lto-mixed", lambda n: t_jit_no_twin(n, {"APP_MODULE": "nvjitlink-mixed"}, "no PTX"), ()),
+        # NVRTC's PTX lacks one of the cubin's kernels: not used.
+        ("jit-ptx-mismatch", lambda n: t_jit_no_twin(n, {"APP_MODULE": "nvrtc", "FAKE_NVRTC_PTX_DROP": "k_refused"}, "no PTX"), ()),
         # The other module loads take the instrumented PTX too (cuModuleLoad and
         # cuModuleLoadFatBinary through cuModuleLoadData).
         ("basic-dataex", lambda n: t_basic(n, {"APP_MODULE": "dataex"}), ()),

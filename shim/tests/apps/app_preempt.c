@@ -178,9 +178,11 @@ static void *bg(void *arg) {
 
 // A symbol of a JIT library the app opened, or exit.
 static void *jit_sym(void *lib, const char *name) {
+  dlerror();
   void *f = lib ? dlsym(lib, name) : NULL;
-  if (!f) {
-    fprintf(stderr, "app_preempt: %s: %s\n", name, dlerror());
+  const char *err = dlerror();
+  if (!f || err) {  // a lookup that succeeded leaves no error behind (the shim's own lookups neither)
+    fprintf(stderr, "app_preempt: %s: %p, dlerror %s\n", name, f, err ? err : "(none)");
     exit(1);
   }
   return f;
@@ -214,7 +216,7 @@ static void *nvrtc_cubin(const char *src, size_t *n) {
 // nvjitlink_cubin: the cubin nvJitLink links the PTX ptx into (cuda.core's Linker), through the
 // versioned names cuda-bindings looks up; lto: as LTO-IR with -lto (numba-cuda), the fake
 // library's LTO-IR being "LTOIR\n" and the PTX.
-static void *nvjitlink_cubin(const char *ptx, size_t *n, int lto) {
+static void *nvjitlink_cubin(const char *ptx, size_t *n, int lto, int mixed) {
   void *lib = dlopen("libnvJitLink.so", RTLD_NOW | RTLD_LOCAL), *h;
   int (*create)(void **, unsigned, const char **) = jit_sym(lib, "__nvJitLinkCreate_13_0");
   int (*add)(void *, int, const void *, size_t, const char *) = jit_sym(lib, "__nvJitLinkAddData_13_0");
@@ -228,6 +230,10 @@ static void *nvjitlink_cubin(const char *ptx, size_t *n, int lto) {
     static char ir[16384];
     snprintf(ir, sizeof ir, "LTOIR\n%s", ptx);
     JCK(add(h, 3 /* NVJITLINK_INPUT_LTOIR */, ir, strlen(ir), "kc.ltoir"));
+    if (mixed) {  // a PTX input beside the LTO-IR
+      static const char more[] = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .func k_helper()\n{\n\tret;\n}\n";
+      JCK(add(h, 2 /* NVJITLINK_INPUT_PTX */, more, sizeof more, "more.ptx"));
+    }
   } else {
     JCK(add(h, 2 /* NVJITLINK_INPUT_PTX */, ptx, strlen(ptx) + 1, "kc.ptx"));
   }
@@ -262,9 +268,26 @@ int main(void) {
   snprintf(image, sizeof image, "%s%s", kc_ptx, loop ? kc_loop_ptx : "");
   const char *count = loop ? "k_count_loop" : "k_count";
   if (how && (strcmp(how, "nvrtc") == 0 || strncmp(how, "nvjitlink", 9) == 0 || strcmp(how, "cubin") == 0)) {
+    // APP_JIT_EXTRA=N: first N other programs (the same kernels under other names), all compiled
+    // before any is loaded, then loaded too: each cubin's PTX must still be known.
+    const char *ex = getenv("APP_JIT_EXTRA");
+    int nextra = ex ? atoi(ex) : 0;
+    void *extra[8];
+    for (int i = 0; i < nextra && i < 8; i++) {
+      static char src[8][sizeof kc_ptx + 64];
+      snprintf(src[i], sizeof src[i], "%s", kc_ptx);
+      for (char *q = src[i]; (q = strstr(q, "k_count")); q++) q[6] = (char)('a' + i);  // k_counA...
+      size_t n;
+      extra[i] = nvrtc_cubin(src[i], &n);
+    }
+    for (int i = 0; i < nextra && i < 8; i++) {
+      void *m;
+      CK(cuModuleLoadData(&m, extra[i]));
+    }
     size_t csz = 0;
     void *cubin = strcmp(how, "nvrtc") == 0 ? nvrtc_cubin(image, &csz)
-                  : how[0] == 'n'          ? nvjitlink_cubin(image, &csz, strcmp(how, "nvjitlink-lto") == 0)
+                  : how[0] == 'n' ? nvjitlink_cubin(image, &csz, strncmp(how, "nvjitlink-", 10) == 0,
+                                                    strcmp(how, "nvjitlink-mixed") == 0)
                                            : read_cubin(getenv("APP_CUBIN"), &csz);
     const char *save = getenv("APP_SAVE_CUBIN");
     if (save) {

@@ -15,7 +15,8 @@ typedef struct link {
   char *all;  // the inputs' bytes, concatenated
   size_t len;
   int inputs, complete, lto, ptx;
-  uint8_t cubin[FAKE_ELF_SIZE];
+  uint8_t cubin[FAKE_ELF_MAX];
+  size_t cubin_len;
   char *ptx_out;
 } link;
 
@@ -51,7 +52,7 @@ EXPORT int __nvJitLinkAddFile_13_0(link *l, int type, const char *path) {
 }
 EXPORT int __nvJitLinkComplete_13_0(link *l) {
   if (!l || !l->inputs) return 3;  // NVJITLINK_ERROR_MISSING_ARCH (any error)
-  fake_elf(l->cubin, l->all, l->len);
+  l->cubin_len = fake_elf(l->cubin, l->all, l->len);
   if (l->lto && l->ptx) {  // the inputs' PTX, without their "LTOIR\n" headers
     if (!(l->ptx_out = calloc(1, l->len + 1))) return 1;
     size_t o = 0;
@@ -79,12 +80,12 @@ EXPORT int __nvJitLinkGetLinkedPtx_13_0(link *l, char *out) {
 }
 EXPORT int __nvJitLinkGetLinkedCubinSize_13_0(link *l, size_t *n) {
   if (!l || !l->complete || !n) return 3;
-  *n = sizeof l->cubin;
+  *n = l->cubin_len;
   return 0;
 }
 EXPORT int __nvJitLinkGetLinkedCubin_13_0(link *l, void *out) {
   if (!l || !l->complete || !out) return 3;
-  memcpy(out, l->cubin, sizeof l->cubin);
+  memcpy(out, l->cubin, l->cubin_len);
   return 0;
 }
 EXPORT int __nvJitLinkDestroy_13_0(link **h) {
