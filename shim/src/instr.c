@@ -863,17 +863,17 @@ static linkrec *link_slot_locked(void) {
   return l;
 }
 
-// read_ptx_file reads a PTX file of a cuLinkAddFile (NULL when unreadable or too large).
-static char *read_ptx_file(const char *path, size_t *len) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+char *instr_read_file(const char *path, size_t max, size_t *len) {
+  int fd = path ? open(path, O_RDONLY | O_CLOEXEC) : -1;
   if (fd < 0) return NULL;
   struct stat st;
   char *buf = NULL;
-  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0 && (size_t)st.st_size < MAX_LINK_PTX &&
+  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0 && (size_t)st.st_size < max &&
       (buf = malloc((size_t)st.st_size + 1))) {
     size_t got = 0;
     while (got < (size_t)st.st_size) {
       ssize_t n = read(fd, buf + got, (size_t)st.st_size - got);
+      if (n < 0 && errno == EINTR) continue;
       if (n <= 0) break;
       got += (size_t)n;
     }
@@ -899,7 +899,7 @@ void instr_link_input(void *state, int type, const void *data, size_t size, cons
       ptx[size] = 0;
       len = strlen(ptx);
     } else if (!data && path) {
-      ptx = read_ptx_file(path, &len);
+      ptx = instr_read_file(path, MAX_LINK_PTX, &len);
     }
   }
   pthread_mutex_lock(&link_mu);

@@ -47,6 +47,9 @@ void instr_link_input(void *state, int type, const void *data, size_t size, cons
 void instr_link_complete(void *state, const void *cubin, size_t size);
 void instr_link_destroy(void *state);
 void instr_jit_cubin(const void *cubin, size_t size, const char *ptx, size_t len);
+// instr_read_file reads a regular file of less than max bytes (malloc'd, NUL-terminated after
+// its *len bytes): a link's input file. NULL when it cannot.
+char *instr_read_file(const char *path, size_t max, size_t *len);
 char *instr_link_ptx(const void *image);
 
 #endif

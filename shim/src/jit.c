@@ -105,9 +105,8 @@ static int nvrtc_get_cubin(const jitlib *l, void *prog, char *cubin) {
 #define JL_MAX_BYTES (64u << 20)
 typedef struct jlinput {
   int type;
-  char *data;  // a copy, or NULL for a file
+  char *data;  // a copy (of the file's contents for nvJitLinkAddFile: the app may remove it)
   size_t size;
-  char *path;
 } jlinput;
 typedef struct jlink {
   void *h;  // NULL: a free slot
@@ -122,7 +121,7 @@ static pthread_mutex_t jl_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static void jl_free(jlink *k) {
   for (int i = 0; i < k->nopt; i++) free(k->opt[i]);
-  for (int i = 0; i < k->nin; i++) free(k->in[i].data), free(k->in[i].path);
+  for (int i = 0; i < k->nin; i++) free(k->in[i].data);
   memset(k, 0, sizeof *k);
 }
 // jl_take removes h's record from the table and hands it over (in *out); 0 when there is none.
@@ -180,28 +179,27 @@ static int jl_create(const jitlib *l, void **hp, unsigned n, const char **opts) 
   return r;
 }
 
-// jl_input records an input of h (data and size, or a file at path).
+// jl_input records an input of h: size bytes at data (NULL: it could not be read), of nvJitLink's
+// type, or named path (a file's input of type ANY: its type from its name).
 static void jl_input(void *h, int type, const void *data, size_t size, const char *path) {
   jlink k;
   if (!jl_take(h, &k)) return;  // not followed (created before the shim wrapped nvJitLinkCreate)
   if (type == NVJITLINK_INPUT_ANY) {
-    if (data ? looks_ptx(data, size) : ends_with(path, ".ptx")) type = NVJITLINK_INPUT_PTX;
-    else if (!data && ends_with(path, ".ltoir")) type = NVJITLINK_INPUT_LTOIR;
+    if (path ? ends_with(path, ".ptx") : looks_ptx(data, size)) type = NVJITLINK_INPUT_PTX;
+    else if (path && ends_with(path, ".ltoir")) type = NVJITLINK_INPUT_LTOIR;
   }
   jlinput *in = &k.in[k.nin];
-  if (k.lost || k.nin == JL_INPUTS || (type != NVJITLINK_INPUT_PTX && type != NVJITLINK_INPUT_LTOIR) ||
-      (data && (size > JL_MAX_BYTES - k.bytes))) {
-    k.lost = 1;
-  } else if (data ? !(in->data = malloc(size)) : !(in->path = strdup(path))) {
+  if (k.lost || !data || k.nin == JL_INPUTS || (type != NVJITLINK_INPUT_PTX && type != NVJITLINK_INPUT_LTOIR) ||
+      size > JL_MAX_BYTES - k.bytes || !(in->data = malloc(size))) {
     k.lost = 1;
   } else {
-    if (data) memcpy(in->data, data, size);
+    memcpy(in->data, data, size);
     in->type = type, in->size = size;
-    k.bytes += data ? size : 0;
+    k.bytes += size;
     k.nin++;
   }
   if (k.lost) {  // never usable: keep no copies
-    for (int i = 0; i < k.nin; i++) free(k.in[i].data), free(k.in[i].path);
+    for (int i = 0; i < k.nin; i++) free(k.in[i].data);
     k.nin = 0, k.bytes = 0;
     memset(k.in, 0, sizeof k.in);
   }
@@ -217,7 +215,12 @@ static int jl_add_data(const jitlib *l, void *h, int type, const void *data, siz
 
 static int jl_add_file(const jitlib *l, void *h, int type, const char *path) {
   int r = ((int (*)(void *, int, const char *))fn_of(l, F_JL_ADD_FILE))(h, type, path);
-  if (r == 0 && path) jl_input(h, type, NULL, 0, path);
+  if (r == 0 && path) {  // read outside any lock; a file that cannot be read makes the link unusable
+    size_t n = 0;
+    char *d = instr_read_file(path, JL_MAX_BYTES, &n);
+    jl_input(h, type, d, d ? n : 0, path);
+    free(d);
+  }
   if (r == 0 && cfg.debug) shim_log("jit: nvJitLinkAddFile %p: input type %d, %s", h, type, path ? path : "(null)");
   return r;
 }
@@ -228,7 +231,6 @@ static char *lto_ptx(const jitlib *l, const jlink *k, size_t *len) {
   int (*create)(void **, unsigned, const char **) = (int (*)(void **, unsigned, const char **))fn_of(l, F_JL_CREATE);
   int (*add)(void *, int, const void *, size_t, const char *) =
       (int (*)(void *, int, const void *, size_t, const char *))fn_of(l, F_JL_ADD_DATA);
-  int (*addf)(void *, int, const char *) = (int (*)(void *, int, const char *))fn_of(l, F_JL_ADD_FILE);
   int (*complete)(void *) = (int (*)(void *))fn_of(l, F_JL_COMPLETE);
   size_fn psize = (size_fn)fn_of(l, F_JL_PTX_SIZE);
   int (*get)(void *, char *) = (int (*)(void *, char *))fn_of(l, F_JL_PTX);
@@ -241,9 +243,7 @@ static char *lto_ptx(const jitlib *l, const jlink *k, size_t *len) {
   char *ptx = NULL;
   size_t n = 0;
   int ok = create(&h, (unsigned)k->nopt + 1, opts) == 0 && h;
-  for (int i = 0; ok && i < k->nin; i++)
-    ok = k->in[i].data ? add(h, k->in[i].type, k->in[i].data, k->in[i].size, "ptxmig-lto") == 0
-                       : addf && addf(h, k->in[i].type, k->in[i].path) == 0;
+  for (int i = 0; ok && i < k->nin; i++) ok = add(h, k->in[i].type, k->in[i].data, k->in[i].size, "ptxmig-lto") == 0;
   if (ok && complete(h) == 0 && psize(h, &n) == 0 && n > 1 && n < JIT_MAX_PTX && (ptx = malloc(n)) &&
       get(h, ptx) != 0) {
     free(ptx);
@@ -264,7 +264,7 @@ static int jl_get_cubin(const jitlib *l, void *h, void *cubin) {
   for (int i = 0; i < k.nin; i++) all_lto = all_lto && k.in[i].type == NVJITLINK_INPUT_LTOIR;
   if (k.done) {
     // recorded at an earlier call
-  } else if (!k.lost && k.nin == 1 && k.in[0].type == NVJITLINK_INPUT_PTX && k.in[0].data) {
+  } else if (!k.lost && k.nin == 1 && k.in[0].type == NVJITLINK_INPUT_PTX) {
     instr_jit_cubin(cubin, n, k.in[0].data, k.in[0].size);  // the one PTX input is the cubin's
     k.done = 1;
     if (cfg.debug) shim_log("jit: nvJitLinkGetLinkedCubin: %zu-byte cubin of one PTX input", n);

@@ -1120,6 +1120,8 @@ def main():
         ("basic-nvjitlink", lambda n: t_basic(n, {"APP_MODULE": "nvjitlink"}), ()),
         # numba-cuda: NVVM's LTO-IR linked with -lto; the shim links it again with -ptx.
         ("basic-nvjitlink-lto", lambda n: t_basic(n, {"APP_MODULE": "nvjitlink-lto"}), ()),
+        # The PTX given as a file of unspecified type (NVJITLINK_INPUT_ANY, a .ptx name).
+        ("basic-nvjitlink-file", lambda n: t_basic(n, {"APP_MODULE": "nvjitlink", "APP_JIT_FILE": "1"}), ()),
         ("jit-cache", t_jit_cache, ()),
         ("jit-many", t_jit_many, ()),
         # An LTO link with a PTX input beside the LTO-IR: not linked again, no twins.

@@ -220,6 +220,7 @@ static void *nvjitlink_cubin(const char *ptx, size_t *n, int lto, int mixed) {
   void *lib = dlopen("libnvJitLink.so", RTLD_NOW | RTLD_LOCAL), *h;
   int (*create)(void **, unsigned, const char **) = jit_sym(lib, "__nvJitLinkCreate_13_0");
   int (*add)(void *, int, const void *, size_t, const char *) = jit_sym(lib, "__nvJitLinkAddData_13_0");
+  int (*addf)(void *, int, const char *) = jit_sym(lib, "__nvJitLinkAddFile_13_0");
   int (*complete)(void *) = jit_sym(lib, "__nvJitLinkComplete_13_0");
   int (*size)(void *, size_t *) = jit_sym(lib, "__nvJitLinkGetLinkedCubinSize_13_0");
   int (*get)(void *, void *) = jit_sym(lib, "__nvJitLinkGetLinkedCubin_13_0");
@@ -234,6 +235,16 @@ static void *nvjitlink_cubin(const char *ptx, size_t *n, int lto, int mixed) {
       static const char more[] = ".version 7.0\n.target sm_70\n.address_size 64\n.visible .func k_helper()\n{\n\tret;\n}\n";
       JCK(add(h, 2 /* NVJITLINK_INPUT_PTX */, more, sizeof more, "more.ptx"));
     }
+  } else if (getenv("APP_JIT_FILE")) {  // the PTX from a file, its type left to nvJitLink
+    char path[] = "/tmp/app_preempt-XXXXXX.ptx";
+    int fd = mkstemps(path, 4);
+    if (fd < 0 || write(fd, ptx, strlen(ptx)) != (ssize_t)strlen(ptx)) {
+      perror("APP_JIT_FILE");
+      exit(1);
+    }
+    close(fd);
+    JCK(addf(h, 10 /* NVJITLINK_INPUT_ANY */, path));
+    unlink(path);
   } else {
     JCK(add(h, 2 /* NVJITLINK_INPUT_PTX */, ptx, strlen(ptx) + 1, "kc.ptx"));
   }
