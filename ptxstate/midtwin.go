@@ -731,9 +731,10 @@ func loadCtlLines() []string {
 	return []string{"ld.param.u64 \t" + rCtl + ", [" + CtlParam + "];", "cvta.to.global.u64 \t" + rCtl + ", " + rCtl + ";"}
 }
 
-// descVar is the module variable that carries the layout for hosts.
-func (p *midPlan) descVar(kernel string) *Item {
-	return &Item{Kind: ItemVar, Lead: "\n\n// ptxmig: mid-block record layout of " + kernel + TwinSuffix + " {format 2, register slots, static shared bytes, sites, local bytes}\n",
+// descVar is the module variable that carries the layout for hosts (named after the kernel; the
+// comment names the twin it describes).
+func (p *midPlan) descVar(kernel, twin string) *Item {
+	return &Item{Kind: ItemVar, Lead: "\n\n// ptxmig: mid-block record layout of " + twin + " {format 2, register slots, static shared bytes, sites, local bytes}\n",
 		Text: fmt.Sprintf(".visible .global .align 4 .u32 %s%s[5] = {2, %d, %d, %d, %d};", MidDescPrefix, kernel, p.layout.Slots, p.layout.StaticSharedBytes, p.layout.Sites, p.layout.LocalBytes)}
 }
 

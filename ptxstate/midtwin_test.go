@@ -351,9 +351,17 @@ func TestMidBlockTwinNameTaken(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, r, err := InstrumentWith(m, Options{MidBlockTwins: true})
+	out, r, err := InstrumentWith(m, Options{MidBlockTwins: true})
 	if err != nil {
 		t.Fatal(err)
+	}
+	// No layout variable for mc_hist either: the shim would take mc_hist_mid__ptxmig (the twin of
+	// mc_hist_mid) for mc_hist's mid-block twin.
+	if strings.Contains(string(out.Bytes()), MidDescPrefix+"mc_hist[") {
+		t.Error("a mid-block layout variable for mc_hist, whose mid twin's name is taken")
+	}
+	if _, err := Parse(out.Bytes()); err != nil {
+		t.Errorf("the output does not parse again: %v", err)
 	}
 	for _, k := range r.Kernels {
 		if k.Name != "mc_hist" {

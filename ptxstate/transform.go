@@ -93,7 +93,11 @@ func InstrumentWith(m *Module, o Options) (*Module, *Report, error) {
 				out.Items = append(out.Items, slot, twin)
 			}
 			if mid != nil {
-				out.Items = append(out.Items, mid.descVar(name))
+				described := name + TwinSuffix
+				if kr.MidTwin != "" {
+					described = kr.MidTwin
+				}
+				out.Items = append(out.Items, mid.descVar(name, described))
 			}
 		}
 		r.Kernels = append(r.Kernels, *kr)

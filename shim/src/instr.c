@@ -381,6 +381,16 @@ static int has_entry(const char *out, size_t outlen, const char *name, size_t nl
   return f.found;
 }
 
+// has_kernel: the module has a kernel named name + suffix (then name_mid__ptxmig is that kernel's
+// own twin, not name's mid-block one).
+static int has_kernel(const kinfo_set *ks, const char *name, const char *suffix) {
+  size_t n = strlen(name), s = strlen(suffix);
+  for (int i = 0; i < ks->n; i++)
+    if (strlen(ks->k[i].name) == n + s && strncmp(ks->k[i].name, name, n) == 0 && strcmp(ks->k[i].name + n, suffix) == 0)
+      return 1;
+  return 0;
+}
+
 // mark_twins sets kinfo.twin from the instrumented module and the reasons from the report (or the
 // cache's .why file, same format).
 static int mark_twins(kinfo_set *ks, const char *out, size_t outlen, const char *report, size_t replen) {
@@ -393,7 +403,7 @@ static int mark_twins(kinfo_set *ks, const char *out, size_t outlen, const char 
     twins += ks->k[i].twin;
     l = snprintf(tn, sizeof tn, "%s" PTXMIG_MID_TWIN_SUFFIX, ks->k[i].name);
     ks->k[i].mid_twin = cfg.mid_block == MB_ONE_WAVE && ks->k[i].twin && l > 0 && (size_t)l < sizeof tn &&
-                        has_entry(out, outlen, tn, (size_t)l);
+                        has_entry(out, outlen, tn, (size_t)l) && !has_kernel(ks, ks->k[i].name, "_mid");
   }
   if (report && replen) json_kernel_report(report, replen, set_reason, ks);
   for (int i = 0; i < ks->n; i++)

@@ -818,13 +818,14 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   // stop inside it. Chosen when all of the grid is resident as that twin too (its occupancy, not
   // the block twin's: it holds more registers), so the launch still runs in one wave.
   int one_wave = 0;
-  if (cfg.mid_block == MB_ONE_WAVE && k->mid_twin && blocks <= (uint64_t)occ * (uint64_t)c->sms) {
+  if (cfg.mid_block == MB_ONE_WAVE && k->mid_twin && blocks <= (uint64_t)occ * (uint64_t)c->sms &&
+      mid_layout(r, k, owner, is_lib)) {
     CUfunction mf = function_of(fn_handle(k, owner, is_lib, PTXMIG_MID_TWIN_SUFFIX, &r->mid_fn, &r->mid_fn_state),
                                 &r->mid_fn_state);
     int occ_mid = 0;
     if (mf) replay_attrs(r, mf, &r->mid_attrs_applied);
     if (mf && d.occupancy(&occ_mid, mf, (int)threads, shmem) == CUDA_SUCCESS && occ_mid > 0 &&
-        blocks <= (uint64_t)occ_mid * (uint64_t)c->sms && mid_layout(r, k, owner, is_lib)) {
+        blocks <= (uint64_t)occ_mid * (uint64_t)c->sms) {
       twin = mf, occ = occ_mid, mid = one_wave = 1;
     }
   }

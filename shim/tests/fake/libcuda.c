@@ -1556,10 +1556,17 @@ static CUresult kernel_op(func *f, unsigned gx, unsigned gy, unsigned gz, unsign
   if (twin) o->total = 0;  // the twin reads total_blocks from its control block
   if (twin) {
     // The record layout of K__ptxmig's or of K_mid__ptxmig's kernel K.
-    size_t ml = strlen("_mid__ptxmig"), base = tl > ml && strcmp(f->name + tl - ml, "_mid__ptxmig") == 0 ? tl - ml : tl - sl;
-    char gn[200];
+    size_t ml = strlen("_mid__ptxmig");
+    int is_mid = tl > ml && strcmp(f->name + tl - ml, "_mid__ptxmig") == 0;
+    size_t base = is_mid ? tl - ml : tl - sl;
+    char gn[200], mn[200];
     snprintf(gn, sizeof gn, "__ptxmig_mid_%.*s", (int)base, f->name);
-    for (int i = 0; i < f->mod->ng; i++)
+    // Beside a second, mid-block twin K_mid__ptxmig (ptx instrument --mid-block-twins), K__ptxmig
+    // is the block-granular one: the layout describes the other.
+    snprintf(mn, sizeof mn, "%.*s_mid__ptxmig", (int)base, f->name);
+    for (int i = 0; !is_mid && i < f->mod->nfns; i++)
+      if (strcmp(f->mod->fns[i].name, mn) == 0) gn[0] = 0;
+    for (int i = 0; gn[0] && i < f->mod->ng; i++)
       if (strcmp(f->mod->g[i].name, gn) == 0) {
         const uint32_t *v = f->mod->g[i].v;
         o->need_rb = (64 + (8ull * v[1] + v[4]) * threads + v[2] + sh + 15) & ~15ull;
