@@ -942,15 +942,14 @@ static void jit_persist(const char *sha, const char *ptx, size_t len) {
   close(dfd);
 }
 
-// jit_sha hashes the ELF at cubin as a later load will (its extent from its own headers, at most
-// size bytes); 0 when it is not an ELF.
-static int jit_sha(const void *cubin, size_t size, char sha[65]) {
+// jit_sha hashes the ELF at cubin, the key of a JIT record for both its recording and its lookup
+// (its extent from its own headers, at most size bytes), and returns that extent; 0: not an ELF.
+static size_t jit_sha(const void *cubin, size_t size, char sha[65]) {
   const uint8_t *p = cubin;
   if (!p || size < 4 || !is_elf(cubin, size)) return 0;
   size_t n = fb_elf_size(p, size);
-  if (!n) return 0;
-  sha256_hex(p, n, sha);
-  return 1;
+  if (n) sha256_hex(p, n, sha);
+  return n;
 }
 
 void instr_link_complete(void *state, const void *cubin, size_t size) {
@@ -1023,11 +1022,10 @@ static int missing_fn(void *arg, const char *name, size_t nlen) {
 
 char *instr_link_ptx(const void *image) {
   const uint8_t *p = image;
-  if (!p || cfg.preempt == PM_OFF || p[0] != 0x7f || p[1] != 'E') return NULL;
-  size_t size = fb_elf_size(p, SIZE_MAX);  // an ELF's extent, from its own headers
-  if (!size) return NULL;
   char sha[65], *out = NULL;
-  sha256_hex(image, size, sha);
+  // The same key as the recording side's: the ELF's extent from its own headers, hashed.
+  size_t size = p && cfg.preempt != PM_OFF ? jit_sha(image, SIZE_MAX, sha) : 0;
+  if (!size) return NULL;
   if (atomic_load(&links_done)) {
     pthread_mutex_lock(&link_mu);
     for (int i = 0; i < MAX_LINKS; i++) {
