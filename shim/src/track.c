@@ -1396,9 +1396,13 @@ const kinfo *trk_kinfo_of(krec *r, const char **mreason, void **owner, int *is_l
   void *o = atomic_load(&r->owner);
   *mreason = NULL;
   *is_lib = 0;
-  // Fast path for launches: settled once the twin was looked up, or the kernel has none.
-  if (k && atomic_load(&r->twin_fn_state) != 0) {
+  // Fast path for launches: settled once the twin was looked up, or the kernel has none. The
+  // twin's lookup state says whether the owner is a library (2): the mid-block twin, looked up
+  // later, must be looked up the same way (a CUlibrary is not a CUmodule).
+  int ts = atomic_load(&r->twin_fn_state);
+  if (k && ts != 0) {
     *owner = o;
+    *is_lib = ts == 2;
     return k;
   }
   const char *nw = atomic_load(&r->no_twin_why);

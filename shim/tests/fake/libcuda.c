@@ -82,7 +82,9 @@ typedef struct func {
 // Mid-block twins' record layouts (__ptxmig_mid_K[5] = {2, slots, static shared, sites, local}),
 // read from the PTX as module globals (cuModuleGetGlobal); fake device memory is host memory.
 typedef struct mglobal { char name[180]; uint32_t v[5]; } mglobal;
-typedef struct mod { int magic; int loaded; int ptx; func fns[64]; int nfns; mglobal g[16]; int ng; } mod;
+// lib: loaded by cuLibraryLoadData. A CUlibrary is not a CUmodule: as the real driver, the module
+// calls refuse a library handle and the library calls a module handle.
+typedef struct mod { int magic; int loaded; int ptx; int lib; func fns[64]; int nfns; mglobal g[16]; int ng; } mod;
 #define MOD_MAGIC 0x30d
 #define FN_MAGIC 0xf00
 
@@ -156,8 +158,13 @@ static CUresult get_global(CUdeviceptr *p, size_t *n, void *mp, const char *name
     }
   return E_NOT_FOUND;
 }
-EXPORT CUresult cuModuleGetGlobal_v2(CUdeviceptr *p, size_t *n, void *m, const char *name) { return get_global(p, n, m, name); }
-EXPORT CUresult cuLibraryGetGlobal(CUdeviceptr *p, size_t *n, void *l, const char *name) { return get_global(p, n, l, name); }
+static int is_lib(const void *m) { return m && ((const mod *)m)->magic == MOD_MAGIC && ((const mod *)m)->lib; }
+EXPORT CUresult cuModuleGetGlobal_v2(CUdeviceptr *p, size_t *n, void *m, const char *name) {
+  return is_lib(m) ? E_INVALID_HANDLE : get_global(p, n, m, name);
+}
+EXPORT CUresult cuLibraryGetGlobal(CUdeviceptr *p, size_t *n, void *l, const char *name) {
+  return l && !is_lib(l) ? E_INVALID_HANDLE : get_global(p, n, l, name);
+}
 static func *mod_fn(mod *m, const char *name) {
   for (int i = 0; i < m->nfns; i++)
     if (strcmp(m->fns[i].name, name) == 0) return &m->fns[i];
@@ -284,7 +291,9 @@ EXPORT CUresult cuModuleUnload(void *m) { if (!m || ((mod *)m)->magic != MOD_MAG
 // Internal calls go through static functions, never through exported symbols (which a preloaded
 // shim interposes: the real driver's internal calls are not visible to it either).
 static CUresult get_function(void **f, void *m, const char *name);
-EXPORT CUresult cuModuleGetFunction(void **f, void *m, const char *name) { return get_function(f, m, name); }
+EXPORT CUresult cuModuleGetFunction(void **f, void *m, const char *name) {
+  return is_lib(m) ? E_INVALID_HANDLE : get_function(f, m, name);
+}
 static CUresult get_function(void **f, void *m, const char *name) {
   if (!m || ((mod *)m)->magic != MOD_MAGIC) return E_INVALID_HANDLE;
   func *fn = mod_fn(m, name);
@@ -300,11 +309,15 @@ EXPORT CUresult cuLibraryLoadData(void **l, const void *code, void *a, void *b, 
   COUNT(cuLibraryLoadData);
   if (!image_ok(code)) return E_INVALID_IMAGE;
   if (reject(code)) return 218;
-  *l = mod_new(code);
+  mod *m = mod_new(code);
+  m->lib = 1;
+  *l = m;
   return OK;
 }
 EXPORT CUresult cuLibraryUnload(void *l) { return cuModuleUnload(l); }
-EXPORT CUresult cuLibraryGetKernel(void **k, void *l, const char *name) { return get_function(k, l, name); }
+EXPORT CUresult cuLibraryGetKernel(void **k, void *l, const char *name) {
+  return l && !is_lib(l) ? E_INVALID_HANDLE : get_function(k, l, name);
+}
 EXPORT CUresult cuLibraryGetModule(void **m, void *l) { *m = l; return OK; }
 EXPORT CUresult cuKernelGetFunction(void **f, void *k) { if (!fn_ok(k)) return E_INVALID_HANDLE; *f = k; return OK; }
 EXPORT CUresult cuKernelGetName(const char **n, void *k) { return cuFuncGetName(n, k); }
