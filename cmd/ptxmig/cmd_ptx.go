@@ -68,7 +68,7 @@ func init() {
 					"kernel's record layout (the shim launches them with `ptxmig run --mid-block`; ptxstate/gputest\n" +
 					"drives them itself). With --mid-block-twins instead, every twin stays block-granular and a\n" +
 					"kernel with such sites gets a second, mid-block twin K_mid__ptxmig, so that the shim can\n" +
-					"choose per launch (`ptxmig run --mid-block-one-wave`).\n\n" +
+					"choose per launch (what `ptxmig run` asks for by default).\n\n" +
 					"Examples:\n" +
 					"   ptxmig ptx instrument -o kernels.twins.ptx kernels.ptx\n" +
 					"   ptxmig ptx instrument --match-registers sm_90 -o kernels.twins.ptx kernels.ptx\n" +
@@ -168,6 +168,7 @@ func ptxInstrumentAction(c *cli.Context) error {
 	opts, note := matchRegisters(c, m)
 	opts.MidBlock = c.Bool("mid-block")
 	opts.MidBlockTwins = c.Bool("mid-block-twins")
+	start := time.Now()
 	var out *ptxstate.Module
 	var r *ptxstate.Report
 	err = interruptible(c, func() (err error) { out, r, err = ptxstate.InstrumentWith(m, opts); return err })
@@ -178,6 +179,23 @@ func ptxInstrumentAction(c *cli.Context) error {
 	if c.Bool("cubin") {
 		var cubinNote string
 		data, cubinNote = assembleCubin(c, data, m)
+		if cubinNote != "" && opts.MidBlockTwins && time.Since(start) < midTwinsRetryBefore {
+			// Both kinds of twins doubled the module past what ptxas is run on (or ptxas failed
+			// on it): the driver would JIT-compile it at every load (reduction, a cuda-sample,
+			// 3.9 MB of PTX: 10 MB with both, +1.1 s a start). Block twins alone, assembled, beat
+			// mid-block twins compiled at every start.
+			opts.MidBlockTwins = false
+			var out2 *ptxstate.Module
+			var r2 *ptxstate.Report
+			err = interruptible(c, func() (err error) { out2, r2, err = ptxstate.InstrumentWith(m, opts); return err })
+			if err != nil {
+				return fmt.Errorf("instrument %s: %w", in, err)
+			}
+			if data2, note2 := assembleCubin(c, out2.Bytes(), m); note2 == "" {
+				data, r = data2, r2
+				cubinNote = "no mid-block twins: " + cubinNote + "; block twins only, assembled"
+			}
+		}
 		if cubinNote != "" {
 			env(c).Log.Warn(cubinNote)
 			r.Notes = append(r.Notes, cubinNote)
@@ -217,6 +235,11 @@ func ptxInstrumentAction(c *cli.Context) error {
 var archRE = regexp.MustCompile(`^sm_[0-9]{2,3}[af]?$`)
 
 const maxMatchBytes = 8 << 20
+
+// midTwinsRetryBefore bounds when the helper still tries a module without mid-block twins after
+// ptxas could not assemble it with them: the shim waits for its helper 60 s, and ptxas may take
+// up to 30 s.
+const midTwinsRetryBefore = 25 * time.Second
 
 // matchRegisters runs ptxas -v on the module for --match-registers ARCH and returns the twins'
 // register caps, or a note saying why there are none (the instrumentation goes on without them).

@@ -175,3 +175,52 @@ func TestPtxInstrumentCubin(t *testing.T) {
 		}
 	})
 }
+
+// TestPtxInstrumentCubinMidTwinsDropped: with --mid-block-twins, a module that ptxas cannot
+// assemble with both kinds of twins (here a ptxas that refuses any module with a mid-block twin;
+// on GPUs, a module doubled past the size ptxas is run on) is instrumented again with block twins
+// only and assembled: a cubin without K_mid__ptxmig, and a note saying why.
+func TestPtxInstrumentCubinMidTwinsDropped(t *testing.T) {
+	real, err := ptxas.Find()
+	if err != nil {
+		testreq.Skip(t, "ptxas", "%v", err)
+	}
+	src := filepath.Join("..", "..", "ptxstate", "testdata", "nvcc12", "midblock.sm_90.ptx")
+	dir := t.TempDir()
+	wrap := filepath.Join(dir, "ptxas")
+	script := "#!/bin/sh\nfor a; do case $a in *.ptx) if grep -q _mid__ptxmig \"$a\"; then echo 'ptxas fatal: refused on purpose' >&2; exit 1; fi;; esac; done\nexec " + real + " \"$@\"\n"
+	if err := os.WriteFile(wrap, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	dst := filepath.Join(dir, "out.cubin")
+	for _, tc := range []struct {
+		ptxas   string
+		midTwin bool
+		note    string
+	}{
+		{real, true, ""},
+		{wrap, false, "no mid-block twins: PTX written, not a cubin: ptxas"},
+	} {
+		t.Setenv("PTXAS", tc.ptxas)
+		out, stderr, code := runCLI(t, "--json", "ptx", "instrument", "--mid-block-twins", "--match-registers", "sm_90", "--cubin", "-o", dst, src)
+		if code != 0 {
+			t.Fatalf("ptxas %s: exit %d: %s", tc.ptxas, code, stderr)
+		}
+		data, _ := os.ReadFile(dst)
+		if !bytes.HasPrefix(data, []byte("\x7fELF")) {
+			t.Fatalf("ptxas %s: not an ELF file: %.40q", tc.ptxas, data)
+		}
+		if got := bytes.Contains(data, []byte("_mid__ptxmig")); got != tc.midTwin {
+			t.Errorf("ptxas %s: mid-block twin in the cubin %v, want %v", tc.ptxas, got, tc.midTwin)
+		}
+		if !bytes.Contains(data, []byte("__ptxmig")) {
+			t.Errorf("ptxas %s: no block twin in the cubin", tc.ptxas)
+		}
+		if tc.note != "" && (!strings.Contains(out, tc.note) || !strings.Contains(out, "; block twins only, assembled")) {
+			t.Errorf("ptxas %s: no note %q:\n%s", tc.ptxas, tc.note, out)
+		}
+		if tc.note == "" && strings.Contains(out, "no mid-block twins") {
+			t.Errorf("ptxas %s: unexpected note:\n%s", tc.ptxas, out)
+		}
+	}
+}
