@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench-midblock.sh — what mid-block twins cost applications under `ptxmig run`: each app run
-# plain, under `ptxmig run` with block-granular twins (the default) and with mid-block twins
+# plain, under `ptxmig run` with block-granular twins only (--mid-block=false) and with mid-block twins
 # (--mid-block), in a rotating order, ROUNDS times (after an untimed round that fills the
 # instrumentation caches). Metric: the whole run's wall time; per app and way the median ratio to
 # the same round's plain run. Every run's verdict lines must equal the plain run's (exit 1

@@ -11,7 +11,9 @@
 # auto; counter; train.py, CPU-bound PyTorch) and public NVIDIA/cuda-samples programs built here
 # with nvcc for sm_90 *with PTX* (so that the shim can instrument them), from the bundle's
 # samples/ (gpu-bundle.sh with PTXMIG_CUDA_SAMPLES=DIR). BENCH_APPS="a b ..." picks some;
-# BENCH_LOAD=0 skips the module-load part.
+# BENCH_LOAD=0 skips the module-load part. BENCH_BLOCKONLY=1 adds a fourth way, `blockonly`:
+# `ptxmig run --mid-block=false` (block twins only: the default before mid-block twins were chosen
+# per launch), to price the default's mid-block twins side by side.
 # Method: an untimed round first (it also fills the instrumentation cache), then ROUNDS rounds;
 # each round runs every app three ways back to back in an order that rotates between rounds:
 # plain, `ptxmig run --preempt off` (interception alone) and `ptxmig run` (auto). The metric is
@@ -76,6 +78,7 @@ run1() {
     plain) ;;
     off) pre=(env PTXMIG_PTX_CACHE="$cache" "$PTXMIG_BIN" run --shim "$PTXMIG_SHIM" --socket-dir "$sock" --preempt off --) ;;
     auto) pre=(env PTXMIG_PTX_CACHE="$cache" "$PTXMIG_BIN" run --shim "$PTXMIG_SHIM" --socket-dir "$sock" --) ;;
+    blockonly) pre=(env PTXMIG_PTX_CACHE="$cache" "$PTXMIG_BIN" run --shim "$PTXMIG_SHIM" --socket-dir "$sock" --mid-block=false --) ;;
     always|nohold|batch1) local v=(PTXMIG_PREEMPT=always)
       [ "$way" = nohold ] && v=(PTXMIG_PREEMPT=always PTXMIG_PREEMPT_HOLD=0)
       [ "$way" = batch1 ] && v=(PTXMIG_PREEMPT=always PTXMIG_PREEMPT_BATCH_MAX=1)
@@ -92,10 +95,12 @@ run1() {
 }
 
 ways=(plain off auto)
+[ "${BENCH_BLOCKONLY:-0}" = 1 ] && ways+=(blockonly)
+export BENCH_WAYS="${ways[*]}"
 for r in $(seq 0 "$rounds"); do
   for app in "${apps[@]}"; do
     [ -n "${cmd[$app]:-}" ] || continue
-    for i in 0 1 2; do run1 "$app" "${ways[$(( (i + r) % 3 ))]}" "r$r"; done
+    for i in "${!ways[@]}"; do run1 "$app" "${ways[$(( (i + r) % ${#ways[@]} ))]}" "r$r"; done
   done
   echo "bench-p2: round $r of $rounds done" >&2
 done
@@ -134,7 +139,9 @@ def verdict(app, way, tag):  # as the script's verdict(): the same two patterns
     keep, drop = re.compile(os.environ["VERDICT_KEEP"]), re.compile(os.environ["VERDICT_DROP"])
     lines = open(f"{logs}/{app}.{way}.{tag}.log", errors="replace").read().splitlines()
     return "\n".join(re.sub(r"^pid [0-9]*", "", l) for l in lines if keep.search(l) and not drop.search(l))
-lines = ["| app | plain s (median) | off / plain | 90 % CI | auto / plain | 90 % CI | auto within 3 % | results |", "|---|---|---|---|---|---|---|---|"]
+extra = [w for w in os.environ.get("BENCH_WAYS", "").split() if w not in ("plain", "off", "auto")]
+lines = ["| app | plain s (median) | off / plain | 90 % CI | auto / plain | 90 % CI | auto within 3 % | " +
+         "".join(f"{w} / plain | 90 % CI | " for w in extra) + "results |", "|---|---|---|---|---|---|---|---|" + "---|---|" * len(extra)]
 rnd = random.Random(1)
 def ci(rs):
     if len(rs) < 2: return float("nan"), float("nan")
@@ -142,13 +149,13 @@ def ci(rs):
     return meds[int(0.05 * len(meds))], meds[int(0.95 * len(meds))]
 apps = sorted({a for a, t in runs if t.startswith("r")}, key=lambda a: list(runs).index((a, "r0")))
 differ = False
-allr = {"off": [], "auto": []}
+allr = {w: [] for w in ["off", "auto"] + extra}
 for app in apps:
     tags = [f"r{r}" for r in range(1, rounds + 1) if (app, f"r{r}") in runs]
     plain = [runs[(app, t)]["plain"][0] / 1000 for t in tags]
     row = [app, f"{statistics.median(plain):.2f}"]
     ok = True
-    for way in ("off", "auto"):
+    for way in ["off", "auto"] + extra:
         rs = [runs[(app, t)][way][0] / runs[(app, t)]["plain"][0] for t in tags]
         allr[way] += rs
         lo, hi = ci(rs)
@@ -158,14 +165,14 @@ for app in apps:
     bad = []
     for t in ["r0"] + tags:
         ref = verdict(app, "plain", t)
-        for way in ("plain", "off", "auto"):
+        for way in ["plain", "off", "auto"] + extra:
             rc = runs[(app, t)][way][1]
             if rc != 0 or verdict(app, way, t) != ref:
                 bad.append(f"{way}/{t} rc {rc}")
     row.append("identical, exit 0" if not bad else "DIFFER: " + ", ".join(bad))
     differ = differ or bool(bad)
     lines.append("| " + " | ".join(row) + " |")
-for way in ("off", "auto"):
+for way in ["off", "auto"] + extra:
     rs = allr[way]
     if rs:
         g = statistics.geometric_mean(rs)

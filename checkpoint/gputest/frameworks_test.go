@@ -214,31 +214,25 @@ func TestFrameworks(t *testing.T) {
 
 // TestJITLongKernels: CuPy's and Numba's JIT-compiled kernels spinning about 3 s a block, over
 // many blocks (about four waves) and over one wave, under the default `ptxmig run`: a
-// `checkpoint --leave-running` one second into a launch must succeed within the lock timeout,
-// with identical output. CuPy compiles with NVRTC straight to a cubin, numba-cuda links NVVM's PTX
-// with nvJitLink (LTO-IR): the shim takes the PTX from the compiler, so a many-block launch must be
-// preempted by its twin (CuPy gets a kernel cache of its own, so that the kernel is compiled
-// under the shim and not loaded from a cubin cached by the reference run). Recorded: the quiesce,
-// the lock, and what the shim did with the launch (preempted, or why it ran as the original: a
-// one-wave grid stops inside its blocks only with mid-block twins). one-wave-mid: the one-wave
-// grid under `PTXMIG_MID_BLOCK=one-wave` (`ptxmig run --mid-block-one-wave`) must stop inside its
-// blocks (Numba's loop has a mid-block site; CuPy's clock-bound spin has none).
+// `checkpoint --leave-running` one second into the second launch must succeed within the lock
+// timeout, with identical output. CuPy compiles with NVRTC straight to a cubin, numba-cuda links
+// NVVM's PTX with nvJitLink (LTO-IR): the shim takes the PTX from the compiler, so a many-block
+// launch must be preempted by a twin (CuPy gets a kernel cache of its own, so that the kernel is
+// compiled under the shim and not loaded from a cubin cached by the reference run). Numba's loop
+// has a mid-block site, so the default (PTXMIG_MID_BLOCK=auto) launches its mid-block twin for the
+// one-wave grid and for the many-block grid once its first launch timed 3 s blocks: both must stop
+// inside their blocks. CuPy's clock-bound spin has no site (each thread leaves it on its own clock;
+// ptx analyze: C1, C4): its many-block launch gets the block twin, its one wave the original.
+// Recorded: the quiesce, the lock, and what the shim did with the launch.
 func TestJITLongKernels(t *testing.T) {
 	need(t, 1)
 	for _, fw := range []string{"cupy", "numba"} {
-		for _, wave := range []string{"many-blocks", "one-wave", "one-wave-mid"} {
+		for _, wave := range []string{"many-blocks", "one-wave"} {
 			t.Run(fw+"/"+wave, func(t *testing.T) {
 				args := []string{fw, "--steps", "3", "--sleep-ms", "0", "--long-ms", "3000"}
 				env := []string{"CUPY_CACHE_DIR=" + t.TempDir()}
 				if wave != "many-blocks" {
 					args = append(args, "--one-wave")
-				}
-				if wave == "one-wave-mid" {
-					if fw == "cupy" {
-						t.Skip("CuPy's spin loop has no mid-block site: each thread leaves it on its own clock (ptx analyze: C1, C4)")
-					}
-					// `ptxmig run --mid-block-one-wave`: the one-wave grid gets the mid-block twin.
-					env = append(env, "PTXMIG_MID_BLOCK=one-wave")
 				}
 				fwAvailable(t, fw)
 				// The reference first, not beside: two processes' multi-second kernels on one GPU
@@ -275,7 +269,7 @@ func TestJITLongKernels(t *testing.T) {
 					what = fmt.Sprintf("%d launch(es) preempted, %d still stopping after the budget (stop wait %s) %q, originals: %q",
 						len(r.Quiesce.Preempted), len(r.Quiesce.Stopping), r.StopWait.Round(time.Millisecond), still, why)
 				}
-				if wave == "one-wave-mid" {
+				if fw == "numba" {
 					mid := false
 					for _, r := range res.Preemption {
 						if r.Quiesce != nil {
@@ -285,7 +279,7 @@ func TestJITLongKernels(t *testing.T) {
 						}
 					}
 					if !mid {
-						t.Errorf("%s one wave under --mid-block-one-wave: no launch stopped inside its blocks: %s", fw, what)
+						t.Errorf("%s %s: no launch stopped inside its blocks (the default's mid-block twin): %s", fw, wave, what)
 					}
 				}
 				if wave == "many-blocks" && preempted == 0 {

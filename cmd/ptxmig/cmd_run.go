@@ -46,16 +46,15 @@ func init() {
 			"PTXMIG_MID_BLOCK_MAX_MB (device memory for one mid-block twin launch's save areas, default\n" +
 			"2048; a launch needing more stops between blocks only).\n\n" +
 			"Preemption: with --preempt auto or always the shim loads twins of the app's PTX kernels that\n" +
-			"stop between blocks when ptxmig checkpoints the app. With --mid-block, kernels with safe\n" +
-			"points inside their blocks (polled loops, CTA-wide barriers) get twins that also stop there,\n" +
-			"saving registers and shared memory, so a kernel whose blocks run for minutes (one wave of\n" +
-			"threads looping for the whole kernel) stops within microseconds instead of holding the\n" +
-			"checkpoint until it ends. Off by default: such twins made other long kernels slower (matrixMul\n" +
-			"1.4x, docs/BENCHMARKS.md). With --mid-block-one-wave instead, every twin stays block-granular\n" +
-			"and such kernels get a second, mid-block twin that the shim launches only for a grid that fits\n" +
-			"in one wave of resident blocks (a block twin cannot stop those sooner than their blocks end);\n" +
-			"not yet the default (PTXMIG_MID_BLOCK=one-wave). `ptxmig kernels PID` shows which kernels have\n" +
-			"which twin.\n\n" +
+			"stop between blocks when ptxmig checkpoints the app. Kernels with safe points inside their\n" +
+			"blocks (polled loops, CTA-wide barriers) also get a mid-block twin that stops there, saving\n" +
+			"registers and shared memory, so a kernel whose blocks run for minutes stops within\n" +
+			"microseconds instead of holding the checkpoint until they end. By default (auto) the shim\n" +
+			"launches the mid-block twin only where a block twin could not stop in time: a grid that fits\n" +
+			"in one wave of resident blocks, or blocks expected to run longer than half of\n" +
+			"PTXMIG_PREEMPT_MIN_US; other launches get the cheaper block twin. --mid-block makes every twin\n" +
+			"mid-block (other long kernels ran slower: matrixMul 1.4x, docs/BENCHMARKS.md); --mid-block=false\n" +
+			"keeps block twins only. `ptxmig kernels PID` shows which kernels have which twin.\n\n" +
 			"Owned memory: with --owned-memory the shim serves the app's cuMemAlloc and cuMemAllocPitch of\n" +
 			"at least PTXMIG_OWNED_MIN_KB (default 1024) from CUDA VMM mappings of its own. A checkpoint then\n" +
 			"copies that memory out itself at link speed (skipping chunks unchanged since the process's\n" +
@@ -76,7 +75,7 @@ func init() {
 			"   ptxmig run --nccl-sockets -- python3 train_ddp.py   # ranks by mp.spawn: a checkpointable job\n" +
 			"   ptxmig run --preempt always ./longgrid --seconds 30\n" +
 			"   ptxmig run --mid-block -- ./longkernel --seconds 600   # stop inside its blocks\n" +
-			"   ptxmig run --mid-block-one-wave -- python3 jit_app.py   # mid-block twins for one-wave grids only\n" +
+			"   ptxmig run --mid-block=false -- python3 jit_app.py   # block-granular twins only\n" +
 			"   ptxmig run --owned-memory -- python3 serve.py   # checkpoints copy GPU memory at link speed\n" +
 			"   ptxmig run --socket-dir /tmp/ptxmig -- ./app > app.log 2>&1 &   # $! is the app's PID",
 		Flags: []cli.Flag{
@@ -84,9 +83,7 @@ func init() {
 			&cli.StringFlag{Name: "preempt", Value: "auto", EnvVars: []string{"PTXMIG_PREEMPT"},
 				Usage: "preemptible kernels (`MODE`): auto (twins for long or untimed kernels), always, or off (launch originals only)"},
 			&cli.BoolFlag{Name: "mid-block",
-				Usage: "twins that also stop inside a block where the kernel allows it (for kernels whose blocks run long; costs other kernels time); without either mid-block flag, $PTXMIG_MID_BLOCK (1, one-wave or 0) decides"},
-			&cli.BoolFlag{Name: "mid-block-one-wave",
-				Usage: "block-granular twins, and a second, mid-block twin for launches whose grid fits in one wave (where a kernel allows it)"},
+				Usage: "every twin also stops inside a block where the kernel allows it (costs other kernels time); --mid-block=false: block-granular twins only; without the flag, $PTXMIG_MID_BLOCK (auto, 1 or 0) decides, else auto (see above)"},
 			&cli.BoolFlag{Name: "owned-memory", EnvVars: []string{"PTXMIG_OWNED_MEMORY"},
 				Usage: "the shim serves device allocations from VMM mappings it moves itself at checkpoint and restore (fast; no CUDA IPC of them)"},
 			&cli.BoolFlag{Name: "nccl-sockets",
@@ -315,31 +312,30 @@ func runAction(c *cli.Context) error {
 	return exitcode.Wrap(exitcode.RunNoExec, fmt.Errorf("run: exec %s: %w", esc(path), err))
 }
 
-// midBlockSetting is the shim's PTXMIG_MID_BLOCK: "1" (--mid-block), "one-wave"
-// (--mid-block-one-wave) or "0"; without either flag the environment's PTXMIG_MID_BLOCK (the
-// shim's own spellings, or a boolean), else "0".
+// midBlockDefault is the shim's PTXMIG_MID_BLOCK when neither --mid-block nor the environment
+// says: "auto", a kernel's second, mid-block twin only where its block twin could not stop in time.
+const midBlockDefault = "auto"
+
+// midBlockSetting is the shim's PTXMIG_MID_BLOCK: "1" (--mid-block: every twin mid-block), "0"
+// (--mid-block=false: block twins only) or "auto"; without the flag the environment's
+// PTXMIG_MID_BLOCK (auto, or a boolean), else midBlockDefault.
 func midBlockSetting(c *cli.Context) (string, error) {
-	on, wave := c.Bool("mid-block"), c.Bool("mid-block-one-wave")
-	switch {
-	case on && wave:
-		return "", exitcode.Usagef("run: --mid-block and --mid-block-one-wave exclude each other")
-	case on:
-		return "1", nil
-	case wave:
-		return "one-wave", nil
-	case c.IsSet("mid-block") || c.IsSet("mid-block-one-wave"):
-		return "0", nil // turned off explicitly
+	if c.IsSet("mid-block") {
+		if c.Bool("mid-block") {
+			return "1", nil
+		}
+		return "0", nil
 	}
 	v, ok := os.LookupEnv("PTXMIG_MID_BLOCK")
 	if !ok || v == "" {
-		return "0", nil
+		return midBlockDefault, nil
 	}
-	if v == "one-wave" {
+	if v == "auto" {
 		return v, nil
 	}
 	b, err := strconv.ParseBool(v)
 	if err != nil {
-		return "", exitcode.Usagef("run: PTXMIG_MID_BLOCK=%q: want 1, one-wave or 0", v)
+		return "", exitcode.Usagef("run: PTXMIG_MID_BLOCK=%q: want auto, 1 or 0", v)
 	}
 	if b {
 		return "1", nil

@@ -335,20 +335,23 @@ func TestRun(t *testing.T) {
 	})
 
 	t.Run("mid-block setting", func(t *testing.T) {
-		// Off by default; --mid-block and PTXMIG_MID_BLOCK=1 turn it on for the shim.
+		// auto by default; --mid-block and PTXMIG_MID_BLOCK=1 make every twin mid-block, =false and
+		// 0 none.
 		tests := []struct {
 			flags []string
 			env   []string
 			want  string
 		}{
-			{nil, nil, "0\n"},
+			{nil, nil, midBlockDefault + "\n"},
+			{nil, []string{"PTXMIG_MID_BLOCK="}, midBlockDefault + "\n"},
 			{[]string{"--mid-block"}, nil, "1\n"},
 			{nil, []string{"PTXMIG_MID_BLOCK=1"}, "1\n"},
 			{[]string{"--mid-block=false"}, []string{"PTXMIG_MID_BLOCK=1"}, "0\n"},
-			{[]string{"--mid-block-one-wave"}, nil, "one-wave\n"},
-			{nil, []string{"PTXMIG_MID_BLOCK=one-wave"}, "one-wave\n"},
+			{[]string{"--mid-block=false"}, nil, "0\n"},
+			{nil, []string{"PTXMIG_MID_BLOCK=auto"}, "auto\n"},
+			{nil, []string{"PTXMIG_MID_BLOCK=0"}, "0\n"},
 			{nil, []string{"PTXMIG_MID_BLOCK=true"}, "1\n"},
-			{[]string{"--mid-block-one-wave=false"}, []string{"PTXMIG_MID_BLOCK=one-wave"}, "0\n"},
+			{[]string{"--mid-block"}, []string{"PTXMIG_MID_BLOCK=auto"}, "1\n"},
 		}
 		for _, tt := range tests {
 			args := append(append([]string{"run", "--shim", f.shim, "--socket-dir", f.sock}, tt.flags...), "--", "sh", "-c", `echo "$PTXMIG_MID_BLOCK"`)
@@ -357,16 +360,10 @@ func TestRun(t *testing.T) {
 				t.Errorf("run %v with %v: %v, PTXMIG_MID_BLOCK=%q, want %q", tt.flags, tt.env, err, out, tt.want)
 			}
 		}
-		// Both: run's own usage failure (125), nothing started.
-		args := []string{"run", "--shim", f.shim, "--socket-dir", f.sock, "--mid-block", "--mid-block-one-wave", "--", "sh", "-c", "echo started"}
-		out, err := f.cmd(args).Output()
-		var ee *exec.ExitError
-		if !errors.As(err, &ee) || ee.ExitCode() != 125 || len(out) != 0 {
-			t.Errorf("run --mid-block --mid-block-one-wave: %v, output %q; want exit 125 and nothing", err, out)
-		}
 		// A value the shim would not understand: refused before anything starts.
-		args = []string{"run", "--shim", f.shim, "--socket-dir", f.sock, "--", "sh", "-c", "echo started"}
-		out, err = f.cmd(args, "PTXMIG_MID_BLOCK=sometimes").Output()
+		args := []string{"run", "--shim", f.shim, "--socket-dir", f.sock, "--", "sh", "-c", "echo started"}
+		out, err := f.cmd(args, "PTXMIG_MID_BLOCK=sometimes").Output()
+		var ee *exec.ExitError
 		if !errors.As(err, &ee) || ee.ExitCode() != 125 || len(out) != 0 {
 			t.Errorf("run with PTXMIG_MID_BLOCK=sometimes: %v, output %q; want exit 125 and nothing", err, out)
 		}

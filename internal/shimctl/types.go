@@ -134,8 +134,9 @@ type Kernel struct {
 	// MidBlock: the twin also stops inside a block (its module carries the record layout, read
 	// at its first twin launch); nil otherwise.
 	MidBlock *MidBlockKernel `json:"mid_block,omitempty"`
-	// MidTwin: the module also carries a second, mid-block twin, launched for grids that fit in
-	// one wave (PTXMIG_MID_BLOCK=one-wave, `ptxmig run --mid-block-one-wave`).
+	// MidTwin: the module also carries a second, mid-block twin, launched where the block twin
+	// could not stop in time: grids that fit in one wave, blocks expected to run long
+	// (PTXMIG_MID_BLOCK=auto, `ptxmig run`'s default).
 	MidTwin bool `json:"mid_twin,omitempty"`
 }
 

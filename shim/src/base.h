@@ -33,8 +33,9 @@ typedef struct {
   unsigned preempt_batch_max;  // PTXMIG_PREEMPT_BATCH_MAX: twins' largest claim (0: from the sampled block time)
   int preempt_sass;          // PTXMIG_PREEMPT_SASS: 1 jit (default), 0 keep modules with SASS for the GPU
   int ptx_cubin;             // PTXMIG_PTX_CUBIN (default 1): ask the helper for a cubin (ptxas) instead of PTX to JIT
-  int mid_block;             // PTXMIG_MID_BLOCK: MB_OFF (default), MB_ON (1: twins that also stop inside a block,
-                             // ptx instrument --mid-block), MB_ONE_WAVE (one-wave: a second, mid-block twin for one-wave grids)
+  int mid_block;             // PTXMIG_MID_BLOCK: MB_AUTO (default), MB_OFF (0), MB_ON (1: twins that also stop inside a block,
+                             // ptx instrument --mid-block), MB_AUTO (auto: a second, mid-block twin, launched where
+                             // a block twin cannot stop in time: one-wave grids, blocks sampled long)
   uint64_t mid_max_bytes;    // PTXMIG_MID_BLOCK_MAX_MB (default 2048): save areas of one launch at most
   int owned;                 // PTXMIG_OWNED_MEMORY=1 (default 0): serve cuMemAlloc* from VMM mappings (vmm.c)
   uint64_t owned_min;        // PTXMIG_OWNED_MIN_KB (default 1024): smaller allocations go to the driver
@@ -44,7 +45,7 @@ typedef struct {
   uint64_t helper_max_bytes; // PTXMIG_HELPER_MAX_MB: PTX size limit in and out (default 256)
 } shim_config;
 enum { PM_OFF, PM_AUTO, PM_ALWAYS };
-enum { MB_OFF, MB_ON, MB_ONE_WAVE };
+enum { MB_OFF, MB_ON, MB_AUTO };
 extern shim_config cfg;
 // config_load fills cfg from the environment: cheap (no allocation, no I/O), so the first code
 // to run in the process (a constructor, or a dlsym that beats it) can call it.

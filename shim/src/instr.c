@@ -402,7 +402,7 @@ static int mark_twins(kinfo_set *ks, const char *out, size_t outlen, const char 
     ks->k[i].twin = has_entry(out, outlen, tn, (size_t)l);
     twins += ks->k[i].twin;
     l = snprintf(tn, sizeof tn, "%s" PTXMIG_MID_TWIN_SUFFIX, ks->k[i].name);
-    ks->k[i].mid_twin = cfg.mid_block == MB_ONE_WAVE && ks->k[i].twin && l > 0 && (size_t)l < sizeof tn &&
+    ks->k[i].mid_twin = cfg.mid_block == MB_AUTO && ks->k[i].twin && l > 0 && (size_t)l < sizeof tn &&
                         has_entry(out, outlen, tn, (size_t)l) && !has_kernel(ks, ks->k[i].name, "_mid");
   }
   if (report && replen) json_kernel_report(report, replen, set_reason, ks);
@@ -557,7 +557,7 @@ static int run_helper(const char *ptx, size_t len, obuf *out, obuf *rep, kinfo_s
   char *argv[16] = {cfg.helper, "ptx", "instrument", "--report", "--json"};
   int na = 5;
   if (cfg.mid_block == MB_ON) argv[na++] = "--mid-block";
-  if (cfg.mid_block == MB_ONE_WAVE) argv[na++] = "--mid-block-twins";
+  if (cfg.mid_block == MB_AUTO) argv[na++] = "--mid-block-twins";
   if (cc > 0) {
     argv[na++] = "--match-registers";
     argv[na++] = arch;
@@ -744,8 +744,8 @@ int instr_prepare(const void *image, size_t known, const char *path, char **ptx_
   // entry is a cubin where the helper could assemble one, else the instrumented PTX.
   int cc = device_cc();
   // Mid-block twins are another transform of the same PTX: "-m" in the name; both kinds of
-  // twins (one-wave), "-b".
-  const char *mb = cfg.mid_block == MB_ON ? "-m" : cfg.mid_block == MB_ONE_WAVE ? "-b" : "";
+  // twins (auto), "-b".
+  const char *mb = cfg.mid_block == MB_ON ? "-m" : cfg.mid_block == MB_AUTO ? "-b" : "";
   snprintf(name, sizeof name, "%s-v%d%s-sm%d.ptx", sha, PTXMIG_TRANSFORM_VERSION, mb, cc);
   snprintf(cname, sizeof cname, "%s-v%d%s-sm%d.cubin", sha, PTXMIG_TRANSFORM_VERSION, mb, cc);
   snprintf(why, sizeof why, "%s-v%d%s-sm%d.why", sha, PTXMIG_TRANSFORM_VERSION, mb, cc);

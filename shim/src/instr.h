@@ -16,7 +16,7 @@
 typedef struct kinfo {
   char *name;        // the original kernel's name
   int twin;          // the loaded module carries name__ptxmig
-  int mid_twin;      // and name_mid__ptxmig, its mid-block twin (PTXMIG_MID_BLOCK=one-wave)
+  int mid_twin;      // and name_mid__ptxmig, its mid-block twin (PTXMIG_MID_BLOCK=auto)
   char *reason;      // why not (NULL when twin)
   int nparams;       // -1: layout unknown
   uint32_t *off, *size;

@@ -549,20 +549,28 @@ static void retire_locked(crec *c, int max) {
   }
 }
 
-// batch_max_for: the twin's largest claim. PTXMIG_PREEMPT_BATCH_MAX when set; else from the
-// kernel's sampled time per block (per-block time ~ kernel time x resident CTAs / blocks) so that
-// one batch lasts about BATCH_TARGET_US (a CTA runs up to ~2 batches after the flag is raised),
-// 1 to PTXMIG_BATCH_MAX_DEFAULT; the default when the kernel was never timed.
-#define BATCH_TARGET_US 1000.0
-static uint32_t batch_max_for(krec *r, uint64_t resident) {
-  if (cfg.preempt_batch_max) return cfg.preempt_batch_max;
+// block_us_of: the kernel's sampled time of one block, µs (0: never timed). A sample gives its
+// time per block of the launch; the blocks of a launch ran about `resident` at a time (fewer when
+// the launch had fewer), so one block took about that many times the per-block share.
+static double block_us_of(krec *r, uint64_t resident) {
   uint64_t smp = r ? atomic_load(&r->blk_sample) : 0;
   uint64_t blocks = smp & 0xffffffffull;
-  if (!smp || !blocks || !resident) return PTXMIG_BATCH_MAX_DEFAULT;
+  if (!smp || !blocks || !resident) return 0;
   uint32_t hi = (uint32_t)(smp >> 32);
   float per;
   memcpy(&per, &hi, sizeof per);
-  double block_us = (double)per * (double)(resident < blocks ? resident : blocks);
+  double us = (double)per * (double)(resident < blocks ? resident : blocks);
+  return us > 0 ? us : 0;
+}
+
+// batch_max_for: the twin's largest claim. PTXMIG_PREEMPT_BATCH_MAX when set; else from the
+// kernel's sampled time per block so that one batch lasts about BATCH_TARGET_US (a CTA runs up to
+// ~2 batches after the flag is raised), 1 to PTXMIG_BATCH_MAX_DEFAULT; the default when the
+// kernel was never timed.
+#define BATCH_TARGET_US 1000.0
+static uint32_t batch_max_for(krec *r, uint64_t resident) {
+  if (cfg.preempt_batch_max) return cfg.preempt_batch_max;
+  double block_us = block_us_of(r, resident);
   if (!(block_us > 0)) return PTXMIG_BATCH_MAX_DEFAULT;
   double g = BATCH_TARGET_US / block_us;
   if (g >= PTXMIG_BATCH_MAX_DEFAULT) return PTXMIG_BATCH_MAX_DEFAULT;
@@ -813,20 +821,29 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   }
   // A mid-block twin (one whose module carries its record layout) stops inside a block.
   int mid = cfg.mid_block == MB_ON && mid_layout(r, k, owner, is_lib);
-  // one-wave (PTXMIG_MID_BLOCK=one-wave): a grid that fits in one wave of resident blocks gives each
-  // block-twin CTA one block, which it cannot cut short; the kernel's second, mid-block twin can
-  // stop inside it. Chosen when all of the grid is resident as that twin too (its occupancy, not
-  // the block twin's: it holds more registers), so the launch still runs in one wave.
-  int one_wave = 0;
-  if (cfg.mid_block == MB_ONE_WAVE && k->mid_twin && blocks <= (uint64_t)occ * (uint64_t)c->sms &&
-      mid_layout(r, k, owner, is_lib)) {
-    CUfunction mf = function_of(fn_handle(k, owner, is_lib, PTXMIG_MID_TWIN_SUFFIX, &r->mid_fn, &r->mid_fn_state),
-                                &r->mid_fn_state);
+  // auto (PTXMIG_MID_BLOCK=auto): the kernel's second, mid-block twin where its block twin could
+  // not stop in time. A grid that fits in one wave of resident blocks gives each block-twin CTA one
+  // block, which it cannot cut short; and a block expected to run longer than half
+  // PTXMIG_PREEMPT_MIN_US holds a block twin's stop for up to two blocks (the one running, the one
+  // claimed ahead). A block's expected time: the launch's (auto's estimate, which follows the grid
+  // and the count arguments) over its waves. One wave is judged by the mid twin's own occupancy
+  // (it holds more registers), so such a launch still runs in one wave.
+  int one_wave = 0, long_blocks = 0;
+  if (cfg.mid_block == MB_AUTO && k->mid_twin && mid_layout(r, k, owner, is_lib)) {
+    uint64_t res = (uint64_t)occ * (uint64_t)c->sms;
+    int fits = blocks <= res;
+    double bus = (double)est_us(r, blocks, sig) * (double)(fits ? blocks : res) / (double)blocks;
+    int lng = !fits && 2.0 * bus > (double)cfg.preempt_min_us;
+    CUfunction mf = (fits || lng) ? function_of(fn_handle(k, owner, is_lib, PTXMIG_MID_TWIN_SUFFIX, &r->mid_fn,
+                                                          &r->mid_fn_state),
+                                                &r->mid_fn_state)
+                                  : NULL;
     int occ_mid = 0;
     if (mf) replay_attrs(r, mf, &r->mid_attrs_applied);
-    if (mf && d.occupancy(&occ_mid, mf, (int)threads, shmem) == CUDA_SUCCESS && occ_mid > 0 &&
-        blocks <= (uint64_t)occ_mid * (uint64_t)c->sms) {
-      twin = mf, occ = occ_mid, mid = one_wave = 1;
+    if (mf && d.occupancy(&occ_mid, mf, (int)threads, shmem) == CUDA_SUCCESS && occ_mid > 0) {
+      one_wave = fits && blocks <= (uint64_t)occ_mid * (uint64_t)c->sms;
+      long_blocks = !one_wave && lng;
+      if (one_wave || long_blocks) twin = mf, occ = occ_mid, mid = 1;
     }
   }
   // auto: a grid that fits in one wave of the twin gives each twin CTA at most one block, and a
@@ -868,6 +885,8 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
         *why = "one wave, and its mid-block save areas exceed PTXMIG_MID_BLOCK_MAX_MB";
         return 0;
       }
+      // (a long-block launch keeps the mid twin it was given: without a save area it stops
+      // between blocks, as its block twin would)
       LOG_ONCE("preemption: a mid-block twin's save areas exceed PTXMIG_MID_BLOCK_MAX_MB; it stops between blocks only");
     }
   }
@@ -1825,7 +1844,7 @@ void preempt_report_status(jbuf *b) {
             atomic_load(&st_twin_launches), atomic_load(&st_relaunches), atomic_load(&st_quiesces),
             atomic_load(&st_preempted), cfg.preempt_hold ? "true" : "false", atomic_load(&st_holds),
             (double)atomic_load(&st_hold_ns) / 1e6, atomic_load(&st_hold_gaveup), cfg.mid_block ? "true" : "false",
-            cfg.mid_block == MB_ON ? "on" : cfg.mid_block == MB_ONE_WAVE ? "one-wave" : "off",
+            cfg.mid_block == MB_ON ? "on" : cfg.mid_block == MB_AUTO ? "auto" : "off",
             atomic_load(&st_mid_launches), atomic_load(&st_mid_stops), atomic_load(&st_mid_refused));
   instr_stats(b);
   jb_printf(b, ",\"helper\":");

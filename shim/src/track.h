@@ -109,7 +109,7 @@ typedef struct krec {
   // slots, static shared bytes, sites, local bytes}); mid_state 0 not read, 1 read, -1 none
   atomic_int mid_state;
   uint32_t mid[5];
-  void *_Atomic mid_fn;         // K_mid__ptxmig's handle (PTXMIG_MID_BLOCK=one-wave), looked up once
+  void *_Atomic mid_fn;         // K_mid__ptxmig's handle (PTXMIG_MID_BLOCK=auto), looked up once
   atomic_int mid_fn_state;      // as twin_fn_state
   atomic_int mid_attrs_applied; // as attrs_applied, for mid_fn
   atomic_ulong mid_launches, mid_stops;

@@ -594,7 +594,7 @@ def t_cubin(name):
         c.close()
         ended_ok(name, app)
         files = sorted(os.listdir(cdir))
-        check(len(files) == 2 and files[0].endswith("-v3-sm90.cubin") and files[1].endswith("-v3-sm90.why"),
+        check(len(files) == 2 and files[0].endswith("-v3-b-sm90.cubin") and files[1].endswith("-v3-b-sm90.why"),
               f"{name}: {run}: cache files {files}")
     with open(os.path.join(cdir, files[0]), "rb") as f:
         check(f.read(4) == b"\x7fELF", f"{name}: the .cubin entry is not an ELF file")
@@ -604,7 +604,7 @@ def t_cubin(name):
     check(st["helper_runs"] == 1 and st["hits"] == 0, f"{name}: cubins off used the .cubin entry: {st}")
     c.close()
     ended_ok(name, app)
-    check(any(f.endswith("-v3-sm90.ptx") for f in os.listdir(cdir)), f"{name}: no .ptx entry with cubins off")
+    check(any(f.endswith("-v3-b-sm90.ptx") for f in os.listdir(cdir)), f"{name}: no .ptx entry with cubins off")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -646,7 +646,7 @@ def t_cache(name):
     cdir = os.path.join(tmp, "cache")
     check(stat.S_IMODE(os.stat(cdir).st_mode) == 0o700, f"{name}: cache dir mode")
     files = sorted(os.listdir(cdir))
-    check(len(files) == 2 and files[0].endswith("-v3-sm90.ptx") and files[1].endswith("-v3-sm90.why"), f"{name}: cache files {files}")
+    check(len(files) == 2 and files[0].endswith("-v3-b-sm90.ptx") and files[1].endswith("-v3-b-sm90.why"), f"{name}: cache files {files}")
     for f in files:
         check(stat.S_IMODE(os.stat(os.path.join(cdir, f)).st_mode) == 0o600, f"{name}: {f} mode")
     # Second run: from the cache only (no helper at all), reasons kept.
@@ -905,54 +905,88 @@ def t_mid_block(name, env=None):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def t_mid_one_wave(name, env=None, mid_fits=True):
-    """PTXMIG_MID_BLOCK=one-wave: the module carries k_count_loop's block twin and its second,
-    mid-block twin. A grid that fits in one wave (the fake: 4 SMs x 2 CTAs) runs as the mid-block
-    twin and stops inside its blocks; a larger grid runs as the block twin and stops between
-    blocks; every block counts once. With the mid twin fitting fewer CTAs per SM
+def t_mid_auto(name, env=None, mid_fits=True):
+    """PTXMIG_MID_BLOCK=auto: the module carries k_count_loop's block twin and its second,
+    mid-block twin. An untimed many-block grid runs as the block twin and stops between blocks; a
+    grid that fits in one wave (the fake: 4 SMs x 2 CTAs) runs as the mid-block twin and stops
+    inside its blocks; a many-block grid whose blocks are expected to run long (timed before) runs
+    as the mid-block twin too. Every block counts once. With the mid twin fitting fewer CTAs per SM
     (mid_fits=False), the one-wave grid is not one wave for it: the block twin runs."""
-    full = dict({"APP_KERNEL": "loop", "PTXMIG_MID_BLOCK": "one-wave", "FAKE_CUDA_BLOCK_US_ARG": "1",
+    full = dict({"APP_KERNEL": "loop", "PTXMIG_MID_BLOCK": "auto", "FAKE_CUDA_BLOCK_US_ARG": "1",
                  "FAKE_CUDA_BLOCK_US": "1000"}, **(env or {}))
     tmp, app = with_app(name, full)
     c = app.conn()
     st = c.req(cmd="status")["result"]["preempt"]
-    check(st.get("mid_block_mode") == "one-wave", f"{name}: status {st}")
-    # One wave of 8 blocks of 400 ms each (the loop count is the fake block's time factor).
-    check(app.cmd("launchw s 8 400") == "launched s", f"{name}: one-wave launch")
-    time.sleep(0.05)
+    check(st.get("mid_block_mode") == "auto", f"{name}: status {st}")
+    launches = 0
+
+    def stop(what, cmd, total):
+        nonlocal launches
+        check(app.cmd(cmd) == "launched s", f"{name}: {what} launch")
+        launches += 1
+        time.sleep(0.05)
+        p = c.req(cmd="quiesce", budget_ms=500)["result"].get("preempted", [])
+        ok = check(len(p) == 1 and p[0]["kernel"] == "k_count_loop" and p[0]["blocks_total"] == total,
+                   f"{name}: {what}: preempted {p}")
+        rs = c.req(cmd="resume")["result"]
+        check(rs["relaunched"] == 1 and not rs.get("errors"), f"{name}: {what}: resume {rs}")
+        check(app.cmd("check", timeout=60) == f"check ok {launches} launches, 0 bad blocks",
+              f"{name}: blocks after the {what} stop")
+        return p[0] if ok else {}
+
+    # Many blocks, never timed: the block twin, stopped between blocks.
+    p = stop("untimed many-block", "launchw s 200 2", 200)
+    check(p.get("mid_block") is False and p.get("stop") == "block boundary" and p.get("blocks_done", 200) < 200,
+          f"{name}: untimed many blocks: {p}")
     k = kern(c, "k_count_loop")
     check(k and k["twin"] is True and k.get("mid_twin") is True, f"{name}: kernels k_count_loop {k}")
-    r = c.req(cmd="quiesce", budget_ms=500)["result"]
-    p = r.get("preempted", [])
-    if check(len(p) == 1 and p[0]["kernel"] == "k_count_loop" and p[0]["blocks_total"] == 8, f"{name}: preempted {p}"):
-        if mid_fits:
-            check(p[0]["mid_block"] is True and p[0]["stop"] == "mid-block" and p[0]["records"] >= 1,
-                  f"{name}: the one-wave grid did not stop inside its blocks: {p[0]}")
-        else:
-            check(p[0]["mid_block"] is False and p[0]["stop"] == "block boundary", f"{name}: {p[0]}")
-    rs = c.req(cmd="resume")["result"]
-    check(rs["relaunched"] == 1 and not rs.get("errors"), f"{name}: resume {rs}")
-    check(app.cmd("check", timeout=60) == "check ok 1 launches, 0 bad blocks", f"{name}: blocks after the one-wave stop")
+    # One wave of 8 blocks of 400 ms each (the loop count is the fake block's time factor).
+    p = stop("one-wave", "launchw s 8 400", 8)
+    if mid_fits:
+        check(p.get("mid_block") is True and p.get("stop") == "mid-block" and p.get("records", 0) >= 1,
+              f"{name}: the one-wave grid did not stop inside its blocks: {p}")
+    else:
+        check(p.get("mid_block") is False and p.get("stop") == "block boundary", f"{name}: {p}")
     k = kern(c, "k_count_loop")
     mb = (k or {}).get("mid_block") or {}
     check(mb.get("launches") == (1 if mid_fits else 0) or (not mid_fits and not mb),
           f"{name}: mid-block launches {k}")
-    # Many blocks: the block twin, stopped between blocks.
-    check(app.cmd("launchw s 200 2") == "launched s", f"{name}: many-block launch")
+    # Many blocks of 200 ms, the kernel timed: a block twin would hold the stop for up to two
+    # blocks, so the mid-block twin runs (whatever its occupancy: more waves, not fewer stops).
+    p = stop("long-block", "launchw s 64 200", 64)
+    check(p.get("mid_block") is True and p.get("stop") == "mid-block", f"{name}: long blocks: {p}")
+    c.close()
+    ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def t_mid_auto_learned(name, env=None):
+    """PTXMIG_MID_BLOCK=auto, as numba's many-block launches run: the first, untimed launch of a
+    kernel with long blocks runs as the block twin to its end; the same launch again, the kernel
+    now timed with 100 ms blocks, runs as the mid-block twin and stops inside its blocks."""
+    full = dict({"APP_KERNEL": "loop", "PTXMIG_PREEMPT": "auto", "FAKE_CUDA_BLOCK_US_ARG": "1",
+                 "FAKE_CUDA_BLOCK_US": "1000"}, **(env or {}))
+    tmp, app = with_app(name, full)
+    c = app.conn()
+    check(app.cmd("launchw s 64 100") == "launched s", f"{name}: first launch")
+    check(app.cmd("check", timeout=60) == "check ok 1 launches, 0 bad blocks", f"{name}: first launch's blocks")
+    k = kern(c, "k_count_loop")
+    check(k and k["twin_launches"] == 1 and k["timed"] == 1 and not (k.get("mid_block") or {}).get("launches"),
+          f"{name}: the first launch ran as the block twin: {k}")
+    check(app.cmd("launchw s 64 100") == "launched s", f"{name}: second launch")
     time.sleep(0.05)
-    r = c.req(cmd="quiesce", budget_ms=500)["result"]
-    p = r.get("preempted", [])
-    check(len(p) == 1 and p[0]["mid_block"] is False and p[0]["stop"] == "block boundary" and
-          p[0]["blocks_done"] < p[0]["blocks_total"] == 200, f"{name}: many blocks: preempted {p}")
+    p = c.req(cmd="quiesce", budget_ms=500)["result"].get("preempted", [])
+    check(len(p) == 1 and p[0].get("mid_block") is True and p[0].get("stop") == "mid-block",
+          f"{name}: the timed long-block launch did not stop inside its blocks: {p}")
     c.req(cmd="resume")
-    check(app.cmd("check", timeout=60) == "check ok 2 launches, 0 bad blocks", f"{name}: blocks after the many-block stop")
+    check(app.cmd("check", timeout=60) == "check ok 2 launches, 0 bad blocks", f"{name}: blocks after the stop")
     c.close()
     ended_ok(name, app)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
 def t_mid_block_off(name, env, want_refused, layout=False):
-    """Mid-block stops off (PTXMIG_MID_BLOCK=0 or unset: the default), without the module's layout,
+    """Mid-block stops off (PTXMIG_MID_BLOCK=0), without the module's layout,
     or over the save-area limit: the same kernel's twin stops between blocks only, and every block
     counts once."""
     full = dict({"APP_KERNEL": "loop", "PTXMIG_MID_BLOCK": "1"}, **env)
@@ -1159,11 +1193,15 @@ def main():
         ("mid-block-off", lambda n: t_mid_block_off(n, {"PTXMIG_MID_BLOCK": "0"}, 0), ()),
         ("mid-block-no-layout", lambda n: t_mid_block_off(n, {"FAKE_CUDA_NO_GLOBALS": "1"}, 0), ()),
         ("mid-block-over-limit", lambda n: t_mid_block_off(n, {"PTXMIG_MID_BLOCK_MAX_MB": "0"}, 1, layout=True), ()),
-        ("mid-block-default-off", lambda n: t_mid_block_off(n, {"PTXMIG_MID_BLOCK": None}, 0), ()),
-        # One-wave grids get the second, mid-block twin; larger ones the block twin.
-        ("mid-block-one-wave", lambda n: t_mid_one_wave(n), ()),
-        ("mid-block-one-wave-library", lambda n: t_mid_one_wave(n, {"APP_MODULE": "library"}), ()),
-        ("mid-block-one-wave-mid-occupancy", lambda n: t_mid_one_wave(n, {"FAKE_CUDA_MID_OCC": "1"}, mid_fits=False), ()),
+        # auto (the default): one-wave grids and long blocks get the second, mid-block twin; other
+        # launches the block twin.
+        ("mid-block-auto", lambda n: t_mid_auto(n), ()),
+        ("mid-block-default-auto", lambda n: t_mid_auto(n, {"PTXMIG_MID_BLOCK": None}), ()),
+        ("mid-block-auto-learned", lambda n: t_mid_auto_learned(n), ()),
+        ("mid-block-auto-learned-nvjitlink", lambda n: t_mid_auto_learned(n, {"APP_MODULE": "nvjitlink-lto"}), ()),
+        ("mid-block-auto-learned-library", lambda n: t_mid_auto_learned(n, {"APP_MODULE": "library"}), ()),
+        ("mid-block-auto-library", lambda n: t_mid_auto(n, {"APP_MODULE": "library"}), ()),
+        ("mid-block-auto-mid-occupancy", lambda n: t_mid_auto(n, {"FAKE_CUDA_MID_OCC": "1"}, mid_fits=False), ()),
         ("mid-block-criu", lambda n: t_criu(n, {"APP_KERNEL": "loop", "PTXMIG_MID_BLOCK": "1"}), ()),
     ]
     for n, fn, _ in cases:
