@@ -216,20 +216,30 @@ func TestFrameworks(t *testing.T) {
 // many blocks (about four waves) and over one wave, under the default `ptxmig run`: a
 // `checkpoint --leave-running` one second into the second launch must succeed within the lock
 // timeout, with identical output. CuPy compiles with NVRTC straight to a cubin, numba-cuda links
-// NVVM's PTX with nvJitLink (LTO-IR): the shim takes the PTX from the compiler, so a many-block
-// launch must be preempted by a twin (CuPy gets a kernel cache of its own, so that the kernel is
-// compiled under the shim and not loaded from a cubin cached by the reference run). Numba's loop
-// has a mid-block site, so the default (PTXMIG_MID_BLOCK=auto) launches its mid-block twin for the
-// one-wave grid and for the many-block grid once its first launch timed 3 s blocks: both must stop
-// inside their blocks. CuPy's clock-bound spin has no site (each thread leaves it on its own clock;
-// ptx analyze: C1, C4): its many-block launch gets the block twin, its one wave the original.
-// Recorded: the quiesce, the lock, and what the shim did with the launch.
+// NVVM's LTO-IR with nvJitLink: the shim takes the PTX from the compiler, so a many-block launch
+// must be preempted by a twin (CuPy gets a kernel cache of its own, so that the kernel is compiled
+// under the shim and not loaded from a cubin cached by the reference run). A loop of nanosleeps
+// with a uniform trip count (numba; cupy-sleep: `--spin sleep`) has a mid-block site, so the
+// default (PTXMIG_MID_BLOCK=auto) launches its mid-block twin for the one-wave grid and for the
+// many-block grid once its first launch timed 3 s blocks: both must stop inside their blocks.
+// CuPy's clock-bound spin (`--spin clock`) has none (each thread leaves it on its own clock, a
+// location-bound value; ptx analyze: C1, C4): its many-block launch gets the block twin, its one
+// wave the original. Recorded: the quiesce, the lock, and what the shim did with the launch.
 func TestJITLongKernels(t *testing.T) {
 	need(t, 1)
-	for _, fw := range []string{"cupy", "numba"} {
+	for _, c := range []struct {
+		name, fw string
+		args     []string
+		mid      bool // a mid-block site: must stop inside its blocks
+	}{
+		{"cupy", "cupy", []string{"--spin", "clock"}, false},
+		{"cupy-sleep", "cupy", []string{"--spin", "sleep"}, true},
+		{"numba", "numba", nil, true},
+	} {
+		fw := c.fw
 		for _, wave := range []string{"many-blocks", "one-wave"} {
-			t.Run(fw+"/"+wave, func(t *testing.T) {
-				args := []string{fw, "--steps", "3", "--sleep-ms", "0", "--long-ms", "3000"}
+			t.Run(c.name+"/"+wave, func(t *testing.T) {
+				args := append([]string{fw, "--steps", "3", "--sleep-ms", "0", "--long-ms", "3000"}, c.args...)
 				env := []string{"CUPY_CACHE_DIR=" + t.TempDir()}
 				if wave != "many-blocks" {
 					args = append(args, "--one-wave")
@@ -242,7 +252,7 @@ func TestJITLongKernels(t *testing.T) {
 				p := fwStart(t, env, "step 1 ", args...)
 				time.Sleep(time.Second) // into the second launch
 				so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--lock-timeout", "10s",
-					"--name", fmt.Sprintf("jit-%s-%s-%d", fw, wave, time.Now().UnixNano()), strconv.Itoa(p.pid))
+					"--name", fmt.Sprintf("jit-%s-%s-%d", c.name, wave, time.Now().UnixNano()), strconv.Itoa(p.pid))
 				if code != 0 {
 					t.Fatalf("checkpoint --leave-running in a long %s kernel: exit %d\n%s", fw, code, se)
 				}
@@ -269,7 +279,7 @@ func TestJITLongKernels(t *testing.T) {
 					what = fmt.Sprintf("%d launch(es) preempted, %d still stopping after the budget (stop wait %s) %q, originals: %q",
 						len(r.Quiesce.Preempted), len(r.Quiesce.Stopping), r.StopWait.Round(time.Millisecond), still, why)
 				}
-				if fw == "numba" {
+				if c.mid {
 					mid := false
 					for _, r := range res.Preemption {
 						if r.Quiesce != nil {
@@ -279,7 +289,7 @@ func TestJITLongKernels(t *testing.T) {
 						}
 					}
 					if !mid {
-						t.Errorf("%s %s: no launch stopped inside its blocks (the default's mid-block twin): %s", fw, wave, what)
+						t.Errorf("%s %s: no launch stopped inside its blocks (the default's mid-block twin): %s", c.name, wave, what)
 					}
 				}
 				if wave == "many-blocks" && preempted == 0 {
@@ -300,7 +310,7 @@ func TestJITLongKernels(t *testing.T) {
 				}
 				sameResults(t, results(p.log), want)
 				record(t, "%s %s (3 s a block): quiesce %s, lock %s, checkpoint %s; %s; identical output",
-					fw, wave, q, res.Timings.Of(driverstep.StepLock).Round(time.Millisecond), res.Total.Round(time.Millisecond), what)
+					c.name, wave, q, res.Timings.Of(driverstep.StepLock).Round(time.Millisecond), res.Total.Round(time.Millisecond), what)
 			})
 		}
 	}

@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
 """Deterministic loops in the frameworks users run, for ptxmig's framework matrix (TestFrameworks).
 
-    python3 frameworks.py FRAMEWORK [--steps N] [--sleep-ms M] [--long-ms L] [--one-wave]
+    python3 frameworks.py FRAMEWORK [--steps N] [--sleep-ms M] [--long-ms L] [--one-wave] [--spin clock|sleep]
 
 FRAMEWORK: resnet (torchvision ResNet-18 training), gpt2 (Hugging Face GPT-2, bf16 autocast,
 AdamW), compile (an MLP under torch.compile: Inductor's Triton kernels), triton (a @triton.jit
-kernel), cupy (a cupy.RawKernel: NVRTC, then cuLinkAddData + cuLinkComplete), numba (a
-numba.cuda.jit kernel, linked the same way), jax (a jax.jit MLP). One GPU, no download: models
+kernel), cupy (a cupy.RawKernel: NVRTC), numba (a numba.cuda.jit kernel: NVVM's LTO-IR linked by
+nvJitLink), jax (a jax.jit MLP). One GPU, no download: models
 are built from configurations with a fixed seed. Every step prints "step N VALUE" (a loss to 17
 significant digits, or an exact checksum) and the end "final VALUE"; two uninterrupted runs print
 identical lines, and so must a run checkpointed, restored or migrated in between. --long-ms makes
 each cupy/numba launch spin about that long per block (a long kernel; --one-wave: a grid of one
-block per SM; otherwise 64 per SM: about four waves of 128-thread blocks). Prints "skip: REASON"
-and exits 3 when the framework is missing.
+block per SM; otherwise 64 per SM: about four waves of 128-thread blocks). cupy spins on the SM's
+clock by default (--spin clock: a per-thread loop exit on a location-bound value, which has no
+mid-block safe point) or, with --spin sleep, as numba always does: a loop of 1 µs nanosleeps with a
+uniform trip count (a mid-block safe point). Prints "skip: REASON" and exits 3 when the framework
+is missing.
 """
 import argparse
 import os
@@ -23,13 +26,18 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
 
-# The spin-and-count kernel of cupy and numba: each block spins `spin` clock cycles (0: none), then
-# each thread adds a value that depends on its index and the step to out[thread], so the sum is an
-# exact function of the steps run.
+# The spin-and-count kernels of cupy and numba: each block spins (spin_count: `spin` clock cycles;
+# spin_sleep: `spin` sleeps of about 1 µs; 0: none), then each thread adds a value that depends on
+# its index and the step to out[thread], so the sum is an exact function of the steps run.
 CUDA_SRC = r"""
 extern "C" __global__ void spin_count(unsigned long long *out, unsigned long long spin, unsigned int step) {
     unsigned long long t0 = clock64();
     while (spin && (unsigned long long)(clock64() - t0) < spin) { }
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    atomicAdd(&out[i], (unsigned long long)(i % 97 + step));
+}
+extern "C" __global__ void spin_sleep(unsigned long long *out, unsigned long long spin, unsigned int step) {
+    for (unsigned long long k = 0; k < spin; k++) __nanosleep(1000);
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     atomicAdd(&out[i], (unsigned long long)(i % 97 + step));
 }
@@ -128,14 +136,15 @@ def spin_cycles(a, sms_hz):
 
 def run_cupy(a, emit):
     import cupy as cp
-    k = cp.RawKernel(CUDA_SRC, "spin_count")
+    k = cp.RawKernel(CUDA_SRC, "spin_sleep" if a.spin == "sleep" else "spin_count")
     dev = cp.cuda.Device(0)
     sms = dev.attributes["MultiProcessorCount"]
     hz = dev.attributes["ClockRate"] * 1000
     blocks = sms if a.one_wave else 64 * sms
     out = cp.zeros(blocks * 128, dtype=cp.uint64)
+    spin = int(a.long_ms * 1000) if a.spin == "sleep" and a.long_ms > 0 else spin_cycles(a, hz)
     for step in range(1, a.steps + 1):
-        k((blocks,), (128,), (out, cp.uint64(spin_cycles(a, hz)), cp.uint32(step)))
+        k((blocks,), (128,), (out, cp.uint64(spin), cp.uint32(step)))
         emit(step, str(int(out.sum())))
 
 
@@ -198,6 +207,7 @@ def main() -> int:
     p.add_argument("--sleep-ms", type=float, default=20.0)
     p.add_argument("--long-ms", type=float, default=0.0)
     p.add_argument("--one-wave", action="store_true")
+    p.add_argument("--spin", choices=["clock", "sleep"], default="clock", help="cupy's spin (numba always sleeps)")
     p.add_argument("--seed", type=int, default=1234)
     a = p.parse_args()
     run, module = RUNNERS[a.framework]
