@@ -69,8 +69,8 @@ _Static_assert(offsetof(struct ptxmig_ctl, batch_div) == PTXMIG_CTL_OFF_BATCH_DI
 /* Version 3: mid-block save and resume (twins from `ptxmig ptx instrument --mid-block`;
  * docs/PTXSTATE.md, "Mid-block safe points"). A v3 twin reads past the v2 fields only when
  * version >= 3, so it also runs with a v2 block (no mid-block stops). The shim launches v3
- * blocks under PTXMIG_MID_BLOCK=1, and for one-wave grids under PTXMIG_MID_BLOCK=one-wave
- * (a second twin, K_mid__ptxmig, from `ptx instrument --mid-block-twins`). */
+ * blocks under PTXMIG_MID_BLOCK=1, and under PTXMIG_MID_BLOCK=auto (the default) for one-wave
+ * grids and long blocks (a second twin, K_mid__ptxmig, from `ptx instrument --mid-block-twins`). */
 #define PTXMIG_CTL_VERSION_MID_BLOCK 3u
 #define PTXMIG_RECORD_MAGIC 0x52585450u /* "PTXR" */
 #define PTXMIG_CTL_OFF_SAVE_AREA 64

@@ -45,7 +45,9 @@ void config_load(void) {
   cfg.preempt_sass = !(ps && strcmp(ps, "keep") == 0);
   cfg.ptx_cubin = env_uint("PTXMIG_PTX_CUBIN", 1) != 0;
   const char *mb = getenv("PTXMIG_MID_BLOCK");
-  cfg.mid_block = !mb || !*mb || strcmp(mb, "auto") == 0 ? MB_AUTO : env_uint("PTXMIG_MID_BLOCK", 0) ? MB_ON : MB_OFF;
+  // auto (unset, empty, "auto", or a value it does not know: `ptxmig run` refuses those), 1, 0
+  cfg.mid_block = MB_AUTO;
+  if (mb && (strcmp(mb, "0") == 0 || strcmp(mb, "1") == 0)) cfg.mid_block = mb[0] == '1' ? MB_ON : MB_OFF;
   cfg.mid_max_bytes = (uint64_t)env_uint("PTXMIG_MID_BLOCK_MAX_MB", 2048) << 20;
   cfg.owned = env_uint("PTXMIG_OWNED_MEMORY", 0) != 0;
   cfg.owned_min = (uint64_t)env_uint("PTXMIG_OWNED_MIN_KB", 1024) << 10;

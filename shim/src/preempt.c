@@ -577,6 +577,17 @@ static uint32_t batch_max_for(krec *r, uint64_t resident) {
   return g < 1 ? 1 : (uint32_t)g;
 }
 
+// arg_growth: the largest growth of a count argument of this launch (sig) over the one of the
+// longest timed original launch (big_sig), counted from 2x; 1 when none grew or none is known.
+static double arg_growth(krec *r, const uint32_t sig[SIG_N]) {
+  double g = 1.0;
+  for (int i = 0; sig && i < SIG_N; i++) {
+    uint32_t was = atomic_load_explicit(&r->big_sig[i], memory_order_relaxed);
+    if (was && sig[i] >= 2u * was && (double)sig[i] / was > g) g = (double)sig[i] / was;
+  }
+  return g;
+}
+
 // est_us is auto's expected GPU time of a launch of `blocks` blocks of r's kernel, in µs rounded
 // up, 0 when it was never timed: the mean of its samples, scaled up when the launch has more
 // blocks than any original launch timed (big_sample). A kernel timed on small grids (a warm-up, a
@@ -592,10 +603,8 @@ static uint64_t est_us(krec *r, uint64_t blocks, const uint32_t sig[SIG_N]) {
   // growth of a count argument (a loop bound raised 1000x on the same grid runs about 1000x
   // longer). Not their product: a size argument usually grows with the grid it sizes.
   double scale = blocks > bb ? (double)blocks / (double)bb : 1.0;
-  for (int i = 0; sig && i < SIG_N; i++) {
-    uint32_t was = atomic_load_explicit(&r->big_sig[i], memory_order_relaxed);
-    if (was && sig[i] >= 2u * was && (double)sig[i] / was > scale) scale = (double)sig[i] / was;
-  }
+  double ag = arg_growth(r, sig);
+  if (ag > scale) scale = ag;
   if (scale > 1.0) {
     double e = (double)bu * scale + 1.0;
     if (e > (double)m) m = e > 4e9 ? 4000000000ull : (uint64_t)e;
@@ -824,20 +833,23 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   // auto (PTXMIG_MID_BLOCK=auto): the kernel's second, mid-block twin where its block twin could
   // not stop in time. A grid that fits in one wave of resident blocks gives each block-twin CTA one
   // block, which it cannot cut short; and a block expected to run longer than half
-  // PTXMIG_PREEMPT_MIN_US holds a block twin's stop for up to two blocks (the one running, the one
-  // claimed ahead). A block's expected time: the launch's (auto's estimate, which follows the grid
-  // and the count arguments) over its waves. One wave is judged by the mid twin's own occupancy
-  // (it holds more registers), so such a launch still runs in one wave.
+  // PTXMIG_PREEMPT_MIN_US holds a block twin's stop for up to two blocks once timed (the one
+  // running, the one claimed ahead). A block's expected time: the longest sampled (block_us_of),
+  // grown with the launch's count arguments (a loop bound raised 10x: blocks 10x longer). One wave is judged by the mid twin's
+  // own occupancy (it holds more registers), so such a launch still runs in one wave; a grid that
+  // is one wave for the block twin only gets the mid twin when its blocks are long (two waves, but
+  // stoppable), else the block twin (and under auto the original). The layout is read only for a
+  // launch that would use the mid twin.
   int one_wave = 0, long_blocks = 0;
-  if (cfg.mid_block == MB_AUTO && k->mid_twin && mid_layout(r, k, owner, is_lib)) {
+  if (cfg.mid_block == MB_AUTO && k->mid_twin) {
     uint64_t res = (uint64_t)occ * (uint64_t)c->sms;
     int fits = blocks <= res;
-    double bus = (double)est_us(r, blocks, sig) * (double)(fits ? blocks : res) / (double)blocks;
-    int lng = !fits && 2.0 * bus > (double)cfg.preempt_min_us;
-    CUfunction mf = (fits || lng) ? function_of(fn_handle(k, owner, is_lib, PTXMIG_MID_TWIN_SUFFIX, &r->mid_fn,
-                                                          &r->mid_fn_state),
-                                                &r->mid_fn_state)
-                                  : NULL;
+    double bus = block_us_of(r, res) * arg_growth(r, sig);
+    int lng = 2.0 * bus > (double)cfg.preempt_min_us;
+    CUfunction mf = (fits || lng) && mid_layout(r, k, owner, is_lib)
+                        ? function_of(fn_handle(k, owner, is_lib, PTXMIG_MID_TWIN_SUFFIX, &r->mid_fn, &r->mid_fn_state),
+                                      &r->mid_fn_state)
+                        : NULL;
     int occ_mid = 0;
     if (mf) replay_attrs(r, mf, &r->mid_attrs_applied);
     if (mf && d.occupancy(&occ_mid, mf, (int)threads, shmem) == CUDA_SUCCESS && occ_mid > 0) {

@@ -911,17 +911,22 @@ def t_mid_auto(name, env=None, mid_fits=True):
     grid that fits in one wave (the fake: 4 SMs x 2 CTAs) runs as the mid-block twin and stops
     inside its blocks; a many-block grid whose blocks are expected to run long (timed before) runs
     as the mid-block twin too. Every block counts once. With the mid twin fitting fewer CTAs per SM
-    (mid_fits=False), the one-wave grid is not one wave for it: the block twin runs."""
+    (mid_fits=False), the one-wave grid is not one wave for it: the block twin runs, until the
+    kernel is known to have long blocks."""
     full = dict({"APP_KERNEL": "loop", "PTXMIG_MID_BLOCK": "auto", "FAKE_CUDA_BLOCK_US_ARG": "1",
                  "FAKE_CUDA_BLOCK_US": "1000"}, **(env or {}))
     tmp, app = with_app(name, full)
     c = app.conn()
     st = c.req(cmd="status")["result"]["preempt"]
     check(st.get("mid_block_mode") == "auto", f"{name}: status {st}")
+    c.close()
     launches = 0
 
     def stop(what, cmd, total):
+        # A connection of its own per step: the shim closes one idle for 10 s, and a step's blocks
+        # run for seconds.
         nonlocal launches
+        c = app.conn()
         check(app.cmd(cmd) == "launched s", f"{name}: {what} launch")
         launches += 1
         time.sleep(0.05)
@@ -932,13 +937,20 @@ def t_mid_auto(name, env=None, mid_fits=True):
         check(rs["relaunched"] == 1 and not rs.get("errors"), f"{name}: {what}: resume {rs}")
         check(app.cmd("check", timeout=60) == f"check ok {launches} launches, 0 bad blocks",
               f"{name}: blocks after the {what} stop")
+        c.close()
         return p[0] if ok else {}
+
+    def kernel():
+        cc = app.conn()
+        k = kern(cc, "k_count_loop")
+        cc.close()
+        return k
 
     # Many blocks, never timed: the block twin, stopped between blocks.
     p = stop("untimed many-block", "launchw s 200 2", 200)
     check(p.get("mid_block") is False and p.get("stop") == "block boundary" and p.get("blocks_done", 200) < 200,
           f"{name}: untimed many blocks: {p}")
-    k = kern(c, "k_count_loop")
+    k = kernel()
     check(k and k["twin"] is True and k.get("mid_twin") is True, f"{name}: kernels k_count_loop {k}")
     # One wave of 8 blocks of 400 ms each (the loop count is the fake block's time factor).
     p = stop("one-wave", "launchw s 8 400", 8)
@@ -947,7 +959,7 @@ def t_mid_auto(name, env=None, mid_fits=True):
               f"{name}: the one-wave grid did not stop inside its blocks: {p}")
     else:
         check(p.get("mid_block") is False and p.get("stop") == "block boundary", f"{name}: {p}")
-    k = kern(c, "k_count_loop")
+    k = kernel()
     mb = (k or {}).get("mid_block") or {}
     check(mb.get("launches") == (1 if mid_fits else 0) or (not mid_fits and not mb),
           f"{name}: mid-block launches {k}")
@@ -955,7 +967,11 @@ def t_mid_auto(name, env=None, mid_fits=True):
     # blocks, so the mid-block twin runs (whatever its occupancy: more waves, not fewer stops).
     p = stop("long-block", "launchw s 64 200", 64)
     check(p.get("mid_block") is True and p.get("stop") == "mid-block", f"{name}: long blocks: {p}")
-    c.close()
+    # The one-wave grid again, its blocks now known to be long: the mid-block twin, also where it
+    # fits fewer CTAs per SM (two waves, but stoppable; it was the block twin, and under auto the
+    # original, which nothing stops).
+    p = stop("timed one-wave", "launchw s 8 400", 8)
+    check(p.get("mid_block") is True and p.get("stop") == "mid-block", f"{name}: timed one wave: {p}")
     ended_ok(name, app)
     shutil.rmtree(tmp, ignore_errors=True)
 

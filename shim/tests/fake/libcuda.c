@@ -84,7 +84,9 @@ typedef struct func {
 typedef struct mglobal { char name[180]; uint32_t v[5]; } mglobal;
 // lib: loaded by cuLibraryLoadData. A CUlibrary is not a CUmodule: as the real driver, the module
 // calls refuse a library handle and the library calls a module handle.
-typedef struct mod { int magic; int loaded; int ptx; int lib; func fns[64]; int nfns; mglobal g[16]; int ng; } mod;
+// view: a library's CUmodule (cuLibraryGetModule, cuFuncGetModule of its kernels): lib 0, and of
+// its library, whose functions and globals it serves.
+typedef struct mod { int magic; int loaded; int ptx; int lib; struct mod *view, *of; func fns[64]; int nfns; mglobal g[16]; int ng; } mod;
 #define MOD_MAGIC 0x30d
 #define FN_MAGIC 0xf00
 
@@ -149,6 +151,7 @@ static mod *mod_new(const void *image) {
 static CUresult get_global(CUdeviceptr *p, size_t *n, void *mp, const char *name) {
   mod *m = mp;
   if (!m || m->magic != MOD_MAGIC) return E_INVALID_HANDLE;
+  if (m->of) m = m->of;
   const char *v = getenv("FAKE_CUDA_NO_GLOBALS");
   for (int i = 0; i < m->ng && !(v && *v == '1'); i++)
     if (strcmp(m->g[i].name, name) == 0) {
@@ -287,7 +290,22 @@ EXPORT CUresult cuModuleLoad(void **m, const char *path) {
   *m = mod_new(NULL);
   return OK;
 }
-EXPORT CUresult cuModuleUnload(void *m) { if (!m || ((mod *)m)->magic != MOD_MAGIC) return E_INVALID_HANDLE; ((mod *)m)->loaded = 0; return OK; }
+static CUresult unload(void *m, int lib) {
+  if (!m || ((mod *)m)->magic != MOD_MAGIC || ((mod *)m)->lib != lib || ((mod *)m)->of) return E_INVALID_HANDLE;
+  ((mod *)m)->loaded = 0;
+  return OK;
+}
+EXPORT CUresult cuModuleUnload(void *m) { return unload(m, 0); }
+// module_view: the CUmodule of library l, made once.
+static mod *module_view(mod *l) {
+  if (!l->view) {
+    mod *v = calloc(1, sizeof *v);
+    if (!v) return NULL;
+    v->magic = MOD_MAGIC, v->loaded = 1, v->of = l;
+    l->view = v;
+  }
+  return l->view;
+}
 // Internal calls go through static functions, never through exported symbols (which a preloaded
 // shim interposes: the real driver's internal calls are not visible to it either).
 static CUresult get_function(void **f, void *m, const char *name);
@@ -296,13 +314,19 @@ EXPORT CUresult cuModuleGetFunction(void **f, void *m, const char *name) {
 }
 static CUresult get_function(void **f, void *m, const char *name) {
   if (!m || ((mod *)m)->magic != MOD_MAGIC) return E_INVALID_HANDLE;
+  if (((mod *)m)->of) m = ((mod *)m)->of;
   func *fn = mod_fn(m, name);
   if (!fn) return E_NOT_FOUND;
   *f = fn;
   return OK;
 }
 EXPORT CUresult cuFuncGetName(const char **n, void *f) { if (!fn_ok(f)) return E_INVALID_HANDLE; *n = ((func *)f)->name; return OK; }
-EXPORT CUresult cuFuncGetModule(void **m, void *f) { if (!fn_ok(f)) return E_INVALID_HANDLE; *m = ((func *)f)->mod; return OK; }
+EXPORT CUresult cuFuncGetModule(void **m, void *f) {
+  if (!fn_ok(f)) return E_INVALID_HANDLE;
+  mod *o = ((func *)f)->mod;
+  *m = o->lib ? (void *)module_view(o) : (void *)o;
+  return *m ? OK : E_INVALID_HANDLE;
+}
 // Libraries are modules here too; CUkernel and CUfunction share the representation.
 EXPORT CUresult cuLibraryLoadData(void **l, const void *code, void *a, void *b, unsigned c, void *d, void *e, unsigned g) {
   (void)a; (void)b; (void)c; (void)d; (void)e; (void)g;
@@ -314,11 +338,15 @@ EXPORT CUresult cuLibraryLoadData(void **l, const void *code, void *a, void *b, 
   *l = m;
   return OK;
 }
-EXPORT CUresult cuLibraryUnload(void *l) { return cuModuleUnload(l); }
+EXPORT CUresult cuLibraryUnload(void *l) { return unload(l, 1); }
 EXPORT CUresult cuLibraryGetKernel(void **k, void *l, const char *name) {
   return l && !is_lib(l) ? E_INVALID_HANDLE : get_function(k, l, name);
 }
-EXPORT CUresult cuLibraryGetModule(void **m, void *l) { *m = l; return OK; }
+EXPORT CUresult cuLibraryGetModule(void **m, void *l) {
+  if (!is_lib(l)) return E_INVALID_HANDLE;
+  *m = module_view(l);
+  return *m ? OK : E_INVALID_HANDLE;
+}
 EXPORT CUresult cuKernelGetFunction(void **f, void *k) { if (!fn_ok(k)) return E_INVALID_HANDLE; *f = k; return OK; }
 EXPORT CUresult cuKernelGetName(const char **n, void *k) { return cuFuncGetName(n, k); }
 
