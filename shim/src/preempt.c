@@ -835,11 +835,11 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   // block, which it cannot cut short; and a block expected to run longer than half
   // PTXMIG_PREEMPT_MIN_US holds a block twin's stop for up to two blocks once timed (the one
   // running, the one claimed ahead). A block's expected time: the longest sampled (block_us_of),
-  // grown with the launch's count arguments (a loop bound raised 10x: blocks 10x longer). One wave is judged by the mid twin's
-  // own occupancy (it holds more registers), so such a launch still runs in one wave; a grid that
-  // is one wave for the block twin only gets the mid twin when its blocks are long (two waves, but
-  // stoppable), else the block twin (and under auto the original). The layout is read only for a
-  // launch that would use the mid twin.
+  // grown with the launch's count arguments (a loop bound raised 10x: blocks 10x longer). One
+  // wave is judged by the mid twin's own occupancy (it holds more registers), so such a launch
+  // still runs in one wave; a grid that is one wave for the block twin only gets the mid twin when
+  // its blocks are long (two waves, but stoppable), else the block twin (and under auto the
+  // original). The layout is read only for a launch that would use the mid twin.
   int one_wave = 0, long_blocks = 0;
   if (cfg.mid_block == MB_AUTO && k->mid_twin) {
     uint64_t res = (uint64_t)occ * (uint64_t)c->sms;
