@@ -841,6 +841,8 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   // its blocks are long (two waves, but stoppable), else the block twin (and under auto the
   // original). The layout is read only for a launch that would use the mid twin.
   int one_wave = 0, long_blocks = 0;
+  CUfunction block_twin = twin;
+  int block_occ = occ;
   if (cfg.mid_block == MB_AUTO && k->mid_twin) {
     uint64_t res = (uint64_t)occ * (uint64_t)c->sms;
     int fits = blocks <= res;
@@ -897,8 +899,12 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
         *why = "one wave, and its mid-block save areas exceed PTXMIG_MID_BLOCK_MAX_MB";
         return 0;
       }
-      // (a long-block launch keeps the mid twin it was given: without a save area it stops
-      // between blocks, as its block twin would)
+      if (long_blocks) {  // stopping between blocks only: the block twin does that faster
+        twin = block_twin, occ = block_occ;
+        w = (uint64_t)occ * (uint64_t)c->sms;
+        if (w > total) w = total;
+        if (w > 0x7fffffffu) w = 0x7fffffffu;
+      }
       LOG_ONCE("preemption: a mid-block twin's save areas exceed PTXMIG_MID_BLOCK_MAX_MB; it stops between blocks only");
     }
   }
@@ -996,6 +1002,16 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
         pthread_mutex_unlock(&pre_mu);
         *why = "one wave, and no device memory for its mid-block save areas";
         return 0;
+      }
+      if (long_blocks) {  // stopping between blocks only: the block twin does that faster
+        occ = block_occ;
+        w = (uint64_t)occ * (uint64_t)c->sms;
+        if (w > total) w = total;
+        if (w > 0x7fffffffu) w = 0x7fffffffu;
+        x->twin = twin = block_twin;
+        x->W = (unsigned)w;
+        x->init.v2.batch_max = batch_max_for(r, (uint64_t)occ * (uint64_t)c->sms);
+        x->init.v2.batch_min = x->init.v2.batch_max < PTXMIG_BATCH_MIN_DEFAULT ? x->init.v2.batch_max : 0;
       }
       LOG_ONCE("preemption: no device memory for a mid-block twin's save areas; it stops between blocks only");
     } else {

@@ -976,10 +976,13 @@ def t_mid_auto(name, env=None, mid_fits=True):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def t_mid_auto_learned(name, env=None):
+def t_mid_auto_learned(name, env=None, refused=False):
     """PTXMIG_MID_BLOCK=auto, as numba's many-block launches run: the first, untimed launch of a
     kernel with long blocks runs as the block twin to its end; the same launch again, the kernel
-    now timed with 100 ms blocks, runs as the mid-block twin and stops inside its blocks."""
+    now timed with 100 ms blocks, runs as the mid-block twin and stops inside its blocks. With its
+    save areas refused (refused=True: over PTXMIG_MID_BLOCK_MAX_MB, or no device memory for them)
+    it runs as the block twin instead,
+    which stops between blocks as fast and at its own occupancy."""
     full = dict({"APP_KERNEL": "loop", "PTXMIG_PREEMPT": "auto", "FAKE_CUDA_BLOCK_US_ARG": "1",
                  "FAKE_CUDA_BLOCK_US": "1000"}, **(env or {}))
     tmp, app = with_app(name, full)
@@ -989,11 +992,18 @@ def t_mid_auto_learned(name, env=None):
     k = kern(c, "k_count_loop")
     check(k and k["twin_launches"] == 1 and k["timed"] == 1 and not (k.get("mid_block") or {}).get("launches"),
           f"{name}: the first launch ran as the block twin: {k}")
+    check(app.cmd("calls mid_twin_launches") == "calls 0", f"{name}: a mid twin ran first")
     check(app.cmd("launchw s 64 100") == "launched s", f"{name}: second launch")
     time.sleep(0.05)
     p = c.req(cmd="quiesce", budget_ms=500)["result"].get("preempted", [])
-    check(len(p) == 1 and p[0].get("mid_block") is True and p[0].get("stop") == "mid-block",
-          f"{name}: the timed long-block launch did not stop inside its blocks: {p}")
+    if refused:
+        check(len(p) == 1 and p[0].get("mid_block") is False and p[0].get("stop") == "block boundary",
+              f"{name}: refused save areas: {p}")
+        check(app.cmd("calls mid_twin_launches") == "calls 0", f"{name}: the mid twin ran without save areas")
+    else:
+        check(len(p) == 1 and p[0].get("mid_block") is True and p[0].get("stop") == "mid-block",
+              f"{name}: the timed long-block launch did not stop inside its blocks: {p}")
+        check(app.cmd("calls mid_twin_launches") == "calls 1", f"{name}: mid twin launches")
     c.req(cmd="resume")
     check(app.cmd("check", timeout=60) == "check ok 2 launches, 0 bad blocks", f"{name}: blocks after the stop")
     c.close()
@@ -1216,6 +1226,8 @@ def main():
         ("mid-block-auto-learned", lambda n: t_mid_auto_learned(n), ()),
         ("mid-block-auto-learned-nvjitlink", lambda n: t_mid_auto_learned(n, {"APP_MODULE": "nvjitlink-lto"}), ()),
         ("mid-block-auto-learned-library", lambda n: t_mid_auto_learned(n, {"APP_MODULE": "library"}), ()),
+        ("mid-block-auto-learned-over-limit", lambda n: t_mid_auto_learned(n, {"PTXMIG_MID_BLOCK_MAX_MB": "0"}, refused=True), ()),
+        ("mid-block-auto-learned-no-memory", lambda n: t_mid_auto_learned(n, {"FAKE_CUDA_ALLOC_FAIL_KB": "1024"}, refused=True), ()),
         ("mid-block-auto-library", lambda n: t_mid_auto(n, {"APP_MODULE": "library"}), ()),
         ("mid-block-auto-mid-occupancy", lambda n: t_mid_auto(n, {"FAKE_CUDA_MID_OCC": "1"}, mid_fits=False), ()),
         ("mid-block-criu", lambda n: t_criu(n, {"APP_KERNEL": "loop", "PTXMIG_MID_BLOCK": "1"}), ()),

@@ -34,7 +34,7 @@ enum {
   X(cuLibraryLoadData) X(cuGetProcAddress) X(cuGetProcAddress_v2) X(cuGetExportTable) X(cuEventRecord)           \
   X(cuMemAllocAsync_ptsz) X(cuCtxCreate_v4) X(cuCtxCreate_v2) X(cuEventCreate) X(cuEventDestroy_v2)        \
   X(twin_launches) X(twin_stops) X(memset32_async) X(mid_stops) X(mid_resumes) X(mid_forwards) X(mid_bad)      \
-  X(bad_access) X(ptxmig_chunk_hash) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)      \
+  X(bad_access) X(mid_twin_launches) X(ptxmig_chunk_hash) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)      \
   X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemHostRegister_v2) X(cuMemHostUnregister) X(cuIpcGetMemHandle)   \
   X(cuIpcOpenMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle) X(cuMemExportToShareableHandle)              \
   X(cuMemImportFromShareableHandle) X(cuMemRetainAllocationHandle) X(cuMemPoolExportToShareableHandle)               \
@@ -404,11 +404,14 @@ static CUresult dalloc_new(CUdeviceptr *p, size_t n) {
   *p = (CUdeviceptr)(uintptr_t)m;
   return OK;
 }
+// FAKE_CUDA_ALLOC_FAIL_KB=K: a cuMemAlloc_v2 of K KiB or more is out of memory (2).
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
   COUNT(cuMemAlloc_v2);
   if (!current) return 201;
   if (!p) return E_INVALID_VALUE;
   if (sticky_err()) return sticky_err();
+  const char *fk = getenv("FAKE_CUDA_ALLOC_FAIL_KB");
+  if (fk && *fk && n >= strtoull(fk, NULL, 10) * 1024) return 2;
   return dalloc_new(p, n);
 }
 // Rows padded to 512 bytes (the texture pitch alignment of current GPUs); one allocation of pitch * h.
@@ -1273,6 +1276,8 @@ static void op_exec(op *o) {
     uint64_t *next = (uint64_t *)c, *total = (uint64_t *)(c + 8), *done = (uint64_t *)(c + 16);
     uint32_t *preempt = (uint32_t *)(c + 36), *status = (uint32_t *)(c + 40);
     COUNT(twin_launches);
+    size_t fl = strlen(o->f->name), ml = strlen("_mid__ptxmig");
+    if (fl > ml && strcmp(o->f->name + fl - ml, "_mid__ptxmig") == 0) COUNT(mid_twin_launches);
     // FAKE_CUDA_TWIN_BATCH=1: claims of batch_max blocks (control block offset 52, 0: 16), the flag
     // read only between claims, like ptxstate's batched scheduler (so stopping takes a batch).
     const char *tb = getenv("FAKE_CUDA_TWIN_BATCH");
