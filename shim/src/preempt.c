@@ -577,12 +577,13 @@ static uint32_t batch_max_for(krec *r, uint64_t resident) {
   return g < 1 ? 1 : (uint32_t)g;
 }
 
-// arg_growth: the largest growth of a count argument of this launch (sig) over the one of the
-// longest timed original launch (big_sig), counted from 2x; 1 when none grew or none is known.
-static double arg_growth(krec *r, const uint32_t sig[SIG_N]) {
+// arg_growth: the largest growth of a count argument of this launch (sig) over the same argument
+// of a sampled launch (was: big_sig, the longest timed original's; blk_sig, the one with the
+// longest blocks), counted from 2x; 1 when none grew or none is known.
+static double arg_growth(_Atomic uint32_t *was_sig, const uint32_t sig[SIG_N]) {
   double g = 1.0;
   for (int i = 0; sig && i < SIG_N; i++) {
-    uint32_t was = atomic_load_explicit(&r->big_sig[i], memory_order_relaxed);
+    uint32_t was = atomic_load_explicit(&was_sig[i], memory_order_relaxed);
     if (was && sig[i] >= 2u * was && (double)sig[i] / was > g) g = (double)sig[i] / was;
   }
   return g;
@@ -603,7 +604,7 @@ static uint64_t est_us(krec *r, uint64_t blocks, const uint32_t sig[SIG_N]) {
   // growth of a count argument (a loop bound raised 1000x on the same grid runs about 1000x
   // longer). Not their product: a size argument usually grows with the grid it sizes.
   double scale = blocks > bb ? (double)blocks / (double)bb : 1.0;
-  double ag = arg_growth(r, sig);
+  double ag = arg_growth(r->big_sig, sig);
   if (ag > scale) scale = ag;
   if (scale > 1.0) {
     double e = (double)bu * scale + 1.0;
@@ -834,8 +835,9 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   // not stop in time. A grid that fits in one wave of resident blocks gives each block-twin CTA one
   // block, which it cannot cut short; and a block expected to run longer than half
   // PTXMIG_PREEMPT_MIN_US holds a block twin's stop for up to two blocks once timed (the one
-  // running, the one claimed ahead). A block's expected time: the longest sampled (block_us_of),
-  // grown with the launch's count arguments (a loop bound raised 10x: blocks 10x longer). One
+  // running, the one claimed ahead). A block's expected time: from the sample with the largest
+  // time per block (block_us_of), grown by how much the launch's count arguments exceed that
+  // sample's (a loop bound raised 10x: blocks 10x longer). One
   // wave is judged by the mid twin's own occupancy (it holds more registers), so such a launch
   // still runs in one wave; a grid that is one wave for the block twin only gets the mid twin when
   // its blocks are long (two waves, but stoppable), else the block twin (and under auto the
@@ -846,7 +848,7 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   if (cfg.mid_block == MB_AUTO && k->mid_twin) {
     uint64_t res = (uint64_t)occ * (uint64_t)c->sms;
     int fits = blocks <= res;
-    double bus = block_us_of(r, res) * arg_growth(r, sig);
+    double bus = block_us_of(r, res) * arg_growth(r->blk_sig, sig);
     int lng = 2.0 * bus > (double)cfg.preempt_min_us;
     CUfunction mf = (fits || lng) && mid_layout(r, k, owner, is_lib)
                         ? function_of(fn_handle(k, owner, is_lib, PTXMIG_MID_TWIN_SUFFIX, &r->mid_fn, &r->mid_fn_state),
@@ -897,6 +899,10 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
       atomic_fetch_add(&st_mid_refused, 1);
       if (one_wave) {  // stopping between blocks only, the one-wave launch would gain nothing
         *why = "one wave, and its mid-block save areas exceed PTXMIG_MID_BLOCK_MAX_MB";
+        return 0;
+      }
+      if (long_blocks && cfg.preempt == PM_AUTO && blocks <= (uint64_t)block_occ * (uint64_t)c->sms) {
+        *why = "grid fits in one wave (auto: its twin could not stop sooner)";
         return 0;
       }
       if (long_blocks) {  // stopping between blocks only: the block twin does that faster
@@ -963,9 +969,6 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   x->init.v2.version = PTXMIG_CTL_VERSION;
   x->init.v2.batch_max = batch_max_for(r, (uint64_t)occ * (uint64_t)c->sms);
   if (x->init.v2.batch_max < PTXMIG_BATCH_MIN_DEFAULT) x->init.v2.batch_min = x->init.v2.batch_max;
-  if (cfg.debug)
-    shim_log("preemption: twin of %s: %llu blocks on %u CTAs (%d a SM), batch_max %u%s", kname(r),
-             (unsigned long long)total, x->W, occ, x->init.v2.batch_max, mid ? ", mid-block" : "");
   pthread_mutex_lock(&pre_mu);
   retire_locked(c, 4);
   int got = ctl_slot(c, &x->ctl, &x->slab, &x->slot) == 0;
@@ -1003,6 +1006,13 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
         *why = "one wave, and no device memory for its mid-block save areas";
         return 0;
       }
+      if (long_blocks && cfg.preempt == PM_AUTO && blocks <= (uint64_t)block_occ * (uint64_t)c->sms) {
+        pthread_mutex_lock(&pre_mu);
+        tl_free(x);
+        pthread_mutex_unlock(&pre_mu);
+        *why = "grid fits in one wave (auto: its twin could not stop sooner)";
+        return 0;
+      }
       if (long_blocks) {  // stopping between blocks only: the block twin does that faster
         occ = block_occ;
         w = (uint64_t)occ * (uint64_t)c->sms;
@@ -1025,6 +1035,9 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
       x->init.save_capacity = (uint32_t)held;
     }
   }
+  if (cfg.debug)
+    shim_log("preemption: twin of %s: %llu blocks on %u CTAs (%d a SM), batch_max %u%s", kname(r),
+             (unsigned long long)total, x->W, occ, x->init.v2.batch_max, x->mid ? ", mid-block" : "");
   if (x->go && d.ev_record(x->go, s) != CUDA_SUCCESS) {  // optional: without it, holding cannot tell
     pthread_mutex_lock(&pre_mu);
     if (c->nfree_ev < 64) c->free_ev[c->nfree_ev++] = x->go;

@@ -893,8 +893,9 @@ static void ring_add(krec *r, float us) {
 }
 
 // blk_note keeps the sample with the largest time per block (a preempted twin's sample, which
-// covers only part of its blocks, never lowers it).
-static void blk_note(krec *r, float us, uint64_t blocks) {
+// covers only part of its blocks, never lowers it), with its launch's scalar signature (under
+// sample_mu, as big_note's).
+static void blk_note(krec *r, float us, uint64_t blocks, const uint32_t sig[SIG_N]) {
   if (!blocks || !(us > 0)) return;
   if (blocks > 0xffffffffull) blocks = 0xffffffffull;
   float per = us / (float)blocks;
@@ -907,6 +908,7 @@ static void blk_note(krec *r, float us, uint64_t blocks) {
     memcpy(&hi, &per, sizeof hi);
     nw = (uint64_t)hi << 32 | blocks;
   } while (!atomic_compare_exchange_weak(&r->blk_sample, &old, nw));
+  for (int i = 0; i < SIG_N; i++) atomic_store_explicit(&r->blk_sig[i], sig[i], memory_order_relaxed);
 }
 
 // big_note keeps the sample with the most blocks, for equal counts the longer one, with its
@@ -952,7 +954,7 @@ static void samples_harvest(int max, int from_ctl) {
       CUresult el = q == CUDA_SUCCESS ? ev.event_elapsed(&ms, s->start, s->end) : q;
       if (el == CUDA_SUCCESS && ms >= 0) {
         ring_add(s->rec, ms * 1000.0f);
-        blk_note(s->rec, ms * 1000.0f, s->blocks);
+        blk_note(s->rec, ms * 1000.0f, s->blocks, s->sig);
         if (!s->twin) big_note(s->rec, ms * 1000.0f, s->blocks, s->sig);
       }
       if (el == CUDA_SUCCESS) sample_recycle_locked(s);

@@ -83,6 +83,9 @@ typedef struct krec {
   // the sample with the largest time per block: high 32 bits the float µs per block, low 32 bits
   // that launch's block count (0: none yet); preempt.c derives the twin's batch_max from it
   _Atomic uint64_t blk_sample;
+  // the scalar signature of blk_sample's launch (all 0: none recorded): preempt.c grows a block's
+  // expected time by how much a launch's count arguments exceed these
+  _Atomic uint32_t blk_sig[SIG_N];
   // the timed launch with the most blocks (for equal counts the longer one): high 32 bits its
   // µs (rounded up), low 32 bits its block count (both capped at 2^32-1); 0: none yet.
   // preempt.c scales it to launches larger than any timed one (auto's estimate)

@@ -905,14 +905,14 @@ def t_mid_block(name, env=None):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def t_mid_auto(name, env=None, mid_fits=True):
+def t_mid_auto(name, env=None):
     """PTXMIG_MID_BLOCK=auto: the module carries k_count_loop's block twin and its second,
     mid-block twin. An untimed many-block grid runs as the block twin and stops between blocks; a
     grid that fits in one wave (the fake: 4 SMs x 2 CTAs) runs as the mid-block twin and stops
     inside its blocks; a many-block grid whose blocks are expected to run long (timed before) runs
     as the mid-block twin too. Every block counts once. With the mid twin fitting fewer CTAs per SM
-    (mid_fits=False), the one-wave grid is not one wave for it: the block twin runs, until the
-    kernel is known to have long blocks."""
+    (FAKE_CUDA_MID_OCC=1), the one-wave grid is not one wave for it; it gets the mid twin because its
+    blocks are expected long (its loop count grew over the sampled launch's)."""
     full = dict({"APP_KERNEL": "loop", "PTXMIG_MID_BLOCK": "auto", "FAKE_CUDA_BLOCK_US_ARG": "1",
                  "FAKE_CUDA_BLOCK_US": "1000"}, **(env or {}))
     tmp, app = with_app(name, full)
@@ -952,17 +952,15 @@ def t_mid_auto(name, env=None, mid_fits=True):
           f"{name}: untimed many blocks: {p}")
     k = kernel()
     check(k and k["twin"] is True and k.get("mid_twin") is True, f"{name}: kernels k_count_loop {k}")
-    # One wave of 8 blocks of 400 ms each (the loop count is the fake block's time factor).
+    # One wave of 8 blocks of 400 ms each (the loop count is the fake block's time factor). Where
+    # the mid twin fits fewer CTAs per SM the grid is not one wave for it, but its loop count is
+    # 200x the sampled launch's: long blocks, so the mid twin runs too (in two waves).
     p = stop("one-wave", "launchw s 8 400", 8)
-    if mid_fits:
-        check(p.get("mid_block") is True and p.get("stop") == "mid-block" and p.get("records", 0) >= 1,
-              f"{name}: the one-wave grid did not stop inside its blocks: {p}")
-    else:
-        check(p.get("mid_block") is False and p.get("stop") == "block boundary", f"{name}: {p}")
+    check(p.get("mid_block") is True and p.get("stop") == "mid-block" and p.get("records", 0) >= 1,
+          f"{name}: the one-wave grid did not stop inside its blocks: {p}")
     k = kernel()
     mb = (k or {}).get("mid_block") or {}
-    check(mb.get("launches") == (1 if mid_fits else 0) or (not mid_fits and not mb),
-          f"{name}: mid-block launches {k}")
+    check(mb.get("launches") == 1, f"{name}: mid-block launches {k}")
     # Many blocks of 200 ms, the kernel timed: a block twin would hold the stop for up to two
     # blocks, so the mid-block twin runs (whatever its occupancy: more waves, not fewer stops).
     p = stop("long-block", "launchw s 64 200", 64)
@@ -1007,6 +1005,52 @@ def t_mid_auto_learned(name, env=None, refused=False):
     c.req(cmd="resume")
     check(app.cmd("check", timeout=60) == "check ok 2 launches, 0 bad blocks", f"{name}: blocks after the stop")
     c.close()
+    ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def t_mid_auto_args(name):
+    """PTXMIG_MID_BLOCK=auto: a kernel that has only run as a twin (no original launch timed),
+    first with a loop count of 1 (100 µs blocks), then with 1000 on the same grid: its blocks are
+    expected 1000x longer (the count grew over the sample with the longest blocks), so the
+    mid-block twin runs and stops inside them."""
+    tmp, app = with_app(name, {"APP_KERNEL": "loop", "PTXMIG_PREEMPT": "auto", "FAKE_CUDA_BLOCK_US_ARG": "1",
+                               "FAKE_CUDA_BLOCK_US": "100"})
+    check(app.cmd("launchw s 64 1") == "launched s", f"{name}: short launch")
+    check(app.cmd("check", timeout=60) == "check ok 1 launches, 0 bad blocks", f"{name}: short launch's blocks")
+    c = app.conn()
+    k = kern(c, "k_count_loop")
+    check(k and k["twin_launches"] == 1 and k["timed"] == 1, f"{name}: the short launch ran as the block twin: {k}")
+    check(app.cmd("launchw s 64 1000") == "launched s", f"{name}: long launch")
+    time.sleep(0.05)
+    p = c.req(cmd="quiesce", budget_ms=500)["result"].get("preempted", [])
+    check(len(p) == 1 and p[0].get("mid_block") is True and p[0].get("stop") == "mid-block",
+          f"{name}: a 1000x loop count did not get the mid-block twin: {p}")
+    c.req(cmd="resume")
+    check(app.cmd("check", timeout=60) == "check ok 2 launches, 0 bad blocks", f"{name}: blocks after the stop")
+    c.close()
+    ended_ok(name, app)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def t_mid_auto_one_wave_refused(name, env):
+    """PTXMIG_MID_BLOCK=auto under --preempt auto: a grid that is one wave for the block twin but not
+    for the mid-block twin (it fits fewer CTAs per SM), its blocks known to be long, gets the mid
+    twin; with its save areas refused (over the limit, or no memory) the block twin could not stop
+    it sooner than the original, so the original runs, with the one-wave reason."""
+    full = dict({"APP_KERNEL": "loop", "PTXMIG_PREEMPT": "auto", "FAKE_CUDA_BLOCK_US_ARG": "1",
+                 "FAKE_CUDA_BLOCK_US": "1000", "FAKE_CUDA_MID_OCC": "1"}, **env)
+    tmp, app = with_app(name, full)
+    check(app.cmd("launchw s 64 20") == "launched s", f"{name}: first launch")
+    check(app.cmd("check", timeout=60) == "check ok 1 launches, 0 bad blocks", f"{name}: first launch's blocks")
+    check(app.cmd("launchw s 8 20") == "launched s", f"{name}: one-wave launch")
+    check(app.cmd("check", timeout=60) == "check ok 2 launches, 0 bad blocks", f"{name}: one-wave launch's blocks")
+    c = app.conn()
+    k = kern(c, "k_count_loop")
+    check(k and k["twin_launches"] == 1 and k.get("original_reason", "").startswith("grid fits in one wave"),
+          f"{name}: the one-wave launch did not run as the original: {k}")
+    c.close()
+    check(app.cmd("calls mid_twin_launches") == "calls 0", f"{name}: a mid twin ran")
     ended_ok(name, app)
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -1228,8 +1272,11 @@ def main():
         ("mid-block-auto-learned-library", lambda n: t_mid_auto_learned(n, {"APP_MODULE": "library"}), ()),
         ("mid-block-auto-learned-over-limit", lambda n: t_mid_auto_learned(n, {"PTXMIG_MID_BLOCK_MAX_MB": "0"}, refused=True), ()),
         ("mid-block-auto-learned-no-memory", lambda n: t_mid_auto_learned(n, {"FAKE_CUDA_ALLOC_FAIL_KB": "1024"}, refused=True), ()),
+        ("mid-block-auto-args", lambda n: t_mid_auto_args(n), ()),
+        ("mid-block-auto-one-wave-over-limit", lambda n: t_mid_auto_one_wave_refused(n, {"PTXMIG_MID_BLOCK_MAX_MB": "0"}), ()),
+        ("mid-block-auto-one-wave-no-memory", lambda n: t_mid_auto_one_wave_refused(n, {"FAKE_CUDA_ALLOC_FAIL_KB": "1024"}), ()),
         ("mid-block-auto-library", lambda n: t_mid_auto(n, {"APP_MODULE": "library"}), ()),
-        ("mid-block-auto-mid-occupancy", lambda n: t_mid_auto(n, {"FAKE_CUDA_MID_OCC": "1"}, mid_fits=False), ()),
+        ("mid-block-auto-mid-occupancy", lambda n: t_mid_auto(n, {"FAKE_CUDA_MID_OCC": "1"}), ()),
         ("mid-block-criu", lambda n: t_criu(n, {"APP_KERNEL": "loop", "PTXMIG_MID_BLOCK": "1"}), ()),
     ]
     for n, fn, _ in cases:
