@@ -577,6 +577,14 @@ static uint32_t batch_max_for(krec *r, uint64_t resident) {
   return g < 1 ? 1 : (uint32_t)g;
 }
 
+// twin_ctas: the CTAs a twin launch of `total` blocks gets: one wave of `occ` CTAs per SM, no more
+// than the blocks, within the grid's x limit.
+static uint64_t twin_ctas(int occ, int sms, uint64_t total) {
+  uint64_t w = (uint64_t)occ * (uint64_t)sms;
+  if (w > total) w = total;
+  return w > 0x7fffffffu ? 0x7fffffffu : w;
+}
+
 // arg_growth: the largest growth of a count argument of this launch (sig) over the same argument
 // of a sampled launch (was: big_sig, the longest timed original's; blk_sig, the one with the
 // longest blocks), counted from 2x; 1 when none grew or none is known.
@@ -845,9 +853,9 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   int one_wave = 0, long_blocks = 0;
   CUfunction block_twin = twin;
   int block_occ = occ;
+  int fits = blocks <= (uint64_t)occ * (uint64_t)c->sms;  // one wave of the block twin
   if (cfg.mid_block == MB_AUTO && k->mid_twin) {
     uint64_t res = (uint64_t)occ * (uint64_t)c->sms;
-    int fits = blocks <= res;
     double bus = block_us_of(r, res) * arg_growth(r->blk_sig, sig);
     int lng = 2.0 * bus > (double)cfg.preempt_min_us;
     CUfunction mf = (fits || lng) && mid_layout(r, k, owner, is_lib)
@@ -865,7 +873,7 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   // auto: a grid that fits in one wave of the twin gives each twin CTA at most one block, and a
   // block-granular twin never cuts a block short: it could not stop sooner than the original, only
   // run slower (a grid-stride loop over SMs x 8 CTAs, as counter's, took 1.28x on an H100).
-  if (cfg.preempt == PM_AUTO && !mid && blocks <= (uint64_t)occ * (uint64_t)c->sms) {
+  if (cfg.preempt == PM_AUTO && !mid && fits) {  // !mid: occ is still the block twin's
     *why = "grid fits in one wave (auto: its twin could not stop sooner)";
     return 0;
   }
@@ -882,9 +890,7 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
     }
   }
   uint64_t total = blocks;
-  uint64_t w = (uint64_t)occ * (uint64_t)c->sms;
-  if (w > total) w = total;
-  if (w > 0x7fffffffu) w = 0x7fffffffu;
+  uint64_t w = twin_ctas(occ, c->sms, total);
   // Save areas: a stop saves at most one record per twin CTA plus the records it forwards, and
   // the records left at any time are at most one per CTA (a CTA takes records before it claims
   // blocks), so 2 W + 64 records per area never run out; if they did, a CTA would not stop
@@ -901,15 +907,13 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
         *why = "one wave, and its mid-block save areas exceed PTXMIG_MID_BLOCK_MAX_MB";
         return 0;
       }
-      if (long_blocks && cfg.preempt == PM_AUTO && blocks <= (uint64_t)block_occ * (uint64_t)c->sms) {
+      if (long_blocks && fits && cfg.preempt == PM_AUTO) {
         *why = "grid fits in one wave (auto: its twin could not stop sooner)";
         return 0;
       }
       if (long_blocks) {  // stopping between blocks only: the block twin does that faster
         twin = block_twin, occ = block_occ;
-        w = (uint64_t)occ * (uint64_t)c->sms;
-        if (w > total) w = total;
-        if (w > 0x7fffffffu) w = 0x7fffffffu;
+        w = twin_ctas(occ, c->sms, total);
       }
       LOG_ONCE("preemption: a mid-block twin's save areas exceed PTXMIG_MID_BLOCK_MAX_MB; it stops between blocks only");
     }
@@ -1006,7 +1010,7 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
         *why = "one wave, and no device memory for its mid-block save areas";
         return 0;
       }
-      if (long_blocks && cfg.preempt == PM_AUTO && blocks <= (uint64_t)block_occ * (uint64_t)c->sms) {
+      if (long_blocks && fits && cfg.preempt == PM_AUTO) {
         pthread_mutex_lock(&pre_mu);
         tl_free(x);
         pthread_mutex_unlock(&pre_mu);
@@ -1015,9 +1019,7 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
       }
       if (long_blocks) {  // stopping between blocks only: the block twin does that faster
         occ = block_occ;
-        w = (uint64_t)occ * (uint64_t)c->sms;
-        if (w > total) w = total;
-        if (w > 0x7fffffffu) w = 0x7fffffffu;
+        w = twin_ctas(occ, c->sms, total);
         x->twin = twin = block_twin;
         x->W = (unsigned)w;
         x->init.v2.batch_max = batch_max_for(r, (uint64_t)occ * (uint64_t)c->sms);
