@@ -44,6 +44,10 @@ type Options struct {
 	// kernels to stop (0: shimstep.DefaultPreemptBudget).
 	PreemptBudget time.Duration
 	OpLockWait    time.Duration // wait for another ptxmig operation on the PID; 0 fails at once
+	// Rehearse runs the whole move with the process's own GPUs as its targets (GPUs and GPUMap
+	// empty): it proves that the process can be moved and measures the downtime, also on a host
+	// with one GPU. The driver gets no pairs.
+	Rehearse bool
 }
 
 // GPURef names a GPU.
@@ -71,8 +75,8 @@ type Plan struct {
 	dpairs []cudackpt.Pair
 }
 
-// Result reports a migration. Downtime runs from the start of the lock to the end of the
-// unlock: the time the process could not use CUDA.
+// Result reports a migration. Downtime runs from the start of the quiesce (the lock without
+// the shim) to the end of the resume: the time the process could not use CUDA.
 type Result struct {
 	PID        int                       `json:"pid"`
 	PIDs       []int                     `json:"pids"`
@@ -85,8 +89,13 @@ type Result struct {
 	Checkpoint time.Duration             `json:"checkpoint_ns"`
 	Restore    time.Duration             `json:"restore_ns"`
 	Unlock     time.Duration             `json:"unlock_ns"`
-	Downtime   time.Duration             `json:"downtime_ns"`
-	Warnings   []string                  `json:"warnings,omitempty"`
+	// Stash and Unstash: owned memory parked in the processes' own host memory and put back
+	// (0 without owned memory).
+	Stash     time.Duration `json:"stash_ns,omitempty"`
+	Unstash   time.Duration `json:"unstash_ns,omitempty"`
+	Downtime  time.Duration `json:"downtime_ns"`
+	Rehearsal bool          `json:"rehearsal,omitempty"` // moved onto its own GPUs (Options.Rehearse)
+	Warnings  []string      `json:"warnings,omitempty"`
 }
 
 // Run plans and executes a migration.
@@ -127,8 +136,11 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if err := op.RefuseUnrestorable(ctx, pids); err != nil {
 		return nil, err
 	}
-	if len(o.GPUs) == 0 && len(o.GPUMap) == 0 {
-		return nil, op.Refusef("migrate pid %d: no target: give --gpu N", pid)
+	if o.Rehearse && (len(o.GPUs) > 0 || len(o.GPUMap) > 0) {
+		return nil, op.Refusef("migrate pid %d: a rehearsal moves the process back onto its own GPUs: give no target", pid)
+	}
+	if !o.Rehearse && len(o.GPUs) == 0 && len(o.GPUMap) == 0 {
+		return nil, op.Refusef("migrate pid %d: no target: give --gpu N (or --rehearse)", pid)
 	}
 	devs, err := env.GPUs.Devices()
 	if err != nil {
@@ -141,9 +153,16 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if len(src) == 0 {
 		return nil, op.Refusef("pid %s holds no GPU memory according to NVML: nothing to migrate", op.PIDText(pids))
 	}
+	targets := o.GPUs
+	if o.Rehearse {
+		targets = nil
+		for _, g := range src {
+			targets = append(targets, g.Index)
+		}
+	}
 	// Pairs cover every GPU of the host (see gpu.DriverSet; TreeGPUs refuses MIG), the same for
 	// every rank of a job: each takes its GPUs where the map says.
-	pairs, err := placement.PlanPairs(src, visible, devs, o.GPUs, o.GPUMap, true)
+	pairs, err := placement.PlanPairs(src, visible, devs, targets, o.GPUMap, true)
 	if err == nil {
 		err = placement.CheckModelChanges(pairs, o.AllowModelChange)
 	}
@@ -158,7 +177,7 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 			p.GPUBytes += pr.From.MemoryBytes
 		}
 	}
-	if !placement.AnyMove(pairs) {
+	if !placement.AnyMove(pairs) && !o.Rehearse {
 		return nil, op.Refusef("pid %s already runs on GPU %s: nothing to migrate", op.PIDText(pids), indexes(p.Target))
 	}
 	if err := op.CheckHostMemory(p.GPUBytes); err != nil {
@@ -179,12 +198,18 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if len(pids) > 1 {
 		steps = append(steps, op.PlanStep{Step: shimstep.StepAlign, Action: fmt.Sprintf("processes under the shim that launch collectives (NCCL ranks): stop each right after the same collective (waits up to %s)", lockTimeoutText(o.LockTimeout))})
 	}
+	restoreAction := fmt.Sprintf("restore with %d GPU pairs, one per GPU of the host: %s", len(pairs), placement.PairText(pairs))
+	if len(p.dpairs) == 0 {
+		restoreAction = fmt.Sprintf("restore onto the same GPU %s (a rehearsal: no pairs)", indexes(p.Source))
+	}
 	p.Steps = append(steps,
 		op.PlanStep{Step: shimstep.StepQuiesce, Action: "if it runs under the ptxmig shim: stop preemptible kernels between blocks, hold new launches"},
+		op.PlanStep{Step: shimstep.StepStashMemory, Action: "under the shim with owned memory (ptxmig run --owned-memory): copy it into the process's own host memory and release it, so the driver moves only the rest"},
 		op.PlanStep{Step: StepLock, Action: fmt.Sprintf("lock %s (timeout %s)", who, lockTimeoutText(o.LockTimeout))},
-		op.PlanStep{Step: StepCheckpoint, Action: fmt.Sprintf("checkpoint: copy its GPU memory (%s) to host memory", bytesize.FormatU(p.GPUBytes))},
-		op.PlanStep{Step: StepRestore, Action: fmt.Sprintf("restore with %d GPU pairs, one per GPU of the host: %s", len(pairs), placement.PairText(pairs))},
+		op.PlanStep{Step: StepCheckpoint, Action: fmt.Sprintf("checkpoint: copy its GPU memory (up to %s, less what was stashed) to host memory", bytesize.FormatU(p.GPUBytes))},
+		op.PlanStep{Step: StepRestore, Action: restoreAction},
 		op.PlanStep{Step: StepUnlock, Action: fmt.Sprintf("unlock %s", who)},
+		op.PlanStep{Step: shimstep.StepUnstashMemory, Action: "stashed owned memory: re-create it at the same addresses on the target and copy it back"},
 		op.PlanStep{Step: shimstep.StepResume, Action: "under the shim: relaunch preempted kernels on the target, release held launches"},
 		op.PlanStep{Step: "on failure", Action: fmt.Sprintf("restore without pairs (back onto GPU %s) and unlock", indexes(p.Source))},
 	)
@@ -216,10 +241,10 @@ func cudaProcesses(env *op.Env, pid int) ([]int, error) {
 	return pids, nil
 }
 
-// Execute runs the plan, journaled with a guardian (op.Begin): quiesce (under the shim) → lock →
-// checkpoint → restore with pairs → unlock → resume. If the restore onto
-// the targets fails, the checkpoint's undo restores onto the source GPUs and the lock's undo
-// unlocks. That restore passes no pairs: the driver then puts every GPU back where it was
+// Execute runs the plan, journaled with a guardian (op.Begin): quiesce (under the shim) → stash
+// owned memory → lock → checkpoint → restore with pairs → unlock → unstash → resume. If the
+// restore onto the targets fails, the checkpoint's undo restores onto the source GPUs and the
+// lock's undo unlocks; the stash's undo then puts the owned memory back on the source. That restore passes no pairs: the driver then puts every GPU back where it was
 // checkpointed (the identity), which needs no bijection and works on every driver.
 func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	o := p.opts
@@ -250,7 +275,8 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		// rank's collective kernel waits for a rank already locked.
 		steps = append(steps, pre.AlignStep(p.PIDs, o.LockTimeout))
 	}
-	steps = append(append(append(steps, pre.QuiesceStep(p.PIDs)), driver...), pre.ResumeStep(op.Fixed(p.PIDs), false))
+	steps = append(append(append(steps, pre.QuiesceStep(p.PIDs), pre.StashMemoryStep()), driver...),
+		pre.UnstashMemoryStep(), pre.ResumeStep(op.Fixed(p.PIDs), false))
 	steps[len(steps)-1].Commit = true
 	tree := p.PIDs
 	if !slices.Contains(tree, p.PID) {
@@ -260,13 +286,16 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
-	res := &Result{PID: p.PID, PIDs: p.PIDs, Source: p.Source, Target: p.Target, Pairs: p.Pairs, Warnings: p.Warnings}
+	res := &Result{PID: p.PID, PIDs: p.PIDs, Source: p.Source, Target: p.Target, Pairs: p.Pairs, Warnings: p.Warnings, Rehearsal: o.Rehearse}
 	t0 := time.Now()
 	timings, err := txn.Execute(ctx, steps, env.Hook, 0)
 	txn.End(err, false)
 	res.Timings, res.Preemption = timings, pre.Reports
 	res.Lock, res.Checkpoint = timings.Of(StepLock), timings.Of(StepCheckpoint)
 	res.Restore, res.Unlock = timings.Of(StepRestore), timings.Of(StepUnlock)
+	if slices.ContainsFunc(pre.Reports, func(r *shimstep.PreemptReport) bool { return r.Owned != nil && r.Owned.Stash != nil }) {
+		res.Stash, res.Unstash = timings.Of(shimstep.StepStashMemory), timings.Of(shimstep.StepUnstashMemory)
+	}
 	if err != nil {
 		return res, env.NewFailure(err, "migrate", p.PID, nil, p.PIDs, p.PIDs)
 	}

@@ -37,6 +37,13 @@ func init() {
 			"restored onto its source GPUs, unlocked and resumed (exit status 4), also when it was on its\n" +
 			"targets already. If ptxmig itself dies, its guardian does the same (the journal keeps the\n" +
 			"GPU pairs, so it can move back what the driver had restored onto the targets).\n" +
+			"Owned memory (a process started with `ptxmig run --owned-memory`): after the quiesce its shim\n" +
+			"copies that memory into the process's own host memory and releases it, so the driver's\n" +
+			"checkpoint and restore move only the rest; on the target the shim re-creates it at the same\n" +
+			"addresses and copies it back. The bytes never leave the process: if ptxmig dies, the shim puts\n" +
+			"them back before the process runs again.\n" +
+			"--rehearse goes through the whole move with the process's own GPUs as targets: it proves the\n" +
+			"process can be moved and measures the downtime, on a host with one GPU too.\n" +
 			"Prints the downtime (gate\n" +
 			"closed to gate open) and its parts; on a terminal, a status line on stderr shows the step as it\n" +
 			"runs. No process PID: exit 6. Migrate uses no image store.\n" +
@@ -50,6 +57,7 @@ func init() {
 			"Examples:\n" +
 			"   ptxmig migrate --gpu 1 4242\n" +
 			"   ptxmig migrate --dry-run --gpu 1 4242\n" +
+			"   ptxmig migrate --rehearse 4242              # there and back onto its own GPU\n" +
 			"   ptxmig migrate 4242 --gpu-map 0=1 --lock-timeout 30s\n" +
 			"   ptxmig migrate --gpu-map 0=1,1=0 4242    # a 2-rank job started by pid 4242: ranks swapped",
 		Flags: []cli.Flag{
@@ -57,6 +65,7 @@ func init() {
 			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping `OLD=NEW[,...]` (GPU UUIDs or indexes)"},
 			allowModelChangeFlag(),
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
+			&cli.BoolFlag{Name: "rehearse", Usage: "move the process onto its own GPUs (no target): proves it can move, measures the downtime"},
 			&cli.DurationFlag{Name: "lock-timeout", Value: 10 * time.Second, Usage: "how long the driver lock may wait for running kernels (0: forever)"},
 			preemptBudgetFlag(),
 		},
@@ -65,8 +74,9 @@ func init() {
 }
 
 // migrateLabels name the steps of a migration in its status line.
-var migrateLabels = map[string]string{shimstep.StepQuiesce: "quiesce", migrate.StepLock: "lock", migrate.StepCheckpoint: "device->host",
-	migrate.StepRestore: "host->device", migrate.StepUnlock: "unlock", shimstep.StepResume: "resume"}
+var migrateLabels = map[string]string{shimstep.StepQuiesce: "quiesce", shimstep.StepStashMemory: "stash owned memory",
+	migrate.StepLock: "lock", migrate.StepCheckpoint: "device->host", migrate.StepRestore: "host->device", migrate.StepUnlock: "unlock",
+	shimstep.StepUnstashMemory: "unstash owned memory", shimstep.StepResume: "resume"}
 
 func migrateAction(c *cli.Context) error {
 	if err := argsExactly(c, 1); err != nil {
@@ -98,7 +108,7 @@ func migrateAction(c *cli.Context) error {
 		return fmt.Errorf("migrate: %w: no running process with pid %d", errNoProcess, pid)
 	}
 	plan, err := migrate.PlanMigrate(c.Context, e, migrate.Options{PID: pid, GPUs: gpus, GPUMap: gmap, LockTimeout: lockTimeout, PreemptBudget: budget,
-		AllowModelChange: c.Bool("allow-model-change")})
+		AllowModelChange: c.Bool("allow-model-change"), Rehearse: c.Bool("rehearse")})
 	if err != nil {
 		return opError(g.Err, err)
 	}
@@ -125,15 +135,25 @@ func migrateAction(c *cli.Context) error {
 	if len(res.PIDs) > 1 || len(res.PIDs) == 1 && res.PIDs[0] != res.PID {
 		who = fmt.Sprintf("job %d (pid %s)", res.PID, op.PIDText(res.PIDs))
 	}
-	for i := range res.Source {
-		fmt.Fprintf(w, "migrated %s: GPU %d %s -> GPU %d %s\n", who, res.Source[i].Index, res.Source[i].UUID, res.Target[i].Index, res.Target[i].UUID)
+	verb := "migrated"
+	if res.Rehearsal {
+		verb = "rehearsed the migrate of"
 	}
-	printPairs(w, res.Pairs, true)
+	for i := range res.Source {
+		fmt.Fprintf(w, "%s %s: GPU %d %s -> GPU %d %s\n", verb, who, res.Source[i].Index, res.Source[i].UUID, res.Target[i].Index, res.Target[i].UUID)
+	}
+	printPairs(w, res.Pairs, !res.Rehearsal)
 	printPreemption(w, res.Preemption)
+	if res.Stash > 0 {
+		fmt.Fprintf(w, "  %-15s %s\n", "stash", ms(res.Stash))
+	}
 	fmt.Fprintf(w, "  %-15s %s\n", "lock", ms(res.Lock))
 	fmt.Fprintf(w, "  %-15s %s\n", "device->host", ms(res.Checkpoint))
 	fmt.Fprintf(w, "  %-15s %s\n", "host->device", ms(res.Restore))
 	fmt.Fprintf(w, "  %-15s %s\n", "unlock", ms(res.Unlock))
+	if res.Unstash > 0 {
+		fmt.Fprintf(w, "  %-15s %s\n", "unstash", ms(res.Unstash))
+	}
 	fmt.Fprintf(w, "  %-15s %s\n", "downtime", ms(res.Downtime))
 	return nil
 }

@@ -162,6 +162,22 @@ func printOwned(w io.Writer, pid int, m *shimstep.OwnedMemory) {
 		}
 		fmt.Fprintf(w, "pid %d: owned device memory %s loaded in %s (%s/s)\n", pid, bytesize.Format(int64(l.Bytes)), ms(l.Copy), bytesize.Format(int64(rate)))
 	}
+	if x := m.Stash; x != nil {
+		fmt.Fprintf(w, "pid %d: owned device memory %s in %d regions stashed in its host memory in %s (copy %s, %s/s; pin %s; release %s)\n",
+			pid, bytesize.Format(int64(x.Bytes)), x.Regions, usText(x.ElapsedUS), usText(x.CopyUS), rateText(x.Bytes, x.CopyUS), usText(x.PinUS), usText(x.ReleaseUS))
+	}
+	if x := m.Unstash; x != nil {
+		fmt.Fprintf(w, "pid %d: owned device memory %s put back in %s (re-create %s, copy %s, %s/s; pin %s)\n",
+			pid, bytesize.Format(int64(x.Bytes)), usText(x.ElapsedUS), usText(x.RemapUS), usText(x.CopyUS), rateText(x.Bytes, x.CopyUS), usText(x.PinUS))
+	}
+}
+
+// rateText is bytes per us microseconds, per second.
+func rateText(bytes uint64, us int64) string {
+	if us <= 0 {
+		return "-"
+	}
+	return bytesize.Format(int64(float64(bytes) / (float64(us) / 1e6)))
 }
 
 func usText(us int64) string {

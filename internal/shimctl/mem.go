@@ -28,6 +28,7 @@ type MemStatus struct {
 	Bytes       uint64 `json:"bytes"`
 	PeakBytes   uint64 `json:"peak_bytes"`
 	Released    bool   `json:"released"`
+	Stashed     bool   `json:"stashed"` // released into the process's own host memory (mem-stash)
 	Allocations uint64 `json:"allocations"`
 	Fallbacks   uint64 `json:"fallbacks"`
 	Frees       uint64 `json:"frees"`
@@ -93,6 +94,22 @@ type MemReleased struct {
 	ElapsedUS int64  `json:"elapsed_us"`
 }
 
+// MemStashed is the reply to mem-stash and mem-unstash: Bytes of Regions went into (out of) the
+// process's own host memory, pinned for the copy (Pinned) or pageable. The durations are
+// microseconds: synchronizing the app's work (stash), re-creating the physical memory (unstash),
+// pinning and unpinning the stash, the copies, releasing the physical memory (stash), and all.
+type MemStashed struct {
+	Regions   int    `json:"regions"`
+	Bytes     uint64 `json:"bytes"`
+	Pinned    bool   `json:"pinned"`
+	SyncUS    int64  `json:"sync_us,omitempty"`
+	RemapUS   int64  `json:"remap_us,omitempty"`
+	PinUS     int64  `json:"pin_us"`
+	CopyUS    int64  `json:"copy_us"`
+	ReleaseUS int64  `json:"release_us,omitempty"`
+	ElapsedUS int64  `json:"elapsed_us"`
+}
+
 const maxMemSlots = 64
 
 func (b *MemBegin) validate(dir string, chunk int64, slots int) error {
@@ -141,6 +158,20 @@ func (c *Client) MemStatus(ctx context.Context) (*MemStatus, error) {
 // quiesce lease.
 func (c *Client) MemRelease(ctx context.Context) (*MemReleased, error) {
 	return call[MemReleased](ctx, c, "mem-release")
+}
+
+// MemStash copies every owned region into the process's own host memory and releases its
+// physical memory (the addresses stay reserved), with the process quiesced through this
+// connection. Until MemUnstash, a resume of the process, or the lease's end, which all put the
+// memory back first, the bytes live only in the process: nothing is lost if ptxmig dies.
+func (c *Client) MemStash(ctx context.Context) (*MemStashed, error) {
+	return call[MemStashed](ctx, c, "mem-stash")
+}
+
+// MemUnstash re-creates the stashed regions at their addresses, on their device ordinals, and
+// copies them back; nothing to do when nothing is stashed.
+func (c *Client) MemUnstash(ctx context.Context) (*MemStashed, error) {
+	return call[MemStashed](ctx, c, "mem-unstash")
 }
 
 // call sends cmd (no arguments) and decodes its result into a T.

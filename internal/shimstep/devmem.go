@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/devmem"
@@ -13,8 +15,10 @@ import (
 
 // Step names of the owned-memory steps (processes whose shim owns device memory only).
 const (
-	StepSaveMemory = "save-device-memory"
-	StepLoadMemory = "load-device-memory"
+	StepSaveMemory    = "save-device-memory"
+	StepLoadMemory    = "load-device-memory"
+	StepStashMemory   = "stash-device-memory"
+	StepUnstashMemory = "unstash-device-memory"
 )
 
 // Ring geometry of the owned-memory transfers: 32 slots of a chunk (128 MiB of pinned memory in
@@ -30,6 +34,10 @@ type OwnedMemory struct {
 	// none of it to copy); Note says why the memory was left to the driver instead.
 	Released bool   `json:"released"`
 	Note     string `json:"note,omitempty"`
+	// Stash and Unstash (migrate): the memory parked in the process's own host memory while the
+	// driver moved the rest, and put back on the target.
+	Stash   *shimctl.MemStashed `json:"stash,omitempty"`
+	Unstash *shimctl.MemStashed `json:"unstash,omitempty"`
 }
 
 // MemorySink gives the save step the checkpoint's store ingest (nil with a reason: the memory
@@ -210,4 +218,100 @@ func loadInto(ctx context.Context, c *shimctl.Client, x *devmem.Index, src devme
 		err = fmt.Errorf("owned memory of pid %d: end the load: %w", x.PID, cerr)
 	}
 	return rep, err
+}
+
+// stashTimeout bounds one process's stash or unstash: copies at 1 GB/s or more of up to the
+// host's largest GPU memory.
+const stashTimeout = 10 * time.Minute
+
+// StashMemoryStep, after the quiesce (migrate): every quiesced process whose shim owns device
+// memory copies it into its own host memory and releases it, so the driver's checkpoint and
+// restore move only the rest of its GPU state. The bytes stay in the process: if ptxmig dies,
+// the shim puts them back when the lease ends (or at the recovery's resume). A failure for one
+// process unstashes those done before it; the undo unstashes every process (on the GPUs it is on
+// by then: the driver steps' undos have moved it back).
+func (p *Preemption) StashMemoryStep() op.Step {
+	var stashed []int
+	undo := func(ctx context.Context) error {
+		var errs []error
+		for i := len(stashed) - 1; i >= 0; i-- {
+			pid := stashed[i]
+			if err := p.unstash(ctx, pid); err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			stashed = slices.Delete(stashed, i, i+1)
+		}
+		return errors.Join(errs...)
+	}
+	do := func(ctx context.Context) error {
+		for _, pid := range slices.Sorted(maps.Keys(p.leases)) {
+			c := p.leases[pid]
+			sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			st, err := c.MemStatus(sctx)
+			cancel()
+			if err != nil || !st.Enabled || st.Regions == 0 {
+				continue // an older shim, or no owned memory: the driver moves it all
+			}
+			sctx, cancel = context.WithTimeout(ctx, stashTimeout)
+			x, err := c.MemStash(sctx)
+			cancel()
+			if err != nil {
+				return fmt.Errorf("owned memory of pid %d: stash: %w", pid, err)
+			}
+			stashed = append(stashed, pid)
+			r := p.report(pid)
+			r.Owned = &OwnedMemory{Stash: x, Released: x.Regions > 0}
+		}
+		return nil
+	}
+	return op.Step{Name: StepStashMemory, Undo: undo, Do: func(ctx context.Context) error {
+		err := do(ctx)
+		if err == nil || len(stashed) == 0 {
+			return err
+		}
+		if uerr := undo(context.WithoutCancel(ctx)); uerr != nil {
+			return op.StepUndid(err, fmt.Errorf("put the stashed memory back: %w", uerr))
+		}
+		return op.StepUndid(err, nil)
+	}}
+}
+
+// UnstashMemoryStep, after the driver restore and unlock (migrate): every process whose memory
+// is stashed re-creates it on the GPU it now runs on and copies it back. No undo of its own: if
+// it fails, the driver steps' undos move the processes back and the stash step's undo puts the
+// memory back there (a process already unstashed has nothing stashed left).
+func (p *Preemption) UnstashMemoryStep() op.Step {
+	return op.Step{Name: StepUnstashMemory, Do: func(ctx context.Context) error {
+		for _, r := range p.Reports {
+			if r.Owned == nil || r.Owned.Stash == nil || !r.Owned.Released {
+				continue
+			}
+			if err := p.unstash(ctx, r.PID); err != nil {
+				return err
+			}
+		}
+		return nil
+	}}
+}
+
+func (p *Preemption) unstash(ctx context.Context, pid int) error {
+	c, done, err := p.client(ctx, pid)
+	if err != nil {
+		return fmt.Errorf("owned memory of pid %d: %w; its shim puts the memory back when it is resumed", pid, err)
+	}
+	defer done()
+	sctx, cancel := context.WithTimeout(ctx, stashTimeout)
+	x, err := c.MemUnstash(sctx)
+	cancel()
+	if err != nil {
+		return fmt.Errorf("owned memory of pid %d: unstash: %w", pid, err)
+	}
+	if o := p.report(pid).Owned; o != nil {
+		if x.Regions > 0 {
+			o.Unstash = x
+		}
+		o.Released = false
+	}
+	return nil
 }

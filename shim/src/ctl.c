@@ -151,9 +151,14 @@ static void handle_mem(conn *c, const char *cmd, const char *dir, const char *ch
     rc = vmm_cmd_release(&b, err, sizeof err);
   } else if (strcmp(cmd, "mem-end") == 0) {
     rc = vmm_cmd_end(&b);
+  } else if (strcmp(cmd, "mem-stash") == 0) {
+    rc = vmm_cmd_stash(&b, err, sizeof err);
+  } else if (strcmp(cmd, "mem-unstash") == 0) {
+    rc = vmm_cmd_unstash(&b, err, sizeof err);
   } else {
     rc = -1;
-    snprintf(err, sizeof err, "unknown cmd %s (want mem-status, mem-begin, mem-copy, mem-fill, mem-release or mem-end)", cmd);
+    snprintf(err, sizeof err,
+             "unknown cmd %s (want mem-status, mem-begin, mem-copy, mem-fill, mem-release, mem-end, mem-stash or mem-unstash)", cmd);
   }
   if (rc) reply_error(c->fd, err);
   else send_ok(c, cmd, &b);
@@ -227,9 +232,13 @@ static void handle_line(conn *c, const char *line, size_t n) {
       send_ok(c, cmd, &b);
     }
   } else if (strcmp(cmd, "resume") == 0) {
-    if (vmm_released()) {
+    if (vmm_stashed() && vmm_cmd_unstash(&b, err, sizeof err)) {
+      reply_error(fd, err);  // the memory stays stashed: the process stays held (a later resume retries)
+    } else if (vmm_released()) {
       reply_error(fd, "resume: owned device memory is released; load it first (mem-begin load, mem-fill)");
     } else {
+      free(b.p);  // an unstash's report is not part of the resume's reply
+      b = (jbuf){0};
       vmm_conn_closed();
       for (int i = 0; i < MAX_CONN; i++) conns[i].lease = 0;
       preempt_resume(&b);
@@ -258,6 +267,14 @@ static void conn_close(conn *c) {
   if (c->lease) {
     c->lease = 0;
     vmm_conn_closed();
+    if (preempt_state() == 1 && vmm_stashed()) {
+      // The memory is in the process (a migrate's ptxmig went away): put it back, then resume.
+      jbuf b = {0};
+      char err[300];
+      if (vmm_cmd_unstash(&b, err, sizeof err)) shim_log("lease connection closed while owned memory is stashed: %s; the process stays held", err);
+      else shim_log("lease connection closed while owned memory is stashed: loaded back (%s)", b.p ? b.p : "");
+      free(b.p);
+    }
     if (preempt_state() == 1 && vmm_released()) {
       // Resuming now would run kernels on memory that is not there: stay held until a ptxmig
       // (a rollback, `ptxmig recover`) loads it and resumes.

@@ -144,6 +144,8 @@ static size_t nregs, cregs;
 static int released;  // vmm_mu: every region's physical memory is released (mem-release .. mem-load)
 static uint64_t owned_bytes, owned_peak;
 static atomic_ulong st_owned, st_fallback, st_freed, st_ipc_refused;
+static unsigned char *stash;  // vmm_mu: the stash (mem-stash .. mem-unstash), see below
+static size_t stash_len;
 static uint64_t instance;  // random, per process (kept by a restored process): names its memory
 
 static size_t find_le(CUdeviceptr p) {  // index of the last region starting at or before p, or nregs
@@ -329,9 +331,9 @@ void vmm_report_status(jbuf *b) {
   pthread_mutex_lock(&vmm_mu);
   jb_printf(b,
             "{\"enabled\":%s,\"min_bytes\":%llu,\"regions\":%zu,\"bytes\":%llu,\"peak_bytes\":%llu,\"released\":%s,"
-            "\"allocations\":%lu,\"fallbacks\":%lu,\"frees\":%lu,\"ipc_refused\":%lu}",
+            "\"stashed\":%s,\"allocations\":%lu,\"fallbacks\":%lu,\"frees\":%lu,\"ipc_refused\":%lu}",
             cfg.owned ? "true" : "false", (unsigned long long)cfg.owned_min, nregs, (unsigned long long)owned_bytes,
-            (unsigned long long)owned_peak, released ? "true" : "false", atomic_load(&st_owned),
+            (unsigned long long)owned_peak, released ? "true" : "false", stash ? "true" : "false", atomic_load(&st_owned),
             atomic_load(&st_fallback), atomic_load(&st_freed), atomic_load(&st_ipc_refused));
   pthread_mutex_unlock(&vmm_mu);
 }
@@ -344,6 +346,9 @@ static void atfork_child(void) {
   nregs = cregs = 0;
   released = 0;
   owned_bytes = 0;
+  if (stash) munmap(stash, stash_len);  // the parent's memory, copied on write: not the child's
+  stash = NULL;
+  stash_len = 0;
 }
 __attribute__((constructor)) static void vmm_fork_init(void) { pthread_atfork(NULL, NULL, atfork_child); }
 
@@ -510,6 +515,10 @@ int vmm_cmd_begin(int sock, const char *dir, uint64_t chunk, unsigned slots, int
   ss.inlen = 0;
   uint64_t t0 = shim_now_ns();
   pthread_mutex_lock(&vmm_mu);
+  if (stash) {
+    pthread_mutex_unlock(&vmm_mu);
+    return fail(err, errlen, "mem-begin: owned memory is stashed (mem-unstash first)");
+  }
   if (load != released) {
     pthread_mutex_unlock(&vmm_mu);
     return fail(err, errlen, load ? "mem-begin load: owned memory is not released" : "mem-begin save: owned memory is released (load it first)");
@@ -921,7 +930,7 @@ int vmm_cmd_release(jbuf *b, char *err, size_t errlen) {
   pthread_mutex_lock(&vmm_mu);
   if (released) {
     pthread_mutex_unlock(&vmm_mu);
-    return fail(err, errlen, "mem-release: already released");
+    return fail(err, errlen, stash ? "mem-release: already released (stashed)" : "mem-release: already released");
   }
   uint64_t bytes = 0;
   if (nregs && sync_all(err, errlen)) {
@@ -946,4 +955,168 @@ int vmm_cmd_end(jbuf *b) {
   session_end();
   jb_printf(b, "{\"released\":%s}", vmm_released() ? "true" : "false");
   return 0;
+}
+
+// ---- the stash (migrate): owned memory parked in the process's own host memory ----
+// mem-stash copies every region into one anonymous mapping of the process (pinned for the copy
+// only) and releases the physical memory; mem-unstash re-creates it at the same addresses and
+// copies it back. The bytes never leave the process, so a ptxmig that dies in between loses
+// nothing: a resume, or the lease connection closing, unstashes first (ctl.c).
+#define STASH_PIECE (64ull << 20)  // bytes per async copy, round-robin over NSTREAMS streams
+// stash (declared with the region table): regions back to back, region_bytes() each.
+
+int vmm_stashed(void) {
+  pthread_mutex_lock(&vmm_mu);
+  int s = stash != NULL;
+  pthread_mutex_unlock(&vmm_mu);
+  return s;
+}
+
+static void stash_free(void) {
+  if (stash) munmap(stash, stash_len);
+  stash = NULL;
+  stash_len = 0;
+}
+
+// stash_copy copies every region to (out) or from the stash on NSTREAMS streams of ctx (current),
+// the stash pinned for the copy when the driver lets it (pageable otherwise). vmm_mu held.
+static int stash_copy(int out, uint64_t *pin_ns, uint64_t *copy_ns, int *pinned, char *err, size_t errlen) {
+  const char *what = out ? "mem-stash" : "mem-unstash";
+  uint64_t t0 = shim_now_ns();
+  *pinned = v.host_register && v.host_register(stash, stash_len, 0) == CUDA_SUCCESS;
+  if (!*pinned) LOG_ONCE("owned memory: the stash could not be pinned; its copies run from pageable memory");
+  uint64_t t1 = shim_now_ns();
+  CUstream st[NSTREAMS] = {0};
+  CUresult r = CUDA_SUCCESS;
+  for (int i = 0; i < NSTREAMS && r == CUDA_SUCCESS; i++) r = v.stream_create(&st[i], 1 /* non-blocking */);
+  size_t off = 0, n = 0;
+  for (size_t i = 0; i < nregs && r == CUDA_SUCCESS; i++) {
+    uint64_t len = region_bytes(&regs[i]);
+    for (uint64_t o = 0; o < len && r == CUDA_SUCCESS; o += STASH_PIECE, n++) {
+      uint64_t k = len - o < STASH_PIECE ? len - o : STASH_PIECE;
+      r = out ? v.dtoh_async(stash + off + o, regs[i].va + o, k, st[n % NSTREAMS])
+              : v.htod_async(regs[i].va + o, stash + off + o, k, st[n % NSTREAMS]);
+    }
+    off += len;
+  }
+  for (int i = 0; i < NSTREAMS; i++)
+    if (st[i]) {
+      CUresult q = v.stream_sync(st[i]);
+      if (r == CUDA_SUCCESS) r = q;
+      v.stream_destroy(st[i]);
+    }
+  uint64_t t2 = shim_now_ns();
+  if (*pinned) v.host_unregister(stash);  // plain process memory again before the driver checkpoint
+  *pin_ns = (t1 - t0) + (shim_now_ns() - t2);
+  *copy_ns = t2 - t1;
+  if (r != CUDA_SUCCESS) return fail(err, errlen, "%s: copy failed (%d)", what, r);
+  return 0;
+}
+
+// vmm_cmd_stash (quiesced, memory live): copy every region into the stash, then release its
+// physical memory. On failure nothing is released and the stash is gone.
+int vmm_cmd_stash(jbuf *b, char *err, size_t errlen) {
+  if (preempt_state() == 0) return fail(err, errlen, "mem-stash: not quiesced");
+  if (!v_ready()) return fail(err, errlen, "mem-stash: the driver lacks the VMM entry points");
+  session_end();
+  uint64_t t0 = shim_now_ns();
+  pthread_mutex_lock(&vmm_mu);
+  if (released) {
+    pthread_mutex_unlock(&vmm_mu);
+    return fail(err, errlen, stash ? "mem-stash: already stashed" : "mem-stash: owned memory is released (load it first)");
+  }
+  int rc = -1, pushed = 0, pinned = 0;
+  uint64_t bytes = 0, pin_ns = 0, copy_ns = 0, t_rel = 0;
+  CUcontext x;
+  for (size_t i = 0; i < nregs; i++) bytes += region_bytes(&regs[i]);
+  if (nregs && sync_all(err, errlen)) goto out;
+  uint64_t t_sync = shim_now_ns();
+  if (nregs) {
+    stash_len = bytes;
+    stash = mmap(NULL, stash_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (stash == MAP_FAILED) {
+      stash = NULL;
+      stash_len = 0;
+      fail(err, errlen, "mem-stash: %llu bytes of host memory: %s", (unsigned long long)bytes, strerror(errno));
+      goto out;
+    }
+    madvise(stash, stash_len, MADV_HUGEPAGE);
+    if (v.ctx_push(regs[0].ctx) != CUDA_SUCCESS) {
+      stash_free();
+      fail(err, errlen, "mem-stash: cannot enter the owning context");
+      goto out;
+    }
+    pushed = 1;
+    if (stash_copy(1, &pin_ns, &copy_ns, &pinned, err, errlen)) {
+      stash_free();
+      goto out;
+    }
+    t_rel = shim_now_ns();
+    for (size_t i = 0; i < nregs; i++) unmap_phys(&regs[i]);
+    released = 1;
+  } else {
+    t_rel = shim_now_ns();
+  }
+  jb_printf(b,
+            "{\"regions\":%zu,\"bytes\":%llu,\"pinned\":%s,\"sync_us\":%llu,\"pin_us\":%llu,\"copy_us\":%llu,"
+            "\"release_us\":%llu,\"elapsed_us\":%llu}",
+            nregs, (unsigned long long)bytes, pinned ? "true" : "false", (unsigned long long)(t_sync - t0) / 1000,
+            (unsigned long long)pin_ns / 1000, (unsigned long long)copy_ns / 1000,
+            (unsigned long long)(shim_now_ns() - t_rel) / 1000, (unsigned long long)(shim_now_ns() - t0) / 1000);
+  rc = 0;
+out:
+  if (pushed) v.ctx_pop(&x);
+  pthread_mutex_unlock(&vmm_mu);
+  return rc;
+}
+
+// vmm_cmd_unstash (released and stashed): re-create every region at its address and copy it back
+// from the stash, which is then freed. On failure the regions stay released and the stash stays,
+// so that it can be tried again.
+int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
+  if (!v_ready()) return fail(err, errlen, "mem-unstash: the driver lacks the VMM entry points");
+  session_end();
+  uint64_t t0 = shim_now_ns();
+  pthread_mutex_lock(&vmm_mu);
+  if (!released || !stash) {
+    int nothing = !released && !stash;
+    pthread_mutex_unlock(&vmm_mu);
+    if (nothing) {  // nothing stashed: nothing to do (a repeated unstash)
+      jb_printf(b, "{\"regions\":0,\"bytes\":0,\"pinned\":false,\"remap_us\":0,\"pin_us\":0,\"copy_us\":0,\"elapsed_us\":0}");
+      return 0;
+    }
+    return fail(err, errlen, "mem-unstash: owned memory is released but not stashed (mem-begin load)");
+  }
+  int rc = -1, pinned = 0;
+  uint64_t pin_ns = 0, copy_ns = 0, bytes = stash_len;
+  size_t remapped = 0;
+  CUcontext x;
+  if (v.ctx_push(regs[0].ctx) != CUDA_SUCCESS) {
+    fail(err, errlen, "mem-unstash: cannot enter the owning context");
+    pthread_mutex_unlock(&vmm_mu);
+    return -1;
+  }
+  for (; remapped < nregs; remapped++) {
+    CUresult r = map_phys(regs[remapped].va, regs[remapped].size, regs[remapped].dev, &regs[remapped].h);
+    if (r != CUDA_SUCCESS) {
+      fail(err, errlen, "mem-unstash: re-creating %zu bytes at %llx on device %d failed (%d)", regs[remapped].size,
+           (unsigned long long)regs[remapped].va, regs[remapped].dev, r);
+      break;
+    }
+  }
+  uint64_t t_map = shim_now_ns();
+  if (remapped == nregs && stash_copy(0, &pin_ns, &copy_ns, &pinned, err, errlen) == 0) rc = 0;
+  if (rc) {
+    for (size_t k = 0; k < remapped; k++) unmap_phys(&regs[k]);
+  } else {
+    released = 0;
+    stash_free();
+    jb_printf(b, "{\"regions\":%zu,\"bytes\":%llu,\"pinned\":%s,\"remap_us\":%llu,\"pin_us\":%llu,\"copy_us\":%llu,\"elapsed_us\":%llu}",
+              nregs, (unsigned long long)bytes, pinned ? "true" : "false", (unsigned long long)(t_map - t0) / 1000,
+              (unsigned long long)pin_ns / 1000, (unsigned long long)copy_ns / 1000,
+              (unsigned long long)(shim_now_ns() - t0) / 1000);
+  }
+  v.ctx_pop(&x);
+  pthread_mutex_unlock(&vmm_mu);
+  return rc;
 }

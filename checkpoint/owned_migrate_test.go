@@ -1,0 +1,178 @@
+package checkpoint_test
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/cudackpt/cudackpttest"
+	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/shimctl"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
+	"github.com/ptxmig/ptxmig/migrate"
+)
+
+// Migrate of a process whose shim owns device memory, through the real shim and the fake driver
+// (its VMM modelled on host memory: app_owned checks all of it every step), with the driver's
+// checkpoint steps faked (cudackpttest): the owned memory goes into the process's own host
+// memory before the lock and comes back after the unlock; whatever fails, and when ptxmig goes
+// away with the memory stashed, the app runs on with all of it.
+
+const (
+	gpu0 = "GPU-00000000-0000-0000-0000-000000000000"
+	gpu1 = "GPU-11111111-1111-1111-1111-111111111111"
+	// What app_owned's shim owns: A 6 MiB, B 10 MiB, P 300 rows of 4096 bytes.
+	appOwnedBytes = 6<<20 + 10<<20 + 300*4096
+)
+
+// ownedLister is an NVML inventory of n H200s, the app holding 64 MiB of GPU 0.
+type ownedLister struct{ pid, n int }
+
+func (l ownedLister) Devices() ([]gpu.Device, error) {
+	devs := []gpu.Device{{Index: 0, UUID: gpu0, Name: "NVIDIA H200", ComputeCap: "9.0", MemoryTotal: 100 << 30, MemoryUsed: 64 << 20,
+		Processes: []gpu.Process{{PID: l.pid, UsedMemory: 64 << 20}}}}
+	if l.n > 1 {
+		devs = append(devs, gpu.Device{Index: 1, UUID: gpu1, Name: "NVIDIA H200", ComputeCap: "9.0", MemoryTotal: 100 << 30})
+	}
+	return devs, nil
+}
+
+func ownedMigrateEnv(f *fixture, a *ownedApp, gpus int) *cudackpttest.Driver {
+	visible := []string{gpu0}
+	if gpus > 1 {
+		visible = append(visible, gpu1)
+	}
+	drv := cudackpttest.New(gpu0, visible, a.pid)
+	f.env.Driver, f.env.DriverErr = drv, nil
+	f.env.GPUs = ownedLister{a.pid, gpus}
+	f.env.UsesCUDA = func(pid int) (bool, error) { return pid == a.pid, nil }
+	f.env.DriverVersion = func() (string, error) { return "580.159.04", nil }
+	return drv
+}
+
+// memStatus asks the app's shim for its owned-memory overview on a connection of its own.
+func memStatus(t *testing.T, pid int) *shimctl.MemStatus {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := op.DialShim(ctx, pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	st, err := c.MemStatus(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+// TestMigrateOwnedMemory: a rehearsal on one GPU and a move to GPU 1 stash all the owned memory
+// and put it back; the driver moved the process; the app runs on with its memory intact.
+func TestMigrateOwnedMemory(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		gpus     int
+		opts     migrate.Options
+		wantGPU  string
+		wantCall string
+	}{
+		{"rehearse", 1, migrate.Options{Rehearse: true}, gpu0, "restore"},
+		{"gpu 1", 2, migrate.Options{GPUs: []int{1}}, gpu1, "restore-to-" + gpu1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			f := setup(t)
+			a := startOwned(t, f, "owned")
+			drv := ownedMigrateEnv(f, a, tt.gpus)
+			o := tt.opts
+			o.PID, o.LockTimeout = a.pid, 5*time.Second
+			res, err := migrate.Run(context.Background(), f.env, o)
+			if err != nil {
+				t.Fatalf("migrate: %v", err)
+			}
+			m := ownedOf(t, res.Preemption, a.pid)
+			if m.Stash == nil || m.Stash.Bytes != appOwnedBytes || m.Stash.Regions != 3 || m.Unstash == nil || m.Unstash.Bytes != appOwnedBytes || m.Released {
+				t.Fatalf("owned memory: %+v, stash %+v, unstash %+v", m, m.Stash, m.Unstash)
+			}
+			if res.Stash <= 0 || res.Unstash <= 0 || res.Rehearsal != o.Rehearse {
+				t.Errorf("result: stash %s unstash %s rehearsal %v", res.Stash, res.Unstash, res.Rehearsal)
+			}
+			if g := drv.Get(a.pid); g.State != cudackpt.Running || g.GPU != tt.wantGPU || !slices.Contains(drv.Calls, tt.wantCall) {
+				t.Errorf("driver: %v on %s, calls %q (want running on %s, a %s)", g.State, g.GPU, drv.Calls, tt.wantGPU, tt.wantCall)
+			}
+			a.waitSteps(t, 5)
+			if st := memStatus(t, a.pid); st.Released || st.Stashed || st.Regions != 3 {
+				t.Errorf("shim after the migrate: %+v", st)
+			}
+		})
+	}
+}
+
+// TestMigrateOwnedMemoryRollback: a failure at any driver step, or at the unstash on the target,
+// ends with the app running on GPU 0 with all its memory.
+func TestMigrateOwnedMemoryRollback(t *testing.T) {
+	injected := errors.New("injected")
+	for _, fail := range []string{"lock", "checkpoint", "restore-to-" + gpu1, "unlock", "hook " + shimstep.StepUnstashMemory, "hook " + shimstep.StepResume} {
+		t.Run(fail, func(t *testing.T) {
+			f := setup(t)
+			a := startOwned(t, f, "owned")
+			drv := ownedMigrateEnv(f, a, 2)
+			if step, ok := strings.CutPrefix(fail, "hook "); ok {
+				f.env.Hook = func(_ context.Context, s string) error {
+					if s == step {
+						return injected
+					}
+					return nil
+				}
+			} else {
+				drv.FailNext[fail] = injected
+			}
+			_, err := migrate.Run(context.Background(), f.env, migrate.Options{PID: a.pid, GPUs: []int{1}, LockTimeout: 5 * time.Second})
+			if !errors.Is(err, injected) {
+				t.Fatalf("err = %v, want the injected failure", err)
+			}
+			var se *op.StepError
+			if errors.As(err, &se) && se.Touched && !se.RolledBack() {
+				t.Fatalf("rollback incomplete: %v", err)
+			}
+			if g := drv.Get(a.pid); g.State != cudackpt.Running || g.GPU != gpu0 {
+				t.Errorf("driver: %v on %s (calls %q), want running on %s", g.State, g.GPU, drv.Calls, gpu0)
+			}
+			a.waitSteps(t, 5)
+			if st := memStatus(t, a.pid); st.Released || st.Stashed {
+				t.Errorf("shim after the rollback: %+v", st)
+			}
+		})
+	}
+}
+
+// TestStashSurvivesPtxmig: ptxmig goes away (its connection closes, no resume) after the owned
+// memory was stashed and released: the shim puts it back and the app runs on. A second stash on
+// the same process works again.
+func TestStashSurvivesPtxmig(t *testing.T) {
+	f := setup(t)
+	a := startOwned(t, f, "owned")
+	for round := range 2 {
+		pre := shimstep.NewPreemption(f.env, 0)
+		steps := []op.Step{pre.QuiesceStep([]int{a.pid}), pre.StashMemoryStep()}
+		if _, err := op.Execute(context.Background(), steps, nil, 0, f.env.Logger()); err != nil {
+			t.Fatalf("round %d: quiesce and stash: %v", round, err)
+		}
+		if m := ownedOf(t, pre.Reports, a.pid); m.Stash == nil || m.Stash.Bytes != appOwnedBytes || !m.Released {
+			t.Fatalf("round %d: owned memory %+v", round, m)
+		}
+		if st := memStatus(t, a.pid); !st.Released || !st.Stashed {
+			t.Fatalf("round %d: shim while stashed: %+v", round, st)
+		}
+		pre.Close() // as if ptxmig died: the lease ends without a resume
+		a.waitSteps(t, 5)
+		if st := memStatus(t, a.pid); st.Released || st.Stashed {
+			t.Fatalf("round %d: shim after the lease ended: %+v", round, st)
+		}
+	}
+}
