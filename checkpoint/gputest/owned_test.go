@@ -15,6 +15,7 @@ import (
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/internal/shimstep"
+	"github.com/ptxmig/ptxmig/migrate"
 	"github.com/ptxmig/ptxmig/restore"
 )
 
@@ -110,6 +111,63 @@ func TestOwnedMemory(t *testing.T) {
 	_ = os.MkdirAll(dir, 0o755)
 	text := "| checkpoint | owned memory | copy | phases |\n|---|---|---|---|\n" + strings.Join(rows, "\n") + "\n"
 	if err := os.WriteFile(filepath.Join(dir, "owned.md"), []byte(text), 0o644); err != nil {
+		t.Error(err)
+	}
+}
+
+// TestMigrateOwnedMemory: counter under `ptxmig run --owned-memory` with PTXMIG_OWNED_MIB MiB
+// (default 256) it advances and a frozen GiB, migrated four times: to the other GPU and back on a
+// host with two, `migrate --rehearse` (onto its own GPU) on a host with one. Every move stashes all
+// the owned memory in the process and puts it back; the run ends with the checksums of an
+// uninterrupted run. The downtimes go to $PTXMIG_OUT/gputest/owned-migrate.md.
+func TestMigrateOwnedMemory(t *testing.T) {
+	devs := need(t, 1)
+	mib := 256
+	if v, err := strconv.Atoi(os.Getenv("PTXMIG_OWNED_MIB")); err == nil && v > 0 {
+		mib = v
+	}
+	args := []string{"--mib", strconv.Itoa(mib), "--frozen-mib", "1024", "--steps", "100", "--interval-ms", "100"}
+	ref := referenceAsync(t, "counter", args...)
+	p := startShimmedCache(t, []string{"--preempt", "auto", "--owned-memory"}, filepath.Join(out, "gputest", "ptxcache"), filepath.Join(workloads, "counter"), args...)
+	waitLine(t, p.log, "step 5 ", 3*time.Minute)
+	rows := []string{"| move | owned memory | stash (copy) | lock, driver checkpoint, restore, unlock | unstash (re-create, copy) | downtime |", "|---|---|---|---|---|---|"}
+	for i := range 4 {
+		move := []string{"--rehearse"}
+		if len(devs) > 1 {
+			move = []string{"--gpu", strconv.Itoa((i + 1) % 2)}
+		}
+		so, se, code := ptxmig(t, append(append([]string{"--json", "migrate"}, move...), strconv.Itoa(p.pid))...)
+		if code != 0 {
+			t.Fatalf("migrate %v: exit %d: %s", move, code, se)
+		}
+		var res migrate.Result
+		if err := json.Unmarshal([]byte(so), &res); err != nil {
+			t.Fatalf("migrate JSON: %v", err)
+		}
+		var m *shimstep.OwnedMemory
+		for _, r := range res.Preemption {
+			if r.PID == p.pid {
+				m = r.Owned
+			}
+		}
+		if m == nil || m.Stash == nil || m.Unstash == nil || m.Stash.Bytes < uint64(mib+1024)<<20 || m.Unstash.Bytes != m.Stash.Bytes || m.Released {
+			t.Fatalf("migrate %v: owned memory %+v; want all of it stashed and put back", move, m)
+		}
+		us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
+		row := fmt.Sprintf("| %s | %d MiB in %d regions | %s (%s, %.1f GB/s, pinned %v) | %s, %s, %s, %s | %s (%s, %s) | %s |", strings.Join(move, " "),
+			m.Stash.Bytes>>20, m.Stash.Regions, res.Stash.Round(time.Millisecond), us(m.Stash.CopyUS).Round(time.Millisecond),
+			float64(m.Stash.Bytes)/max(us(m.Stash.CopyUS).Seconds(), 1e-9)/1e9, m.Stash.Pinned,
+			res.Lock.Round(time.Millisecond), res.Checkpoint.Round(time.Millisecond), res.Restore.Round(time.Millisecond), res.Unlock.Round(time.Millisecond),
+			res.Unstash.Round(time.Millisecond), us(m.Unstash.RemapUS).Round(time.Millisecond), us(m.Unstash.CopyUS).Round(time.Millisecond), res.Downtime.Round(time.Millisecond))
+		t.Log(row)
+		rows = append(rows, row)
+		waitLine(t, p.log, fmt.Sprintf("step %d ", 20+15*i), 3*time.Minute)
+	}
+	<-p.done
+	sameResults(t, results(p.log), <-ref)
+	dir := filepath.Join(out, "gputest")
+	_ = os.MkdirAll(dir, 0o755)
+	if err := os.WriteFile(filepath.Join(dir, "owned-migrate.md"), []byte(strings.Join(rows, "\n")+"\n"), 0o644); err != nil {
 		t.Error(err)
 	}
 }
