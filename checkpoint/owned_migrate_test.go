@@ -99,6 +99,9 @@ func TestMigrateOwnedMemory(t *testing.T) {
 			if m.Stash == nil || m.Stash.Bytes != appOwnedBytes || m.Stash.Regions != 3 || m.Unstash == nil || m.Unstash.Bytes != appOwnedBytes || m.Released {
 				t.Fatalf("owned memory: %+v, stash %+v, unstash %+v", m, m.Stash, m.Unstash)
 			}
+			if m.Prepare == nil || m.Prepare.Bytes != appOwnedBytes || !m.Stash.Prepared {
+				t.Errorf("stash not prepared before the stop: prepare %+v, stash %+v", m.Prepare, m.Stash)
+			}
 			if res.Stash <= 0 || res.Unstash <= 0 || res.Rehearsal != o.Rehearse {
 				t.Errorf("result: stash %s unstash %s rehearsal %v", res.Stash, res.Unstash, res.Rehearsal)
 			}
@@ -152,8 +155,8 @@ func TestMigrateOwnedMemoryRollback(t *testing.T) {
 }
 
 // TestStashSurvivesPtxmig: ptxmig goes away (its connection closes, no resume) after the owned
-// memory was stashed and released: the shim puts it back and the app runs on. A second stash on
-// the same process works again.
+// memory was stashed (into memory mapped in the stop: nothing prepared) and released: the shim
+// puts it back and the app runs on. A second stash on the same process works again.
 func TestStashSurvivesPtxmig(t *testing.T) {
 	f := setup(t)
 	a := startOwned(t, f, "owned")
@@ -163,7 +166,7 @@ func TestStashSurvivesPtxmig(t *testing.T) {
 		if _, err := op.Execute(context.Background(), steps, nil, 0, f.env.Logger()); err != nil {
 			t.Fatalf("round %d: quiesce and stash: %v", round, err)
 		}
-		if m := ownedOf(t, pre.Reports, a.pid); m.Stash == nil || m.Stash.Bytes != appOwnedBytes || !m.Released {
+		if m := ownedOf(t, pre.Reports, a.pid); m.Stash == nil || m.Stash.Bytes != appOwnedBytes || m.Stash.Prepared || !m.Released {
 			t.Fatalf("round %d: owned memory %+v", round, m)
 		}
 		if st := memStatus(t, a.pid); !st.Released || !st.Stashed {

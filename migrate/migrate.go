@@ -194,7 +194,7 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if len(pids) > 1 || pids[0] != pid {
 		who = fmt.Sprintf("the job's CUDA processes (pid %s)", op.PIDText(pids))
 	}
-	var steps []op.PlanStep
+	steps := []op.PlanStep{{Step: shimstep.StepPrepareStash, Action: "under the shim with owned memory: ready the host memory that memory will be stashed in, while the process runs"}}
 	if len(pids) > 1 {
 		steps = append(steps, op.PlanStep{Step: shimstep.StepAlign, Action: fmt.Sprintf("processes under the shim that launch collectives (NCCL ranks): stop each right after the same collective (waits up to %s)", lockTimeoutText(o.LockTimeout))})
 	}
@@ -269,7 +269,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	defer pre.Close()
 	driver := Steps(env.Driver, p.PIDs, p.dpairs, o.LockTimeout, recheck)
 	driver[0] = pre.ExplainLock(driver[0])
-	var steps []op.Step
+	steps := []op.Step{pre.PrepareStashStep(p.PIDs)} // while the processes run: not downtime
 	if len(p.PIDs) > 1 {
 		// A job: every rank stops right after the same collective before any is locked, so no
 		// rank's collective kernel waits for a rank already locked.
@@ -299,7 +299,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	if err != nil {
 		return res, env.NewFailure(err, "migrate", p.PID, nil, p.PIDs, p.PIDs)
 	}
-	res.Downtime = time.Since(t0)
+	res.Downtime = time.Since(t0) - timings.Of(shimstep.StepPrepareStash)
 	return res, nil
 }
 

@@ -229,7 +229,7 @@ func TestMigrateJob(t *testing.T) {
 			if err != nil {
 				t.Fatalf("plan: %v", err)
 			}
-			if !slices.Equal(p.PIDs, ranks) || p.Steps[0].Step != shimstep.StepAlign || len(p.Source) != 2 {
+			if !slices.Equal(p.PIDs, ranks) || p.Steps[1].Step != shimstep.StepAlign || len(p.Source) != 2 {
 				t.Fatalf("plan: pids %v (want %v), steps %v, source %v", p.PIDs, ranks, p.Steps, p.Source)
 			}
 			_, err = Execute(context.Background(), env, p)

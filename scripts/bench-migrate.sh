@@ -82,7 +82,7 @@ bare() { # PID OUTTXT: the four driver calls, to the other GPU of the driver pro
   "$work/cuckpt" "$1" lock:10000 checkpoint "$r" unlock >"$2"
   advances driver
 }
-j() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2], {}, {'d': d}))" "$@"; }
+j() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2], {'d': d}))" "$@"; }
 median() { python3 -c "import statistics,sys; print(round(statistics.median(float(x) for x in sys.argv[1:])))" "$@"; }
 
 rows=()
@@ -108,7 +108,7 @@ for g in "${sizes[@]}"; do
   mo=$(median "${down_o[@]}") md=$(median "${down_d[@]}") mb=$(median "${down_b[@]}")
   o=$raw/owned-$g-1.json d1=$raw/driver-$g-1.json
   parts() { j "$1" "', '.join(f\"{k} {d.get(k+'_ns',0)/1e6:.0f}\" for k in ['stash','lock','checkpoint','restore','unlock','unstash'] if d.get(k+'_ns'))"; }
-  stash=$(j "$o" "'; '.join(f\"stash {s['bytes']>>20} MiB: copy {s['copy_us']/1e3:.0f} ms ({s['bytes']/max(s['copy_us'],1)/1e3:.1f} GB/s), pin {s['pin_us']/1e3:.0f}, release {s.get('release_us',0)/1e3:.0f}; unstash: re-create {u.get('remap_us',0)/1e3:.0f}, copy {u['copy_us']/1e3:.0f} ms ({u['bytes']/max(u['copy_us'],1)/1e3:.1f} GB/s), pin {u['pin_us']/1e3:.0f}\" for r in d['preemption'] for s in [r['owned_memory']['stash']] for u in [r['owned_memory']['unstash']])")
+  stash=$(j "$o" "'; '.join(f\"stash {s['bytes']>>20} MiB (prepared {s.get('prepared', False)}): copy {s['copy_us']/1e3:.0f} ms ({s['bytes']/max(s['copy_us'],1)/1e3:.1f} GB/s), map and pin {(s.get('populate_us',0)+s['pin_us'])/1e3:.0f}, unpin {s.get('unpin_us',0)/1e3:.0f}, release {s.get('release_us',0)/1e3:.0f}; unstash: re-create {u.get('remap_us',0)/1e3:.0f}, copy {u['copy_us']/1e3:.0f} ms ({u['bytes']/max(u['copy_us'],1)/1e3:.1f} GB/s), pin {u['pin_us']/1e3:.0f}\" for r in d['preemption'] for s in [r['owned_memory']['stash']] for u in [r['owned_memory']['unstash']])")
   rows+=("| $g GiB | ptxmig, owned memory stashed | **$mo** (${down_o[*]}) | $(parts "$o"); $stash |")
   rows+=("| $g GiB | ptxmig, the driver's memory | **$md** (${down_d[*]}) | $(parts "$d1") |")
   rows+=("| $g GiB | the four driver calls | **$mb** (${down_b[*]}) | $(grep -v cuInit "$raw/bare-$g-1.txt" | tr '\n' ' ') |")

@@ -162,9 +162,13 @@ func printOwned(w io.Writer, pid int, m *shimstep.OwnedMemory) {
 		}
 		fmt.Fprintf(w, "pid %d: owned device memory %s loaded in %s (%s/s)\n", pid, bytesize.Format(int64(l.Bytes)), ms(l.Copy), bytesize.Format(int64(rate)))
 	}
+	if x := m.Prepare; x != nil && x.Bytes > 0 {
+		fmt.Fprintf(w, "pid %d: stash of %s prepared while it ran (populate %s, pin %s)\n", pid, bytesize.Format(int64(x.Bytes)), usText(x.PopulateUS), usText(x.PinUS))
+	}
 	if x := m.Stash; x != nil {
-		fmt.Fprintf(w, "pid %d: owned device memory %s in %d regions stashed in its host memory in %s (copy %s, %s/s; pin %s; release %s)\n",
-			pid, bytesize.Format(int64(x.Bytes)), x.Regions, usText(x.ElapsedUS), usText(x.CopyUS), rateText(x.Bytes, x.CopyUS), usText(x.PinUS), usText(x.ReleaseUS))
+		fmt.Fprintf(w, "pid %d: owned device memory %s in %d regions stashed in its host memory in %s (copy %s, %s/s; map and pin %s; unpin %s; release %s)\n",
+			pid, bytesize.Format(int64(x.Bytes)), x.Regions, usText(x.ElapsedUS), usText(x.CopyUS), rateText(x.Bytes, x.CopyUS),
+			usText(x.PopulateUS+x.PinUS), usText(x.UnpinUS), usText(x.ReleaseUS))
 	}
 	if x := m.Unstash; x != nil {
 		fmt.Fprintf(w, "pid %d: owned device memory %s put back in %s (re-create %s, copy %s, %s/s; pin %s)\n",

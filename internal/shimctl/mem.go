@@ -98,16 +98,28 @@ type MemReleased struct {
 // process's own host memory, pinned for the copy (Pinned) or pageable. The durations are
 // microseconds: synchronizing the app's work (stash), re-creating the physical memory (unstash),
 // pinning and unpinning the stash, the copies, releasing the physical memory (stash), and all.
+// A stash made ready by MemPrepare (Prepared) is not populated or pinned in the stop.
 type MemStashed struct {
-	Regions   int    `json:"regions"`
-	Bytes     uint64 `json:"bytes"`
-	Pinned    bool   `json:"pinned"`
-	SyncUS    int64  `json:"sync_us,omitempty"`
-	RemapUS   int64  `json:"remap_us,omitempty"`
-	PinUS     int64  `json:"pin_us"`
-	CopyUS    int64  `json:"copy_us"`
-	ReleaseUS int64  `json:"release_us,omitempty"`
-	ElapsedUS int64  `json:"elapsed_us"`
+	Regions    int    `json:"regions"`
+	Bytes      uint64 `json:"bytes"`
+	Prepared   bool   `json:"prepared,omitempty"`
+	Pinned     bool   `json:"pinned"`
+	SyncUS     int64  `json:"sync_us,omitempty"`
+	RemapUS    int64  `json:"remap_us,omitempty"`
+	PopulateUS int64  `json:"populate_us,omitempty"`
+	PinUS      int64  `json:"pin_us"`
+	CopyUS     int64  `json:"copy_us"`
+	UnpinUS    int64  `json:"unpin_us,omitempty"`
+	ReleaseUS  int64  `json:"release_us,omitempty"`
+	ElapsedUS  int64  `json:"elapsed_us"`
+}
+
+// MemPrepared is the reply to mem-prepare: Bytes of host memory populated and pinned (0: none).
+type MemPrepared struct {
+	Bytes      uint64 `json:"bytes"`
+	Pinned     bool   `json:"pinned"`
+	PopulateUS int64  `json:"populate_us"`
+	PinUS      int64  `json:"pin_us"`
 }
 
 const maxMemSlots = 64
@@ -158,6 +170,13 @@ func (c *Client) MemStatus(ctx context.Context) (*MemStatus, error) {
 // quiesce lease.
 func (c *Client) MemRelease(ctx context.Context) (*MemReleased, error) {
 	return call[MemReleased](ctx, c, "mem-release")
+}
+
+// MemPrepare, while the process runs (any connection), readies the host memory a MemStash will
+// copy into, so that populating and pinning it does not count in the stop. The shim frees it
+// if no stash follows within a minute.
+func (c *Client) MemPrepare(ctx context.Context) (*MemPrepared, error) {
+	return call[MemPrepared](ctx, c, "mem-prepare")
 }
 
 // MemStash copies every owned region into the process's own host memory and releases its

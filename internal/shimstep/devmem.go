@@ -17,6 +17,7 @@ import (
 const (
 	StepSaveMemory    = "save-device-memory"
 	StepLoadMemory    = "load-device-memory"
+	StepPrepareStash  = "prepare-stash"
 	StepStashMemory   = "stash-device-memory"
 	StepUnstashMemory = "unstash-device-memory"
 )
@@ -36,8 +37,9 @@ type OwnedMemory struct {
 	Note     string `json:"note,omitempty"`
 	// Stash and Unstash (migrate): the memory parked in the process's own host memory while the
 	// driver moved the rest, and put back on the target.
-	Stash   *shimctl.MemStashed `json:"stash,omitempty"`
-	Unstash *shimctl.MemStashed `json:"unstash,omitempty"`
+	Prepare *shimctl.MemPrepared `json:"prepare,omitempty"`
+	Stash   *shimctl.MemStashed  `json:"stash,omitempty"`
+	Unstash *shimctl.MemStashed  `json:"unstash,omitempty"`
 }
 
 // MemorySink gives the save step the checkpoint's store ingest (nil with a reason: the memory
@@ -224,6 +226,38 @@ func loadInto(ctx context.Context, c *shimctl.Client, x *devmem.Index, src devme
 // host's largest GPU memory.
 const stashTimeout = 10 * time.Minute
 
+// PrepareStashStep, before the quiesce (migrate): every process of pids whose shim owns device
+// memory readies the host memory its stash will take, while it still runs. Best effort: a
+// process that cannot prepare (an older shim, no host memory) stashes into memory it maps in
+// the stop, or fails there. Nothing to undo: the shim frees an unused stash by itself.
+func (p *Preemption) PrepareStashStep(pids []int) op.Step {
+	return op.Step{Name: StepPrepareStash, Do: func(ctx context.Context) error {
+		for _, pid := range pids {
+			dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			c, err := dial(dctx, pid)
+			cancel()
+			if err != nil {
+				continue // no shim: nothing owned; unreachable: the quiesce says so
+			}
+			sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			st, err := c.MemStatus(sctx)
+			cancel()
+			if err == nil && st.Enabled && st.Regions > 0 {
+				sctx, cancel = context.WithTimeout(ctx, stashTimeout)
+				x, perr := c.MemPrepare(sctx)
+				cancel()
+				if perr != nil {
+					p.log("owned memory: preparing the stash failed; it is made in the stop", "pid", pid, "err", perr)
+				} else {
+					p.report(pid).Owned = &OwnedMemory{Prepare: x}
+				}
+			}
+			c.Close()
+		}
+		return nil
+	}}
+}
+
 // StashMemoryStep, after the quiesce (migrate): every quiesced process whose shim owns device
 // memory copies it into its own host memory and releases it, so the driver's checkpoint and
 // restore move only the rest of its GPU state. The bytes stay in the process: if ptxmig dies,
@@ -261,7 +295,10 @@ func (p *Preemption) StashMemoryStep() op.Step {
 			}
 			stashed = append(stashed, pid)
 			r := p.report(pid)
-			r.Owned = &OwnedMemory{Stash: x, Released: x.Regions > 0}
+			if r.Owned == nil {
+				r.Owned = &OwnedMemory{}
+			}
+			r.Owned.Stash, r.Owned.Released = x, x.Regions > 0
 		}
 		return nil
 	}

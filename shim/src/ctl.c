@@ -127,6 +127,12 @@ static void handle_mem(conn *c, const char *cmd, const char *dir, const char *ch
     free(b.p);
     return;
   }
+  if (strcmp(cmd, "mem-prepare") == 0) {  // while the process runs, on any connection
+    if (vmm_cmd_prepare(&b, err, sizeof err)) reply_error(c->fd, err);
+    else send_ok(c, cmd, &b);
+    free(b.p);
+    return;
+  }
   int st = preempt_state();
   if (st == 0 || (st == 1 && !c->lease)) {
     reply_error(c->fd, st == 0 ? "mem: not quiesced" : "mem: only the connection that quiesced may move owned memory");
@@ -155,10 +161,17 @@ static void handle_mem(conn *c, const char *cmd, const char *dir, const char *ch
     rc = vmm_cmd_stash(&b, err, sizeof err);
   } else if (strcmp(cmd, "mem-unstash") == 0) {
     rc = vmm_cmd_unstash(&b, err, sizeof err);
+    if (rc == 0) {
+      send_ok(c, cmd, &b);
+      free(b.p);
+      vmm_stash_drop();  // after the reply: not part of the process's downtime
+      return;
+    }
   } else {
     rc = -1;
     snprintf(err, sizeof err,
-             "unknown cmd %s (want mem-status, mem-begin, mem-copy, mem-fill, mem-release, mem-end, mem-stash or mem-unstash)", cmd);
+             "unknown cmd %s (want mem-status, mem-begin, mem-copy, mem-fill, mem-release, mem-end, mem-prepare, mem-stash or "
+             "mem-unstash)", cmd);
   }
   if (rc) reply_error(c->fd, err);
   else send_ok(c, cmd, &b);
@@ -243,6 +256,7 @@ static void handle_line(conn *c, const char *line, size_t n) {
       for (int i = 0; i < MAX_CONN; i++) conns[i].lease = 0;
       preempt_resume(&b);
       send_ok(c, cmd, &b);
+      vmm_stash_drop();
     }
   } else {
     reply_error(fd, "unknown cmd (want status, kernels, dump-modules, align, quiesce, detach, resume or mem-*)");
@@ -284,6 +298,7 @@ static void conn_close(conn *c) {
       preempt_resume(&b);
       shim_log("lease connection closed before detach: resumed (%s)", b.p ? b.p : "");
       free(b.p);
+      vmm_stash_drop();
     }
   }
 }
@@ -393,6 +408,7 @@ static void *ctl_thread(void *arg) {
   for (int i = 0; i < MAX_CONN; i++) conns[i].fd = -1;
   for (;;) {
     if (shim_now_ns() - last_check > 1000000000ull) {
+      vmm_tick();
       lfd = relisten(lfd);
       last_check = shim_now_ns();
     }

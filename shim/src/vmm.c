@@ -144,8 +144,9 @@ static size_t nregs, cregs;
 static int released;  // vmm_mu: every region's physical memory is released (mem-release .. mem-load)
 static uint64_t owned_bytes, owned_peak;
 static atomic_ulong st_owned, st_fallback, st_freed, st_ipc_refused;
-static unsigned char *stash;  // vmm_mu: the stash (mem-stash .. mem-unstash), see below
+static unsigned char *stash;  // vmm_mu: the stash (mem-prepare or mem-stash .. mem-unstash), see below
 static size_t stash_len;
+static int stash_state;  // vmm_mu: see below (0: none, 2: stashed)
 static uint64_t instance;  // random, per process (kept by a restored process): names its memory
 
 static size_t find_le(CUdeviceptr p) {  // index of the last region starting at or before p, or nregs
@@ -333,7 +334,7 @@ void vmm_report_status(jbuf *b) {
             "{\"enabled\":%s,\"min_bytes\":%llu,\"regions\":%zu,\"bytes\":%llu,\"peak_bytes\":%llu,\"released\":%s,"
             "\"stashed\":%s,\"allocations\":%lu,\"fallbacks\":%lu,\"frees\":%lu,\"ipc_refused\":%lu}",
             cfg.owned ? "true" : "false", (unsigned long long)cfg.owned_min, nregs, (unsigned long long)owned_bytes,
-            (unsigned long long)owned_peak, released ? "true" : "false", stash ? "true" : "false", atomic_load(&st_owned),
+            (unsigned long long)owned_peak, released ? "true" : "false", stash_state == 2 ? "true" : "false", atomic_load(&st_owned),
             atomic_load(&st_fallback), atomic_load(&st_freed), atomic_load(&st_ipc_refused));
   pthread_mutex_unlock(&vmm_mu);
 }
@@ -349,6 +350,7 @@ static void atfork_child(void) {
   if (stash) munmap(stash, stash_len);  // the parent's memory, copied on write: not the child's
   stash = NULL;
   stash_len = 0;
+  stash_state = 0;
 }
 __attribute__((constructor)) static void vmm_fork_init(void) { pthread_atfork(NULL, NULL, atfork_child); }
 
@@ -515,7 +517,7 @@ int vmm_cmd_begin(int sock, const char *dir, uint64_t chunk, unsigned slots, int
   ss.inlen = 0;
   uint64_t t0 = shim_now_ns();
   pthread_mutex_lock(&vmm_mu);
-  if (stash) {
+  if (stash_state == 2) {
     pthread_mutex_unlock(&vmm_mu);
     return fail(err, errlen, "mem-begin: owned memory is stashed (mem-unstash first)");
   }
@@ -930,7 +932,7 @@ int vmm_cmd_release(jbuf *b, char *err, size_t errlen) {
   pthread_mutex_lock(&vmm_mu);
   if (released) {
     pthread_mutex_unlock(&vmm_mu);
-    return fail(err, errlen, stash ? "mem-release: already released (stashed)" : "mem-release: already released");
+    return fail(err, errlen, stash_state == 2 ? "mem-release: already released (stashed)" : "mem-release: already released");
   }
   uint64_t bytes = 0;
   if (nregs && sync_all(err, errlen)) {
@@ -958,34 +960,75 @@ int vmm_cmd_end(jbuf *b) {
 }
 
 // ---- the stash (migrate): owned memory parked in the process's own host memory ----
-// mem-stash copies every region into one anonymous mapping of the process (pinned for the copy
-// only) and releases the physical memory; mem-unstash re-creates it at the same addresses and
-// copies it back. The bytes never leave the process, so a ptxmig that dies in between loses
-// nothing: a resume, or the lease connection closing, unstashes first (ctl.c).
+// mem-prepare (the process running) readies the stash ahead of the stop: one anonymous mapping of
+// the owned bytes, transparent huge pages, populated and pinned (on an H200, 8 GiB take 1.3 s to
+// populate and 0.2 s to pin: work that would otherwise count as downtime). mem-stash copies every
+// region into it, unpins it (plain process memory while the driver checkpoints) and releases the
+// physical memory; mem-unstash re-creates the memory at the same addresses, pins the stash again
+// and copies it back; the stash is unpinned and freed after the reply (vmm_stash_drop). The bytes
+// never leave the process, so a ptxmig that dies in between loses nothing: a resume, or the lease
+// connection closing, unstashes first (ctl.c). A prepared stash not used within PREPARED_TTL_S is
+// freed (vmm_tick).
 #define STASH_PIECE (64ull << 20)  // bytes per async copy, round-robin over NSTREAMS streams
-// stash (declared with the region table): regions back to back, region_bytes() each.
+#define PREPARED_TTL_S 60
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+enum { ST_NONE, ST_PREPARED, ST_STASHED, ST_DRAINING };  // stash_state
+_Static_assert(ST_STASHED == 2, "status reads stash_state == 2");
+static int stash_pinned;      // vmm_mu: the stash is registered with the driver
+static uint64_t prepared_ns;  // vmm_mu: when it was prepared (ST_PREPARED)
 
 int vmm_stashed(void) {
   pthread_mutex_lock(&vmm_mu);
-  int s = stash != NULL;
+  int s = stash_state == ST_STASHED;
   pthread_mutex_unlock(&vmm_mu);
   return s;
 }
 
-static void stash_free(void) {
+static uint64_t owned_total(void) {  // vmm_mu held
+  uint64_t n = 0;
+  for (size_t i = 0; i < nregs; i++) n += region_bytes(&regs[i]);
+  return n;
+}
+
+// stash_unpin unregisters the stash in ctx (current, or pushed here). vmm_mu held.
+static void stash_unpin(void) {
+  if (!stash_pinned) return;
+  CUcontext x;
+  int pushed = nregs && v.ctx_push(regs[0].ctx) == CUDA_SUCCESS;
+  v.host_unregister(stash);
+  if (pushed) v.ctx_pop(&x);
+  stash_pinned = 0;
+}
+
+static void stash_free(void) {  // vmm_mu held
+  stash_unpin();
   if (stash) munmap(stash, stash_len);
   stash = NULL;
   stash_len = 0;
+  stash_state = ST_NONE;
 }
 
-// stash_copy copies every region to (out) or from the stash on NSTREAMS streams of ctx (current),
-// the stash pinned for the copy when the driver lets it (pageable otherwise). vmm_mu held.
-static int stash_copy(int out, uint64_t *pin_ns, uint64_t *copy_ns, int *pinned, char *err, size_t errlen) {
-  const char *what = out ? "mem-stash" : "mem-unstash";
+// stash_map maps len bytes for the stash, populated when populate (huge pages where the kernel
+// gives them), and pins them in ctx (current). Returns NULL on failure.
+static unsigned char *stash_map(size_t len, int populate, int *pinned, uint64_t *populate_ns, uint64_t *pin_ns) {
+  unsigned char *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return NULL;
+  madvise(p, len, MADV_HUGEPAGE);
   uint64_t t0 = shim_now_ns();
-  *pinned = v.host_register && v.host_register(stash, stash_len, 0) == CUDA_SUCCESS;
-  if (!*pinned) LOG_ONCE("owned memory: the stash could not be pinned; its copies run from pageable memory");
+  if (populate) madvise(p, len, MADV_POPULATE_WRITE);  // older kernels: faulted in by the pin instead
   uint64_t t1 = shim_now_ns();
+  *pinned = v.host_register && v.host_register(p, len, 0) == CUDA_SUCCESS;
+  if (!*pinned) LOG_ONCE("owned memory: the stash could not be pinned; its copies run from pageable memory");
+  *populate_ns = t1 - t0;
+  *pin_ns = shim_now_ns() - t1;
+  return p;
+}
+
+// stash_copy copies every region to (out) or from the stash on NSTREAMS streams of the current
+// context. vmm_mu held.
+static CUresult stash_copy(int out) {
   CUstream st[NSTREAMS] = {0};
   CUresult r = CUDA_SUCCESS;
   for (int i = 0; i < NSTREAMS && r == CUDA_SUCCESS; i++) r = v.stream_create(&st[i], 1 /* non-blocking */);
@@ -1005,16 +1048,51 @@ static int stash_copy(int out, uint64_t *pin_ns, uint64_t *copy_ns, int *pinned,
       if (r == CUDA_SUCCESS) r = q;
       v.stream_destroy(st[i]);
     }
-  uint64_t t2 = shim_now_ns();
-  if (*pinned) v.host_unregister(stash);  // plain process memory again before the driver checkpoint
-  *pin_ns = (t1 - t0) + (shim_now_ns() - t2);
-  *copy_ns = t2 - t1;
-  if (r != CUDA_SUCCESS) return fail(err, errlen, "%s: copy failed (%d)", what, r);
+  return r;
+}
+
+// vmm_cmd_prepare (the process running, memory live): ready a stash of the owned bytes.
+int vmm_cmd_prepare(jbuf *b, char *err, size_t errlen) {
+  if (!v_ready()) return fail(err, errlen, "mem-prepare: the driver lacks the VMM entry points");
+  pthread_mutex_lock(&vmm_mu);
+  if (released || stash_state == ST_STASHED) {
+    pthread_mutex_unlock(&vmm_mu);
+    return fail(err, errlen, "mem-prepare: owned memory is released");
+  }
+  stash_free();
+  uint64_t bytes = owned_total();
+  CUcontext ctx = nregs ? regs[0].ctx : NULL;
+  pthread_mutex_unlock(&vmm_mu);
+  // The population runs without the lock: the app's allocations and frees go on meanwhile.
+  int pinned = 0;
+  uint64_t pop_ns = 0, pin_ns = 0;
+  unsigned char *p = NULL;
+  CUcontext x;
+  if (bytes && v.ctx_push(ctx) == CUDA_SUCCESS) {
+    p = stash_map(bytes, 1, &pinned, &pop_ns, &pin_ns);
+    if (!p) {
+      v.ctx_pop(&x);
+      return fail(err, errlen, "mem-prepare: %llu bytes of host memory: %s", (unsigned long long)bytes, strerror(errno));
+    }
+    v.ctx_pop(&x);
+  }
+  pthread_mutex_lock(&vmm_mu);
+  if (p) {
+    stash = p;
+    stash_len = bytes;
+    stash_pinned = pinned;
+    stash_state = ST_PREPARED;
+    prepared_ns = shim_now_ns();
+  }
+  pthread_mutex_unlock(&vmm_mu);
+  jb_printf(b, "{\"bytes\":%llu,\"pinned\":%s,\"populate_us\":%llu,\"pin_us\":%llu}", (unsigned long long)(p ? bytes : 0),
+            pinned ? "true" : "false", (unsigned long long)pop_ns / 1000, (unsigned long long)pin_ns / 1000);
   return 0;
 }
 
-// vmm_cmd_stash (quiesced, memory live): copy every region into the stash, then release its
-// physical memory. On failure nothing is released and the stash is gone.
+// vmm_cmd_stash (quiesced, memory live): copy every region into the stash (the prepared one when
+// it still fits the regions), unpin it, then release the physical memory. On failure nothing is
+// released and the stash is gone.
 int vmm_cmd_stash(jbuf *b, char *err, size_t errlen) {
   if (preempt_state() == 0) return fail(err, errlen, "mem-stash: not quiesced");
   if (!v_ready()) return fail(err, errlen, "mem-stash: the driver lacks the VMM entry points");
@@ -1023,45 +1101,58 @@ int vmm_cmd_stash(jbuf *b, char *err, size_t errlen) {
   pthread_mutex_lock(&vmm_mu);
   if (released) {
     pthread_mutex_unlock(&vmm_mu);
-    return fail(err, errlen, stash ? "mem-stash: already stashed" : "mem-stash: owned memory is released (load it first)");
+    return fail(err, errlen, stash_state == ST_STASHED ? "mem-stash: already stashed" : "mem-stash: owned memory is released (load it first)");
   }
-  int rc = -1, pushed = 0, pinned = 0;
-  uint64_t bytes = 0, pin_ns = 0, copy_ns = 0, t_rel = 0;
+  int rc = -1, pushed = 0, pinned = 0, prepared = 0;
+  uint64_t bytes = owned_total(), pop_ns = 0, pin_ns = 0, copy_ns = 0, unpin_ns = 0, t_rel = 0;
   CUcontext x;
-  for (size_t i = 0; i < nregs; i++) bytes += region_bytes(&regs[i]);
   if (nregs && sync_all(err, errlen)) goto out;
   uint64_t t_sync = shim_now_ns();
   if (nregs) {
-    stash_len = bytes;
-    stash = mmap(NULL, stash_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (stash == MAP_FAILED) {
-      stash = NULL;
-      stash_len = 0;
-      fail(err, errlen, "mem-stash: %llu bytes of host memory: %s", (unsigned long long)bytes, strerror(errno));
-      goto out;
-    }
-    madvise(stash, stash_len, MADV_HUGEPAGE);
     if (v.ctx_push(regs[0].ctx) != CUDA_SUCCESS) {
-      stash_free();
       fail(err, errlen, "mem-stash: cannot enter the owning context");
       goto out;
     }
     pushed = 1;
-    if (stash_copy(1, &pin_ns, &copy_ns, &pinned, err, errlen)) {
+    prepared = stash_state == ST_PREPARED && stash_len == bytes;
+    if (prepared) {
+      pinned = stash_pinned;
+    } else {  // none prepared, or the regions changed since: a stash of their size now
       stash_free();
+      stash = stash_map(bytes, 0, &pinned, &pop_ns, &pin_ns);
+      if (!stash) {
+        stash_len = 0;
+        fail(err, errlen, "mem-stash: %llu bytes of host memory: %s", (unsigned long long)bytes, strerror(errno));
+        goto out;
+      }
+      stash_len = bytes;
+      stash_pinned = pinned;
+    }
+    uint64_t t1 = shim_now_ns();
+    CUresult r = stash_copy(1);
+    uint64_t t2 = shim_now_ns();
+    copy_ns = t2 - t1;
+    stash_unpin();  // plain process memory again before the driver checkpoint
+    unpin_ns = shim_now_ns() - t2;
+    if (r != CUDA_SUCCESS) {
+      stash_free();
+      fail(err, errlen, "mem-stash: copy failed (%d)", r);
       goto out;
     }
     t_rel = shim_now_ns();
     for (size_t i = 0; i < nregs; i++) unmap_phys(&regs[i]);
     released = 1;
+    stash_state = ST_STASHED;
   } else {
+    stash_free();
     t_rel = shim_now_ns();
   }
   jb_printf(b,
-            "{\"regions\":%zu,\"bytes\":%llu,\"pinned\":%s,\"sync_us\":%llu,\"pin_us\":%llu,\"copy_us\":%llu,"
-            "\"release_us\":%llu,\"elapsed_us\":%llu}",
-            nregs, (unsigned long long)bytes, pinned ? "true" : "false", (unsigned long long)(t_sync - t0) / 1000,
-            (unsigned long long)pin_ns / 1000, (unsigned long long)copy_ns / 1000,
+            "{\"regions\":%zu,\"bytes\":%llu,\"prepared\":%s,\"pinned\":%s,\"sync_us\":%llu,\"populate_us\":%llu,\"pin_us\":%llu,"
+            "\"copy_us\":%llu,\"unpin_us\":%llu,\"release_us\":%llu,\"elapsed_us\":%llu}",
+            nregs, (unsigned long long)bytes, prepared ? "true" : "false", pinned ? "true" : "false",
+            (unsigned long long)(t_sync - t0) / 1000, (unsigned long long)pop_ns / 1000, (unsigned long long)pin_ns / 1000,
+            (unsigned long long)copy_ns / 1000, (unsigned long long)unpin_ns / 1000,
             (unsigned long long)(shim_now_ns() - t_rel) / 1000, (unsigned long long)(shim_now_ns() - t0) / 1000);
   rc = 0;
 out:
@@ -1070,31 +1161,31 @@ out:
   return rc;
 }
 
-// vmm_cmd_unstash (released and stashed): re-create every region at its address and copy it back
-// from the stash, which is then freed. On failure the regions stay released and the stash stays,
-// so that it can be tried again.
+// vmm_cmd_unstash (released and stashed): re-create every region at its address on its device
+// ordinal, pin the stash and copy it back; the stash is freed by vmm_stash_drop (after the
+// reply). On failure the regions stay released and the stash stays, so that it can be tried
+// again. Nothing stashed: an empty reply.
 int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
   if (!v_ready()) return fail(err, errlen, "mem-unstash: the driver lacks the VMM entry points");
   session_end();
   uint64_t t0 = shim_now_ns();
   pthread_mutex_lock(&vmm_mu);
-  if (!released || !stash) {
-    int nothing = !released && !stash;
+  if (stash_state != ST_STASHED) {
+    int nothing = !released;
     pthread_mutex_unlock(&vmm_mu);
-    if (nothing) {  // nothing stashed: nothing to do (a repeated unstash)
+    if (nothing) {
       jb_printf(b, "{\"regions\":0,\"bytes\":0,\"pinned\":false,\"remap_us\":0,\"pin_us\":0,\"copy_us\":0,\"elapsed_us\":0}");
       return 0;
     }
     return fail(err, errlen, "mem-unstash: owned memory is released but not stashed (mem-begin load)");
   }
-  int rc = -1, pinned = 0;
+  int rc = -1;
   uint64_t pin_ns = 0, copy_ns = 0, bytes = stash_len;
   size_t remapped = 0;
   CUcontext x;
   if (v.ctx_push(regs[0].ctx) != CUDA_SUCCESS) {
-    fail(err, errlen, "mem-unstash: cannot enter the owning context");
     pthread_mutex_unlock(&vmm_mu);
-    return -1;
+    return fail(err, errlen, "mem-unstash: cannot enter the owning context");
   }
   for (; remapped < nregs; remapped++) {
     CUresult r = map_phys(regs[remapped].va, regs[remapped].size, regs[remapped].dev, &regs[remapped].h);
@@ -1105,18 +1196,40 @@ int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
     }
   }
   uint64_t t_map = shim_now_ns();
-  if (remapped == nregs && stash_copy(0, &pin_ns, &copy_ns, &pinned, err, errlen) == 0) rc = 0;
+  if (remapped == nregs) {
+    stash_pinned = v.host_register && v.host_register(stash, stash_len, 0) == CUDA_SUCCESS;
+    uint64_t t1 = shim_now_ns();
+    pin_ns = t1 - t_map;
+    CUresult r = stash_copy(0);
+    copy_ns = shim_now_ns() - t1;
+    if (r == CUDA_SUCCESS) rc = 0;
+    else fail(err, errlen, "mem-unstash: copy failed (%d)", r);
+  }
   if (rc) {
     for (size_t k = 0; k < remapped; k++) unmap_phys(&regs[k]);
+    stash_unpin();
   } else {
     released = 0;
-    stash_free();
+    stash_state = ST_DRAINING;  // unpinned and freed after the reply (vmm_stash_drop)
     jb_printf(b, "{\"regions\":%zu,\"bytes\":%llu,\"pinned\":%s,\"remap_us\":%llu,\"pin_us\":%llu,\"copy_us\":%llu,\"elapsed_us\":%llu}",
-              nregs, (unsigned long long)bytes, pinned ? "true" : "false", (unsigned long long)(t_map - t0) / 1000,
-              (unsigned long long)pin_ns / 1000, (unsigned long long)copy_ns / 1000,
-              (unsigned long long)(shim_now_ns() - t0) / 1000);
+              nregs, (unsigned long long)bytes, stash_pinned ? "true" : "false", (unsigned long long)(t_map - t0) / 1000,
+              (unsigned long long)pin_ns / 1000, (unsigned long long)copy_ns / 1000, (unsigned long long)(shim_now_ns() - t0) / 1000);
   }
   v.ctx_pop(&x);
   pthread_mutex_unlock(&vmm_mu);
   return rc;
+}
+
+void vmm_stash_drop(void) {
+  pthread_mutex_lock(&vmm_mu);
+  if (stash_state == ST_DRAINING) stash_free();
+  pthread_mutex_unlock(&vmm_mu);
+}
+
+void vmm_tick(void) {
+  pthread_mutex_lock(&vmm_mu);
+  if (stash_state == ST_DRAINING || (stash_state == ST_PREPARED && preempt_state() == 0 &&
+                                     shim_now_ns() - prepared_ns > (uint64_t)PREPARED_TTL_S * 1000000000ull))
+    stash_free();
+  pthread_mutex_unlock(&vmm_mu);
 }
