@@ -73,7 +73,8 @@ func memStatus(t *testing.T, pid int) *shimctl.MemStatus {
 }
 
 // TestMigrateOwnedMemory: a rehearsal on one GPU and a move to GPU 1 stash all the owned memory
-// and put it back; the driver moved the process; the app runs on with its memory intact.
+// (pre-copied while the app runs, then what changed since in the stop) and put it back; the
+// driver moved the process; the app runs on with its memory intact.
 func TestMigrateOwnedMemory(t *testing.T) {
 	for _, tt := range []struct {
 		name     string
@@ -89,6 +90,14 @@ func TestMigrateOwnedMemory(t *testing.T) {
 			f := setup(t)
 			a := startOwned(t, f, "owned")
 			drv := ownedMigrateEnv(f, a, tt.gpus)
+			// The app writes region A between the last pre-copy round and the stop, which must
+			// then copy it again.
+			f.env.Hook = func(_ context.Context, s string) error {
+				if s == shimstep.StepQuiesce {
+					a.waitSteps(t, 2)
+				}
+				return nil
+			}
 			o := tt.opts
 			o.PID, o.LockTimeout = a.pid, 5*time.Second
 			res, err := migrate.Run(context.Background(), f.env, o)
@@ -101,6 +110,14 @@ func TestMigrateOwnedMemory(t *testing.T) {
 			}
 			if m.Prepare == nil || m.Prepare.Bytes != appOwnedBytes || !m.Stash.Prepared {
 				t.Errorf("stash not prepared before the stop: prepare %+v, stash %+v", m.Prepare, m.Stash)
+			}
+			// Pre-copy: round 1 takes everything; region A (6 MiB, two chunks) changes every
+			// step, B and P never: later rounds and the stop copy A only.
+			if len(m.Precopy) < 2 || m.Precopy[0].Bytes != appOwnedBytes || m.Precopy[1].Bytes > 8<<20 || !m.Stash.Precopied || m.Stash.CopiedBytes > 8<<20 {
+				t.Errorf("pre-copy: rounds %v, stash %+v", m.Precopy, m.Stash)
+				for _, r := range m.Precopy {
+					t.Logf("round %+v", r)
+				}
 			}
 			if res.Stash <= 0 || res.Unstash <= 0 || res.Rehearsal != o.Rehearse {
 				t.Errorf("result: stash %s unstash %s rehearsal %v", res.Stash, res.Unstash, res.Rehearsal)

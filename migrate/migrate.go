@@ -48,6 +48,8 @@ type Options struct {
 	// empty): it proves that the process can be moved and measures the downtime, also on a host
 	// with one GPU. The driver gets no pairs.
 	Rehearse bool
+	// NoPrecopy: owned memory is not pre-copied while the process runs; the stop copies all of it.
+	NoPrecopy bool
 }
 
 // GPURef names a GPU.
@@ -194,7 +196,11 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if len(pids) > 1 || pids[0] != pid {
 		who = fmt.Sprintf("the job's CUDA processes (pid %s)", op.PIDText(pids))
 	}
-	steps := []op.PlanStep{{Step: shimstep.StepPrepareStash, Action: "under the shim with owned memory: ready the host memory that memory will be stashed in, while the process runs"}}
+	prepare := "under the shim with owned memory: ready the host memory that memory will be stashed in, and pre-copy it in rounds while the process runs"
+	if o.NoPrecopy {
+		prepare = "under the shim with owned memory: ready the host memory that memory will be stashed in, while the process runs"
+	}
+	steps := []op.PlanStep{{Step: shimstep.StepPrepareStash, Action: prepare}}
 	if len(pids) > 1 {
 		steps = append(steps, op.PlanStep{Step: shimstep.StepAlign, Action: fmt.Sprintf("processes under the shim that launch collectives (NCCL ranks): stop each right after the same collective (waits up to %s)", lockTimeoutText(o.LockTimeout))})
 	}
@@ -204,7 +210,7 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	}
 	p.Steps = append(steps,
 		op.PlanStep{Step: shimstep.StepQuiesce, Action: "if it runs under the ptxmig shim: stop preemptible kernels between blocks, hold new launches"},
-		op.PlanStep{Step: shimstep.StepStashMemory, Action: "under the shim with owned memory (ptxmig run --owned-memory): copy it into the process's own host memory and release it, so the driver moves only the rest"},
+		op.PlanStep{Step: shimstep.StepStashMemory, Action: "under the shim with owned memory (ptxmig run --owned-memory): copy into the process's own host memory what it does not hold yet, and release it, so the driver moves only the rest"},
 		op.PlanStep{Step: StepLock, Action: fmt.Sprintf("lock %s (timeout %s)", who, lockTimeoutText(o.LockTimeout))},
 		op.PlanStep{Step: StepCheckpoint, Action: fmt.Sprintf("checkpoint: copy its GPU memory (up to %s, less what was stashed) to host memory", bytesize.FormatU(p.GPUBytes))},
 		op.PlanStep{Step: StepRestore, Action: restoreAction},
@@ -269,7 +275,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 	defer pre.Close()
 	driver := Steps(env.Driver, p.PIDs, p.dpairs, o.LockTimeout, recheck)
 	driver[0] = pre.ExplainLock(driver[0])
-	steps := []op.Step{pre.PrepareStashStep(p.PIDs)} // while the processes run: not downtime
+	steps := []op.Step{pre.PrepareStashStep(p.PIDs, !o.NoPrecopy)} // while the processes run: not downtime
 	if len(p.PIDs) > 1 {
 		// A job: every rank stops right after the same collective before any is locked, so no
 		// rank's collective kernel waits for a rank already locked.

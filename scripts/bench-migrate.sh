@@ -34,7 +34,7 @@ ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 raw=$OUT/bench-migrate; mkdir -p "$raw"
 work=$(mktemp -d)
 pids=()
-cleanup() { local p; for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done; rm -rf "$work"; }
+cleanup() { local p; for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; rm -rf "$work"; }
 trap 'cleanup; true' EXIT
 gcc -O2 -o "$work/cuckpt" "$(dirname "$0")/cuckpt.c" -ldl
 

@@ -41,7 +41,10 @@ func init() {
 			"copies that memory into the process's own host memory and releases it, so the driver's\n" +
 			"checkpoint and restore move only the rest; on the target the shim re-creates it at the same\n" +
 			"addresses and copies it back. The bytes never leave the process: if ptxmig dies, the shim puts\n" +
-			"them back before the process runs again.\n" +
+			"them back before the process runs again. While the process still runs, that host memory is\n" +
+			"made ready and the memory pre-copied in rounds (each copies the 4 MiB chunks whose GPU hash\n" +
+			"changed since the round before, while that set shrinks), so the stop copies only what changed\n" +
+			"since the last round (--precopy=false: the stop copies it all).\n" +
 			"--rehearse goes through the whole move with the process's own GPUs as targets: it proves the\n" +
 			"process can be moved and measures the downtime, on a host with one GPU too.\n" +
 			"Prints the downtime (gate\n" +
@@ -65,6 +68,7 @@ func init() {
 			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping `OLD=NEW[,...]` (GPU UUIDs or indexes)"},
 			allowModelChangeFlag(),
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
+			&cli.BoolFlag{Name: "precopy", Value: true, Usage: "pre-copy owned memory while the process runs (false: all of it in the stop)"},
 			&cli.BoolFlag{Name: "rehearse", Usage: "move the process onto its own GPUs (no target): proves it can move, measures the downtime"},
 			&cli.DurationFlag{Name: "lock-timeout", Value: 10 * time.Second, Usage: "how long the driver lock may wait for running kernels (0: forever)"},
 			preemptBudgetFlag(),
@@ -108,7 +112,7 @@ func migrateAction(c *cli.Context) error {
 		return fmt.Errorf("migrate: %w: no running process with pid %d", errNoProcess, pid)
 	}
 	plan, err := migrate.PlanMigrate(c.Context, e, migrate.Options{PID: pid, GPUs: gpus, GPUMap: gmap, LockTimeout: lockTimeout, PreemptBudget: budget,
-		AllowModelChange: c.Bool("allow-model-change"), Rehearse: c.Bool("rehearse")})
+		AllowModelChange: c.Bool("allow-model-change"), Rehearse: c.Bool("rehearse"), NoPrecopy: !c.Bool("precopy")})
 	if err != nil {
 		return opError(g.Err, err)
 	}

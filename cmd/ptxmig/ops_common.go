@@ -165,10 +165,18 @@ func printOwned(w io.Writer, pid int, m *shimstep.OwnedMemory) {
 	if x := m.Prepare; x != nil && x.Bytes > 0 {
 		fmt.Fprintf(w, "pid %d: stash of %s prepared while it ran (populate %s, pin %s)\n", pid, bytesize.Format(int64(x.Bytes)), usText(x.PopulateUS), usText(x.PinUS))
 	}
+	for _, x := range m.Precopy {
+		fmt.Fprintf(w, "pid %d: pre-copy round %d while it ran: %d of %d chunks changed, %s copied in %s (GPU hash %s, stash hash %s)\n",
+			pid, x.Round, x.Copied, x.Chunks, bytesize.Format(int64(x.Bytes)), usText(x.CopyUS), usText(x.HashUS), usText(x.StashHashUS))
+	}
 	if x := m.Stash; x != nil {
-		fmt.Fprintf(w, "pid %d: owned device memory %s in %d regions stashed in its host memory in %s (copy %s, %s/s; map and pin %s; unpin %s; release %s)\n",
-			pid, bytesize.Format(int64(x.Bytes)), x.Regions, usText(x.ElapsedUS), usText(x.CopyUS), rateText(x.Bytes, x.CopyUS),
-			usText(x.PopulateUS+x.PinUS), usText(x.UnpinUS), usText(x.ReleaseUS))
+		copied := x.Bytes
+		if x.Precopied {
+			copied = x.CopiedBytes
+		}
+		fmt.Fprintf(w, "pid %d: owned device memory %s in %d regions stashed in its host memory in %s (copied %s in %s, %s/s; GPU hash %s; map and pin %s; unpin %s; release %s)\n",
+			pid, bytesize.Format(int64(x.Bytes)), x.Regions, usText(x.ElapsedUS), bytesize.Format(int64(copied)), usText(x.CopyUS), rateText(copied, x.CopyUS),
+			usText(x.HashUS), usText(x.PopulateUS+x.PinUS), usText(x.UnpinUS), usText(x.ReleaseUS))
 	}
 	if x := m.Unstash; x != nil {
 		fmt.Fprintf(w, "pid %d: owned device memory %s put back in %s (re-create %s, copy %s, %s/s; pin %s)\n",

@@ -100,18 +100,23 @@ type MemReleased struct {
 // pinning and unpinning the stash, the copies, releasing the physical memory (stash), and all.
 // A stash made ready by MemPrepare (Prepared) is not populated or pinned in the stop.
 type MemStashed struct {
-	Regions    int    `json:"regions"`
-	Bytes      uint64 `json:"bytes"`
-	Prepared   bool   `json:"prepared,omitempty"`
-	Pinned     bool   `json:"pinned"`
-	SyncUS     int64  `json:"sync_us,omitempty"`
-	RemapUS    int64  `json:"remap_us,omitempty"`
-	PopulateUS int64  `json:"populate_us,omitempty"`
-	PinUS      int64  `json:"pin_us"`
-	CopyUS     int64  `json:"copy_us"`
-	UnpinUS    int64  `json:"unpin_us,omitempty"`
-	ReleaseUS  int64  `json:"release_us,omitempty"`
-	ElapsedUS  int64  `json:"elapsed_us"`
+	Regions int    `json:"regions"`
+	Bytes   uint64 `json:"bytes"`
+	// CopiedBytes: what the stash copied in the stop (less than Bytes after pre-copy rounds,
+	// Precopied); HashUS: the GPU hash that found the chunks still to copy.
+	CopiedBytes uint64 `json:"copied_bytes,omitempty"`
+	Precopied   bool   `json:"precopied,omitempty"`
+	HashUS      int64  `json:"hash_us,omitempty"`
+	Prepared    bool   `json:"prepared,omitempty"`
+	Pinned      bool   `json:"pinned"`
+	SyncUS      int64  `json:"sync_us,omitempty"`
+	RemapUS     int64  `json:"remap_us,omitempty"`
+	PopulateUS  int64  `json:"populate_us,omitempty"`
+	PinUS       int64  `json:"pin_us"`
+	CopyUS      int64  `json:"copy_us"`
+	UnpinUS     int64  `json:"unpin_us,omitempty"`
+	ReleaseUS   int64  `json:"release_us,omitempty"`
+	ElapsedUS   int64  `json:"elapsed_us"`
 }
 
 // MemPrepared is the reply to mem-prepare: Bytes of host memory populated and pinned (0: none).
@@ -177,6 +182,40 @@ func (c *Client) MemRelease(ctx context.Context) (*MemReleased, error) {
 // if no stash follows within a minute.
 func (c *Client) MemPrepare(ctx context.Context) (*MemPrepared, error) {
 	return call[MemPrepared](ctx, c, "mem-prepare")
+}
+
+// MemPrecopied is the reply to a mem-precopy round: Copied of Chunks (4 MiB each) differed from
+// what the stash held and were copied (Bytes); the GPU hashes of the memory and then of what the
+// stash received took HashUS and StashHashUS. Pinned: the stash stays pinned after the round.
+type MemPrecopied struct {
+	Round       int    `json:"round"`
+	Chunks      int64  `json:"chunks"`
+	Copied      int64  `json:"copied_chunks"`
+	Bytes       uint64 `json:"bytes"`
+	HashUS      int64  `json:"hash_us"`
+	CopyUS      int64  `json:"copy_us"`
+	StashHashUS int64  `json:"stash_hash_us"`
+	Pinned      bool   `json:"pinned"`
+	ElapsedUS   int64  `json:"elapsed_us"`
+}
+
+// MemPrecopy runs one pre-copy round into the prepared stash while the process runs (any
+// connection); unpin unpins the stash after it (for a last round after which little is left to
+// copy: the stop then skips the unpin).
+func (c *Client) MemPrecopy(ctx context.Context, unpin bool) (*MemPrecopied, error) {
+	args := map[string]any{}
+	if unpin {
+		args["unpin"] = 1
+	}
+	raw, err := c.Raw(ctx, "mem-precopy", args)
+	if err != nil {
+		return nil, err
+	}
+	var v MemPrecopied
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return nil, fmt.Errorf("mem-precopy: %w: %v", ErrProtocol, err)
+	}
+	return &v, nil
 }
 
 // MemStash copies every owned region into the process's own host memory and releases its

@@ -37,9 +37,10 @@ type OwnedMemory struct {
 	Note     string `json:"note,omitempty"`
 	// Stash and Unstash (migrate): the memory parked in the process's own host memory while the
 	// driver moved the rest, and put back on the target.
-	Prepare *shimctl.MemPrepared `json:"prepare,omitempty"`
-	Stash   *shimctl.MemStashed  `json:"stash,omitempty"`
-	Unstash *shimctl.MemStashed  `json:"unstash,omitempty"`
+	Prepare *shimctl.MemPrepared    `json:"prepare,omitempty"`
+	Precopy []*shimctl.MemPrecopied `json:"precopy,omitempty"`
+	Stash   *shimctl.MemStashed     `json:"stash,omitempty"`
+	Unstash *shimctl.MemStashed     `json:"unstash,omitempty"`
 }
 
 // MemorySink gives the save step the checkpoint's store ingest (nil with a reason: the memory
@@ -226,11 +227,23 @@ func loadInto(ctx context.Context, c *shimctl.Client, x *devmem.Index, src devme
 // host's largest GPU memory.
 const stashTimeout = 10 * time.Minute
 
+// Pre-copy rounds (PrepareStashStep): at most maxRounds; a round after which less than
+// 1/unpinShare of the memory changed is followed by a last one that unpins the stash; rounds
+// stop when the changed set no longer shrinks to below shrinkRatio of the round before.
+const (
+	maxRounds   = 4
+	unpinShare  = 8
+	shrinkRatio = 0.7
+)
+
 // PrepareStashStep, before the quiesce (migrate): every process of pids whose shim owns device
-// memory readies the host memory its stash will take, while it still runs. Best effort: a
-// process that cannot prepare (an older shim, no host memory) stashes into memory it maps in
-// the stop, or fails there. Nothing to undo: the shim frees an unused stash by itself.
-func (p *Preemption) PrepareStashStep(pids []int) op.Step {
+// memory readies the host memory its stash will take, while it still runs, and with precopy
+// copies its memory there in rounds, each copying the chunks changed since the round before,
+// while the changed set shrinks (as live VM migration does): the stop then copies only what
+// changed since the last round. Best effort: a process that cannot prepare (an older shim, no
+// host memory) stashes into memory it maps in the stop, or fails there; a failed round leaves
+// the stop to copy everything. Nothing to undo: the shim frees an unused stash by itself.
+func (p *Preemption) PrepareStashStep(pids []int, precopy bool) op.Step {
 	return op.Step{Name: StepPrepareStash, Do: func(ctx context.Context) error {
 		for _, pid := range pids {
 			dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
@@ -249,13 +262,43 @@ func (p *Preemption) PrepareStashStep(pids []int) op.Step {
 				if perr != nil {
 					p.log("owned memory: preparing the stash failed; it is made in the stop", "pid", pid, "err", perr)
 				} else {
-					p.report(pid).Owned = &OwnedMemory{Prepare: x}
+					o := &OwnedMemory{Prepare: x}
+					p.report(pid).Owned = o
+					if precopy && x.Bytes > 0 {
+						o.Precopy = p.precopy(ctx, c, pid, x.Bytes)
+					}
 				}
 			}
 			c.Close()
 		}
 		return nil
 	}}
+}
+
+// precopy runs the pre-copy rounds of one process (see PrepareStashStep).
+func (p *Preemption) precopy(ctx context.Context, c *shimctl.Client, pid int, total uint64) []*shimctl.MemPrecopied {
+	var out []*shimctl.MemPrecopied
+	unpin := false
+	for len(out) < maxRounds {
+		sctx, cancel := context.WithTimeout(ctx, stashTimeout)
+		x, err := c.MemPrecopy(sctx, unpin)
+		cancel()
+		if err != nil {
+			p.log("owned memory: a pre-copy round failed; the stop copies everything", "pid", pid, "err", err)
+			break
+		}
+		out = append(out, x)
+		if unpin {
+			break
+		}
+		switch {
+		case x.Bytes*unpinShare < total:
+			unpin = true // little changed: one more round, then the stop copies from pageable memory
+		case len(out) > 1 && float64(x.Bytes) > shrinkRatio*float64(out[len(out)-2].Bytes):
+			return out // not converging: stop here, the stash stays pinned for a full copy
+		}
+	}
+	return out
 }
 
 // StashMemoryStep, after the quiesce (migrate): every quiesced process whose shim owns device

@@ -117,7 +117,7 @@ static unsigned long long parse_u64(const char *v, unsigned long long def) {
 // the connection holding the quiesce lease, or, in a process restored while detached (no lease),
 // to any connection while the process is not running.
 static void handle_mem(conn *c, const char *cmd, const char *dir, const char *chunk, const char *slots,
-                       const char *hash, const char *skip) {
+                       const char *hash, const char *skip, const char *unpin) {
   char err[300] = "";
   jbuf b = {0};
   int rc;
@@ -127,8 +127,9 @@ static void handle_mem(conn *c, const char *cmd, const char *dir, const char *ch
     free(b.p);
     return;
   }
-  if (strcmp(cmd, "mem-prepare") == 0) {  // while the process runs, on any connection
-    if (vmm_cmd_prepare(&b, err, sizeof err)) reply_error(c->fd, err);
+  if (strcmp(cmd, "mem-prepare") == 0 || strcmp(cmd, "mem-precopy") == 0) {  // while the process runs, any connection
+    rc = strcmp(cmd, "mem-prepare") == 0 ? vmm_cmd_prepare(&b, err, sizeof err) : vmm_cmd_precopy(parse_u64(unpin, 0) == 1, &b, err, sizeof err);
+    if (rc) reply_error(c->fd, err);
     else send_ok(c, cmd, &b);
     free(b.p);
     return;
@@ -170,8 +171,8 @@ static void handle_mem(conn *c, const char *cmd, const char *dir, const char *ch
   } else {
     rc = -1;
     snprintf(err, sizeof err,
-             "unknown cmd %s (want mem-status, mem-begin, mem-copy, mem-fill, mem-release, mem-end, mem-prepare, mem-stash or "
-             "mem-unstash)", cmd);
+             "unknown cmd %s (want mem-status, mem-begin, mem-copy, mem-fill, mem-release, mem-end, mem-prepare, mem-precopy, "
+             "mem-stash or mem-unstash)", cmd);
   }
   if (rc) reply_error(c->fd, err);
   else send_ok(c, cmd, &b);
@@ -180,7 +181,7 @@ static void handle_mem(conn *c, const char *cmd, const char *dir, const char *ch
 
 // handle_line answers one request.
 static void handle_line(conn *c, const char *line, size_t n) {
-  static const char *const keys[] = {"cmd", "dir", "#budget_ms", "#chunk_bytes", "#slots", "#hash", "skip", "#at", "#brief"};
+  static const char *const keys[] = {"cmd", "dir", "#budget_ms", "#chunk_bytes", "#slots", "#hash", "skip", "#at", "#brief", "#unpin"};
   enum { NKEYS = sizeof keys / sizeof keys[0] };
   char *vals[NKEYS];
   char err[256];
@@ -232,7 +233,7 @@ static void handle_line(conn *c, const char *line, size_t n) {
       }
     }
   } else if (strncmp(cmd, "mem-", 4) == 0) {
-    handle_mem(c, cmd, vals[1], vals[3], vals[4], vals[5], vals[6]);
+    handle_mem(c, cmd, vals[1], vals[3], vals[4], vals[5], vals[6], vals[9]);
   } else if (strcmp(cmd, "detach") == 0) {
     vmm_conn_closed();  // the ring is gone before CRIU dumps the process
     if (!c->lease) {

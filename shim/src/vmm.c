@@ -147,6 +147,7 @@ static atomic_ulong st_owned, st_fallback, st_freed, st_ipc_refused;
 static unsigned char *stash;  // vmm_mu: the stash (mem-prepare or mem-stash .. mem-unstash), see below
 static size_t stash_len;
 static int stash_state;  // vmm_mu: see below (0: none, 2: stashed)
+static uint64_t regs_gen;  // vmm_mu: bumps with every allocation and free (the region table changed)
 static uint64_t instance;  // random, per process (kept by a restored process): names its memory
 
 static size_t find_le(CUdeviceptr p) {  // index of the last region starting at or before p, or nregs
@@ -258,6 +259,7 @@ int vmm_alloc(CUdeviceptr *p, size_t size) {
   memmove(&regs[i + 1], &regs[i], (nregs - i) * sizeof *regs);
   regs[i] = (region){.va = va, .size = n, .asked = size, .h = h, .dev = dev, .ctx = ctx};
   nregs++;
+  regs_gen++;
   owned_bytes += n;
   if (owned_bytes > owned_peak) owned_peak = owned_bytes;
   if (!instance) instance = shim_now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&instance;
@@ -295,6 +297,7 @@ int vmm_free(CUdeviceptr p) {
   size_t i = (size_t)(g - regs);
   memmove(&regs[i], &regs[i + 1], (nregs - i - 1) * sizeof *regs);
   nregs--;
+  regs_gen++;
   owned_bytes -= r.size;
   pthread_mutex_unlock(&vmm_mu);
   sub_exit();
@@ -339,6 +342,7 @@ void vmm_report_status(jbuf *b) {
   pthread_mutex_unlock(&vmm_mu);
 }
 
+static void stash_child_reset(void);
 // A child has no CUDA context of its own: the parent's regions are not its memory.
 static void atfork_child(void) {
   pthread_mutex_init(&vmm_mu, NULL);
@@ -351,6 +355,7 @@ static void atfork_child(void) {
   stash = NULL;
   stash_len = 0;
   stash_state = 0;
+  stash_child_reset();
 }
 __attribute__((constructor)) static void vmm_fork_init(void) { pthread_atfork(NULL, NULL, atfork_child); }
 
@@ -442,11 +447,20 @@ static CUmodule hash_mod;
 static CUfunction hash_fn;
 static CUcontext hash_ctx;
 
-// hash_all computes the chunk hashes of every region on its GPU (ptxmig-gpuhash-1) into out
-// (16 bytes per chunk, regions in order). The copy context is current.
-static int hash_all(uint8_t *out, char *err, size_t n) {
+// A span is a device address range hashed in chunks of the caller's chunk size, its first chunk
+// being chunk number `first` of the caller's numbering.
+typedef struct {
+  CUdeviceptr base;
+  uint64_t len, first;
+} span;
+
+// hash_spans computes the hash (ptxmig-gpuhash-1) of every chunk of every span on the GPU, on
+// stream st of ctx (current), into out + 16 * chunk number (other entries untouched); nchunks is
+// the size of the numbering.
+static int hash_spans(const span *sp, size_t nsp, uint64_t chunk, uint64_t nchunks, CUcontext ctx, CUstream st, uint8_t *out,
+                      char *err, size_t n) {
   if (!v.hash_ok) return fail(err, n, "owned memory: the driver lacks what the GPU hash needs");
-  if (hash_ctx != ss.ctx) {
+  if (hash_ctx != ctx) {
     if (hash_mod) v.mod_unload(hash_mod);
     hash_mod = NULL;
     if (v.mod_load(&hash_mod, ptxmig_gpuhash_ptx) != CUDA_SUCCESS ||
@@ -454,39 +468,59 @@ static int hash_all(uint8_t *out, char *err, size_t n) {
       hash_mod = NULL;
       return fail(err, n, "owned memory: the GPU hash kernel did not load");
     }
-    hash_ctx = ss.ctx;
+    hash_ctx = ctx;
   }
   CUdeviceptr sums = 0;
-  size_t bytes = (size_t)ss.nchunks * 16;
+  size_t bytes = (size_t)nchunks * 16;
   if (v.mem_alloc(&sums, bytes ? bytes : 16) != CUDA_SUCCESS) return fail(err, n, "owned memory: no device memory for the hash sums");
-  CUresult r = v.memset8_async(sums, 0, bytes, ss.st[0]);
-  uint64_t first = 0;
-  unsigned bpc = (unsigned)(ss.chunk / (256 * 8 * 32));
+  CUresult r = v.memset8_async(sums, 0, bytes, st);
+  unsigned bpc = (unsigned)(chunk / (256 * 8 * 32));
   if (bpc < 1) bpc = 1;
-  for (size_t i = 0; i < nregs && r == CUDA_SUCCESS; i++) {
-    unsigned long long base = regs[i].va, len = region_bytes(&regs[i]), chunk = ss.chunk;
-    CUdeviceptr o = sums + first * 16;
-    uint64_t nc = chunks_of(&regs[i], ss.chunk);
-    void *args[] = {&base, &len, &chunk, &bpc, &o};
-    r = v.launch(hash_fn, (unsigned)(nc * bpc), 1, 1, 256, 1, 1, 0, ss.st[0], args, NULL);
-    first += nc;
+  for (size_t i = 0; i < nsp && r == CUDA_SUCCESS; i++) {
+    unsigned long long base = sp[i].base, len = sp[i].len, ch = chunk;
+    CUdeviceptr o = sums + sp[i].first * 16;
+    uint64_t nc = (sp[i].len + chunk - 1) / chunk;
+    void *args[] = {&base, &len, &ch, &bpc, &o};
+    r = v.launch(hash_fn, (unsigned)(nc * bpc), 1, 1, 256, 1, 1, 0, st, args, NULL);
   }
   uint64_t *host = malloc(bytes ? bytes : 16);
-  if (r == CUDA_SUCCESS && host) r = v.dtoh_async(host, sums, bytes, ss.st[0]);
-  if (r == CUDA_SUCCESS) r = v.stream_sync(ss.st[0]);
+  if (r == CUDA_SUCCESS && host) r = v.dtoh_async(host, sums, bytes, st);
+  if (r == CUDA_SUCCESS) r = v.stream_sync(st);
   v.mem_free(sums);
   if (!host || r != CUDA_SUCCESS) {
     free(host);
     return fail(err, n, "owned memory: GPU hash failed (%d)", r);
   }
-  uint64_t c = 0;
-  for (size_t i = 0; i < nregs; i++)
-    for (uint64_t k = 0, nc = chunks_of(&regs[i], ss.chunk); k < nc; k++, c++) {
-      uint64_t len = region_bytes(&regs[i]) - k * ss.chunk;
-      ptxmig_gpuhash_final(&host[2 * c], len < ss.chunk ? len : ss.chunk, out + 16 * c);
+  for (size_t i = 0; i < nsp; i++)
+    for (uint64_t k = 0, nc = (sp[i].len + chunk - 1) / chunk; k < nc; k++) {
+      uint64_t len = sp[i].len - k * chunk, c = sp[i].first + k;
+      ptxmig_gpuhash_final(&host[2 * c], len < chunk ? len : chunk, out + 16 * c);
     }
   free(host);
   return 0;
+}
+
+// region_spans: every region, whole, numbered in chunks of chunk (vmm_mu held). NULL: no memory.
+static span *region_spans(uint64_t chunk, uint64_t *nchunks) {
+  span *sp = malloc((nregs ? nregs : 1) * sizeof *sp);
+  uint64_t first = 0;
+  for (size_t i = 0; sp && i < nregs; i++) {
+    sp[i] = (span){regs[i].va, region_bytes(&regs[i]), first};
+    first += chunks_of(&regs[i], chunk);
+  }
+  *nchunks = first;
+  return sp;
+}
+
+// hash_all computes the chunk hashes of every region on its GPU into out (16 bytes per chunk,
+// regions in order), in the session's context (current) and chunk size.
+static int hash_all(uint8_t *out, char *err, size_t n) {
+  uint64_t nc;
+  span *sp = region_spans(ss.chunk, &nc);
+  if (!sp) return fail(err, n, "owned memory: out of memory");
+  int rc = hash_spans(sp, nregs, ss.chunk, nc, ss.ctx, ss.st[0], out, err, n);
+  free(sp);
+  return rc;
 }
 
 
@@ -961,23 +995,33 @@ int vmm_cmd_end(jbuf *b) {
 
 // ---- the stash (migrate): owned memory parked in the process's own host memory ----
 // mem-prepare (the process running) readies the stash ahead of the stop: one anonymous mapping of
-// the owned bytes, transparent huge pages, populated and pinned (on an H200, 8 GiB take 1.3 s to
-// populate and 0.2 s to pin: work that would otherwise count as downtime). mem-stash copies every
-// region into it, unpins it (plain process memory while the driver checkpoints) and releases the
-// physical memory; mem-unstash re-creates the memory at the same addresses, pins the stash again
-// and copies it back; the stash is unpinned and freed after the reply (vmm_stash_drop). The bytes
-// never leave the process, so a ptxmig that dies in between loses nothing: a resume, or the lease
-// connection closing, unstashes first (ctl.c). A prepared stash not used within PREPARED_TTL_S is
-// freed (vmm_tick).
+// the owned bytes (regions back to back), transparent huge pages, populated and pinned (on an
+// H200, 8 GiB take 1.3 s to populate and 0.2 s to pin: work that would otherwise be downtime).
+// mem-precopy rounds (still running) copy into it every chunk whose GPU hash differs from the hash
+// of what the stash holds (hashed by the GPU through the pinned mapping, so a chunk the app wrote
+// during its copy is never taken for clean). mem-stash (quiesced) copies what still differs, or
+// everything when nothing was pre-copied, unpins the stash (plain process memory while the driver
+// checkpoints) and releases the physical memory. mem-unstash re-creates the memory at the same
+// addresses and copies it back, pinning piece by piece ahead of the copies; the stash is unpinned
+// and freed after the reply (vmm_stash_drop). The bytes never leave the process, so a ptxmig that
+// dies in between loses nothing: a resume, or the lease connection closing, unstashes first
+// (ctl.c). A prepared stash left unused for PREPARED_TTL_S is freed (vmm_tick).
 #define STASH_PIECE (64ull << 20)  // bytes per async copy, round-robin over NSTREAMS streams
+#define PIN_PIECE (256ull << 20)   // bytes per registration
+#define STASH_CHUNK (4ull << 20)   // the pre-copy's unit
 #define PREPARED_TTL_S 60
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
 enum { ST_NONE, ST_PREPARED, ST_STASHED, ST_DRAINING };  // stash_state
 _Static_assert(ST_STASHED == 2, "status reads stash_state == 2");
-static int stash_pinned;      // vmm_mu: the stash is registered with the driver
-static uint64_t prepared_ns;  // vmm_mu: when it was prepared (ST_PREPARED)
+static unsigned char *pinned;  // vmm_mu: per PIN_PIECE of the stash, registered with the driver
+static uint64_t prepared_ns;   // vmm_mu: when it was prepared (ST_PREPARED)
+// Pre-copy state (vmm_mu): per STASH_CHUNK of the regions as they were at round 1 (regs_gen), the
+// hash of what the stash holds (valid where hvalid).
+static uint8_t *shash, *hvalid;
+static uint64_t snchunks, sgen;
+static int rounds;
 
 int vmm_stashed(void) {
   pthread_mutex_lock(&vmm_mu);
@@ -991,64 +1035,153 @@ static uint64_t owned_total(void) {  // vmm_mu held
   for (size_t i = 0; i < nregs; i++) n += region_bytes(&regs[i]);
   return n;
 }
+static size_t npieces(void) { return (size_t)((stash_len + PIN_PIECE - 1) / PIN_PIECE); }
 
-// stash_unpin unregisters the stash in ctx (current, or pushed here). vmm_mu held.
+// pin_piece registers piece k of the stash (the context current); 1 when it is pinned.
+static int pin_piece(size_t k) {
+  if (!pinned || pinned[k]) return pinned && pinned[k];
+  uint64_t off = k * PIN_PIECE, len = stash_len - off < PIN_PIECE ? stash_len - off : PIN_PIECE;
+  pinned[k] = v.host_register && v.host_register(stash + off, len, 0) == CUDA_SUCCESS;
+  return pinned[k];
+}
+
+// stash_unpin unregisters every pinned piece. vmm_mu held.
 static void stash_unpin(void) {
-  if (!stash_pinned) return;
+  if (!pinned) return;
   CUcontext x;
   int pushed = nregs && v.ctx_push(regs[0].ctx) == CUDA_SUCCESS;
-  v.host_unregister(stash);
+  for (size_t k = 0; k < npieces(); k++)
+    if (pinned[k]) v.host_unregister(stash + k * PIN_PIECE), pinned[k] = 0;
   if (pushed) v.ctx_pop(&x);
-  stash_pinned = 0;
+}
+
+static void precopy_reset(void) {  // vmm_mu held
+  free(shash);
+  free(hvalid);
+  shash = hvalid = NULL;
+  snchunks = 0;
+  rounds = 0;
 }
 
 static void stash_free(void) {  // vmm_mu held
   stash_unpin();
   if (stash) munmap(stash, stash_len);
+  free(pinned);
+  pinned = NULL;
   stash = NULL;
   stash_len = 0;
   stash_state = ST_NONE;
+  precopy_reset();
 }
 
-// stash_map maps len bytes for the stash, populated when populate (huge pages where the kernel
-// gives them), and pins them in ctx (current). Returns NULL on failure.
-static unsigned char *stash_map(size_t len, int populate, int *pinned, uint64_t *populate_ns, uint64_t *pin_ns) {
+// stash_map maps len bytes for the stash (huge pages where the kernel gives them), populated when
+// populate, and pins them (the context current). 0, or -1 with errno.
+static int stash_map(size_t len, int populate, uint64_t *populate_ns, uint64_t *pin_ns, int *all_pinned) {
   unsigned char *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED) return NULL;
+  if (p == MAP_FAILED) return -1;
+  size_t np = (size_t)((len + PIN_PIECE - 1) / PIN_PIECE);
+  unsigned char *pp = calloc(np ? np : 1, 1);
+  if (!pp) {
+    munmap(p, len);
+    errno = ENOMEM;
+    return -1;
+  }
   madvise(p, len, MADV_HUGEPAGE);
   uint64_t t0 = shim_now_ns();
   if (populate) madvise(p, len, MADV_POPULATE_WRITE);  // older kernels: faulted in by the pin instead
   uint64_t t1 = shim_now_ns();
-  *pinned = v.host_register && v.host_register(p, len, 0) == CUDA_SUCCESS;
-  if (!*pinned) LOG_ONCE("owned memory: the stash could not be pinned; its copies run from pageable memory");
+  stash = p;
+  stash_len = len;
+  pinned = pp;
+  int all = 1;
+  for (size_t k = 0; k < np; k++) all &= pin_piece(k);
+  if (!all) LOG_ONCE("owned memory: the stash could not be pinned; its copies run from pageable memory");
   *populate_ns = t1 - t0;
   *pin_ns = shim_now_ns() - t1;
-  return p;
+  *all_pinned = all;
+  return 0;
 }
 
-// stash_copy copies every region to (out) or from the stash on NSTREAMS streams of the current
-// context. vmm_mu held.
-static CUresult stash_copy(int out) {
-  CUstream st[NSTREAMS] = {0};
+// copy_range issues the copies of stash bytes [lo, hi) to (out) or from their regions, in
+// STASH_PIECE pieces round-robin over st. vmm_mu held, the context current.
+static CUresult copy_range(int out, uint64_t lo, uint64_t hi, CUstream *st, size_t *n) {
+  uint64_t so = 0;
+  CUresult r = CUDA_SUCCESS;
+  for (size_t i = 0; i < nregs && so < hi && r == CUDA_SUCCESS; i++) {
+    uint64_t len = region_bytes(&regs[i]), a = lo > so ? lo : so, b = hi < so + len ? hi : so + len;
+    for (uint64_t o = a; o < b && r == CUDA_SUCCESS; o += STASH_PIECE, (*n)++) {
+      uint64_t k = b - o < STASH_PIECE ? b - o : STASH_PIECE;
+      r = out ? v.dtoh_async(stash + o, regs[i].va + (o - so), k, st[*n % NSTREAMS])
+              : v.htod_async(regs[i].va + (o - so), stash + o, k, st[*n % NSTREAMS]);
+    }
+    so += len;
+  }
+  return r;
+}
+
+static CUresult streams_open(CUstream *st) {
   CUresult r = CUDA_SUCCESS;
   for (int i = 0; i < NSTREAMS && r == CUDA_SUCCESS; i++) r = v.stream_create(&st[i], 1 /* non-blocking */);
-  size_t off = 0, n = 0;
-  for (size_t i = 0; i < nregs && r == CUDA_SUCCESS; i++) {
-    uint64_t len = region_bytes(&regs[i]);
-    for (uint64_t o = 0; o < len && r == CUDA_SUCCESS; o += STASH_PIECE, n++) {
-      uint64_t k = len - o < STASH_PIECE ? len - o : STASH_PIECE;
-      r = out ? v.dtoh_async(stash + off + o, regs[i].va + o, k, st[n % NSTREAMS])
-              : v.htod_async(regs[i].va + o, stash + off + o, k, st[n % NSTREAMS]);
-    }
-    off += len;
-  }
+  return r;
+}
+static CUresult streams_close(CUstream *st, CUresult r) {
   for (int i = 0; i < NSTREAMS; i++)
     if (st[i]) {
       CUresult q = v.stream_sync(st[i]);
       if (r == CUDA_SUCCESS) r = q;
       v.stream_destroy(st[i]);
+      st[i] = NULL;
     }
   return r;
+}
+
+// chunk_span: stash chunk c (STASH_CHUNK numbering of the regions): its stash offset and length.
+static void chunk_span(uint64_t c, uint64_t *off, uint64_t *len) {
+  uint64_t so = 0;
+  for (size_t i = 0; i < nregs; i++) {
+    uint64_t nc = chunks_of(&regs[i], STASH_CHUNK), rb = region_bytes(&regs[i]);
+    if (c < nc) {
+      *off = so + c * STASH_CHUNK;
+      *len = rb - c * STASH_CHUNK < STASH_CHUNK ? rb - c * STASH_CHUNK : STASH_CHUNK;
+      return;
+    }
+    c -= nc;
+    so += rb;
+  }
+  *off = *len = 0;
+}
+
+// changed_chunks hashes the regions on the GPU and lists, into list (snchunks entries), the
+// chunks whose hash differs from the stash's (or that the stash has no hash of). vmm_mu held,
+// the context current. Returns the count, or -1.
+static int64_t changed_chunks(CUstream st, uint64_t *list, uint64_t *hash_ns, char *err, size_t errlen) {
+  uint64_t t0 = shim_now_ns(), nc;
+  uint8_t *hd = malloc(snchunks * 16 + 16);
+  span *sp = region_spans(STASH_CHUNK, &nc);
+  int rc = hd && sp && nc == snchunks ? hash_spans(sp, nregs, STASH_CHUNK, nc, regs[0].ctx, st, hd, err, errlen)
+                                      : fail(err, errlen, "owned memory: out of memory");
+  free(sp);
+  int64_t n = 0;
+  for (uint64_t c = 0; rc == 0 && c < snchunks; c++)
+    if (!hvalid[c] || memcmp(hd + 16 * c, shash + 16 * c, 16)) list[n++] = c;
+  free(hd);
+  *hash_ns = shim_now_ns() - t0;
+  return rc ? -1 : n;
+}
+
+// copy_chunks copies the listed chunks into the stash and waits. vmm_mu held, the context current.
+static CUresult copy_chunks(const uint64_t *list, int64_t n, uint64_t *bytes) {
+  CUstream st[NSTREAMS] = {0};
+  CUresult r = streams_open(st);
+  size_t k = 0;
+  *bytes = 0;
+  for (int64_t i = 0; i < n && r == CUDA_SUCCESS; i++) {
+    uint64_t off, len;
+    chunk_span(list[i], &off, &len);
+    r = copy_range(1, off, off + len, st, &k);
+    *bytes += len;
+  }
+  return streams_close(st, r);
 }
 
 // vmm_cmd_prepare (the process running, memory live): ready a stash of the owned bytes.
@@ -1061,38 +1194,124 @@ int vmm_cmd_prepare(jbuf *b, char *err, size_t errlen) {
   }
   stash_free();
   uint64_t bytes = owned_total();
-  CUcontext ctx = nregs ? regs[0].ctx : NULL;
+  CUcontext ctx = nregs ? regs[0].ctx : NULL, x;
+  uint64_t gen = regs_gen;
+  // Mapped, populated and pinned without the lock: the app's allocations and frees go on
+  // meanwhile. Only this (the control) thread touches the stash's variables; other threads read
+  // stash_state, which says ST_NONE until the stash is installed below.
   pthread_mutex_unlock(&vmm_mu);
-  // The population runs without the lock: the app's allocations and frees go on meanwhile.
-  int pinned = 0;
+  int all = 0, ok = 0;
   uint64_t pop_ns = 0, pin_ns = 0;
-  unsigned char *p = NULL;
-  CUcontext x;
   if (bytes && v.ctx_push(ctx) == CUDA_SUCCESS) {
-    p = stash_map(bytes, 1, &pinned, &pop_ns, &pin_ns);
-    if (!p) {
-      v.ctx_pop(&x);
-      return fail(err, errlen, "mem-prepare: %llu bytes of host memory: %s", (unsigned long long)bytes, strerror(errno));
-    }
+    ok = stash_map(bytes, 1, &pop_ns, &pin_ns, &all) == 0;
     v.ctx_pop(&x);
   }
-  pthread_mutex_lock(&vmm_mu);
-  if (p) {
-    stash = p;
-    stash_len = bytes;
-    stash_pinned = pinned;
+  if (ok) {
+    pthread_mutex_lock(&vmm_mu);
     stash_state = ST_PREPARED;
     prepared_ns = shim_now_ns();
+    sgen = gen;
+    pthread_mutex_unlock(&vmm_mu);
   }
-  pthread_mutex_unlock(&vmm_mu);
-  jb_printf(b, "{\"bytes\":%llu,\"pinned\":%s,\"populate_us\":%llu,\"pin_us\":%llu}", (unsigned long long)(p ? bytes : 0),
-            pinned ? "true" : "false", (unsigned long long)pop_ns / 1000, (unsigned long long)pin_ns / 1000);
+  jb_printf(b, "{\"bytes\":%llu,\"pinned\":%s,\"populate_us\":%llu,\"pin_us\":%llu}", (unsigned long long)(ok ? bytes : 0),
+            all ? "true" : "false", (unsigned long long)pop_ns / 1000, (unsigned long long)pin_ns / 1000);
   return 0;
 }
 
-// vmm_cmd_stash (quiesced, memory live): copy every region into the stash (the prepared one when
-// it still fits the regions), unpin it, then release the physical memory. On failure nothing is
-// released and the stash is gone.
+// vmm_cmd_precopy (the process running, a prepared stash): one round: copy into the stash every
+// chunk whose GPU hash differs from the stash's, then hash what the stash now holds (the GPU
+// reading it through its pinned mapping). With unpin, the stash is unpinned after the round (a
+// stop with little left to copy then skips the unpin; its copies run from pageable memory).
+int vmm_cmd_precopy(int unpin, jbuf *b, char *err, size_t errlen) {
+  if (!v_ready()) return fail(err, errlen, "mem-precopy: the driver lacks the VMM entry points");
+  uint64_t t0 = shim_now_ns();
+  pthread_mutex_lock(&vmm_mu);
+  int rc = -1;
+  CUcontext x;
+  CUstream hs = NULL;
+  uint64_t *list = NULL, hash_ns = 0, copy_ns = 0, shash_ns = 0, bytes = 0;
+  int64_t n = 0;
+  if (stash_state != ST_PREPARED || released) {
+    pthread_mutex_unlock(&vmm_mu);
+    return fail(err, errlen, "mem-precopy: no prepared stash (mem-prepare first)");
+  }
+  if (sgen != regs_gen || stash_len != owned_total() || !nregs) {
+    pthread_mutex_unlock(&vmm_mu);
+    return fail(err, errlen, "mem-precopy: the owned allocations changed since mem-prepare");
+  }
+  if (!shash) {
+    uint64_t nc = 0;
+    for (size_t i = 0; i < nregs; i++) nc += chunks_of(&regs[i], STASH_CHUNK);
+    shash = calloc(nc ? nc : 1, 16);
+    hvalid = calloc(nc ? nc : 1, 1);
+    snchunks = nc;
+    if (!shash || !hvalid) {
+      precopy_reset();
+      pthread_mutex_unlock(&vmm_mu);
+      return fail(err, errlen, "mem-precopy: out of memory");
+    }
+  }
+  if (v.ctx_push(regs[0].ctx) != CUDA_SUCCESS) {
+    pthread_mutex_unlock(&vmm_mu);
+    return fail(err, errlen, "mem-precopy: cannot enter the owning context");
+  }
+  list = malloc(snchunks * sizeof *list + 8);
+  if (!list || v.stream_create(&hs, 1) != CUDA_SUCCESS) {
+    fail(err, errlen, "mem-precopy: out of resources");
+    goto out;
+  }
+  n = changed_chunks(hs, list, &hash_ns, err, errlen);
+  if (n < 0) goto out;
+  uint64_t t1 = shim_now_ns();
+  CUresult r = copy_chunks(list, n, &bytes);
+  copy_ns = shim_now_ns() - t1;
+  if (r != CUDA_SUCCESS) {
+    fail(err, errlen, "mem-precopy: copy failed (%d)", r);
+    goto out;
+  }
+  // What the stash now holds, as the GPU reads it: the truth a later round compares with.
+  uint64_t t2 = shim_now_ns();
+  span *sp = malloc((size_t)(n ? n : 1) * sizeof *sp);
+  if (!sp) {
+    fail(err, errlen, "mem-precopy: out of memory");
+    goto out;
+  }
+  int all_pinned = 1;
+  for (size_t k = 0; k < npieces(); k++) all_pinned &= pinned[k];
+  for (int64_t i = 0; i < n; i++) {
+    uint64_t off, len;
+    chunk_span(list[i], &off, &len);
+    sp[i] = (span){(CUdeviceptr)(uintptr_t)(stash + off), len, list[i]};
+  }
+  // Only a pinned stash can be read by the GPU; otherwise its chunks stay without a hash (copied
+  // again at the stop).
+  int hr = n && all_pinned ? hash_spans(sp, (size_t)n, STASH_CHUNK, snchunks, regs[0].ctx, hs, shash, err, errlen) : 0;
+  free(sp);
+  if (hr) goto out;
+  for (int64_t i = 0; i < n; i++) hvalid[list[i]] = (uint8_t)all_pinned;
+  shash_ns = shim_now_ns() - t2;
+  rounds++;
+  if (unpin) stash_unpin();
+  jb_printf(b,
+            "{\"round\":%d,\"chunks\":%llu,\"copied_chunks\":%lld,\"bytes\":%llu,\"hash_us\":%llu,\"copy_us\":%llu,"
+            "\"stash_hash_us\":%llu,\"pinned\":%s,\"elapsed_us\":%llu}",
+            rounds, (unsigned long long)snchunks, (long long)n, (unsigned long long)bytes, (unsigned long long)hash_ns / 1000,
+            (unsigned long long)copy_ns / 1000, (unsigned long long)shash_ns / 1000, unpin ? "false" : "true",
+            (unsigned long long)(shim_now_ns() - t0) / 1000);
+  rc = 0;
+out:
+  if (rc) precopy_reset();  // a failed round leaves no hash to trust
+  if (hs) v.stream_destroy(hs);
+  free(list);
+  v.ctx_pop(&x);
+  pthread_mutex_unlock(&vmm_mu);
+  return rc;
+}
+
+// vmm_cmd_stash (quiesced, memory live): copy into the stash what it does not hold yet (after
+// pre-copy rounds: the chunks whose hash differs; else everything, into a stash mapped now when
+// none was prepared or the regions changed since), unpin it, then release the physical memory. On
+// failure nothing is released and the stash is gone.
 int vmm_cmd_stash(jbuf *b, char *err, size_t errlen) {
   if (preempt_state() == 0) return fail(err, errlen, "mem-stash: not quiesced");
   if (!v_ready()) return fail(err, errlen, "mem-stash: the driver lacks the VMM entry points");
@@ -1103,9 +1322,11 @@ int vmm_cmd_stash(jbuf *b, char *err, size_t errlen) {
     pthread_mutex_unlock(&vmm_mu);
     return fail(err, errlen, stash_state == ST_STASHED ? "mem-stash: already stashed" : "mem-stash: owned memory is released (load it first)");
   }
-  int rc = -1, pushed = 0, pinned = 0, prepared = 0;
-  uint64_t bytes = owned_total(), pop_ns = 0, pin_ns = 0, copy_ns = 0, unpin_ns = 0, t_rel = 0;
+  int rc = -1, pushed = 0, all = 1, prepared = 0, precopied = 0;
+  uint64_t total = owned_total(), bytes = 0, pop_ns = 0, pin_ns = 0, hash_ns = 0, copy_ns = 0, unpin_ns = 0, t_rel = 0;
   CUcontext x;
+  CUstream hs = NULL;
+  uint64_t *list = NULL;
   if (nregs && sync_all(err, errlen)) goto out;
   uint64_t t_sync = shim_now_ns();
   if (nregs) {
@@ -1114,22 +1335,37 @@ int vmm_cmd_stash(jbuf *b, char *err, size_t errlen) {
       goto out;
     }
     pushed = 1;
-    prepared = stash_state == ST_PREPARED && stash_len == bytes;
-    if (prepared) {
-      pinned = stash_pinned;
-    } else {  // none prepared, or the regions changed since: a stash of their size now
+    prepared = stash_state == ST_PREPARED && stash_len == total && sgen == regs_gen;
+    if (!prepared) {  // none prepared, or the regions changed since: a stash of their size now
       stash_free();
-      stash = stash_map(bytes, 0, &pinned, &pop_ns, &pin_ns);
-      if (!stash) {
-        stash_len = 0;
-        fail(err, errlen, "mem-stash: %llu bytes of host memory: %s", (unsigned long long)bytes, strerror(errno));
+      if (stash_map(total, 0, &pop_ns, &pin_ns, &all)) {
+        fail(err, errlen, "mem-stash: %llu bytes of host memory: %s", (unsigned long long)total, strerror(errno));
         goto out;
       }
-      stash_len = bytes;
-      stash_pinned = pinned;
     }
+    if (prepared)
+      for (size_t k = 0; k < npieces(); k++) all &= pinned[k];
+    precopied = prepared && shash && rounds > 0;
     uint64_t t1 = shim_now_ns();
-    CUresult r = stash_copy(1);
+    CUresult r;
+    if (precopied) {
+      list = malloc(snchunks * sizeof *list + 8);
+      int64_t n = list && v.stream_create(&hs, 1) == CUDA_SUCCESS ? changed_chunks(hs, list, &hash_ns, err, errlen)
+                                                                   : fail(err, errlen, "mem-stash: out of resources");
+      if (n < 0) {
+        stash_free();
+        goto out;
+      }
+      t1 = shim_now_ns();
+      r = copy_chunks(list, n, &bytes);
+    } else {
+      CUstream st[NSTREAMS] = {0};
+      size_t k = 0;
+      r = streams_open(st);
+      if (r == CUDA_SUCCESS) r = copy_range(1, 0, stash_len, st, &k);
+      r = streams_close(st, r);
+      bytes = total;
+    }
     uint64_t t2 = shim_now_ns();
     copy_ns = t2 - t1;
     stash_unpin();  // plain process memory again before the driver checkpoint
@@ -1139,6 +1375,7 @@ int vmm_cmd_stash(jbuf *b, char *err, size_t errlen) {
       fail(err, errlen, "mem-stash: copy failed (%d)", r);
       goto out;
     }
+    precopy_reset();
     t_rel = shim_now_ns();
     for (size_t i = 0; i < nregs; i++) unmap_phys(&regs[i]);
     released = 1;
@@ -1148,23 +1385,28 @@ int vmm_cmd_stash(jbuf *b, char *err, size_t errlen) {
     t_rel = shim_now_ns();
   }
   jb_printf(b,
-            "{\"regions\":%zu,\"bytes\":%llu,\"prepared\":%s,\"pinned\":%s,\"sync_us\":%llu,\"populate_us\":%llu,\"pin_us\":%llu,"
-            "\"copy_us\":%llu,\"unpin_us\":%llu,\"release_us\":%llu,\"elapsed_us\":%llu}",
-            nregs, (unsigned long long)bytes, prepared ? "true" : "false", pinned ? "true" : "false",
-            (unsigned long long)(t_sync - t0) / 1000, (unsigned long long)pop_ns / 1000, (unsigned long long)pin_ns / 1000,
+            "{\"regions\":%zu,\"bytes\":%llu,\"copied_bytes\":%llu,\"prepared\":%s,\"precopied\":%s,\"pinned\":%s,"
+            "\"sync_us\":%llu,\"populate_us\":%llu,\"pin_us\":%llu,\"hash_us\":%llu,\"copy_us\":%llu,\"unpin_us\":%llu,"
+            "\"release_us\":%llu,\"elapsed_us\":%llu}",
+            nregs, (unsigned long long)total, (unsigned long long)bytes, prepared ? "true" : "false",
+            precopied ? "true" : "false", all ? "true" : "false", (unsigned long long)(t_sync - t0) / 1000,
+            (unsigned long long)pop_ns / 1000, (unsigned long long)pin_ns / 1000, (unsigned long long)hash_ns / 1000,
             (unsigned long long)copy_ns / 1000, (unsigned long long)unpin_ns / 1000,
             (unsigned long long)(shim_now_ns() - t_rel) / 1000, (unsigned long long)(shim_now_ns() - t0) / 1000);
   rc = 0;
 out:
+  if (hs) v.stream_destroy(hs);
+  free(list);
   if (pushed) v.ctx_pop(&x);
   pthread_mutex_unlock(&vmm_mu);
   return rc;
 }
 
 // vmm_cmd_unstash (released and stashed): re-create every region at its address on its device
-// ordinal, pin the stash and copy it back; the stash is freed by vmm_stash_drop (after the
-// reply). On failure the regions stay released and the stash stays, so that it can be tried
-// again. Nothing stashed: an empty reply.
+// ordinal and copy the stash back, pinning it piece by piece just ahead of the copies (they
+// overlap); the stash is unpinned and freed by vmm_stash_drop, after the reply. On failure the
+// regions stay released and the stash stays, so that it can be tried again. Nothing stashed: an
+// empty reply.
 int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
   if (!v_ready()) return fail(err, errlen, "mem-unstash: the driver lacks the VMM entry points");
   session_end();
@@ -1179,8 +1421,8 @@ int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
     }
     return fail(err, errlen, "mem-unstash: owned memory is released but not stashed (mem-begin load)");
   }
-  int rc = -1;
-  uint64_t pin_ns = 0, copy_ns = 0, bytes = stash_len;
+  int rc = -1, all = 1;
+  uint64_t pin_ns = 0, bytes = stash_len;
   size_t remapped = 0;
   CUcontext x;
   if (v.ctx_push(regs[0].ctx) != CUDA_SUCCESS) {
@@ -1197,11 +1439,17 @@ int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
   }
   uint64_t t_map = shim_now_ns();
   if (remapped == nregs) {
-    stash_pinned = v.host_register && v.host_register(stash, stash_len, 0) == CUDA_SUCCESS;
-    uint64_t t1 = shim_now_ns();
-    pin_ns = t1 - t_map;
-    CUresult r = stash_copy(0);
-    copy_ns = shim_now_ns() - t1;
+    CUstream st[NSTREAMS] = {0};
+    size_t k = 0;
+    CUresult r = streams_open(st);
+    for (size_t p = 0; p < npieces() && r == CUDA_SUCCESS; p++) {
+      uint64_t tp = shim_now_ns();
+      all &= pin_piece(p);  // the copies of the pieces before run meanwhile
+      pin_ns += shim_now_ns() - tp;
+      uint64_t lo = p * PIN_PIECE, hi = lo + PIN_PIECE < stash_len ? lo + PIN_PIECE : stash_len;
+      r = copy_range(0, lo, hi, st, &k);
+    }
+    r = streams_close(st, r);
     if (r == CUDA_SUCCESS) rc = 0;
     else fail(err, errlen, "mem-unstash: copy failed (%d)", r);
   }
@@ -1211,9 +1459,10 @@ int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
   } else {
     released = 0;
     stash_state = ST_DRAINING;  // unpinned and freed after the reply (vmm_stash_drop)
+    uint64_t t_end = shim_now_ns();
     jb_printf(b, "{\"regions\":%zu,\"bytes\":%llu,\"pinned\":%s,\"remap_us\":%llu,\"pin_us\":%llu,\"copy_us\":%llu,\"elapsed_us\":%llu}",
-              nregs, (unsigned long long)bytes, stash_pinned ? "true" : "false", (unsigned long long)(t_map - t0) / 1000,
-              (unsigned long long)pin_ns / 1000, (unsigned long long)copy_ns / 1000, (unsigned long long)(shim_now_ns() - t0) / 1000);
+              nregs, (unsigned long long)bytes, all ? "true" : "false", (unsigned long long)(t_map - t0) / 1000,
+              (unsigned long long)pin_ns / 1000, (unsigned long long)(t_end - t_map) / 1000, (unsigned long long)(t_end - t0) / 1000);
   }
   v.ctx_pop(&x);
   pthread_mutex_unlock(&vmm_mu);
@@ -1232,4 +1481,10 @@ void vmm_tick(void) {
                                      shim_now_ns() - prepared_ns > (uint64_t)PREPARED_TTL_S * 1000000000ull))
     stash_free();
   pthread_mutex_unlock(&vmm_mu);
+}
+
+static void stash_child_reset(void) {  // after fork, in the child (single-threaded)
+  free(pinned);
+  pinned = NULL;
+  precopy_reset();
 }

@@ -28,11 +28,13 @@ int vmm_cmd_fill(int sock, jbuf *b, char *err, size_t errlen);
 int vmm_feed(const char *p, size_t n);  // bytes read past the request line: the session's input
 int vmm_cmd_release(jbuf *b, char *err, size_t errlen);
 int vmm_cmd_end(jbuf *b);
-// The stash (migrate): mem-prepare readies it while the process runs; mem-stash copies the memory
+// The stash (migrate): mem-prepare readies it while the process runs, mem-precopy rounds fill it
+// while it still runs; mem-stash copies the rest of the memory
 // into the process's own host memory and releases it; mem-unstash re-creates and refills it
 // (nothing to do when nothing is stashed), and vmm_stash_drop frees it after the reply.
 int vmm_stashed(void);  // the released memory is in the stash
 int vmm_cmd_prepare(jbuf *b, char *err, size_t errlen);
+int vmm_cmd_precopy(int unpin, jbuf *b, char *err, size_t errlen);
 int vmm_cmd_stash(jbuf *b, char *err, size_t errlen);
 int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen);
 void vmm_stash_drop(void);  // after an unstash's reply: unpin and free the stash

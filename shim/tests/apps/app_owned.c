@@ -1,5 +1,6 @@
 // Owned-memory test app (fake driver; Go test checkpoint/owned_test.go): allocates, through the
-// driver API, region A (6 MiB, rewritten every step), region B (10 MiB, written once: "weights"),
+// driver API, region A (6 MiB, rewritten every step after checking it still holds the step
+// before's pattern), region B (10 MiB, written once: "weights"),
 // region C (4 KiB, below the owned minimum: the driver's), and a pitched region P, fills them
 // with a known pattern, then every STEP_MS writes A with the step number and checks all of them
 // through copies to the host. It writes "step N ok" (or "step N BAD ...", and exits 3) to
@@ -82,11 +83,16 @@ int main(void) {
     }
   }
   for (unsigned long s = 1;; s++) {
+    const char *bad = NULL;
+    if (s > 1) {  // A still holds the last step's pattern: memory moved while it slept is not stale
+      fill(h, na / 4, (uint32_t)(s - 1));
+      CK(cuMemcpyDtoH_v2(g, a, na));
+      if (memcmp(g, h, na)) bad = "A (stale)";
+    }
     fill(h, na / 4, (uint32_t)s);
     CK(cuMemcpyHtoD_v2(a, h, na));
-    const char *bad = NULL;
     CK(cuMemcpyDtoH_v2(g, a, na));
-    if (memcmp(g, h, na)) bad = "A";
+    if (!bad && memcmp(g, h, na)) bad = "A";
     fill(h, nb / 4, 0xb0b0);
     CK(cuMemcpyDtoH_v2(g, b, nb));
     if (!bad && memcmp(g, h, nb)) bad = "B";
