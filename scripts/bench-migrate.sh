@@ -4,17 +4,21 @@
 #
 #   scripts/bench-migrate.sh [SIZE_GIB...]        (default: 1 8; run as root on a GPU host)
 #
-# Two `counter` processes hold SIZE GiB of device memory each, the whole run long:
+# Three `counter` processes hold SIZE GiB of device memory each, the whole run long:
 #   owned   under `ptxmig run --owned-memory --preempt off`: 64 MiB it advances every 200 ms and
 #           SIZE GiB - 64 MiB it never writes after the start (counter --frozen-mib, as weights);
-#           `ptxmig migrate` stashes it in the process's host memory, the driver moves the rest;
+#           `ptxmig migrate` pre-copies it into the process's host memory while it runs, the stop
+#           copies what changed since, the driver moves the rest;
+#   owned, no pre-copy  the same process, `ptxmig migrate --precopy=false`: the stop copies it all;
+#   owned, all advancing  a second owned process whose SIZE GiB all advance every step: pre-copy
+#           cannot converge (the changed set is everything);
 #   driver  under `ptxmig run --preempt off` (SIZE GiB advancing, the driver's own memory):
 #           `ptxmig migrate` as before owned memory, the driver copies everything;
 #   bare    the driver process again, moved by the four driver calls back to back (lock,
 #           checkpoint, restore, unlock; scripts/cuckpt.c), their times summed.
 # With two GPUs every migrate moves to the other GPU (--gpu 1, then --gpu 0 back); with one,
 # `ptxmig migrate --rehearse` moves it onto its own GPU and the bare calls restore without pairs.
-# Each round runs the three, in an order that alternates from round to round; BENCH_ROUNDS rounds
+# Each round runs the five, in an order that alternates from round to round; BENCH_ROUNDS rounds
 # (default 3). Every process must advance after each move. Reported: the median downtime per way
 # and size (ptxmig's downtime: quiesce to resume; bare: the calls' sum), its parts, and the ratios.
 # Environment: PTXMIG_BIN, PTXMIG_WORKLOADS (counter: testdata/workloads/build.sh), PTXMIG_OUT
@@ -41,10 +45,13 @@ gcc -O2 -o "$work/cuckpt" "$(dirname "$0")/cuckpt.c" -ldl
 uuid() { nvidia-smi --query-gpu=uuid --format=csv,noheader -i "$1"; }
 u0=$(uuid 0); u1=""; [ "$ngpu" -ge 2 ] && u1=$(uuid 1)
 
-start() { # NAME GIB [owned]: start a counter under ptxmig run; sets the global started
+start() { # NAME GIB [owned|hot]: start a counter under ptxmig run; sets the global started
   local log=$work/$1.log
   : >"$log"
-  if [ "${3:-}" = owned ]; then
+  if [ "${3:-}" = hot ]; then
+    setsid "$PTXMIG_BIN" run --owned-memory --preempt off --socket-dir "$work/sock" -- "$PTXMIG_WORKLOADS/counter" \
+      --mib $(($2 * 1024)) --steps 100000000 --interval-ms 200 --device 0 </dev/null >>"$log" 2>&1 &
+  elif [ "${3:-}" = owned ]; then
     setsid "$PTXMIG_BIN" run --owned-memory --preempt off --socket-dir "$work/sock" -- "$PTXMIG_WORKLOADS/counter" \
       --mib 64 --frozen-mib $(($2 * 1024 - 64)) --steps 100000000 --interval-ms 200 --device 0 </dev/null >>"$log" 2>&1 &
   else
@@ -64,15 +71,16 @@ advances() { # NAME: the workload prints a new step within 10 s
 }
 # where[NAME]: the GPU the process is on (0 or 1).
 declare -A where
-move() { # NAME PID OUTJSON: ptxmig migrate to the other GPU (or a rehearsal)
-  local args=(--rehearse)
+move() { # NAME PID OUTJSON [FLAG...]: ptxmig migrate to the other GPU (or a rehearsal)
+  local name=$1 pid=$2 out=$3; shift 3
+  local args=(--rehearse "$@")
   if [ -n "$u1" ]; then
-    local to=$((1 - ${where[$1]}))
-    args=(--gpu "$to")
-    where[$1]=$to
+    local to=$((1 - ${where[$name]}))
+    args=(--gpu "$to" "$@")
+    where[$name]=$to
   fi
-  "$PTXMIG_BIN" --json migrate "${args[@]}" "$2" >"$3"
-  advances "$1"
+  "$PTXMIG_BIN" --json migrate "${args[@]}" "$pid" >"$out"
+  advances "$name"
 }
 bare() { # PID OUTTXT: the four driver calls, to the other GPU of the driver process (or none)
   local r=restore
@@ -83,37 +91,63 @@ bare() { # PID OUTTXT: the four driver calls, to the other GPU of the driver pro
   advances driver
 }
 j() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2], {'d': d}))" "$@"; }
+# summary WHAT FILE: a migrate's pre-copy rounds, its step times, or its stash and unstash, as text.
+summary() {
+  python3 - "$@" <<'PY'
+import json, sys
+what, d = sys.argv[1], json.load(open(sys.argv[2]))
+owned = [r['owned_memory'] for r in d.get('preemption') or [] if r.get('owned_memory')]
+if what == 'rounds':
+    for o in owned:
+        print('pre-copy rounds: ' + (', '.join('%d MiB in %.0f ms' % (x['bytes'] >> 20, x['copy_us'] / 1e3) for x in o.get('precopy') or []) or 'none'))
+elif what == 'parts':
+    print(', '.join('%s %.0f' % (k, d[k + '_ns'] / 1e6) for k in ['stash', 'lock', 'checkpoint', 'restore', 'unlock', 'unstash'] if d.get(k + '_ns')))
+else:
+    for o in owned:
+        s, u = o['stash'], o['unstash']
+        print('stash %d MiB (prepared %s, copied %d MiB in %.0f ms, %.1f GB/s, GPU hash %.0f ms, map and pin %.0f, unpin %.0f, release %.0f); '
+              'unstash: re-create %.0f, pin %.0f, pin and copy %.0f ms' % (
+                  s['bytes'] >> 20, s.get('prepared', False), s.get('copied_bytes', s['bytes']) >> 20, s['copy_us'] / 1e3,
+                  s.get('copied_bytes', s['bytes']) / max(s['copy_us'], 1) / 1e3, s.get('hash_us', 0) / 1e3,
+                  (s.get('populate_us', 0) + s['pin_us']) / 1e3, s.get('unpin_us', 0) / 1e3, s.get('release_us', 0) / 1e3,
+                  u.get('remap_us', 0) / 1e3, u['pin_us'] / 1e3, u['copy_us'] / 1e3))
+PY
+}
 median() { python3 -c "import statistics,sys; print(round(statistics.median(float(x) for x in sys.argv[1:])))" "$@"; }
 
 rows=()
 for g in "${sizes[@]}"; do
   echo "== ${g} GiB" >&2
   start owned "$g" owned; p_owned=$started
+  start hot "$g" hot; p_hot=$started
   start driver "$g"; p_driver=$started
   # (`ptxmig run` execs the counter: $! is the process.)
-  where[owned]=0; where[driver]=0
+  where[owned]=0; where[hot]=0; where[driver]=0
   # Warm-up, untimed: the first migrate of each pays for loading ptxmig and the driver's paths.
-  move owned "$p_owned" "$raw/warm-owned-$g.json"; move driver "$p_driver" "$raw/warm-driver-$g.json"
-  down_o=() down_d=() down_b=()
+  move owned "$p_owned" "$raw/warm-owned-$g.json"; move hot "$p_hot" "$raw/warm-hot-$g.json"
+  move driver "$p_driver" "$raw/warm-driver-$g.json"
+  down_o=() down_n=() down_h=() down_d=() down_b=()
   for r in $(seq "$ROUNDS"); do
-    order=(owned driver bare); [ $((r % 2)) = 0 ] && order=(bare driver owned)
+    order=(owned nopre hot driver bare); [ $((r % 2)) = 0 ] && order=(bare driver hot nopre owned)
     for w in "${order[@]}"; do
       case $w in
         owned) move owned "$p_owned" "$raw/owned-$g-$r.json"; down_o+=("$(j "$raw/owned-$g-$r.json" "d['downtime_ns']/1e6")") ;;
+        nopre) move owned "$p_owned" "$raw/nopre-$g-$r.json" --precopy=false; down_n+=("$(j "$raw/nopre-$g-$r.json" "d['downtime_ns']/1e6")") ;;
+        hot) move hot "$p_hot" "$raw/hot-$g-$r.json"; down_h+=("$(j "$raw/hot-$g-$r.json" "d['downtime_ns']/1e6")") ;;
         driver) move driver "$p_driver" "$raw/driver-$g-$r.json"; down_d+=("$(j "$raw/driver-$g-$r.json" "d['downtime_ns']/1e6")") ;;
         bare) bare "$p_driver" "$raw/bare-$g-$r.txt"; down_b+=("$(awk '$1 != "cuInit" {s += $2} END {printf "%.1f", s}' "$raw/bare-$g-$r.txt")") ;;
       esac
     done
   done
-  mo=$(median "${down_o[@]}") md=$(median "${down_d[@]}") mb=$(median "${down_b[@]}")
+  mo=$(median "${down_o[@]}") mn=$(median "${down_n[@]}") mh=$(median "${down_h[@]}") md=$(median "${down_d[@]}") mb=$(median "${down_b[@]}")
   o=$raw/owned-$g-1.json d1=$raw/driver-$g-1.json
-  parts() { j "$1" "', '.join(f\"{k} {d.get(k+'_ns',0)/1e6:.0f}\" for k in ['stash','lock','checkpoint','restore','unlock','unstash'] if d.get(k+'_ns'))"; }
-  stash=$(j "$o" "'; '.join(f\"stash {s['bytes']>>20} MiB (prepared {s.get('prepared', False)}): copy {s['copy_us']/1e3:.0f} ms ({s['bytes']/max(s['copy_us'],1)/1e3:.1f} GB/s), map and pin {(s.get('populate_us',0)+s['pin_us'])/1e3:.0f}, unpin {s.get('unpin_us',0)/1e3:.0f}, release {s.get('release_us',0)/1e3:.0f}; unstash: re-create {u.get('remap_us',0)/1e3:.0f}, copy {u['copy_us']/1e3:.0f} ms ({u['bytes']/max(u['copy_us'],1)/1e3:.1f} GB/s), pin {u['pin_us']/1e3:.0f}\" for r in d['preemption'] for s in [r['owned_memory']['stash']] for u in [r['owned_memory']['unstash']])")
-  rows+=("| $g GiB | ptxmig, owned memory stashed | **$mo** (${down_o[*]}) | $(parts "$o"); $stash |")
-  rows+=("| $g GiB | ptxmig, the driver's memory | **$md** (${down_d[*]}) | $(parts "$d1") |")
+  rows+=("| $g GiB | ptxmig, owned memory, pre-copied (64 MiB advancing) | **$mo** (${down_o[*]}) | $(summary rounds "$o"); $(summary parts "$o"); $(summary stash "$o") |")
+  rows+=("| $g GiB | ptxmig, owned memory, --precopy=false | **$mn** (${down_n[*]}) | $(summary parts "$raw/nopre-$g-1.json"); $(summary stash "$raw/nopre-$g-1.json") |")
+  rows+=("| $g GiB | ptxmig, owned memory, all advancing | **$mh** (${down_h[*]}) | $(summary rounds "$raw/hot-$g-1.json"); $(summary parts "$raw/hot-$g-1.json"); $(summary stash "$raw/hot-$g-1.json") |")
+  rows+=("| $g GiB | ptxmig, the driver's memory | **$md** (${down_d[*]}) | $(summary parts "$d1") |")
   rows+=("| $g GiB | the four driver calls | **$mb** (${down_b[*]}) | $(grep -v cuInit "$raw/bare-$g-1.txt" | tr '\n' ' ') |")
-  rows+=("| $g GiB | **owned / driver's path**, **owned / bare calls** | **$(python3 -c "print(f'{$mo/$md:.2f}')")×**, **$(python3 -c "print(f'{$mo/$mb:.2f}')")×** | |")
-  kill -9 "$p_owned" "$p_driver" 2>/dev/null || true
+  rows+=("| $g GiB | **owned pre-copied / driver's path**, **/ bare calls**; no pre-copy / driver's path; all advancing / driver's path | **$(python3 -c "print(f'{$mo/$md:.2f}')")×**, **$(python3 -c "print(f'{$mo/$mb:.2f}')")×**; $(python3 -c "print(f'{$mn/$md:.2f}')")×; $(python3 -c "print(f'{$mh/$md:.2f}')")× | |")
+  kill -9 "$p_owned" "$p_hot" "$p_driver" 2>/dev/null || true
   sleep 1
 done
 how="--gpu to the other GPU and back"; [ -z "$u1" ] && how="--rehearse (one GPU)"
