@@ -161,13 +161,7 @@ static void handle_mem(conn *c, const char *cmd, const char *dir, const char *ch
   } else if (strcmp(cmd, "mem-stash") == 0) {
     rc = vmm_cmd_stash(&b, err, sizeof err);
   } else if (strcmp(cmd, "mem-unstash") == 0) {
-    rc = vmm_cmd_unstash(&b, err, sizeof err);
-    if (rc == 0) {
-      send_ok(c, cmd, &b);
-      free(b.p);
-      vmm_stash_drop();  // after the reply: not part of the process's downtime
-      return;
-    }
+    rc = vmm_cmd_unstash(&b, err, sizeof err);  // the stash is freed after the resume (vmm_stash_drop)
   } else {
     rc = -1;
     snprintf(err, sizeof err,

@@ -1003,9 +1003,10 @@ int vmm_cmd_end(jbuf *b) {
 // everything when nothing was pre-copied, unpins the stash (plain process memory while the driver
 // checkpoints) and releases the physical memory. mem-unstash re-creates the memory at the same
 // addresses and copies it back, pinning piece by piece ahead of the copies; the stash is unpinned
-// and freed after the reply (vmm_stash_drop). The bytes never leave the process, so a ptxmig that
-// dies in between loses nothing: a resume, or the lease connection closing, unstashes first
-// (ctl.c). A prepared stash left unused for PREPARED_TTL_S is freed (vmm_tick).
+// and freed after the resume's reply (vmm_stash_drop), once the process runs again. The bytes
+// never leave the process, so a ptxmig that dies in between loses nothing: a resume, or the lease
+// connection closing, unstashes first (ctl.c). A prepared stash left unused for PREPARED_TTL_S is
+// freed (vmm_tick).
 #define STASH_PIECE (64ull << 20)  // bytes per async copy, round-robin over NSTREAMS streams
 #define PIN_PIECE (256ull << 20)   // bytes per registration
 #define STASH_CHUNK (4ull << 20)   // the pre-copy's unit
@@ -1404,7 +1405,7 @@ out:
 
 // vmm_cmd_unstash (released and stashed): re-create every region at its address on its device
 // ordinal and copy the stash back, pinning it piece by piece just ahead of the copies (they
-// overlap); the stash is unpinned and freed by vmm_stash_drop, after the reply. On failure the
+// overlap); the stash is unpinned and freed by vmm_stash_drop, after the resume. On failure the
 // regions stay released and the stash stays, so that it can be tried again. Nothing stashed: an
 // empty reply.
 int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
@@ -1458,7 +1459,7 @@ int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
     stash_unpin();
   } else {
     released = 0;
-    stash_state = ST_DRAINING;  // unpinned and freed after the reply (vmm_stash_drop)
+    stash_state = ST_DRAINING;  // unpinned and freed after the resume (vmm_stash_drop)
     uint64_t t_end = shim_now_ns();
     jb_printf(b, "{\"regions\":%zu,\"bytes\":%llu,\"pinned\":%s,\"remap_us\":%llu,\"pin_us\":%llu,\"copy_us\":%llu,\"elapsed_us\":%llu}",
               nregs, (unsigned long long)bytes, all ? "true" : "false", (unsigned long long)(t_map - t0) / 1000,
@@ -1477,8 +1478,10 @@ void vmm_stash_drop(void) {
 
 void vmm_tick(void) {
   pthread_mutex_lock(&vmm_mu);
-  if (stash_state == ST_DRAINING || (stash_state == ST_PREPARED && preempt_state() == 0 &&
-                                     shim_now_ns() - prepared_ns > (uint64_t)PREPARED_TTL_S * 1000000000ull))
+  // Not while the process is held: unpinning and unmapping a large stash takes a while, which
+  // would delay the resume (that frees a drained stash itself, after its reply).
+  if (preempt_state() == 0 && (stash_state == ST_DRAINING || (stash_state == ST_PREPARED &&
+                                                              shim_now_ns() - prepared_ns > (uint64_t)PREPARED_TTL_S * 1000000000ull)))
     stash_free();
   pthread_mutex_unlock(&vmm_mu);
 }

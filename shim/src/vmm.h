@@ -31,13 +31,13 @@ int vmm_cmd_end(jbuf *b);
 // The stash (migrate): mem-prepare readies it while the process runs, mem-precopy rounds fill it
 // while it still runs; mem-stash copies the rest of the memory
 // into the process's own host memory and releases it; mem-unstash re-creates and refills it
-// (nothing to do when nothing is stashed), and vmm_stash_drop frees it after the reply.
+// (nothing to do when nothing is stashed), and vmm_stash_drop frees it after the resume.
 int vmm_stashed(void);  // the released memory is in the stash
 int vmm_cmd_prepare(jbuf *b, char *err, size_t errlen);
 int vmm_cmd_precopy(int unpin, jbuf *b, char *err, size_t errlen);
 int vmm_cmd_stash(jbuf *b, char *err, size_t errlen);
 int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen);
-void vmm_stash_drop(void);  // after an unstash's reply: unpin and free the stash
+void vmm_stash_drop(void);  // after the resume's reply: unpin and free an unstashed stash
 void vmm_tick(void);        // control thread, every second: frees a drained or stale prepared stash
 
 #endif
