@@ -1,16 +1,19 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"sort"
 	"strings"
 	"text/tabwriter"
+	"time"
 
 	"github.com/urfave/cli/v2"
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
 )
 
@@ -21,7 +24,8 @@ func init() {
 		Description: "Finds every process that maps libcuda.so (so checkpointed processes, which hold no GPU, show\n" +
 			"too), with the GPUs and memory NVML reports for it, its checkpoint state from the driver\n" +
 			"(running, locked, checkpointed, failed; \"-\" when the driver does not track it) and whether it\n" +
-			"runs under the ptxmig shim (libptxmig.so mapped, i.e. started with `ptxmig run`). PPID and\n" +
+			"runs under the ptxmig shim (libptxmig.so mapped, i.e. started with `ptxmig run`; \"owned N\":\n" +
+			"started with --owned-memory, its shim serves N of the memory from its own mappings). PPID and\n" +
 			"SESSION place it in its process tree: `ptxmig checkpoint` saves the tree below the pid it is\n" +
 			"given, so checkpoint a job's session leader (or its wrapper's pid) to save the whole job.\n" +
 			"CGROUP is its cgroup v2 path as /proc/PID/cgroup shows it (\"-\" on a host without cgroup v2):\n" +
@@ -46,6 +50,18 @@ type PSEntry struct {
 	GPUs    []psGPU  `json:"gpus"`
 	State   string   `json:"state"`
 	Shim    bool     `json:"shim"`
+	// Owned: the device memory the shim serves from its own mappings (`ptxmig run
+	// --owned-memory`), as its control socket says; absent without the shim or when it does not
+	// answer.
+	Owned *psOwned `json:"owned_memory,omitempty"`
+}
+
+type psOwned struct {
+	Enabled  bool   `json:"enabled"`
+	Bytes    uint64 `json:"bytes"`
+	Regions  int    `json:"regions"`
+	Released bool   `json:"released"`
+	Stashed  bool   `json:"stashed"`
 }
 
 type psGPU struct {
@@ -69,6 +85,21 @@ var (
 		return st.String(), nil
 	}
 	procCgroup = proc.Cgroup
+	// shimOwned asks a process's shim for its owned memory (bounded: ps never waits on a shim).
+	shimOwned = func(pid int) (*psOwned, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+		defer cancel()
+		c, err := op.DialShim(ctx, pid)
+		if err != nil {
+			return nil, err
+		}
+		defer c.Close()
+		st, err := c.MemStatus(ctx)
+		if err != nil {
+			return nil, err
+		}
+		return &psOwned{Enabled: st.Enabled, Bytes: st.Bytes, Regions: st.Regions, Released: st.Released, Stashed: st.Stashed}, nil
+	}
 )
 
 func psAction(c *cli.Context) error {
@@ -108,6 +139,9 @@ func psAction(c *cli.Context) error {
 		shim := "no"
 		if e.Shim {
 			shim = "yes"
+		}
+		if o := e.Owned; o != nil && o.Enabled {
+			shim = "owned " + bytesize.FormatU(o.Bytes)
 		}
 		cmd := escList(e.Cmdline, " ")
 		if cmd == "" {
@@ -157,6 +191,9 @@ func buildPS(procs []gpu.ProcInfo, devs []gpu.Device, state func(int) (string, e
 		}
 		if e.GPUs == nil {
 			e.GPUs = []psGPU{}
+		}
+		if e.Shim {
+			e.Owned, _ = shimOwned(e.PID)
 		}
 		out = append(out, *e)
 	}

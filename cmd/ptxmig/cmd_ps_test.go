@@ -93,3 +93,62 @@ func TestPSCgroup(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestPSOwned: a process under the shim shows what its shim owns (--json: owned_memory; the
+// table's SHIM column: "owned SIZE"); one without owned memory, or whose shim does not answer,
+// shows "yes"; one without the shim is not asked.
+func TestPSOwned(t *testing.T) {
+	defer func(s func() ([]gpu.ProcInfo, error), st func(int) (string, error), inv func() (gpuInventory, error), so func(int) (*psOwned, error)) {
+		scanProcs, procState, openInventory, shimOwned = s, st, inv, so
+	}(scanProcs, procState, openInventory, shimOwned)
+	self, parent := os.Getpid(), os.Getppid()
+	scanProcs = func() ([]gpu.ProcInfo, error) {
+		return []gpu.ProcInfo{{PID: self, Comm: "self", Shim: true}, {PID: parent, Comm: "parent", Shim: true}, {PID: 1, Comm: "init"}}, nil
+	}
+	procState = func(int) (string, error) { return "running", nil }
+	openInventory = func() (gpuInventory, error) { return nil, gpu.ErrNoDriver }
+	asked := map[int]bool{}
+	shimOwned = func(pid int) (*psOwned, error) {
+		asked[pid] = true
+		if pid == self {
+			return &psOwned{Enabled: true, Bytes: 3 << 30, Regions: 7}, nil
+		}
+		return nil, errors.New("no answer")
+	}
+	out, errOut, code := runCLI(t, "ps", "--json")
+	if code != 0 {
+		t.Fatalf("ps --json: exit %d: %s", code, errOut)
+	}
+	var entries []PSEntry
+	if err := json.Unmarshal([]byte(out), &entries); err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		switch {
+		case e.PID == self && (e.Owned == nil || e.Owned.Bytes != 3<<30 || e.Owned.Regions != 7):
+			t.Errorf("pid %d: owned %+v, want 3 GiB in 7 regions", e.PID, e.Owned)
+		case e.PID != self && e.Owned != nil:
+			t.Errorf("pid %d: owned %+v, want none", e.PID, e.Owned)
+		}
+	}
+	if asked[1] {
+		t.Error("ps asked a process without the shim for its owned memory")
+	}
+	out, _, _ = runCLI(t, "ps")
+	for _, l := range strings.Split(out, "\n") {
+		f := strings.Fields(l)
+		if len(f) < 6 {
+			continue
+		}
+		switch f[0] {
+		case itoa(self):
+			if !strings.Contains(l, "owned 3.0 GiB") && !strings.Contains(l, "owned 3 GiB") {
+				t.Errorf("ps: row %q lacks the owned memory", l)
+			}
+		case itoa(parent):
+			if f[4] != "yes" {
+				t.Errorf("ps: row %q: SHIM %q, want yes", l, f[4])
+			}
+		}
+	}
+}
