@@ -3,6 +3,8 @@ package checkpoint_test
 import (
 	"context"
 	"errors"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -134,15 +136,27 @@ func TestMigrateOwnedMemory(t *testing.T) {
 }
 
 // TestMigrateOwnedMemoryRollback: a failure at any driver step, or at the unstash on the target,
-// ends with the app running on GPU 0 with all its memory.
+// ends with the app running on GPU 0 with all its memory. "re-create" fails the shim's own
+// unstash on the target (its second cuMemCreate: the first region re-created is released again):
+// the driver moves the app back, where the stash is put back.
 func TestMigrateOwnedMemoryRollback(t *testing.T) {
 	injected := errors.New("injected")
-	for _, fail := range []string{"lock", "checkpoint", "restore-to-" + gpu1, "unlock", "hook " + shimstep.StepUnstashMemory, "hook " + shimstep.StepResume} {
+	for _, fail := range []string{"lock", "checkpoint", "restore-to-" + gpu1, "unlock", "hook " + shimstep.StepUnstashMemory, "hook " + shimstep.StepResume, "re-create"} {
 		t.Run(fail, func(t *testing.T) {
 			f := setup(t)
-			a := startOwned(t, f, "owned")
+			failAt := filepath.Join(f.dir, "vmm-fail-at")
+			a := startOwned(t, f, "owned", "FAKE_CUDA_VMM_FAIL_AT="+failAt)
 			drv := ownedMigrateEnv(f, a, 2)
-			if step, ok := strings.CutPrefix(fail, "hook "); ok {
+			want := injected
+			if fail == "re-create" {
+				want = nil
+				f.env.Hook = func(_ context.Context, s string) error {
+					if s == shimstep.StepUnstashMemory {
+						return os.WriteFile(failAt, []byte("2\n"), 0o600)
+					}
+					return nil
+				}
+			} else if step, ok := strings.CutPrefix(fail, "hook "); ok {
 				f.env.Hook = func(_ context.Context, s string) error {
 					if s == step {
 						return injected
@@ -153,8 +167,11 @@ func TestMigrateOwnedMemoryRollback(t *testing.T) {
 				drv.FailNext[fail] = injected
 			}
 			_, err := migrate.Run(context.Background(), f.env, migrate.Options{PID: a.pid, GPUs: []int{1}, LockTimeout: 5 * time.Second})
-			if !errors.Is(err, injected) {
+			switch {
+			case want != nil && !errors.Is(err, want):
 				t.Fatalf("err = %v, want the injected failure", err)
+			case want == nil && (err == nil || !strings.Contains(err.Error(), "re-creating")):
+				t.Fatalf("err = %v, want the shim's failure to re-create the memory", err)
 			}
 			var se *op.StepError
 			if errors.As(err, &se) && se.Touched && !se.RolledBack() {
@@ -173,11 +190,14 @@ func TestMigrateOwnedMemoryRollback(t *testing.T) {
 
 // TestStashSurvivesPtxmig: ptxmig goes away (its connection closes, no resume) after the owned
 // memory was stashed (into memory mapped in the stop: nothing prepared) and released: the shim
-// puts it back and the app runs on. A second stash on the same process works again.
+// puts it back and the app runs on. A second stash on the same process works again. In a third,
+// putting it back fails (no device memory): the app stays held with its memory stashed until a
+// later resume (a recovery's) puts it back.
 func TestStashSurvivesPtxmig(t *testing.T) {
 	f := setup(t)
-	a := startOwned(t, f, "owned")
-	for round := range 2 {
+	failAt := filepath.Join(f.dir, "vmm-fail-at")
+	a := startOwned(t, f, "owned", "FAKE_CUDA_VMM_FAIL_AT="+failAt)
+	for round := range 3 {
 		pre := shimstep.NewPreemption(f.env, 0)
 		steps := []op.Step{pre.QuiesceStep([]int{a.pid}), pre.StashMemoryStep()}
 		if _, err := op.Execute(context.Background(), steps, nil, 0, f.env.Logger()); err != nil {
@@ -189,7 +209,29 @@ func TestStashSurvivesPtxmig(t *testing.T) {
 		if st := memStatus(t, a.pid); !st.Released || !st.Stashed {
 			t.Fatalf("round %d: shim while stashed: %+v", round, st)
 		}
+		if round == 2 {
+			if err := os.WriteFile(failAt, []byte("1\n"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
 		pre.Close() // as if ptxmig died: the lease ends without a resume
+		if round == 2 {
+			held := a.step(t)
+			time.Sleep(300 * time.Millisecond) // 15 steps of the app, were it running
+			if st := memStatus(t, a.pid); !st.Released || !st.Stashed || a.step(t) != held {
+				t.Fatalf("unstash failed at the lease's end: shim %+v, app at step %d (was %d); want it held, stashed", st, a.step(t), held)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			c, err := op.DialShim(ctx, a.pid)
+			if err == nil {
+				_, err = c.Resume(ctx)
+				c.Close()
+			}
+			cancel()
+			if err != nil {
+				t.Fatalf("the later resume: %v", err)
+			}
+		}
 		a.waitSteps(t, 5)
 		if st := memStatus(t, a.pid); st.Released || st.Stashed {
 			t.Fatalf("round %d: shim after the lease ended: %+v", round, st)

@@ -50,7 +50,8 @@ func ownedBuild(t *testing.T) (shim, fake, app string) {
 	return filepath.Join(root, "bin", "libptxmig.so"), filepath.Join(root, "shim", "build", "fake"), filepath.Join(root, "shim", "build", "app_owned")
 }
 
-func startOwned(t *testing.T, f *fixture, name string) *ownedApp {
+// startOwned starts app_owned under the shim and the fake driver (env: more of its environment).
+func startOwned(t *testing.T, f *fixture, name string, env ...string) *ownedApp {
 	t.Helper()
 	shim, fake, app := ownedBuild(t)
 	dir := filepath.Join(f.dir, name)
@@ -69,6 +70,7 @@ func startOwned(t *testing.T, f *fixture, name string) *ownedApp {
 	cmd.Env = append(os.Environ(), "LD_PRELOAD="+shim, "LD_LIBRARY_PATH="+fake, "PTXMIG_LIBCUDA="+filepath.Join(fake, "libcuda.so.1"),
 		"PTXMIG_OWNED_MEMORY=1", "PTXMIG_PREEMPT=off", "PTXMIG_SOCKET_DIR="+filepath.Join(dir, "sock"),
 		"APP_STATE="+a.state, "STEP_MS=20")
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = null, out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {

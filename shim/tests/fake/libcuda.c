@@ -617,9 +617,28 @@ static void phys_drop(phys *p) {  // released and unmapped: the memory goes
   close(p->fd);
   free(p);
 }
+// FAKE_CUDA_VMM_FAIL_AT=FILE: while FILE holds a count N, each cuMemCreate counts it down and the
+// one that finds 1 fails with CUDA_ERROR_OUT_OF_MEMORY and removes FILE (a test arms one failure
+// at a chosen moment by writing the file).
+static int vmm_fail_now(void) {
+  const char *path = getenv("FAKE_CUDA_VMM_FAIL_AT");
+  if (!path || !*path) return 0;
+  FILE *fp = fopen(path, "r+");
+  if (!fp) return 0;
+  long n = 0;
+  int fail = fscanf(fp, "%ld", &n) == 1 && n <= 1;
+  if (!fail) {
+    rewind(fp);
+    fprintf(fp, "%ld\n", n - 1);
+  }
+  fclose(fp);
+  if (fail) unlink(path);
+  return fail;
+}
 EXPORT CUresult cuMemCreate(unsigned long long *h, size_t n, const void *prop, unsigned long long f) {
   COUNT(cuMemCreate);
   if (!inited) return E_NOT_INITIALIZED;
+  if (vmm_fail_now()) return E_OUT_OF_MEMORY;
   CUresult r = prop_check(prop);
   if (r) return r;
   if (!h || !n || n % GRAN || f) return E_INVALID_VALUE;
