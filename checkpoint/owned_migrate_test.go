@@ -238,3 +238,79 @@ func TestStashSurvivesPtxmig(t *testing.T) {
 		}
 	}
 }
+
+// TestStashProtocol: the stash's requests answer misuse with an error and change nothing: a
+// pre-copy round without a prepared stash, a stash or an unstash while the process runs, a stash
+// from a connection that does not hold the lease, an unstash with nothing stashed (an empty
+// reply), and, while stashed, a save session, a release or a second stash. A resume puts the
+// memory back; the app runs on with all of it.
+func TestStashProtocol(t *testing.T) {
+	f := setup(t)
+	a := startOwned(t, f, "owned")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dial := func() *shimctl.Client {
+		t.Helper()
+		c, err := op.DialShim(ctx, a.pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	c := dial()
+	wantErr := func(what, substr string, err error) {
+		t.Helper()
+		if err == nil || !strings.Contains(err.Error(), substr) {
+			t.Errorf("%s: err %v, want one saying %q", what, err, substr)
+		}
+	}
+	_, err := c.MemPrecopy(ctx, false)
+	wantErr("pre-copy, nothing prepared", "no prepared stash", err)
+	_, err = c.MemStash(ctx)
+	wantErr("stash while running", "not quiesced", err)
+	_, err = c.MemUnstash(ctx)
+	wantErr("unstash while running", "not quiesced", err)
+	p, err := c.MemPrepare(ctx)
+	if err != nil || p.Bytes != appOwnedBytes {
+		t.Fatalf("prepare: %+v, %v", p, err)
+	}
+	r1, err := c.MemPrecopy(ctx, false)
+	if err != nil || r1.Round != 1 || r1.Bytes != appOwnedBytes {
+		t.Fatalf("pre-copy round 1: %+v, %v", r1, err)
+	}
+	a.waitSteps(t, 2) // region A changes
+	r2, err := c.MemPrecopy(ctx, true)
+	if err != nil || r2.Round != 2 || r2.Bytes == 0 || r2.Bytes > 8<<20 || r2.Pinned {
+		t.Fatalf("pre-copy round 2: %+v, %v; want region A only, unpinned after", r2, err)
+	}
+	lease := dial()
+	if _, err := lease.Quiesce(ctx, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.MemStash(ctx)
+	wantErr("stash from a connection without the lease", "only the connection that quiesced", err)
+	if x, err := lease.MemUnstash(ctx); err != nil || x.Regions != 0 || x.Bytes != 0 {
+		t.Errorf("unstash with nothing stashed: %+v, %v; want an empty reply", x, err)
+	}
+	x, err := lease.MemStash(ctx)
+	if err != nil || !x.Precopied || x.Bytes != appOwnedBytes || x.CopiedBytes > 8<<20 {
+		t.Fatalf("stash: %+v, %v", x, err)
+	}
+	_, err = lease.MemStash(ctx)
+	wantErr("a second stash", "already stashed", err)
+	_, err = lease.MemRelease(ctx)
+	wantErr("release while stashed", "stashed", err)
+	_, err = lease.MemBegin(ctx, "save", 4<<20, 4, false)
+	wantErr("save session while stashed", "stashed", err)
+	if st := memStatus(t, a.pid); !st.Released || !st.Stashed {
+		t.Fatalf("shim while stashed: %+v", st)
+	}
+	if _, err := lease.Resume(ctx); err != nil {
+		t.Fatalf("resume: %v", err)
+	}
+	a.waitSteps(t, 5)
+	if st := memStatus(t, a.pid); st.Released || st.Stashed {
+		t.Errorf("shim after the resume: %+v", st)
+	}
+}
