@@ -47,9 +47,8 @@ func init() {
 			"since the last round (--precopy=false: the stop copies it all).\n" +
 			"--rehearse goes through the whole move with the process's own GPUs as targets: it proves the\n" +
 			"process can be moved and measures the downtime, on a host with one GPU too.\n" +
-			"Prints the downtime (gate\n" +
-			"closed to gate open) and its parts; on a terminal, a status line on stderr shows the step as it\n" +
-			"runs. No process PID: exit 6. Migrate uses no image store.\n" +
+			"Prints the downtime (gate closed to gate open) and its parts; on a terminal, a status line on\n" +
+			"stderr shows the step as it runs. No process PID: exit 6. Migrate uses no image store.\n" +
 			"A job moves whole: PID may be the root of a tree with several CUDA processes (a launcher and\n" +
 			"its ranks, e.g. mp.spawn), and then every CUDA process of the tree moves in one\n" +
 			"transaction with the same GPU map (--gpu-map 0=1,1=0 swaps two ranks' GPUs; --gpu lists one\n" +
@@ -68,7 +67,7 @@ func init() {
 			&cli.StringFlag{Name: "gpu-map", Usage: "explicit mapping `OLD=NEW[,...]` (GPU UUIDs or indexes)"},
 			allowModelChangeFlag(),
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
-			&cli.BoolFlag{Name: "precopy", Value: true, Usage: "pre-copy owned memory while the process runs (false: all of it in the stop)"},
+			&cli.BoolFlag{Name: "precopy", Value: true, Usage: "pre-copy owned memory while the process runs (on by default; --precopy=false: all of it in the stop)"},
 			&cli.BoolFlag{Name: "rehearse", Usage: "move the process onto its own GPUs (no target): proves it can move, measures the downtime"},
 			&cli.DurationFlag{Name: "lock-timeout", Value: 10 * time.Second, Usage: "how long the driver lock may wait for running kernels (0: forever)"},
 			preemptBudgetFlag(),
@@ -78,7 +77,8 @@ func init() {
 }
 
 // migrateLabels name the steps of a migration in its status line.
-var migrateLabels = map[string]string{shimstep.StepQuiesce: "quiesce", shimstep.StepStashMemory: "stash owned memory",
+var migrateLabels = map[string]string{shimstep.StepPrepareStash: "pre-copy owned memory", shimstep.StepQuiesce: "quiesce",
+	shimstep.StepStashMemory: "stash owned memory",
 	migrate.StepLock: "lock", migrate.StepCheckpoint: "device->host", migrate.StepRestore: "host->device", migrate.StepUnlock: "unlock",
 	shimstep.StepUnstashMemory: "unstash owned memory", shimstep.StepResume: "resume"}
 
