@@ -79,7 +79,7 @@ func init() {
 // migrateLabels name the steps of a migration in its status line.
 var migrateLabels = map[string]string{shimstep.StepPrepareStash: "pre-copy owned memory", shimstep.StepQuiesce: "quiesce",
 	shimstep.StepStashMemory: "stash owned memory",
-	migrate.StepLock: "lock", migrate.StepCheckpoint: "device->host", migrate.StepRestore: "host->device", migrate.StepUnlock: "unlock",
+	migrate.StepLock:         "lock", migrate.StepCheckpoint: "device->host", migrate.StepRestore: "host->device", migrate.StepUnlock: "unlock",
 	shimstep.StepUnstashMemory: "unstash owned memory", shimstep.StepResume: "resume"}
 
 func migrateAction(c *cli.Context) error {
