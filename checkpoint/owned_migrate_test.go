@@ -128,20 +128,21 @@ func TestMigrateOwnedMemory(t *testing.T) {
 				t.Errorf("driver: %v on %s, calls %q (want running on %s, a %s)", g.State, g.GPU, drv.Calls, tt.wantGPU, tt.wantCall)
 			}
 			a.waitSteps(t, 5)
-			if st := memStatus(t, a.pid); st.Released || st.Stashed || st.Regions != 3 {
-				t.Errorf("shim after the migrate: %+v", st)
+			if st := memStatus(t, a.pid); st.Released || st.Stashed || st.Regions != 3 || st.StashBytes != 0 {
+				t.Errorf("shim after the migrate: %+v; want the memory back and the stash freed", st)
 			}
 		})
 	}
 }
 
-// TestMigrateOwnedMemoryRollback: a failure at any driver step, or at the unstash on the target,
-// ends with the app running on GPU 0 with all its memory. "re-create" fails the shim's own
+// TestMigrateOwnedMemoryRollback: a failure at the stash (its stash prepared and pre-copied, then
+// unused), at any driver step, or at the unstash on the target, ends with the app running on GPU
+// 0 with all its memory and no stash left. "re-create" fails the shim's own
 // unstash on the target (its second cuMemCreate: the first region re-created is released again):
 // the driver moves the app back, where the stash is put back.
 func TestMigrateOwnedMemoryRollback(t *testing.T) {
 	injected := errors.New("injected")
-	for _, fail := range []string{"lock", "checkpoint", "restore-to-" + gpu1, "unlock", "hook " + shimstep.StepUnstashMemory, "hook " + shimstep.StepResume, "re-create"} {
+	for _, fail := range []string{"hook " + shimstep.StepStashMemory, "lock", "checkpoint", "restore-to-" + gpu1, "unlock", "hook " + shimstep.StepUnstashMemory, "hook " + shimstep.StepResume, "re-create"} {
 		t.Run(fail, func(t *testing.T) {
 			f := setup(t)
 			failAt := filepath.Join(f.dir, "vmm-fail-at")
@@ -181,8 +182,8 @@ func TestMigrateOwnedMemoryRollback(t *testing.T) {
 				t.Errorf("driver: %v on %s (calls %q), want running on %s", g.State, g.GPU, drv.Calls, gpu0)
 			}
 			a.waitSteps(t, 5)
-			if st := memStatus(t, a.pid); st.Released || st.Stashed {
-				t.Errorf("shim after the rollback: %+v", st)
+			if st := memStatus(t, a.pid); st.Released || st.Stashed || st.StashBytes != 0 {
+				t.Errorf("shim after the rollback: %+v; want the memory back and the stash freed", st)
 			}
 		})
 	}

@@ -29,6 +29,8 @@ type MemStatus struct {
 	PeakBytes   uint64 `json:"peak_bytes"`
 	Released    bool   `json:"released"`
 	Stashed     bool   `json:"stashed"` // released into the process's own host memory (mem-stash)
+	// StashBytes: host memory the stash holds (prepared, stashed, or put back and not freed yet).
+	StashBytes uint64 `json:"stash_bytes"`
 	Allocations uint64 `json:"allocations"`
 	Fallbacks   uint64 `json:"fallbacks"`
 	Frees       uint64 `json:"frees"`

@@ -335,9 +335,9 @@ void vmm_report_status(jbuf *b) {
   pthread_mutex_lock(&vmm_mu);
   jb_printf(b,
             "{\"enabled\":%s,\"min_bytes\":%llu,\"regions\":%zu,\"bytes\":%llu,\"peak_bytes\":%llu,\"released\":%s,"
-            "\"stashed\":%s,\"allocations\":%lu,\"fallbacks\":%lu,\"frees\":%lu,\"ipc_refused\":%lu}",
+            "\"stashed\":%s,\"stash_bytes\":%zu,\"allocations\":%lu,\"fallbacks\":%lu,\"frees\":%lu,\"ipc_refused\":%lu}",
             cfg.owned ? "true" : "false", (unsigned long long)cfg.owned_min, nregs, (unsigned long long)owned_bytes,
-            (unsigned long long)owned_peak, released ? "true" : "false", stash_state == 2 ? "true" : "false", atomic_load(&st_owned),
+            (unsigned long long)owned_peak, released ? "true" : "false", stash_state == 2 ? "true" : "false", stash_len, atomic_load(&st_owned),
             atomic_load(&st_fallback), atomic_load(&st_freed), atomic_load(&st_ipc_refused));
   pthread_mutex_unlock(&vmm_mu);
 }
@@ -1470,9 +1470,11 @@ int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
   return rc;
 }
 
+// vmm_stash_drop, after a resume: the stash of a finished move, or one prepared for a move that
+// did not get to its stop (a new move prepares again), is freed.
 void vmm_stash_drop(void) {
   pthread_mutex_lock(&vmm_mu);
-  if (stash_state == ST_DRAINING) stash_free();
+  if (stash_state == ST_DRAINING || stash_state == ST_PREPARED) stash_free();
   pthread_mutex_unlock(&vmm_mu);
 }
 

@@ -37,7 +37,7 @@ int vmm_cmd_prepare(jbuf *b, char *err, size_t errlen);
 int vmm_cmd_precopy(int unpin, jbuf *b, char *err, size_t errlen);
 int vmm_cmd_stash(jbuf *b, char *err, size_t errlen);
 int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen);
-void vmm_stash_drop(void);  // after the resume's reply: unpin and free an unstashed stash
+void vmm_stash_drop(void);  // after the resume's reply: unpin and free an unstashed or unused stash
 void vmm_tick(void);        // control thread, every second: frees a drained or stale prepared stash
 
 #endif
