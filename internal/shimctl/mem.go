@@ -22,15 +22,15 @@ import (
 
 // MemStatus is the shim's owned-memory overview (also status.owned_memory).
 type MemStatus struct {
-	Enabled     bool   `json:"enabled"`
-	MinBytes    uint64 `json:"min_bytes"`
-	Regions     int    `json:"regions"`
-	Bytes       uint64 `json:"bytes"`
-	PeakBytes   uint64 `json:"peak_bytes"`
-	Released    bool   `json:"released"`
-	Stashed     bool   `json:"stashed"` // released into the process's own host memory (mem-stash)
+	Enabled   bool   `json:"enabled"`
+	MinBytes  uint64 `json:"min_bytes"`
+	Regions   int    `json:"regions"`
+	Bytes     uint64 `json:"bytes"`
+	PeakBytes uint64 `json:"peak_bytes"`
+	Released  bool   `json:"released"`
+	Stashed   bool   `json:"stashed"` // released into the process's own host memory (mem-stash)
 	// StashBytes: host memory the stash holds (prepared, stashed, or put back and not freed yet).
-	StashBytes uint64 `json:"stash_bytes"`
+	StashBytes  uint64 `json:"stash_bytes"`
 	Allocations uint64 `json:"allocations"`
 	Fallbacks   uint64 `json:"fallbacks"`
 	Frees       uint64 `json:"frees"`
