@@ -169,21 +169,21 @@ func (b *MemBegin) validate(dir string, chunk int64, slots int) error {
 
 // MemStatus asks for the owned-memory overview.
 func (c *Client) MemStatus(ctx context.Context) (*MemStatus, error) {
-	return call[MemStatus](ctx, c, "mem-status")
+	return call[MemStatus](ctx, c, "mem-status", nil)
 }
 
 // MemRelease unmaps and releases the physical memory of every owned region (the addresses stay
 // reserved): the driver checkpoint then has none of it to copy. The connection must hold the
 // quiesce lease.
 func (c *Client) MemRelease(ctx context.Context) (*MemReleased, error) {
-	return call[MemReleased](ctx, c, "mem-release")
+	return call[MemReleased](ctx, c, "mem-release", nil)
 }
 
 // MemPrepare, while the process runs (any connection), readies the host memory a MemStash will
 // copy into, so that populating and pinning it does not count in the stop. The shim frees it
 // if no stash follows within a minute.
 func (c *Client) MemPrepare(ctx context.Context) (*MemPrepared, error) {
-	return call[MemPrepared](ctx, c, "mem-prepare")
+	return call[MemPrepared](ctx, c, "mem-prepare", nil)
 }
 
 // MemPrecopied is the reply to a mem-precopy round: Copied of Chunks (4 MiB each) differed from
@@ -205,19 +205,11 @@ type MemPrecopied struct {
 // connection); unpin unpins the stash after it (for a last round after which little is left to
 // copy: the stop then skips the unpin).
 func (c *Client) MemPrecopy(ctx context.Context, unpin bool) (*MemPrecopied, error) {
-	args := map[string]any{}
+	var args map[string]any
 	if unpin {
-		args["unpin"] = 1
+		args = map[string]any{"unpin": 1}
 	}
-	raw, err := c.Raw(ctx, "mem-precopy", args)
-	if err != nil {
-		return nil, err
-	}
-	var v MemPrecopied
-	if err := json.Unmarshal(raw, &v); err != nil {
-		return nil, fmt.Errorf("mem-precopy: %w: %v", ErrProtocol, err)
-	}
-	return &v, nil
+	return call[MemPrecopied](ctx, c, "mem-precopy", args)
 }
 
 // MemStash copies every owned region into the process's own host memory and releases its
@@ -225,18 +217,18 @@ func (c *Client) MemPrecopy(ctx context.Context, unpin bool) (*MemPrecopied, err
 // connection. Until MemUnstash, a resume of the process, or the lease's end, which all put the
 // memory back first, the bytes live only in the process: nothing is lost if ptxmig dies.
 func (c *Client) MemStash(ctx context.Context) (*MemStashed, error) {
-	return call[MemStashed](ctx, c, "mem-stash")
+	return call[MemStashed](ctx, c, "mem-stash", nil)
 }
 
 // MemUnstash re-creates the stashed regions at their addresses, on their device ordinals, and
 // copies them back; nothing to do when nothing is stashed.
 func (c *Client) MemUnstash(ctx context.Context) (*MemStashed, error) {
-	return call[MemStashed](ctx, c, "mem-unstash")
+	return call[MemStashed](ctx, c, "mem-unstash", nil)
 }
 
-// call sends cmd (no arguments) and decodes its result into a T.
-func call[T any](ctx context.Context, c *Client, cmd string) (*T, error) {
-	raw, err := c.Raw(ctx, cmd, nil)
+// call sends cmd with args (may be nil) and decodes its result into a T.
+func call[T any](ctx context.Context, c *Client, cmd string, args map[string]any) (*T, error) {
+	raw, err := c.Raw(ctx, cmd, args)
 	if err != nil {
 		return nil, err
 	}

@@ -57,10 +57,7 @@ func (p *Preemption) SaveMemoryStep(sink MemorySink, prev func(pid int, instance
 	var undo func(ctx context.Context) error
 	do := func(ctx context.Context) error {
 		for pid, c := range p.leases {
-			sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			st, err := c.MemStatus(sctx)
-			cancel()
-			if err != nil || !st.Enabled || st.Regions == 0 {
+			if !ownsMemory(ctx, c) {
 				continue // an older shim, or no owned memory: the driver moves it all
 			}
 			r := p.report(pid)
@@ -107,9 +104,7 @@ func (p *Preemption) SaveMemoryStep(sink MemorySink, prev func(pid int, instance
 				errs = append(errs, fmt.Errorf("owned memory of pid %d: %w; the process stays held with its memory released", pid, err))
 				continue
 			}
-			sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			st, err := c.MemStatus(sctx)
-			cancel()
+			st, err := memStatus(ctx, c)
 			if err == nil && st.Released {
 				_, err = loadInto(ctx, c, x, src)
 			}
@@ -130,13 +125,7 @@ func (p *Preemption) SaveMemoryStep(sink MemorySink, prev func(pid int, instance
 		// transaction does not undo the step that failed.
 		Do: func(ctx context.Context) error {
 			err := do(ctx)
-			if err == nil || len(saved) == 0 {
-				return err
-			}
-			if uerr := undo(context.WithoutCancel(ctx)); uerr != nil {
-				return op.StepUndid(err, fmt.Errorf("load the owned memory back: %w", uerr))
-			}
-			return op.StepUndid(err, nil)
+			return undoPartial(ctx, err, len(saved) > 0, undo, "load the owned memory back")
 		}}
 }
 
@@ -165,9 +154,7 @@ func (p *Preemption) LoadMemoryStep(pids func() []int, src devmem.Source, has fu
 				return fmt.Errorf("owned memory of pid %d: %w", pid, err)
 			}
 			defer done()
-			sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			st, err := c.MemStatus(sctx)
-			cancel()
+			st, err := memStatus(ctx, c)
 			if err != nil || !st.Released {
 				continue
 			}
@@ -252,11 +239,8 @@ func (p *Preemption) PrepareStashStep(pids []int, precopy bool) op.Step {
 			if err != nil {
 				continue // no shim: nothing owned; unreachable: the quiesce says so
 			}
-			sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			st, err := c.MemStatus(sctx)
-			cancel()
-			if err == nil && st.Enabled && st.Regions > 0 {
-				sctx, cancel = context.WithTimeout(ctx, stashTimeout)
+			if ownsMemory(ctx, c) {
+				sctx, cancel := context.WithTimeout(ctx, stashTimeout)
 				x, perr := c.MemPrepare(sctx)
 				cancel()
 				if perr != nil {
@@ -324,13 +308,10 @@ func (p *Preemption) StashMemoryStep() op.Step {
 	do := func(ctx context.Context) error {
 		for _, pid := range slices.Sorted(maps.Keys(p.leases)) {
 			c := p.leases[pid]
-			sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			st, err := c.MemStatus(sctx)
-			cancel()
-			if err != nil || !st.Enabled || st.Regions == 0 {
+			if !ownsMemory(ctx, c) {
 				continue // an older shim, or no owned memory: the driver moves it all
 			}
-			sctx, cancel = context.WithTimeout(ctx, stashTimeout)
+			sctx, cancel := context.WithTimeout(ctx, stashTimeout)
 			x, err := c.MemStash(sctx)
 			cancel()
 			if err != nil {
@@ -347,13 +328,7 @@ func (p *Preemption) StashMemoryStep() op.Step {
 	}
 	return op.Step{Name: StepStashMemory, Undo: undo, Do: func(ctx context.Context) error {
 		err := do(ctx)
-		if err == nil || len(stashed) == 0 {
-			return err
-		}
-		if uerr := undo(context.WithoutCancel(ctx)); uerr != nil {
-			return op.StepUndid(err, fmt.Errorf("put the stashed memory back: %w", uerr))
-		}
-		return op.StepUndid(err, nil)
+		return undoPartial(ctx, err, len(stashed) > 0, undo, "put the stashed memory back")
 	}}
 }
 
@@ -394,4 +369,30 @@ func (p *Preemption) unstash(ctx context.Context, pid int) error {
 		o.Released = false
 	}
 	return nil
+}
+
+// memStatus asks a shim for its owned-memory overview (bounded).
+func memStatus(ctx context.Context, c *shimctl.Client) (*shimctl.MemStatus, error) {
+	sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	return c.MemStatus(sctx)
+}
+
+// ownsMemory reports whether a shim owns device memory (false for an older shim).
+func ownsMemory(ctx context.Context, c *shimctl.Client) bool {
+	st, err := memStatus(ctx, c)
+	return err == nil && st.Enabled && st.Regions > 0
+}
+
+// undoPartial is a step's own rollback when its Do failed after touching some processes
+// (touched): the transaction does not undo the step that failed, so undo runs here (what says
+// what it does) and the error says whether it did.
+func undoPartial(ctx context.Context, err error, touched bool, undo func(context.Context) error, what string) error {
+	if err == nil || !touched {
+		return err
+	}
+	if uerr := undo(context.WithoutCancel(ctx)); uerr != nil {
+		return op.StepUndid(err, fmt.Errorf("%s: %w", what, uerr))
+	}
+	return op.StepUndid(err, nil)
 }
