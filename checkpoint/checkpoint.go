@@ -184,7 +184,7 @@ func buildSteps(env *op.Env, p *Plan, sink imageSink, images string, tr *treeTra
 			steps = append(steps, qs.AlignStep(p.CUDAPIDs, o.LockTimeout))
 		}
 		steps = append(steps, qs.QuiesceStep(p.CUDAPIDs), qs.SaveMemoryStep(sink.Memory, prevMemory(env)),
-			qs.ExplainLock(driverstep.LockStep(d, p.CUDAPIDs, o.LockTimeout)), driverstep.CheckpointStep(d, p.CUDAPIDs), qs.DetachStep())
+			qs.ExplainLock(driverstep.LockStep(d, p.CUDAPIDs, o.LockTimeout)), qs.DetachStep(), driverstep.CheckpointStep(d, p.CUDAPIDs))
 	}
 	criuRan := false // CRIU started: it has touched the tree, whatever it did then
 	dump := criu.DumpOptions{PID: p.PID, ImagesDir: images, LeaveRunning: o.LeaveRunning, LeaveStopped: !o.LeaveRunning,
@@ -253,7 +253,7 @@ func buildSteps(env *op.Env, p *Plan, sink imageSink, images string, tr *treeTra
 			if o.LeaveRunning {
 				return nil
 			}
-			return resumeTree(tr.pids(), nil)
+			return resumeTree(tr.pids(), p.CUDAPIDs, nil)
 		}})
 	if o.LeaveRunning && len(p.CUDAPIDs) > 0 {
 		// The owned memory goes back from the sink (not committed yet: the store step comes last).

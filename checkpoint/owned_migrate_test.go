@@ -49,7 +49,7 @@ func ownedMigrateEnv(f *fixture, a *ownedApp, gpus int) *cudackpttest.Driver {
 	if gpus > 1 {
 		visible = append(visible, gpu1)
 	}
-	drv := cudackpttest.New(gpu0, visible, a.pid)
+	drv := cudackpttest.NewReal(gpu0, visible, a.pid)
 	f.env.Driver, f.env.DriverErr = drv, nil
 	f.env.GPUs = ownedLister{a.pid, gpus}
 	f.env.UsesCUDA = func(pid int) (bool, error) { return pid == a.pid, nil }

@@ -138,7 +138,7 @@ func TestOwnedMemoryCheckpointRestore(t *testing.T) {
 			t.Errorf("app output lacks %q (pointer queries of owned memory):\n%s", want, out)
 		}
 	}
-	drv := cudackpttest.New("GPU-00000000-0000-0000-0000-000000000000", nil, a.pid)
+	drv := cudackpttest.NewReal("GPU-00000000-0000-0000-0000-000000000000", nil, a.pid)
 	f.env.Driver, f.env.DriverErr = drv, nil
 	f.env.UsesCUDA = func(pid int) (bool, error) { return pid == a.pid, nil }
 	ck := func(name string, leave bool) *checkpoint.Result {
@@ -189,7 +189,7 @@ func TestOwnedMemoryRollback(t *testing.T) {
 			t.Run(fmt.Sprintf("%s/leave=%v", step, leave), func(t *testing.T) {
 				f := setup(t)
 				a := startOwned(t, f, "owned")
-				drv := cudackpttest.New("GPU-00000000-0000-0000-0000-000000000000", nil, a.pid)
+				drv := cudackpttest.NewReal("GPU-00000000-0000-0000-0000-000000000000", nil, a.pid)
 				f.env.Driver, f.env.DriverErr = drv, nil
 				f.env.UsesCUDA = func(pid int) (bool, error) { return pid == a.pid, nil }
 				f.env.Hook = func(_ context.Context, s string) error {

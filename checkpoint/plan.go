@@ -164,9 +164,6 @@ func PlanCheckpoint(ctx context.Context, env *op.Env, o Options) (*Plan, error) 
 	if err := refuseIOURing(stats); err != nil {
 		return nil, err
 	}
-	if err := op.RefuseFrameworks(p.CUDAPIDs, true); err != nil {
-		return nil, err
-	}
 	if err := op.RefuseUnrestorable(ctx, p.CUDAPIDs); err != nil {
 		return nil, err
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"os"
+	"slices"
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/driverstep"
@@ -34,7 +35,7 @@ const (
 
 func init() {
 	op.RegisterKind(op.Kind{ID: KindDump, Helper: "criu", Rebuild: func(r *op.Rec, _ json.RawMessage) (op.Recovery, error) {
-		return op.Recovery{Undo: func(context.Context) error { return resumeTree(r.Tree(), r.Note) }}, nil
+		return op.Recovery{Undo: func(context.Context) error { return resumeTree(r.Tree(), r.Header.CUDA, r.Note) }}, nil
 	}})
 	op.RegisterKind(op.Kind{ID: KindStore, Rebuild: func(r *op.Rec, _ json.RawMessage) (op.Recovery, error) {
 		h := r.Header
@@ -66,8 +67,22 @@ func init() {
 }
 
 // resumeTree resumes the processes a dump stopped: the dump's undo, in-process and after a crash.
-// note (may be nil) is told what was done.
-func resumeTree(pids []int, note func(string, ...any)) error {
+// The CUDA processes among them (cuda) are left stopped: the driver's checkpoint stopped them
+// before the dump, and the checkpoint step's undo continues each once the driver has restored it
+// (run before, a thread of it could touch a device mapping still gone). note (may be nil) is told
+// what was done.
+func resumeTree(pids, cuda []int, note func(string, ...any)) error {
+	var held []int
+	pids = slices.DeleteFunc(slices.Clone(pids), func(pid int) bool {
+		if slices.Contains(cuda, pid) {
+			held = append(held, pid)
+			return true
+		}
+		return false
+	})
+	if len(held) > 0 && note != nil {
+		note("CUDA pid %s stays stopped until the driver has restored it", op.PIDText(held))
+	}
 	if len(pids) == 0 {
 		return nil
 	}

@@ -177,6 +177,10 @@ func TestShellTreeRollback(t *testing.T) {
 // TestFakeDriverSteps runs checkpoint and restore of a real process through real CRIU with the
 // fake driver standing in for its CUDA state: every failure point ends with the process running
 // and the driver's state back at running, and the driver calls are the ones the design says.
+// The process has a second thread that reads a mapping the fake driver takes away at its
+// checkpoint and gives back at its restore, as the driver does with a CUDA process's device
+// mappings (a JAX process died of it): the process survives every case only if no thread of it
+// but the driver's runs between the two (package hold).
 func TestFakeDriverSteps(t *testing.T) {
 	injected := errors.New("injected")
 	tests := []struct {
@@ -199,8 +203,18 @@ func TestFakeDriverSteps(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			f := setup(t)
-			p, m := f.start(t, "state")
-			drv := cudackpttest.New("GPU-00000000-0000-0000-0000-000000000000", nil, p.PID)
+			uvm := filepath.Join(f.dir, "uvm")
+			if err := os.WriteFile(uvm, make([]byte, 4096), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			p, err := testproc.Start(f.bin, filepath.Join(f.dir, "state"), testproc.Options{MiB: 2, IntervalMs: 5, UVM: uvm})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = p.Kill() })
+			m := testproc.NewModel(2)
+			drv := cudackpttest.NewReal("GPU-00000000-0000-0000-0000-000000000000", nil, p.PID)
+			drv.Procs[p.PID].UVM = uvm
 			f.env.Driver, f.env.DriverErr = drv, nil
 			f.env.UsesCUDA = func(pid int) (bool, error) { return pid == p.PID, nil }
 			if tt.driverFail != "" {
@@ -213,6 +227,13 @@ func TestFakeDriverSteps(t *testing.T) {
 				return nil
 			}
 			res, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, Name: "fake", LeaveRunning: tt.leaveRunning, StagingRoot: f.stage})
+			if !tt.leaveRunning && !tt.wantErr {
+				select {
+				case <-p.Exited():
+				case <-time.After(10 * time.Second):
+					t.Fatal("the checkpointed process did not end")
+				}
+			}
 			if (err != nil) != tt.wantErr {
 				t.Fatalf("err = %v, wantErr %v", err, tt.wantErr)
 			}

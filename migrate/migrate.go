@@ -132,9 +132,6 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := op.RefuseFrameworks(pids, false); err != nil {
-		return nil, err
-	}
 	if err := op.RefuseUnrestorable(ctx, pids); err != nil {
 		return nil, err
 	}

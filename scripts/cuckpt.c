@@ -1,5 +1,5 @@
 /* cuckpt PID ACTION... — the driver checkpoint API by PID, each call timed (like cuda-checkpoint).
- * ACTION: lock[:TIMEOUT_MS] | checkpoint | restore[:OLD=NEW[,OLD=NEW...]] | unlock | state
+ * ACTION: lock[:TIMEOUT_MS] | checkpoint | restore[:OLD=NEW[,OLD=NEW...]] | unlock | state | tid
  * Prints "ACTION MS" per call; exits 1 on the first failure. No CUDA headers: types declared here. */
 #include <dlfcn.h>
 #include <stdint.h>
@@ -13,7 +13,7 @@ typedef struct { uint64_t r[8]; } plain_args;
 typedef struct { uuid_t_ o, n; } pair;
 typedef struct { pair *pairs; unsigned int count; char r[44]; uint64_t r1; } restore_args;
 static int (*cuInit)(unsigned), (*getState)(int, int *), (*lockp)(int, lock_args *), (*ckpt)(int, plain_args *),
-    (*rest)(int, restore_args *), (*unlock)(int, plain_args *), (*errname)(int, const char **);
+    (*rest)(int, restore_args *), (*unlock)(int, plain_args *), (*errname)(int, const char **), (*restoreTid)(int, int *);
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e3 + t.tv_nsec / 1e6; }
 static int parse_uuid(const char *s, uuid_t_ *u) {
   if (!strncmp(s, "GPU-", 4)) s += 4;
@@ -34,7 +34,7 @@ int main(int argc, char **argv) {
   *(void **)&cuInit = dlsym(h, "cuInit"); *(void **)&getState = dlsym(h, "cuCheckpointProcessGetState");
   *(void **)&lockp = dlsym(h, "cuCheckpointProcessLock"); *(void **)&ckpt = dlsym(h, "cuCheckpointProcessCheckpoint");
   *(void **)&rest = dlsym(h, "cuCheckpointProcessRestore"); *(void **)&unlock = dlsym(h, "cuCheckpointProcessUnlock");
-  *(void **)&errname = dlsym(h, "cuGetErrorName");
+  *(void **)&errname = dlsym(h, "cuGetErrorName"); *(void **)&restoreTid = dlsym(h, "cuCheckpointProcessGetRestoreThreadId");
   if (!cuInit || !getState || !lockp || !ckpt || !rest || !unlock) { fprintf(stderr, "driver lacks the checkpoint API\n"); return 1; }
   double t0 = now();
   if (cuInit(0)) { fprintf(stderr, "cuInit failed\n"); return 1; }
@@ -48,6 +48,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "checkpoint")) { plain_args p; memset(&p, 0, sizeof p); r = ckpt(pid, &p); }
     else if (!strcmp(a, "unlock")) { plain_args p; memset(&p, 0, sizeof p); r = unlock(pid, &p); }
     else if (!strcmp(a, "state")) { int st = -1; r = getState(pid, &st); printf("state %d\n", st); }
+    else if (!strcmp(a, "tid")) { int tid = -1; r = restoreTid ? restoreTid(pid, &tid) : 1; printf("restore tid %d\n", tid); }
     else if (!strcmp(a, "restore")) {
       pair pairs[16]; unsigned n = 0; restore_args ra; memset(&ra, 0, sizeof ra);
       for (char *tok = arg ? strtok(arg, ",") : NULL; tok && n < 16; tok = strtok(NULL, ",")) {

@@ -6,10 +6,14 @@
 #      the restored process (state), at once and a second later, and does it run on?
 #   C: ptxmig's `checkpoint --leave-running` under `ptxmig run` (the shim quiesces first);
 #   D: ptxmig's checkpoint + restore without the shim;
-#   E: C with XLA's default preallocation (75 % of the GPU).
-# ptxmig refuses JAX by name (op.RefuseFrameworks): C, D and E need PTXMIG_PROBE_BIN, a ptxmig
-# built without the refusal:
-#   go build -ldflags "-X github.com/ptxmig/ptxmig/internal/op.jaxMarker=/none/" -o ptxmig-probe ./cmd/ptxmig
+#   E: C with XLA's default preallocation (75 % of the GPU);
+#   F: PROBE_CYCLES bare driver cycles with a second between checkpoint and restore, under `ptxmig
+#      run` and without it: what the driver's checkpoint unmaps from the process, and what the
+#      process maps meanwhile (the address space is diffed around each call);
+#   G: PROBE_CYCLES `checkpoint --leave-running` in a row, per variant (shim with preemption, shim
+#      with --preempt off, no shim), stopping at the first failure with its logs and maps;
+#   R: three checkpoints, each followed by a restore of the image, under the shim and without.
+# PTXMIG_PROBE_BIN, when set, is the ptxmig that C, D, E, G and R run (default PTXMIG_BIN).
 # Everything goes to OUT/summary.txt (the step outputs, the tails of the logs, the kernel's NVRM
 # lines). Needs PTXMIG_BIN, PTXMIG_WORKLOADS (frameworks.py) and PTXMIG_CRIU, as gpu-e2e.sh sets.
 set -u
@@ -120,3 +124,73 @@ elif start "$log" env XLA_PYTHON_CLIENT_PREALLOCATE=true "$PTXMIG_BIN" run --soc
 else
   echo "E: JAX did not start" | tee -a "$out/summary.txt"
 fi
+
+cycles=${PROBE_CYCLES:-8}
+# mapsnap PID FILE: the process's mappings, addresses and names only.
+mapsnap() { awk '{print $1, $6}' "/proc/$1/maps" >"$2" 2>/dev/null; }
+[[ $parts == *F* ]] && echo "== F: driver cycles with a gap, the address space around them" | tee -a "$out/summary.txt"
+[[ $parts == *F* ]] && for mode in shim none; do
+  log=$out/F-$mode.log
+  if [ "$mode" = shim ]; then start "$log" env "$PTXMIG_BIN" run --socket-dir "$out/sock" --; else start "$log" env; fi
+  ready "$log" || { echo "F $mode: JAX did not start" | tee -a "$out/summary.txt"; kill -9 "$pid"; continue; }
+  for i in $(seq "$cycles"); do
+    mapsnap "$pid" "$out/m0"
+    "$ck" "$pid" lock:10000 checkpoint >"$out/F-a.txt" 2>&1; ra=$?
+    mapsnap "$pid" "$out/m1"; sleep 1; mapsnap "$pid" "$out/m2"
+    "$ck" "$pid" restore unlock >"$out/F-b.txt" 2>&1; rb=$?
+    mapsnap "$pid" "$out/m3"
+    gone=$(comm -23 <(sort "$out/m0") <(sort "$out/m1") | wc -l); new=$(comm -13 <(sort "$out/m1") <(sort "$out/m2") | wc -l)
+    back=$(comm -13 <(sort "$out/m2") <(sort "$out/m3") | wc -l)
+    echo "F $mode $i: lock+ckpt $ra ($(tr '\n' ' ' <"$out/F-a.txt")) restore+unlock $rb ($(tr '\n' ' ' <"$out/F-b.txt")); maps: $gone gone at checkpoint, $new new while checkpointed, $back new at restore" | tee -a "$out/summary.txt"
+    if [ "$i" = 1 ] || [ $ra != 0 ] || [ $rb != 0 ]; then
+      { echo "-- gone at checkpoint:"; comm -23 <(sort "$out/m0") <(sort "$out/m1") | head -n 12
+        echo "-- new while checkpointed:"; comm -13 <(sort "$out/m1") <(sort "$out/m2") | head -n 12
+        echo "-- new at restore:"; comm -13 <(sort "$out/m2") <(sort "$out/m3") | head -n 12; } >>"$out/summary.txt"
+    fi
+    if [ $ra != 0 ] || [ $rb != 0 ]; then nvrm "F-$mode" >>"$out/summary.txt"; break; fi
+  done
+  runs_on "F $mode" "$pid" "$log" | tee -a "$out/summary.txt"
+  kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+done
+
+[[ $parts == *G* ]] && echo "== G: $cycles leave-running checkpoints in a row" | tee -a "$out/summary.txt"
+[[ $parts == *G* ]] && for mode in auto off none; do
+  log=$out/G-$mode.log
+  if [ "$mode" = none ]; then start "$log" env; else start "$log" env PTXMIG_DEBUG=1 "$PTXMIG_BIN" run --preempt "$mode" --socket-dir "$out/sock" --; fi
+  ready "$log" || { echo "G $mode: JAX did not start" | tee -a "$out/summary.txt"; kill -9 "$pid"; continue; }
+  for i in $(seq "$cycles"); do
+    mapsnap "$pid" "$out/g0"
+    pm --log-level debug checkpoint --leave-running --lock-timeout 10s --name "g-$mode-$i" "$pid" >"$out/G-ptxmig.txt" 2>&1; r=$?
+    echo "G $mode $i: exit $r $(tail -n 1 "$out/G-ptxmig.txt")" | tee -a "$out/summary.txt"
+    if [ $r != 0 ]; then
+      mapsnap "$pid" "$out/g1"
+      { show "ptxmig (G $mode $i)" "$out/G-ptxmig.txt" 40
+        echo "-- maps gone since before:"; comm -23 <(sort "$out/g0") <(sort "$out/g1") | head -n 20
+        echo "-- maps new since before:"; comm -13 <(sort "$out/g0") <(sort "$out/g1") | head -n 20
+        nvrm "G-$mode"; echo "-- JAX (G $mode), shim lines and errors:"; grep -vE 'trace: (resolve|dlsym)' "$log" | tail -n 40; } >>"$out/summary.txt"
+      break
+    fi
+    "${PTXMIG_PROBE_BIN:-$PTXMIG_BIN}" --store "$out/store" image rm "g-$mode-$i" >/dev/null 2>&1
+  done
+  runs_on "G $mode" "$pid" "$log" | tee -a "$out/summary.txt"
+  kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+done
+
+[[ $parts == *R* ]] && echo "== R: checkpoint + restore, three times" | tee -a "$out/summary.txt"
+[[ $parts == *R* ]] && for mode in auto none; do
+  log=$out/R-$mode.log
+  if [ "$mode" = none ]; then start "$log" env; else start "$log" env "$PTXMIG_BIN" run --socket-dir "$out/sock" --; fi
+  ready "$log" || { echo "R $mode: JAX did not start" | tee -a "$out/summary.txt"; kill -9 "$pid"; continue; }
+  for i in 1 2 3; do
+    pm checkpoint --lock-timeout 10s --name "r-$mode-$i" "$pid" >"$out/R-ck.txt" 2>&1; r1=$?
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    pm --log-level debug restore "r-$mode-$i" >"$out/R-rs.txt" 2>&1; r2=$?
+    echo "R $mode $i: checkpoint exit $r1, restore exit $r2 ($(tail -n 1 "$out/R-rs.txt"))" | tee -a "$out/summary.txt"
+    if [ $r1 != 0 ] || [ $r2 != 0 ]; then
+      { show "checkpoint (R)" "$out/R-ck.txt" 10; show "restore (R)" "$out/R-rs.txt" 30; nvrm "R-$mode"; show "JAX (R)" "$log" 10; } >>"$out/summary.txt"
+      break
+    fi
+    runs_on "R $mode $i" "$pid" "$log" | tee -a "$out/summary.txt"
+  done
+  kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+done

@@ -112,7 +112,9 @@ func startEnv(t *testing.T, env []string, name string, args ...string) *proc {
 		t.Fatal(err)
 	}
 	p := &proc{pid: cmd.Process.Pid, log: logPath, done: make(chan struct{})}
-	go func() { _ = cmd.Wait(); close(p.done) }()
+	// Never wait on it while it lives: in-process operations (rollbackOnPurpose) hold its threads
+	// with ptrace, and a wait would take a thread's ptrace-stop for the end of the process.
+	go func() { _ = procfs.WaitDead(cmd); close(p.done) }()
 	t.Cleanup(func() { _ = syscall.Kill(p.pid, syscall.SIGKILL) })
 	return p
 }

@@ -33,8 +33,9 @@ func init() {
 			"the shim has enabled peer access between its GPUs or shares GPU memory with another process\n" +
 			"(CUDA IPC, VMM shareable handles, memory pools: NCCL's default transports; the error names\n" +
 			"NCCL's socket transports as the way out), which driver 580 checkpoints but cannot restore; a\n" +
-			"tree with an io_uring instance (CRIU cannot dump it); a JAX process (refused by name until its\n" +
-			"checkpoint is fixed: docs/COMPATIBILITY.md). A\n" +
+			"tree with an io_uring instance (CRIU cannot dump it). From the driver's checkpoint until its\n" +
+			"restore a CUDA process stays stopped, but for the driver's own thread while the driver works\n" +
+			"(a thread touching device memory in between would kill it: JAX's do). A\n" +
 			"tree of several CUDA processes under the shim that launch collectives (NCCL ranks) is first\n" +
 			"stopped right after the same collective in every rank (within --lock-timeout), so that no\n" +
 			"rank's collective waits for one already locked. With --leave-running, a warning names other\n" +

@@ -26,8 +26,7 @@ func init() {
 			"the physical GPU changes. Preflight checks the targets (same chip family, enough\n" +
 			"free memory) and refuses (exit 3) a process under the shim that enabled peer access between\n" +
 			"its GPUs or shares GPU memory with another process (CUDA IPC, VMM shareable handles, memory\n" +
-			"pools: NCCL's default transports; driver 580 cannot restore it), or a JAX process under the\n" +
-			"shim with preemption on (its driver checkpoint killed one); a warning names other\n" +
+			"pools: NCCL's default transports; driver 580 cannot restore it); a warning names other\n" +
 			"processes on the targets (a context the driver restored has been killed by Xid 109 beside\n" +
 			"another process's long kernels).\n" +
 			"The driver needs a pair for every GPU of the host, whatever CUDA_VISIBLE_DEVICES\n" +

@@ -141,6 +141,8 @@ import (
 	"sync"
 	"time"
 	"unsafe"
+
+	"github.com/ptxmig/ptxmig/internal/proc"
 )
 
 // Sentinel errors. Driver failures are *Error values that match these with errors.Is.
@@ -156,6 +158,12 @@ var (
 	// ErrNotInitialized: the driver answers CUDA_ERROR_NOT_INITIALIZED about the process: it has
 	// loaded libcuda but never initialized CUDA (a torch.compile worker), or the driver lost it.
 	ErrNotInitialized = errors.New("the driver has no initialized CUDA in the process")
+	// ErrStopped: the process's restore thread is stopped (SIGSTOP, a tracer), and the driver's
+	// state query would wait for it for ever (driver 580.159.04, H200): State does not ask.
+	ErrStopped = errors.New("the process is stopped: the driver cannot be asked about it until it is continued")
+	// ErrNoRestoreThread: the driver names no restore thread for the process (a fake driver's
+	// pretend process), so nothing is held around its checkpoint and restore.
+	ErrNoRestoreThread = errors.New("no restore thread")
 )
 
 // CUDA driver result codes ptxmig treats specially (cuda.h).
@@ -366,10 +374,17 @@ func cuErr(op string, r C.CUresult) error {
 	return e
 }
 
-// State returns the checkpoint state of pid.
+// State returns the checkpoint state of pid; ErrStopped, without asking the driver, while the
+// thread the driver would ask is stopped (ptxmig leaves a process stopped from the driver's
+// checkpoint until its restore; package hold).
 func (d *Driver) State(pid int) (State, error) {
 	if err := d.Init(); err != nil {
 		return 0, err
+	}
+	if tid, err := d.RestoreThreadID(pid); err == nil {
+		if s := proc.ThreadState(pid, tid); s == 'T' || s == 't' {
+			return 0, fmt.Errorf("pid %d: %w", pid, ErrStopped)
+		}
 	}
 	var st C.int
 	if r := C.ptx_get_state(C.int(pid), &st); r != cuSuccess {

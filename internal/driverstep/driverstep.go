@@ -8,9 +8,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
+	"syscall"
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/hold"
 	"github.com/ptxmig/ptxmig/internal/op"
 )
 
@@ -123,17 +126,19 @@ func init() {
 // and after a crash. note (may be nil) is told what was done.
 func unlockLocked(d op.Driver, pids []int, note func(string, ...any)) error {
 	return eachPID(pids, func(pid int) error {
-		st, err := d.State(pid)
-		if errors.Is(err, cudackpt.ErrNotCUDA) || (err == nil && st != cudackpt.Locked) {
-			return nil // running again (or gone)
-		}
-		if err := d.Unlock(pid); err != nil {
-			return err
-		}
-		if note != nil {
-			note("driver unlock of pid %d", pid)
-		}
-		return nil
+		return withHeld(d, pid, false, func() error {
+			st, err := d.State(pid)
+			if errors.Is(err, cudackpt.ErrNotCUDA) || (err == nil && st != cudackpt.Locked) {
+				return nil // running again (or gone)
+			}
+			if err := d.Unlock(pid); err != nil {
+				return err
+			}
+			if note != nil {
+				note("driver unlock of pid %d", pid)
+			}
+			return nil
+		})
 	})
 }
 
@@ -142,18 +147,65 @@ func unlockLocked(d op.Driver, pids []int, note func(string, ...any)) error {
 // and after a crash (the lock's undo then unlocks).
 func restoreCheckpointed(d op.Driver, pids []int, note func(string, ...any)) error {
 	return eachPID(pids, func(pid int) error {
-		st, err := d.State(pid)
-		if errors.Is(err, cudackpt.ErrNotCUDA) || (err == nil && st != cudackpt.Checkpointed) {
-			return nil // restored already
-		}
-		if rerr := d.Restore(pid, nil); rerr != nil {
-			return fmt.Errorf("restore pid %d onto its own GPUs (state %v, %v): %w", pid, st, err, rerr)
-		}
-		if note != nil {
-			note("driver restore of pid %d onto its own GPUs", pid)
-		}
-		return nil
+		return withHeld(d, pid, false, func() error {
+			st, err := d.State(pid)
+			if errors.Is(err, cudackpt.ErrNotCUDA) || (err == nil && st != cudackpt.Checkpointed) {
+				return nil // restored already
+			}
+			if rerr := d.Restore(pid, nil); rerr != nil {
+				return fmt.Errorf("restore pid %d onto its own GPUs (state %v, %v): %w", pid, st, err, rerr)
+			}
+			if note != nil {
+				note("driver restore of pid %d onto its own GPUs", pid)
+			}
+			return nil
+		})
 	})
+}
+
+// withHeld runs f, driver calls about pid, with every thread of pid but the driver's restore
+// thread held (package hold): the driver's checkpoint takes the process's device mappings away and
+// its restore gives them back, and a thread that touches one in between kills the process (JAX's
+// threads do). A process left stopped is continued for it (only the driver's thread runs). After
+// f, a process the driver holds checkpointed is left stopped (a group-stop without a tracer:
+// CRIU can dump it), any other runs again. The driver is asked about a process only while it is
+// held: a stopped process's driver thread cannot answer. must makes a failure to hold the
+// threads an error before f; else (an undo, which must still try) f runs unheld on the process
+// continued.
+func withHeld(d op.Driver, pid int, must bool, f func() error) error {
+	h, err := holdThreads(d, pid)
+	if err != nil {
+		if must {
+			return err
+		}
+		slog.Warn("the driver's call runs with the process's threads not held", "pid", pid, "err", err)
+		if kerr := syscall.Kill(pid, syscall.SIGCONT); kerr != nil && !errors.Is(kerr, syscall.ESRCH) {
+			return errors.Join(err, kerr)
+		}
+		return f()
+	}
+	err = f()
+	if h == nil {
+		return err
+	}
+	if st, serr := d.State(pid); serr == nil && st == cudackpt.Checkpointed {
+		return errors.Join(err, h.Stop())
+	}
+	return errors.Join(err, h.Release())
+}
+
+// holdThreads holds every thread of pid but the one the driver names for its checkpoint and
+// restore; nil (no error) for a driver that names none (a fake driver's pretend process) and for
+// a process the driver does not know (it takes nothing away from it).
+func holdThreads(d op.Driver, pid int) (*hold.Held, error) {
+	tid, err := d.RestoreThreadID(pid)
+	if errors.Is(err, cudackpt.ErrNoRestoreThread) || errors.Is(err, cudackpt.ErrNotCUDA) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("pid %d: the driver's restore thread: %w", pid, err)
+	}
+	return hold.Threads(pid, tid)
 }
 
 // LockStep locks each pid (waiting up to timeout for running kernels); undo unlocks those still
@@ -181,7 +233,7 @@ func CheckpointStep(d op.Driver, pids []int) op.Step {
 	return op.Step{Name: StepCheckpoint, Kind: KindCheckpoint, Data: pidsData{PIDs: pids},
 		Do: func(context.Context) error {
 			return eachDo(pids, func(pid int) error {
-				if err := d.Checkpoint(pid); err != nil {
+				if err := withHeld(d, pid, true, func() error { return d.Checkpoint(pid) }); err != nil {
 					return fmt.Errorf("checkpoint pid %d: %w", pid, err)
 				}
 				return nil
@@ -223,17 +275,22 @@ func RestoreStep(d op.Driver, pids func() []int, pairs []cudackpt.Pair, check fu
 		}
 		var restored []int
 		for _, pid := range pids() {
-			if expectCheckpointed {
-				st, err := d.State(pid)
-				if err != nil {
-					return fmt.Errorf("pid %d: %w", pid, err)
+			err := withHeld(d, pid, true, func() error {
+				if expectCheckpointed {
+					st, err := d.State(pid)
+					if err != nil {
+						return fmt.Errorf("pid %d: %w", pid, err)
+					}
+					if st != cudackpt.Checkpointed {
+						return fmt.Errorf("restored pid %d is %s, expected checkpointed", pid, st)
+					}
 				}
-				if st != cudackpt.Checkpointed {
-					return fmt.Errorf("restored pid %d is %s, expected checkpointed", pid, st)
+				if err := d.Restore(pid, pairs); err != nil {
+					return fmt.Errorf("driver restore pid %d: %w", pid, err)
 				}
-			}
-			if err := d.Restore(pid, pairs); err != nil {
-				err = fmt.Errorf("driver restore pid %d: %w", pid, err)
+				return nil
+			})
+			if err != nil {
 				if expectCheckpointed || len(pairs) == 0 || len(restored) == 0 {
 					return err
 				}
@@ -268,29 +325,31 @@ func moveBack(d op.Driver, pids []int, pairs []cudackpt.Pair, note func(string, 
 		inverse[i] = cudackpt.Pair{Old: p.New, New: p.Old}
 	}
 	return eachPID(pids, func(pid int) error {
-		st, err := d.State(pid)
-		switch {
-		case errors.Is(err, cudackpt.ErrNotCUDA):
-			return nil
-		case err != nil:
-			return fmt.Errorf("move pid %d back: driver state: %w", pid, err)
-		case st == cudackpt.Checkpointed:
-			return nil // never restored onto its target: the checkpoint step's undo restores it
-		case st == cudackpt.Running:
-			if err := d.Lock(pid, moveBackLock); err != nil {
-				return fmt.Errorf("move pid %d back: lock on its target: %w", pid, err)
+		return withHeld(d, pid, false, func() error {
+			st, err := d.State(pid)
+			switch {
+			case errors.Is(err, cudackpt.ErrNotCUDA):
+				return nil
+			case err != nil:
+				return fmt.Errorf("move pid %d back: driver state: %w", pid, err)
+			case st == cudackpt.Checkpointed:
+				return nil // never restored onto its target: the checkpoint step's undo restores it
+			case st == cudackpt.Running:
+				if err := d.Lock(pid, moveBackLock); err != nil {
+					return fmt.Errorf("move pid %d back: lock on its target: %w", pid, err)
+				}
 			}
-		}
-		if err := d.Checkpoint(pid); err != nil {
-			return fmt.Errorf("move pid %d back: checkpoint on its target: %w", pid, err)
-		}
-		if err := d.Restore(pid, inverse); err != nil {
-			return fmt.Errorf("move pid %d back: restore onto its source GPUs: %w", pid, err)
-		}
-		if note != nil {
-			note("moved pid %d back onto its source GPUs", pid)
-		}
-		return nil
+			if err := d.Checkpoint(pid); err != nil {
+				return fmt.Errorf("move pid %d back: checkpoint on its target: %w", pid, err)
+			}
+			if err := d.Restore(pid, inverse); err != nil {
+				return fmt.Errorf("move pid %d back: restore onto its source GPUs: %w", pid, err)
+			}
+			if note != nil {
+				note("moved pid %d back onto its source GPUs", pid)
+			}
+			return nil
+		})
 	})
 }
 

@@ -29,6 +29,9 @@ type Driver interface {
 	Checkpoint(pid int) error
 	Restore(pid int, pairs []cudackpt.Pair) error
 	Unlock(pid int) error
+	// RestoreThreadID is the thread of pid that runs the driver's checkpoint and restore
+	// (cudackpt.ErrNoRestoreThread: none to hold the others around, a fake's process).
+	RestoreThreadID(pid int) (int, error)
 }
 
 // CRIU is the part of CRIU the flows use (*criu.Dumper implements it).

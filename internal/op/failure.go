@@ -68,11 +68,16 @@ func (e *Env) driverHeld(pids []int) string {
 	}
 	by := map[cudackpt.State][]string{}
 	var order []cudackpt.State
+	var stopped []string
 	for _, pid := range pids {
 		if !proc.Alive(pid) {
 			continue
 		}
 		st, err := e.Driver.State(pid)
+		if errors.Is(err, cudackpt.ErrStopped) {
+			stopped = append(stopped, strconv.Itoa(pid))
+			continue
+		}
 		if err != nil || st == cudackpt.Running {
 			continue
 		}
@@ -84,6 +89,10 @@ func (e *Env) driverHeld(pids []int) string {
 	var parts []string
 	for _, st := range order {
 		parts = append(parts, fmt.Sprintf("%s by the driver: pid %s", st, strings.Join(by[st], ", ")))
+	}
+	if len(stopped) > 0 {
+		parts = append(parts, fmt.Sprintf("stopped, its GPU state checkpointed by the driver (a stopped process cannot be asked): pid %s",
+			strings.Join(stopped, ", ")))
 	}
 	return strings.Join(parts, "; ")
 }

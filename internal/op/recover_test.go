@@ -95,6 +95,9 @@ func newRecoverRig(t *testing.T, pids ...int) *recoverRig {
 		t.Fatal(err)
 	}
 	drv := cudackpttest.New(gpu0, nil, pids...)
+	for pid, p := range drv.Procs {
+		p.Real = pid != os.Getpid() // this process's own threads are never held
+	}
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	r := &recoverRig{drv: drv, logs: filepath.Join(dir, "logs"),
 		env:  &op.Env{Driver: drv, Euid: 0, Log: log},
@@ -148,8 +151,9 @@ func stopped(pid int) bool {
 }
 
 // TestGuardianRollsBackCheckpoint: ptxmig dies after the driver lock and checkpoint and while
-// CRIU dumps (the tree is stopped): the guardian resumes the tree, restores the GPU state onto
-// its own GPUs and unlocks, and removes the staging directory; the report says so.
+// CRIU dumps (the tree is stopped): the guardian leaves the CUDA process stopped until it has
+// restored its GPU state onto its own GPUs (the restore continues it), unlocks, and removes the
+// staging directory; the report says so.
 func TestGuardianRollsBackCheckpoint(t *testing.T) {
 	pid := sleeper(t)
 	r := newRecoverRig(t, pid)
@@ -191,7 +195,7 @@ func TestGuardianRollsBackCheckpoint(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"rolled-back", "resumed the tree", "driver restore of pid", "driver unlock of pid", "removed staging"} {
+	for _, want := range []string{"rolled-back", "stays stopped until the driver has restored it", "driver restore of pid", "driver unlock of pid", "removed staging"} {
 		if !strings.Contains(string(report), want) {
 			t.Errorf("report lacks %q:\n%s", want, report)
 		}

@@ -12,6 +12,7 @@ import (
 	"io"
 	"math"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"sort"
@@ -123,6 +124,33 @@ func ReadStat(pid int) (Stat, error) {
 		return s, fmt.Errorf("pid %d: %w", pid, err)
 	}
 	return s, nil
+}
+
+// WaitDead waits for cmd's process to end and then reaps it (cmd.Wait). It does not wait on the
+// process while it lives: were this process tracing a thread of it (package hold), the kernel
+// would report that thread's ptrace-stops to the wait, and cmd.Wait would take a stop for the end
+// of the process. For harnesses that start the processes ptxmig then checkpoints.
+func WaitDead(cmd *exec.Cmd) error {
+	for {
+		if s, err := ReadStat(cmd.Process.Pid); err != nil || s.Zombie() {
+			return cmd.Wait()
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// ThreadState is the state letter of thread tid of process pid ('R', 'S', 'T' stopped, 't'
+// traced, ...), 0 when it is gone or unreadable.
+func ThreadState(pid, tid int) byte {
+	b, err := os.ReadFile(filepath.Join(Root, strconv.Itoa(pid), "task", strconv.Itoa(tid), "stat"))
+	if err != nil {
+		return 0
+	}
+	s, err := ParseStat(b)
+	if err != nil {
+		return 0
+	}
+	return s.State
 }
 
 // Exists reports whether /proc/PID exists (a zombie exists).

@@ -196,9 +196,10 @@ func waitStopped(ctx context.Context, c *shimctl.Client, max time.Duration) (int
 	}
 }
 
-// DetachStep keeps every quiesced process quiesced after ptxmig's connections close: it must run
-// after the driver checkpoint and before CRIU dumps the processes (no connection may be open
-// then). No undo: the quiesce step's undo resumes.
+// DetachStep keeps every quiesced process quiesced after ptxmig's connections close: it runs
+// after the driver lock and before the driver checkpoint, which leaves the processes stopped
+// (package hold), so their shims could not answer after it; and CRIU must find no connection
+// open. No undo: the quiesce step's undo resumes (through a new connection).
 func (p *Preemption) DetachStep() op.Step {
 	return op.Step{Name: StepDetach, Do: func(ctx context.Context) error {
 		var errs []error

@@ -39,7 +39,7 @@ func Build(dir string) (string, error) {
 		return "", err
 	}
 	bin := filepath.Join(dir, "ptxmig-testproc")
-	out, err := exec.Command(gcc, "-O2", "-Wall", "-o", bin, src).CombinedOutput()
+	out, err := exec.Command(gcc, "-O2", "-Wall", "-pthread", "-o", bin, src).CombinedOutput()
 	if err != nil {
 		return "", fmt.Errorf("gcc %s: %w: %s", src, err, out)
 	}
@@ -48,10 +48,11 @@ func Build(dir string) (string, error) {
 
 // Options of one test process.
 type Options struct {
-	MiB        int  // heap size (default 4)
-	IntervalMs int  // pause between steps (default 50; negative: none, the process runs flat out)
-	Steps      int  // stop after this many steps (0: run until killed)
-	Log        bool // also print each step to Stdout
+	MiB        int    // heap size (default 4)
+	IntervalMs int    // pause between steps (default 50; negative: none, the process runs flat out)
+	Steps      int    // stop after this many steps (0: run until killed)
+	Log        bool   // also print each step to Stdout
+	UVM        string // a file (>= 4096 bytes) a second thread reads all the time (see csrc/testproc.c)
 	Stdout     string
 }
 
@@ -71,6 +72,9 @@ func (o Options) args(state string) []string {
 	if o.Log {
 		a = append(a, "--log")
 	}
+	if o.UVM != "" {
+		a = append(a, "--uvm", o.UVM)
+	}
 	return a
 }
 
@@ -85,7 +89,8 @@ type Proc struct {
 
 // Start runs bin in a new session (setsid, so CRIU needs no shell-job mode) with stdin from
 // /dev/null and stdout/stderr to o.Stdout (default /dev/null), and waits for its first record.
-// A goroutine reaps it when it dies, so its PID is freed for a restore.
+// A goroutine reaps it when it dies (proc.WaitDead: never while it lives, so that ptxmig may hold
+// its threads), so its PID is freed for a restore.
 func Start(bin, stateFile string, o Options) (*Proc, error) {
 	if o.MiB == 0 {
 		o.MiB = 4
@@ -111,7 +116,7 @@ func Start(bin, stateFile string, o Options) (*Proc, error) {
 		return nil, fmt.Errorf("start %s: %w", bin, err)
 	}
 	p := &Proc{PID: cmd.Process.Pid, StateFile: stateFile, MiB: o.MiB, cmd: cmd, exited: make(chan struct{})}
-	go func() { _ = cmd.Wait(); close(p.exited) }()
+	go func() { _ = proc.WaitDead(cmd); close(p.exited) }()
 	if _, err := WaitState(stateFile, func(s State) bool { return s.PID == p.PID }, 10*time.Second); err != nil {
 		_ = p.Kill()
 		return nil, fmt.Errorf("test process %d never wrote its state: %w", p.PID, err)

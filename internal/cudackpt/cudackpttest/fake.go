@@ -7,10 +7,12 @@ package cudackpttest
 import (
 	"errors"
 	"fmt"
+	"os"
 	"sync"
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
+	"github.com/ptxmig/ptxmig/internal/proc"
 )
 
 // ErrInvalidValue is what driver 580 answers to pairs that are not a bijection over the
@@ -21,6 +23,15 @@ var ErrInvalidValue = errors.New("CUDA_ERROR_INVALID_VALUE (1): invalid argument
 type Proc struct {
 	State cudackpt.State
 	GPU   string // UUID of the GPU it runs on
+	// UVM, when set, makes the process a real one that stands for a CUDA process whose threads
+	// touch the driver's mappings (testproc's --uvm FILE): the fake names its main thread as the
+	// restore thread, truncates UVM at the checkpoint and gives it back its 4096 bytes at the
+	// restore, so a thread of it that runs in between dies of SIGBUS.
+	UVM string
+	// Real marks a real process (UVM set implies it): the fake names its main thread as the
+	// restore thread, so ptxmig holds its other threads around the checkpoint and restore as it
+	// does with the driver. A pretend pid (or the test process itself) must not be Real.
+	Real bool
 }
 
 // Driver is the fake. Calls are recorded by name ("lock", "checkpoint", "restore",
@@ -40,6 +51,15 @@ func New(gpu string, visible []string, pids ...int) *Driver {
 	d := &Driver{Procs: map[int]*Proc{}, Visible: visible, FailNext: map[string]error{}}
 	for _, p := range pids {
 		d.Procs[p] = &Proc{State: cudackpt.Running, GPU: gpu}
+	}
+	return d
+}
+
+// NewReal is New for real processes (Proc.Real): ptxmig holds their threads as with the driver.
+func NewReal(gpu string, visible []string, pids ...int) *Driver {
+	d := New(gpu, visible, pids...)
+	for _, p := range d.Procs {
+		p.Real = true
 	}
 	return d
 }
@@ -97,6 +117,9 @@ func (d *Driver) State(pid int) (cudackpt.State, error) {
 	if !ok {
 		return 0, cudackpt.ErrNotCUDA
 	}
+	if st := proc.ThreadState(pid, pid); (p.Real || p.UVM != "") && (st == 'T' || st == 't') {
+		return 0, fmt.Errorf("pid %d: %w", pid, cudackpt.ErrStopped) // as the driver: its restore thread cannot answer
+	}
 	if err, ok := d.FailNext[fmt.Sprintf("state %d", pid)]; ok {
 		delete(d.FailNext, fmt.Sprintf("state %d", pid))
 		return 0, err
@@ -131,6 +154,9 @@ func (d *Driver) Checkpoint(pid int) error {
 		return fmt.Errorf("checkpoint in state %v", p.State)
 	}
 	p.State = cudackpt.Checkpointed
+	if p.UVM != "" {
+		return os.Truncate(p.UVM, 0)
+	}
 	return nil
 }
 
@@ -159,7 +185,25 @@ func (d *Driver) Restore(pid int, pairs []cudackpt.Pair) error {
 		}
 	}
 	p.State = cudackpt.Locked
+	if p.UVM != "" {
+		return os.Truncate(p.UVM, 4096)
+	}
 	return nil
+}
+
+// RestoreThreadID implements op.Driver: the main thread of a Real process (or one with UVM set),
+// else cudackpt.ErrNoRestoreThread.
+func (d *Driver) RestoreThreadID(pid int) (int, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	p, ok := d.Procs[pid]
+	switch {
+	case !ok:
+		return 0, cudackpt.ErrNotCUDA
+	case p.UVM == "" && !p.Real:
+		return 0, cudackpt.ErrNoRestoreThread
+	}
+	return pid, nil
 }
 
 // Unlock implements op.Driver.

@@ -12,13 +12,21 @@
  * the whole history and the heap, so a restored process that continues the chain exactly proves
  * its memory came back bit for bit. With --steps K it stops after step K (done 1) and exits 0.
  * With --log it also prints "step I hash H16" to stdout.
+ *
+ * With --uvm FILE (at least 4096 bytes) it maps FILE shared and starts a second thread that reads
+ * its first word every 100 us, as a thread of a CUDA process may touch the driver's mappings: a
+ * fake driver truncates FILE at "checkpoint" and restores its size at "restore", so the process
+ * dies of SIGBUS if that thread runs in between (internal/hold keeps it from running). The main
+ * thread (tid = pid) plays the driver's restore thread.
  */
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -48,6 +56,17 @@ static void record(int fd, long step, uint64_t h, int done) {
   }
 }
 
+static void *uvm_reader(void *p) {
+  volatile uint64_t *w = p;
+  uint64_t sum = 0;
+  for (;;) {
+    sum += *w;
+    struct timespec ts = {0, 100000};
+    nanosleep(&ts, NULL);
+  }
+  return (void *)(uintptr_t)sum;
+}
+
 int main(int argc, char **argv) {
   if (argc < 2 || argv[1][0] == '-') {
     fprintf(stderr, "usage: ptxmig-testproc STATEFILE [--mib N] [--interval-ms M] [--steps K] [--log]\n");
@@ -55,12 +74,14 @@ int main(int argc, char **argv) {
   }
   long mib = 4, interval = 50, steps = 0;
   int log = 0;
+  const char *uvm = NULL;
   for (int i = 2; i < argc; i++) {
     if (!strcmp(argv[i], "--log")) { log = 1; continue; }
     if (i + 1 >= argc) { fprintf(stderr, "missing value for %s\n", argv[i]); return 2; }
     if (!strcmp(argv[i], "--mib")) mib = atol(argv[++i]);
     else if (!strcmp(argv[i], "--interval-ms")) interval = atol(argv[++i]);
     else if (!strcmp(argv[i], "--steps")) steps = atol(argv[++i]);
+    else if (!strcmp(argv[i], "--uvm")) uvm = argv[++i];
     else { fprintf(stderr, "unknown flag %s\n", argv[i]); return 2; }
   }
   if (mib <= 0 || interval < 0 || steps < 0) { fprintf(stderr, "bad arguments\n"); return 2; }
@@ -71,6 +92,13 @@ int main(int argc, char **argv) {
   int fd = open(argv[1], O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) { perror(argv[1]); return 3; }
   setvbuf(stdout, NULL, _IOLBF, 0);
+  if (uvm) {
+    int ufd = open(uvm, O_RDWR | O_CLOEXEC);
+    void *m = ufd < 0 ? MAP_FAILED : mmap(NULL, 4096, PROT_READ, MAP_SHARED, ufd, 0);
+    pthread_t t;
+    if (m == MAP_FAILED || pthread_create(&t, NULL, uvm_reader, m)) { perror(uvm); return 3; }
+    close(ufd);
+  }
   uint64_t h = 0x5054584d4947ULL;
   record(fd, 0, h, 0);
   for (long i = 1; steps == 0 || i <= steps; i++) {

@@ -1,0 +1,266 @@
+package hold
+
+import (
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/testproc"
+)
+
+// uvmProc starts a test process whose second thread reads a file mapping all the time (the
+// stand-in for a thread touching the driver's mappings) and returns it with the file.
+func uvmProc(t *testing.T) (*testproc.Proc, string) {
+	t.Helper()
+	dir := t.TempDir()
+	bin, err := testproc.Build(dir)
+	if err != nil {
+		t.Fatalf("build the test process: %v", err)
+	}
+	uvm := filepath.Join(dir, "uvm")
+	if err := os.WriteFile(uvm, make([]byte, 4096), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p, err := testproc.Start(bin, filepath.Join(dir, "state"), testproc.Options{IntervalMs: 2, UVM: uvm})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Kill() })
+	waitThreads(t, p.PID, 2)
+	return p, uvm
+}
+
+func waitThreads(t *testing.T, pid, n int) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		if tids, _ := threads(pid); len(tids) >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pid %d never had %d threads", pid, n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// unmap takes the mapping's pages away, as the driver's checkpoint does, for d, then puts them back.
+func unmap(t *testing.T, uvm string, d time.Duration) {
+	t.Helper()
+	if err := os.Truncate(uvm, 0); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(d)
+	if err := os.Truncate(uvm, 4096); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// states is the state letter of every thread of pid, the main thread first.
+func states(pid int) string {
+	tids, _ := threads(pid)
+	var b strings.Builder
+	b.WriteByte(proc.ThreadState(pid, pid))
+	for _, tid := range tids {
+		if tid != pid {
+			b.WriteByte(proc.ThreadState(pid, tid))
+		}
+	}
+	return b.String()
+}
+
+func step(t *testing.T, p *testproc.Proc) int {
+	t.Helper()
+	s, err := testproc.ReadState(p.StateFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s.Step
+}
+
+// advances reports whether p makes progress within 300 ms.
+func advances(t *testing.T, p *testproc.Proc) bool {
+	t.Helper()
+	a := step(t, p)
+	time.Sleep(300 * time.Millisecond)
+	return step(t, p) > a
+}
+
+// The stand-in is faithful: a thread that runs while the mapping is gone kills the process.
+func TestUnheldThreadDies(t *testing.T) {
+	p, uvm := uvmProc(t)
+	unmap(t, uvm, 200*time.Millisecond)
+	select {
+	case <-p.Exited():
+	case <-time.After(2 * time.Second):
+		t.Fatalf("pid %d survived its mapping going away: the test process does not touch it", p.PID)
+	}
+}
+
+func TestThreadsRelease(t *testing.T) {
+	p, uvm := uvmProc(t)
+	h, err := Threads(p.PID, p.PID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := states(p.PID); got[0] == 't' || got[0] == 'T' || strings.Trim(got[1:], "t") != "" {
+		t.Fatalf("held: thread states %q, want the main thread running and every other one traced (t)", got)
+	}
+	if len(h.Held()) != 1 {
+		t.Fatalf("held %v, want the reader thread alone", h.Held())
+	}
+	if !advances(t, p) {
+		t.Fatal("the kept thread does not run while the others are held")
+	}
+	unmap(t, uvm, 200*time.Millisecond)
+	if err := h.Release(); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Release(); err != nil { // a second release changes nothing
+		t.Fatal(err)
+	}
+	if !advances(t, p) || !testproc.Alive(p.PID) {
+		t.Fatalf("pid %d does not run on after the release (states %q)", p.PID, states(p.PID))
+	}
+	if got := states(p.PID); strings.ContainsAny(got, "tT") {
+		t.Fatalf("after the release: thread states %q", got)
+	}
+}
+
+// Stop leaves the whole process stopped without a tracer (as CRIU must find it); Threads on the
+// stopped process lets only the kept thread run; Release lets it all run.
+func TestStopThenThreads(t *testing.T) {
+	p, uvm := uvmProc(t)
+	h, err := Threads(p.PID, p.PID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(uvm, 0); err != nil { // the driver's checkpoint
+		t.Fatal(err)
+	}
+	if err := h.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if got := states(p.PID); strings.Trim(got, "T") != "" {
+		t.Fatalf("stopped: thread states %q, want every thread stopped (T)", got)
+	}
+	if tracer := tracerPID(t, p.PID); tracer != 0 {
+		t.Fatalf("stopped pid %d is traced by %d", p.PID, tracer)
+	}
+	if advances(t, p) {
+		t.Fatal("the stopped process runs")
+	}
+	h, err = Threads(p.PID, p.PID) // the driver's restore
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := states(p.PID); got[0] == 'T' || got[0] == 't' || strings.Trim(got[1:], "t") != "" {
+		t.Fatalf("held after a stop: thread states %q", got)
+	}
+	if !advances(t, p) {
+		t.Fatal("the kept thread does not run after a stop")
+	}
+	if err := os.Truncate(uvm, 4096); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Release(); err != nil {
+		t.Fatal(err)
+	}
+	if !advances(t, p) || strings.ContainsAny(states(p.PID), "tT") {
+		t.Fatalf("pid %d does not run on after the release (states %q)", p.PID, states(p.PID))
+	}
+}
+
+// A thread traced by another tracer (a debugger) cannot be held: an error, nothing left held.
+func TestThreadsTracedElsewhere(t *testing.T) {
+	p, _ := uvmProc(t)
+	first, err := Threads(p.PID, p.PID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = Threads(p.PID, p.PID)
+	if err == nil || !strings.Contains(err.Error(), "debugger") {
+		t.Fatalf("second hold: %v, want a refusal naming a debugger", err)
+	}
+	if err := first.Release(); err != nil {
+		t.Fatal(err)
+	}
+	if !advances(t, p) || strings.ContainsAny(states(p.PID), "tT") {
+		t.Fatalf("pid %d does not run on (states %q)", p.PID, states(p.PID))
+	}
+}
+
+func TestThreadsBadArguments(t *testing.T) {
+	p, _ := uvmProc(t)
+	for _, c := range []struct{ pid, keep int }{{p.PID, 0}, {0, p.PID}, {p.PID, 1}, {1 << 30, 1 << 30}} {
+		if _, err := Threads(c.pid, c.keep); err == nil {
+			t.Errorf("Threads(%d, %d): no error", c.pid, c.keep)
+		}
+	}
+	if strings.ContainsAny(states(p.PID), "tT") {
+		t.Fatalf("states %q after refused holds", states(p.PID))
+	}
+}
+
+func tracerPID(t *testing.T, pid int) int {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "status"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "TracerPid:"); ok {
+			n, err := strconv.Atoi(strings.TrimSpace(v))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+	}
+	return -1
+}
+
+// The held process's parent is this process, waiting for it (testproc reaps it): the ptrace-stop
+// of its main thread is reported to that wait, not to the hold's, and the hold must not hang.
+func TestThreadsParentWaits(t *testing.T) {
+	p, _ := uvmProc(t)
+	tids, _ := threads(p.PID)
+	keep := 0
+	for _, tid := range tids {
+		if tid != p.PID {
+			keep = tid
+		}
+	}
+	done := make(chan error, 1)
+	var h *Held
+	go func() {
+		var err error
+		h, err = Threads(p.PID, keep)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Threads hangs while the parent waits for the process")
+	}
+	if got := proc.ThreadState(p.PID, p.PID); got != 't' {
+		t.Fatalf("main thread state %c, want t", got)
+	}
+	select {
+	case <-p.Exited():
+		t.Fatal("the parent's wait took the main thread's ptrace-stop for the end of the process")
+	default:
+	}
+	if err := h.Release(); err != nil {
+		t.Fatal(err)
+	}
+	if !advances(t, p) {
+		t.Fatal("the process does not run on after the release")
+	}
+}
