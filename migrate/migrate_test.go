@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"reflect"
@@ -23,6 +24,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/internal/testproc"
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 const (
@@ -56,27 +58,76 @@ func TestMigrateRollback(t *testing.T) {
 		{"unlock fails once: moved back", swap, "unlock", u0, []string{"lock", "checkpoint", "restore-to-" + u1, "unlock", "checkpoint", "restore-to-" + u0, "unlock"}, true},
 		{"partial pairs: driver refuses, rolled back", partial, "", u0, []string{"lock", "checkpoint", "restore-to-" + u1, "restore", "unlock"}, true},
 	}
+	// Each case runs on a pretend pid, and on a real process with a thread that touches a mapping
+	// the fake driver takes away at the checkpoint and gives back at the restore (as the driver
+	// does with device mappings): it survives every case only if no thread but the driver's runs
+	// in between (package hold), moves back included.
+	bin, berr := testproc.Build(t.TempDir())
 	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			d := cudackpttest.New(u0, []string{u0, u1}, 42)
-			if tt.fail != "" {
-				d.FailNext[tt.fail] = oom
+		for _, real := range []bool{false, true} {
+			name := tt.name
+			if real {
+				name += "/real process"
 			}
-			_, err := op.Execute(context.Background(), Steps(d, []int{42}, tt.pairs, time.Second, nil), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil)))
-			if (err != nil) != tt.wantErr {
-				t.Fatalf("err = %v", err)
-			}
-			if g := d.Get(42); g.State != cudackpt.Running || g.GPU != tt.wantGPU {
-				t.Errorf("process ends %v on %s, want running on %s", g.State, g.GPU, tt.wantGPU)
-			}
-			if !reflect.DeepEqual(d.Calls, tt.wantCalls) {
-				t.Errorf("calls %q\nwant  %q", d.Calls, tt.wantCalls)
-			}
-			var se *op.StepError
-			if err != nil && errors.As(err, &se) && se.Touched && !se.RolledBack() {
-				t.Errorf("rollback incomplete: %v", err)
-			}
-		})
+			t.Run(name, func(t *testing.T) {
+				pid, d := 42, cudackpttest.New(u0, []string{u0, u1}, 42)
+				var p *testproc.Proc
+				if real {
+					p = uvmProc(t, bin, berr)
+					pid, d = p.PID, cudackpttest.New(u0, []string{u0, u1}, p.PID)
+					d.Procs[pid].UVM = filepath.Join(filepath.Dir(p.StateFile), "uvm")
+				}
+				migrateCase(t, d, pid, p, tt.pairs, tt.fail, tt.wantGPU, tt.wantCalls, tt.wantErr, oom)
+			})
+		}
+	}
+}
+
+// uvmProc starts a test process whose second thread reads a file mapping all the time.
+func uvmProc(t *testing.T, bin string, berr error) *testproc.Proc {
+	t.Helper()
+	if berr != nil {
+		testreq.Skip(t, "cc", "cannot build the test program: %v", berr)
+	}
+	dir := t.TempDir()
+	uvm := filepath.Join(dir, "uvm")
+	if err := os.WriteFile(uvm, make([]byte, 4096), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p, err := testproc.Start(bin, filepath.Join(dir, "state"), testproc.Options{IntervalMs: 2, UVM: uvm})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Kill() })
+	return p
+}
+
+func migrateCase(t *testing.T, d *cudackpttest.Driver, pid int, p *testproc.Proc, pairs []cudackpt.Pair, fail, wantGPU string, wantCalls []string, wantErr bool, oom error) {
+	t.Helper()
+	if fail != "" {
+		d.FailNext[fail] = oom
+	}
+	_, err := op.Execute(context.Background(), Steps(d, []int{pid}, pairs, time.Second, nil), nil, 0, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if (err != nil) != wantErr {
+		t.Fatalf("err = %v", err)
+	}
+	if g := d.Get(pid); g.State != cudackpt.Running || g.GPU != wantGPU {
+		t.Errorf("process ends %v on %s, want running on %s", g.State, g.GPU, wantGPU)
+	}
+	if p != nil {
+		s0, _ := testproc.ReadState(p.StateFile)
+		time.Sleep(200 * time.Millisecond)
+		s1, err := testproc.ReadState(p.StateFile)
+		if err != nil || s1.Step <= s0.Step || !testproc.Alive(p.PID) {
+			t.Fatalf("the process does not run on (alive %v, step %d -> %d, %v)", testproc.Alive(p.PID), s0.Step, s1.Step, err)
+		}
+	}
+	if !reflect.DeepEqual(d.Calls, wantCalls) {
+		t.Errorf("calls %q\nwant  %q", d.Calls, wantCalls)
+	}
+	var se *op.StepError
+	if err != nil && errors.As(err, &se) && se.Touched && !se.RolledBack() {
+		t.Errorf("rollback incomplete: %v", err)
 	}
 }
 

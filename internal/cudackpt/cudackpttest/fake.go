@@ -155,7 +155,9 @@ func (d *Driver) Checkpoint(pid int) error {
 	}
 	p.State = cudackpt.Checkpointed
 	if p.UVM != "" {
-		return os.Truncate(p.UVM, 0)
+		err := os.Truncate(p.UVM, 0)
+		time.Sleep(uvmCallTime) // the driver's call takes a while with the mappings gone
+		return err
 	}
 	return nil
 }
@@ -186,10 +188,16 @@ func (d *Driver) Restore(pid int, pairs []cudackpt.Pair) error {
 	}
 	p.State = cudackpt.Locked
 	if p.UVM != "" {
+		time.Sleep(uvmCallTime)
 		return os.Truncate(p.UVM, 4096)
 	}
 	return nil
 }
+
+// uvmCallTime is how long a checkpoint or restore of a process with UVM set keeps the mapping
+// gone within the call (the driver's take hundreds of milliseconds): long enough that its reading
+// thread, if it ran, would touch it.
+const uvmCallTime = 20 * time.Millisecond
 
 // RestoreThreadID implements op.Driver: the main thread of a Real process (or one with UVM set),
 // else cudackpt.ErrNoRestoreThread.
