@@ -264,3 +264,55 @@ func TestThreadsParentWaits(t *testing.T) {
 		t.Fatal("the process does not run on after the release")
 	}
 }
+
+// BenchmarkHold: what the hold adds to each driver call of a process with 100 threads: hold and
+// release (a restore of a running process), and the checkpoint's cycle (hold, stop; hold the
+// stopped process again, release).
+func BenchmarkHold(b *testing.B) {
+	dir := b.TempDir()
+	bin, err := testproc.Build(dir)
+	if err != nil {
+		b.Skip(err)
+	}
+	p, err := testproc.Start(bin, filepath.Join(dir, "state"), testproc.Options{IntervalMs: 5, Threads: 100})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = p.Kill() }()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if tids, _ := threads(p.PID); len(tids) == 101 {
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatal("the test process did not start its threads")
+		}
+	}
+	b.Run("threads+release", func(b *testing.B) {
+		for i := 0; i < b.N; i++ {
+			h, err := Threads(p.PID, p.PID)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := h.Release(); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("checkpoint-cycle", func(b *testing.B) {
+		for i := 0; i < b.N; i++ {
+			h, err := Threads(p.PID, p.PID)
+			if err == nil {
+				err = h.Stop()
+			}
+			if err == nil {
+				h, err = Threads(p.PID, p.PID)
+			}
+			if err == nil {
+				err = h.Release()
+			}
+			if err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}

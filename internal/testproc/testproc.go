@@ -53,6 +53,7 @@ type Options struct {
 	Steps      int    // stop after this many steps (0: run until killed)
 	Log        bool   // also print each step to Stdout
 	UVM        string // a file (>= 4096 bytes) a second thread reads all the time (see csrc/testproc.c)
+	Threads    int    // more threads, sleeping 1 ms at a time
 	Stdout     string
 }
 
@@ -74,6 +75,9 @@ func (o Options) args(state string) []string {
 	}
 	if o.UVM != "" {
 		a = append(a, "--uvm", o.UVM)
+	}
+	if o.Threads > 0 {
+		a = append(a, "--threads", strconv.Itoa(o.Threads))
 	}
 	return a
 }

@@ -17,7 +17,8 @@
  * its first word every 100 us, as a thread of a CUDA process may touch the driver's mappings: a
  * fake driver truncates FILE at "checkpoint" and restores its size at "restore", so the process
  * dies of SIGBUS if that thread runs in between (internal/hold keeps it from running). The main
- * thread (tid = pid) plays the driver's restore thread.
+ * thread (tid = pid) plays the driver's restore thread. With --threads N it starts N more threads
+ * that sleep 1 ms at a time (a process with many threads, as frameworks have).
  */
 #include <fcntl.h>
 #include <inttypes.h>
@@ -67,6 +68,14 @@ static void *uvm_reader(void *p) {
   return (void *)(uintptr_t)sum;
 }
 
+static void *sleeper(void *p) {
+  for (;;) {
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, NULL);
+  }
+  return p;
+}
+
 int main(int argc, char **argv) {
   if (argc < 2 || argv[1][0] == '-') {
     fprintf(stderr, "usage: ptxmig-testproc STATEFILE [--mib N] [--interval-ms M] [--steps K] [--log]\n");
@@ -75,6 +84,7 @@ int main(int argc, char **argv) {
   long mib = 4, interval = 50, steps = 0;
   int log = 0;
   const char *uvm = NULL;
+  long nthreads = 0;
   for (int i = 2; i < argc; i++) {
     if (!strcmp(argv[i], "--log")) { log = 1; continue; }
     if (i + 1 >= argc) { fprintf(stderr, "missing value for %s\n", argv[i]); return 2; }
@@ -82,9 +92,10 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--interval-ms")) interval = atol(argv[++i]);
     else if (!strcmp(argv[i], "--steps")) steps = atol(argv[++i]);
     else if (!strcmp(argv[i], "--uvm")) uvm = argv[++i];
+    else if (!strcmp(argv[i], "--threads")) nthreads = atol(argv[++i]);
     else { fprintf(stderr, "unknown flag %s\n", argv[i]); return 2; }
   }
-  if (mib <= 0 || interval < 0 || steps < 0) { fprintf(stderr, "bad arguments\n"); return 2; }
+  if (mib <= 0 || interval < 0 || steps < 0 || nthreads < 0 || nthreads > 4096) { fprintf(stderr, "bad arguments\n"); return 2; }
   size_t n = (size_t)mib * (1u << 20) / sizeof(uint64_t);
   uint64_t *buf = malloc(n * sizeof *buf);
   if (!buf) { perror("malloc"); return 3; }
@@ -98,6 +109,10 @@ int main(int argc, char **argv) {
     pthread_t t;
     if (m == MAP_FAILED || pthread_create(&t, NULL, uvm_reader, m)) { perror(uvm); return 3; }
     close(ufd);
+  }
+  for (long i = 0; i < nthreads; i++) {
+    pthread_t t;
+    if (pthread_create(&t, NULL, sleeper, NULL)) { perror("pthread_create"); return 3; }
   }
   uint64_t h = 0x5054584d4947ULL;
   record(fd, 0, h, 0);
