@@ -15,6 +15,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/hold"
 	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/proc"
 )
 
 // Step names of the driver steps, shared by checkpoint, restore and migrate.
@@ -126,7 +127,7 @@ func init() {
 // and after a crash. note (may be nil) is told what was done.
 func unlockLocked(d op.Driver, pids []int, note func(string, ...any)) error {
 	return eachPID(pids, func(pid int) error {
-		return withHeld(d, pid, false, func() error {
+		return withHeld(d, pid, false, false, func() error {
 			st, err := d.State(pid)
 			if errors.Is(err, cudackpt.ErrNotCUDA) || (err == nil && st != cudackpt.Locked) {
 				return nil // running again (or gone)
@@ -147,7 +148,7 @@ func unlockLocked(d op.Driver, pids []int, note func(string, ...any)) error {
 // and after a crash (the lock's undo then unlocks).
 func restoreCheckpointed(d op.Driver, pids []int, note func(string, ...any)) error {
 	return eachPID(pids, func(pid int) error {
-		return withHeld(d, pid, false, func() error {
+		return withHeld(d, pid, false, false, func() error {
 			st, err := d.State(pid)
 			if errors.Is(err, cudackpt.ErrNotCUDA) || (err == nil && st != cudackpt.Checkpointed) {
 				return nil // restored already
@@ -167,18 +168,22 @@ func restoreCheckpointed(d op.Driver, pids []int, note func(string, ...any)) err
 // thread held (package hold): the driver's checkpoint takes the process's device mappings away and
 // its restore gives them back, and a thread that touches one in between kills the process (JAX's
 // threads do). A process left stopped is continued for it (only the driver's thread runs). After
-// f, a process the driver holds checkpointed is left stopped (a group-stop without a tracer:
-// CRIU can dump it), any other runs again. The driver is asked about a process only while it is
-// held: a stopped process's driver thread cannot answer. must makes a failure to hold the
-// threads an error before f; else (an undo, which must still try) f runs unheld on the process
-// continued.
-func withHeld(d op.Driver, pid int, must bool, f func() error) error {
+// f, the process is left stopped (a group-stop without a tracer: CRIU can dump it) when f was a
+// checkpoint that succeeded, or when the driver holds it checkpointed or cannot say; else it runs
+// again. The driver is asked about a process only while it is held: a stopped process's driver
+// thread cannot answer. must makes a failure to hold the threads an error before f; else (an undo,
+// which must still try) f runs unheld on the process continued: it may die, but left stopped and
+// checkpointed it could not be used either.
+func withHeld(d op.Driver, pid int, must, checkpoints bool, f func() error) error {
 	h, err := holdThreads(d, pid)
-	if err != nil {
-		if must {
-			return err
-		}
-		slog.Warn("the driver's call runs with the process's threads not held", "pid", pid, "err", err)
+	switch {
+	case errors.Is(err, cudackpt.ErrNotCUDA):
+		// The driver took nothing from it: nothing to hold, and nothing to keep it stopped for.
+		return errors.Join(f(), continueStopped(pid))
+	case err != nil && must:
+		return err
+	case err != nil:
+		slog.Error("the driver's call runs with the process's threads not held: it may die", "pid", pid, "err", err)
 		if kerr := syscall.Kill(pid, syscall.SIGCONT); kerr != nil && !errors.Is(kerr, syscall.ESRCH) {
 			return errors.Join(err, kerr)
 		}
@@ -188,18 +193,31 @@ func withHeld(d op.Driver, pid int, must bool, f func() error) error {
 	if h == nil {
 		return err
 	}
-	if st, serr := d.State(pid); serr == nil && st == cudackpt.Checkpointed {
+	stop := checkpoints && err == nil // checkpointed: no need to ask
+	if !stop {
+		st, serr := d.State(pid)
+		stop = serr != nil || st == cudackpt.Checkpointed // when the driver cannot say, stopped is the safe side
+	}
+	if stop {
 		return errors.Join(err, h.Stop())
 	}
 	return errors.Join(err, h.Release())
 }
 
+// continueStopped continues pid if it is stopped.
+func continueStopped(pid int) error {
+	if s, err := proc.ReadStat(pid); err == nil && s.State == 'T' {
+		return proc.Continue([]int{pid}, 5*time.Second)
+	}
+	return nil
+}
+
 // holdThreads holds every thread of pid but the one the driver names for its checkpoint and
-// restore; nil (no error) for a driver that names none (a fake driver's pretend process) and for
-// a process the driver does not know (it takes nothing away from it).
+// restore; nil (no error) for a driver that names none (a fake driver's pretend process); an
+// error matching cudackpt.ErrNotCUDA for a process the driver does not know.
 func holdThreads(d op.Driver, pid int) (*hold.Held, error) {
 	tid, err := d.RestoreThreadID(pid)
-	if errors.Is(err, cudackpt.ErrNoRestoreThread) || errors.Is(err, cudackpt.ErrNotCUDA) {
+	if errors.Is(err, cudackpt.ErrNoRestoreThread) {
 		return nil, nil
 	}
 	if err != nil {
@@ -233,7 +251,7 @@ func CheckpointStep(d op.Driver, pids []int) op.Step {
 	return op.Step{Name: StepCheckpoint, Kind: KindCheckpoint, Data: pidsData{PIDs: pids},
 		Do: func(context.Context) error {
 			return eachDo(pids, func(pid int) error {
-				if err := withHeld(d, pid, true, func() error { return d.Checkpoint(pid) }); err != nil {
+				if err := withHeld(d, pid, true, true, func() error { return d.Checkpoint(pid) }); err != nil {
 					return fmt.Errorf("checkpoint pid %d: %w", pid, err)
 				}
 				return nil
@@ -275,7 +293,7 @@ func RestoreStep(d op.Driver, pids func() []int, pairs []cudackpt.Pair, check fu
 		}
 		var restored []int
 		for _, pid := range pids() {
-			err := withHeld(d, pid, true, func() error {
+			err := withHeld(d, pid, true, false, func() error {
 				if expectCheckpointed {
 					st, err := d.State(pid)
 					if err != nil {
@@ -325,20 +343,24 @@ func moveBack(d op.Driver, pids []int, pairs []cudackpt.Pair, note func(string, 
 		inverse[i] = cudackpt.Pair{Old: p.New, New: p.Old}
 	}
 	return eachPID(pids, func(pid int) error {
-		return withHeld(d, pid, false, func() error {
-			st, err := d.State(pid)
-			switch {
-			case errors.Is(err, cudackpt.ErrNotCUDA):
-				return nil
-			case err != nil:
-				return fmt.Errorf("move pid %d back: driver state: %w", pid, err)
-			case st == cudackpt.Checkpointed:
-				return nil // never restored onto its target: the checkpoint step's undo restores it
-			case st == cudackpt.Running:
-				if err := d.Lock(pid, moveBackLock); err != nil {
-					return fmt.Errorf("move pid %d back: lock on its target: %w", pid, err)
-				}
+		// The state is asked unheld (a stopped process answers ErrStopped: stopped after its
+		// checkpoint, it was never restored onto its target), and a running process is locked
+		// before its threads are held: a thread held inside a CUDA call could keep the lock from
+		// completing.
+		st, err := d.State(pid)
+		switch {
+		case errors.Is(err, cudackpt.ErrNotCUDA):
+			return nil
+		case errors.Is(err, cudackpt.ErrStopped) || (err == nil && st == cudackpt.Checkpointed):
+			return nil // never restored onto its target: the checkpoint step's undo restores it
+		case err != nil:
+			return fmt.Errorf("move pid %d back: driver state: %w", pid, err)
+		case st == cudackpt.Running:
+			if err := d.Lock(pid, moveBackLock); err != nil {
+				return fmt.Errorf("move pid %d back: lock on its target: %w", pid, err)
 			}
+		}
+		return withHeld(d, pid, false, false, func() error {
 			if err := d.Checkpoint(pid); err != nil {
 				return fmt.Errorf("move pid %d back: checkpoint on its target: %w", pid, err)
 			}
@@ -353,11 +375,11 @@ func moveBack(d op.Driver, pids []int, pairs []cudackpt.Pair, note func(string, 
 	})
 }
 
-// UnlockStep unlocks each pid.
+// UnlockStep unlocks each pid (held: a process left stopped cannot be asked).
 func UnlockStep(d op.Driver, pids func() []int) op.Step {
 	return op.Step{Name: StepUnlock, Do: func(context.Context) error {
 		for _, pid := range pids() {
-			if err := d.Unlock(pid); err != nil {
+			if err := withHeld(d, pid, true, false, func() error { return d.Unlock(pid) }); err != nil {
 				return fmt.Errorf("unlock pid %d: %w", pid, err)
 			}
 		}

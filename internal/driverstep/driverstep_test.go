@@ -6,12 +6,18 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/cudackpt/cudackpttest"
 	"github.com/ptxmig/ptxmig/internal/op"
+	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/testproc"
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 // TestDriverStepsFailAtEveryProcess: a job of three CUDA processes goes through the driver steps
@@ -50,5 +56,64 @@ func TestDriverStepsFailAtEveryProcess(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestHeldWhenTheDriverCannotSay: on a real process whose second thread dies if it runs while the
+// fake driver has its mapping away, the driver's state query fails after each call. A checkpoint
+// that succeeded leaves the process stopped without asking; a restore whose state cannot be read
+// leaves it stopped too (the safe side), and the unlock step continues it; it survives all of it.
+func TestHeldWhenTheDriverCannotSay(t *testing.T) {
+	dir := t.TempDir()
+	bin, err := testproc.Build(dir)
+	if err != nil {
+		testreq.Skip(t, "cc", "cannot build the test program: %v", err)
+	}
+	uvm := filepath.Join(dir, "uvm")
+	if err := os.WriteFile(uvm, make([]byte, 4096), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p, err := testproc.Start(bin, filepath.Join(dir, "state"), testproc.Options{IntervalMs: 2, UVM: uvm})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Kill() })
+	d := cudackpttest.NewReal("GPU-0", nil, p.PID)
+	d.Procs[p.PID].UVM = uvm
+	transient := errors.New("transient")
+	ctx := context.Background()
+	if err := LockStep(d, []int{p.PID}, 0).Do(ctx); err != nil {
+		t.Fatal(err)
+	}
+	d.FailNext[fmt.Sprintf("state %d", p.PID)] = transient
+	if err := CheckpointStep(d, []int{p.PID}).Do(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if s := proc.ThreadState(p.PID, p.PID); s != 'T' {
+		t.Fatalf("after the checkpoint the process is in state %c, want stopped (T)", s)
+	}
+	restore := RestoreStep(d, op.Fixed([]int{p.PID}), nil, nil, false)
+	restore.Do = func(do func(context.Context) error) func(context.Context) error {
+		return func(ctx context.Context) error {
+			d.FailNext[fmt.Sprintf("state %d", p.PID)] = transient // asked after the restore
+			return do(ctx)
+		}
+	}(restore.Do)
+	if err := restore.Do(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if s := proc.ThreadState(p.PID, p.PID); s != 'T' {
+		t.Fatalf("after a restore whose state could not be read the process is in state %c, want stopped (T)", s)
+	}
+	if err := UnlockStep(d, op.Fixed([]int{p.PID})).Do(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if st := d.Get(p.PID).State; st != cudackpt.Running {
+		t.Fatalf("driver state %v, want running", st)
+	}
+	s0, _ := testproc.ReadState(p.StateFile)
+	time.Sleep(200 * time.Millisecond)
+	if s1, err := testproc.ReadState(p.StateFile); err != nil || s1.Step <= s0.Step || !testproc.Alive(p.PID) {
+		t.Fatalf("the process does not run on (alive %v, %v)", testproc.Alive(p.PID), err)
 	}
 }

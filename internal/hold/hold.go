@@ -102,7 +102,14 @@ func (h *Held) release(stop bool) error {
 	}
 	h.do(func() {
 		for _, tid := range h.tids {
-			if err := detach(tid, h.sigs[tid]); err != nil && !errors.Is(err, syscall.ESRCH) {
+			err := detach(tid, h.sigs[tid])
+			if errors.Is(err, syscall.ESRCH) && proc.ThreadState(h.pid, tid) != 0 {
+				// Seized but not in its ptrace-stop yet (a failed Threads: a thread stuck in an
+				// uninterruptible wait): wait for the stop the interrupt asked for, then detach.
+				_ = h.waitStop(tid)
+				err = detach(tid, h.sigs[tid])
+			}
+			if err != nil && !errors.Is(err, syscall.ESRCH) {
 				errs = append(errs, fmt.Errorf("detach thread %d of pid %d: %w", tid, h.pid, err))
 			}
 		}
@@ -117,6 +124,11 @@ func (h *Held) release(stop bool) error {
 	}
 	return errors.Join(errs...)
 }
+
+// The main goroutine keeps the process's main thread (Go parks a locked main thread when its
+// goroutine ends instead of ending it), so that a tracer goroutine never runs there: when it
+// ends, its OS thread ends, and the kernel detaches anything it still traced.
+func init() { runtime.LockOSThread() }
 
 // tracer runs the ptrace requests on one locked OS thread, which ends with them (a locked thread
 // that exits takes nothing of the runtime along).
@@ -142,6 +154,9 @@ func (h *Held) seizeAll() error {
 		}
 		var fresh []int
 		for _, tid := range tids {
+			if st := proc.ThreadState(h.pid, tid); st == 'Z' || st == 'X' || st == 0 {
+				continue // ended (a main thread that exited stays a zombie while the others run): nothing to hold
+			}
 			if tid != h.keep && !slices.Contains(h.tids, tid) {
 				fresh = append(fresh, tid)
 			}

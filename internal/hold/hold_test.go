@@ -2,14 +2,17 @@ package hold
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/testproc"
+	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
 // uvmProc starts a test process whose second thread reads a file mapping all the time (the
@@ -223,45 +226,58 @@ func tracerPID(t *testing.T, pid int) int {
 	return -1
 }
 
-// The held process's parent is this process, waiting for it (testproc reaps it): the ptrace-stop
-// of its main thread is reported to that wait, not to the hold's, and the hold must not hang.
+// The held process's parent is this process, and a goroutine of it waits for the process the
+// plain way (cmd.Wait): the kernel reports the main thread's ptrace-stop to that wait too, which
+// may take it first; the hold must not hang on it. (Harnesses reap with proc.WaitDead instead,
+// since cmd.Wait then returns as if the process had ended.)
 func TestThreadsParentWaits(t *testing.T) {
-	p, _ := uvmProc(t)
-	tids, _ := threads(p.PID)
+	dir := t.TempDir()
+	bin, err := testproc.Build(dir)
+	if err != nil {
+		testreq.Skip(t, "cc", "cannot build the test program: %v", err)
+	}
+	uvm := filepath.Join(dir, "uvm")
+	if err := os.WriteFile(uvm, make([]byte, 4096), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, filepath.Join(dir, "state"), "--interval-ms", "2", "--uvm", uvm)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	pid := cmd.Process.Pid
+	waited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(waited) }()
+	t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGKILL); <-waited })
+	waitThreads(t, pid, 2)
+	tids, _ := threads(pid)
 	keep := 0
 	for _, tid := range tids {
-		if tid != p.PID {
+		if tid != pid {
 			keep = tid
 		}
 	}
-	done := make(chan error, 1)
-	var h *Held
-	go func() {
-		var err error
-		h, err = Threads(p.PID, keep)
-		done <- err
-	}()
-	select {
-	case err := <-done:
-		if err != nil {
+	for i := 0; i < 20; i++ {
+		done := make(chan error, 1)
+		var h *Held
+		go func() {
+			var err error
+			h, err = Threads(pid, keep)
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("Threads hangs while the parent waits for the process (round %d)", i)
+		}
+		if got := proc.ThreadState(pid, pid); got != 't' {
+			t.Fatalf("main thread state %c, want t", got)
+		}
+		if err := h.Release(); err != nil {
 			t.Fatal(err)
 		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("Threads hangs while the parent waits for the process")
-	}
-	if got := proc.ThreadState(p.PID, p.PID); got != 't' {
-		t.Fatalf("main thread state %c, want t", got)
-	}
-	select {
-	case <-p.Exited():
-		t.Fatal("the parent's wait took the main thread's ptrace-stop for the end of the process")
-	default:
-	}
-	if err := h.Release(); err != nil {
-		t.Fatal(err)
-	}
-	if !advances(t, p) {
-		t.Fatal("the process does not run on after the release")
 	}
 }
 
@@ -315,4 +331,69 @@ func BenchmarkHold(b *testing.B) {
 			}
 		}
 	})
+}
+
+// A process whose main thread has exited (a zombie while the others run) is held all the same:
+// the zombie is skipped, not taken for a thread traced elsewhere.
+func TestThreadsZombieMain(t *testing.T) {
+	gcc, err := exec.LookPath("gcc")
+	if err != nil {
+		testreq.Skip(t, "gcc", "builds the test program: %v", err)
+	}
+	dir := t.TempDir()
+	src := filepath.Join(dir, "zmain.c")
+	if err := os.WriteFile(src, []byte(`#include <pthread.h>
+#include <time.h>
+static void *spin(void *p) { for (;;) { struct timespec ts = {0, 1000000}; nanosleep(&ts, 0); } return p; }
+int main(void) { pthread_t a, b; pthread_create(&a, 0, spin, 0); pthread_create(&b, 0, spin, 0); pthread_exit(0); }
+`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(dir, "zmain")
+	if out, err := exec.Command(gcc, "-O2", "-pthread", "-o", bin, src).CombinedOutput(); err != nil {
+		t.Fatalf("gcc: %v: %s", err, out)
+	}
+	cmd := exec.Command(bin)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	pid := cmd.Process.Pid
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = proc.WaitDead(cmd) })
+	var workers []int
+	for deadline := time.Now().Add(5 * time.Second); len(workers) < 2; time.Sleep(10 * time.Millisecond) {
+		workers = workers[:0]
+		if proc.ThreadState(pid, pid) == 'Z' {
+			tids, _ := threads(pid)
+			for _, tid := range tids {
+				if tid != pid {
+					workers = append(workers, tid)
+				}
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the main thread did not exit with two workers left")
+		}
+	}
+	h, err := Threads(pid, workers[0])
+	if err != nil {
+		t.Fatalf("hold with a zombie main thread: %v", err)
+	}
+	if got := h.Held(); len(got) != 1 || got[0] != workers[1] {
+		t.Fatalf("held %v, want the other worker %d", got, workers[1])
+	}
+	if err := h.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	h, err = Threads(pid, workers[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Release(); err != nil {
+		t.Fatal(err)
+	}
+	for _, tid := range workers {
+		if s := proc.ThreadState(pid, tid); s == 'T' || s == 't' {
+			t.Errorf("worker %d left in state %c", tid, s)
+		}
+	}
 }

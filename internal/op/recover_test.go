@@ -692,6 +692,19 @@ func jobMove(r *recoverRig, pids []int) (op.TxnSpec, []cudackpt.Pair) {
 
 const jobGPU1 = "GPU-11111111-1111-1111-1111-111111111111"
 
+// continueStopped continues a process the checkpoint step left stopped, as the driver restore
+// (which holds its threads) does before it restores it: a test that calls the fake driver itself
+// must do the same.
+func continueStopped(t *testing.T, pid int) {
+	t.Helper()
+	if err := syscall.Kill(pid, syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	for stopped(pid) {
+		time.Sleep(time.Millisecond)
+	}
+}
+
 // TestGuardianJobMigrateMidRestore: ptxmig dies in the middle of a job migrate's driver restore
 // (k of 3 ranks restored onto their target, the others still checkpointed), or right after it
 // (k = 3, one rank unlocked there too). The guardian rebuilds the restore's undo from the journal
@@ -707,6 +720,7 @@ func TestGuardianJobMigrateMidRestore(t *testing.T) {
 				t.Fatal(err)
 			}
 			for _, pid := range pids[:k] {
+				continueStopped(t, pid)
 				if err := r.drv.Restore(pid, swap); err != nil {
 					t.Fatal(err)
 				}
@@ -748,6 +762,7 @@ func TestGuardianJobMigrateDiesInItsRollback(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, pid := range pids {
+		continueStopped(t, pid)
 		if err := r.drv.Restore(pid, swap); err != nil {
 			t.Fatal(err)
 		}

@@ -55,6 +55,15 @@ func New(gpu string, visible []string, pids ...int) *Driver {
 	return d
 }
 
+// stopped is an error matching cudackpt.ErrStopped when p is a real process whose restore thread
+// (its main thread) is stopped: the driver's calls about it would never return.
+func (p *Proc) stopped(pid int) error {
+	if st := proc.ThreadState(pid, pid); (p.Real || p.UVM != "") && (st == 'T' || st == 't') {
+		return fmt.Errorf("pid %d: %w", pid, cudackpt.ErrStopped)
+	}
+	return nil
+}
+
 // NewReal is New for real processes (Proc.Real): ptxmig holds their threads as with the driver.
 func NewReal(gpu string, visible []string, pids ...int) *Driver {
 	d := New(gpu, visible, pids...)
@@ -80,6 +89,9 @@ func (d *Driver) call(name string, pid int) (*Proc, error) {
 	p, ok := d.Procs[pid]
 	if !ok {
 		return nil, cudackpt.ErrNotCUDA
+	}
+	if err := p.stopped(pid); err != nil {
+		return nil, fmt.Errorf("%s: %w", name, err) // the driver's call would never return
 	}
 	for _, k := range []string{fmt.Sprintf("%s %d", name, pid), name} {
 		if err, ok := d.FailNext[k]; ok {
@@ -117,8 +129,8 @@ func (d *Driver) State(pid int) (cudackpt.State, error) {
 	if !ok {
 		return 0, cudackpt.ErrNotCUDA
 	}
-	if st := proc.ThreadState(pid, pid); (p.Real || p.UVM != "") && (st == 'T' || st == 't') {
-		return 0, fmt.Errorf("pid %d: %w", pid, cudackpt.ErrStopped) // as the driver: its restore thread cannot answer
+	if err := p.stopped(pid); err != nil {
+		return 0, err // as cudackpt.Driver.State, which does not ask the driver then
 	}
 	if err, ok := d.FailNext[fmt.Sprintf("state %d", pid)]; ok {
 		delete(d.FailNext, fmt.Sprintf("state %d", pid))
