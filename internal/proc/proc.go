@@ -415,7 +415,9 @@ func reap(pids []int) {
 			}
 			if s.Zombie() && s.PPID == self {
 				var ws syscall.WaitStatus
-				_, _ = syscall.Wait4(pid, &ws, syscall.WNOHANG, nil)
+				if wpid, err := syscall.Wait4(pid, &ws, syscall.WNOHANG, nil); wpid == 0 && err == nil {
+					pending = true // a zombie main thread whose other threads are still exiting
+				}
 				continue
 			}
 			if s.Zombie() {
