@@ -200,8 +200,24 @@ func TestFakeDriverSteps(t *testing.T) {
 		{name: "leave running, store fails", leaveRunning: true, hookFail: checkpoint.StepStore, wantErr: true,
 			wantCalls: []string{"lock", "checkpoint", "restore", "unlock"}},
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
+	// Streamed (the default), and staged (--no-stream: CRIU's own --leave-running keeps a process
+	// that was stopped before the dump stopped after it).
+	for _, staged := range []bool{false, true} {
+		for _, tt := range tests {
+			if staged {
+				tt.name += ", staged"
+			}
+			t.Run(tt.name, func(t *testing.T) {
+				fakeDriverCase(t, staged, tt.leaveRunning, tt.driverFail, tt.hookFail, tt.wantCalls, tt.wantErr, injected)
+			})
+		}
+	}
+}
+
+func fakeDriverCase(t *testing.T, staged, leaveRunning bool, driverFail, hookFail string, wantCalls []string, wantErr bool, injected error) {
+	t.Helper()
+	{
+		{
 			f := setup(t)
 			uvm := filepath.Join(f.dir, "uvm")
 			if err := os.WriteFile(uvm, make([]byte, 4096), 0o600); err != nil {
@@ -217,30 +233,30 @@ func TestFakeDriverSteps(t *testing.T) {
 			drv.Procs[p.PID].UVM = uvm
 			f.env.Driver, f.env.DriverErr = drv, nil
 			f.env.UsesCUDA = func(pid int) (bool, error) { return pid == p.PID, nil }
-			if tt.driverFail != "" {
-				drv.FailNext[tt.driverFail] = injected
+			if driverFail != "" {
+				drv.FailNext[driverFail] = injected
 			}
 			f.env.Hook = func(_ context.Context, step string) error {
-				if step == tt.hookFail {
+				if step == hookFail {
 					return injected
 				}
 				return nil
 			}
-			res, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, Name: "fake", LeaveRunning: tt.leaveRunning, StagingRoot: f.stage})
-			if !tt.leaveRunning && !tt.wantErr {
+			res, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: p.PID, Name: "fake", LeaveRunning: leaveRunning, StagingRoot: f.stage, NoStream: staged})
+			if !leaveRunning && !wantErr {
 				select {
 				case <-p.Exited():
 				case <-time.After(10 * time.Second):
 					t.Fatal("the checkpointed process did not end")
 				}
 			}
-			if (err != nil) != tt.wantErr {
-				t.Fatalf("err = %v, wantErr %v", err, tt.wantErr)
+			if (err != nil) != wantErr {
+				t.Fatalf("err = %v, wantErr %v", err, wantErr)
 			}
-			if !reflect.DeepEqual(drv.Calls, tt.wantCalls) {
-				t.Errorf("driver calls %q, want %q", drv.Calls, tt.wantCalls)
+			if !reflect.DeepEqual(drv.Calls, wantCalls) {
+				t.Errorf("driver calls %q, want %q", drv.Calls, wantCalls)
 			}
-			if tt.wantErr || tt.leaveRunning {
+			if wantErr || leaveRunning {
 				if st := drv.Get(p.PID).State; st != cudackpt.Running {
 					t.Errorf("driver state %v after the checkpoint, want running", st)
 				}
@@ -255,7 +271,7 @@ func TestFakeDriverSteps(t *testing.T) {
 			atDump, _ := testproc.ReadState(p.StateFile)
 			// A failed driver restore kills the restored process and leaves the image intact.
 			drv.FailNext["restore"] = injected
-			_, err = restore.Run(context.Background(), f.env, restore.Options{Image: "fake", StagingRoot: f.stage})
+			_, err = restore.Run(context.Background(), f.env, restore.Options{Image: "fake", StagingRoot: f.stage, NoStream: staged})
 			var fl *op.Failure
 			if !errors.As(err, &fl) || !fl.RolledBack() || testproc.Alive(p.PID) {
 				t.Fatalf("failed driver restore: err %v, alive %v; want rolled back, nothing running", err, testproc.Alive(p.PID))
@@ -266,7 +282,7 @@ func TestFakeDriverSteps(t *testing.T) {
 				t.Errorf("driver state %v after restore, want running", st)
 			}
 			advancesExactly(t, p.StateFile, m, atDump.Step, 5)
-		})
+		}
 	}
 }
 
