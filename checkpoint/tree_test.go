@@ -219,18 +219,14 @@ func fakeDriverCase(t *testing.T, staged, leaveRunning bool, driverFail, hookFai
 	{
 		{
 			f := setup(t)
-			uvm := filepath.Join(f.dir, "uvm")
-			if err := os.WriteFile(uvm, make([]byte, 4096), 0o600); err != nil {
-				t.Fatal(err)
-			}
-			p, err := testproc.Start(f.bin, filepath.Join(f.dir, "state"), testproc.Options{MiB: 2, IntervalMs: 5, UVM: uvm})
+			p, err := testproc.StartUVM(f.bin, f.dir, testproc.Options{MiB: 2, IntervalMs: 5})
 			if err != nil {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { _ = p.Kill() })
 			m := testproc.NewModel(2)
 			drv := cudackpttest.NewReal("GPU-00000000-0000-0000-0000-000000000000", nil, p.PID)
-			drv.Procs[p.PID].UVM = uvm
+			drv.Procs[p.PID].UVM = p.UVM
 			f.env.Driver, f.env.DriverErr = drv, nil
 			f.env.UsesCUDA = func(pid int) (bool, error) { return pid == p.PID, nil }
 			if driverFail != "" {

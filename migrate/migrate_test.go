@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"reflect"
@@ -75,7 +74,7 @@ func TestMigrateRollback(t *testing.T) {
 				if real {
 					p = uvmProc(t, bin, berr)
 					pid, d = p.PID, cudackpttest.New(u0, []string{u0, u1}, p.PID)
-					d.Procs[pid].UVM = filepath.Join(filepath.Dir(p.StateFile), "uvm")
+					d.Procs[pid].UVM = p.UVM
 				}
 				migrateCase(t, d, pid, p, tt.pairs, tt.fail, tt.wantGPU, tt.wantCalls, tt.wantErr, oom)
 			})
@@ -89,12 +88,7 @@ func uvmProc(t *testing.T, bin string, berr error) *testproc.Proc {
 	if berr != nil {
 		testreq.Skip(t, "cc", "cannot build the test program: %v", berr)
 	}
-	dir := t.TempDir()
-	uvm := filepath.Join(dir, "uvm")
-	if err := os.WriteFile(uvm, make([]byte, 4096), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	p, err := testproc.Start(bin, filepath.Join(dir, "state"), testproc.Options{IntervalMs: 2, UVM: uvm})
+	p, err := testproc.StartUVM(bin, t.TempDir(), testproc.Options{IntervalMs: 2})
 	if err != nil {
 		t.Fatal(err)
 	}

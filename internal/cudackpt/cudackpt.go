@@ -382,7 +382,7 @@ func (d *Driver) State(pid int) (State, error) {
 		return 0, err
 	}
 	if tid, err := d.RestoreThreadID(pid); err == nil {
-		if s := proc.ThreadState(pid, tid); s == 'T' || s == 't' {
+		if proc.ThreadStopped(pid, tid) {
 			return 0, fmt.Errorf("pid %d: %w", pid, ErrStopped)
 		}
 	}

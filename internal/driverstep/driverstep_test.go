@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"os"
-	"path/filepath"
 	"slices"
 	"testing"
 	"time"
@@ -69,17 +67,13 @@ func TestHeldWhenTheDriverCannotSay(t *testing.T) {
 	if err != nil {
 		testreq.Skip(t, "cc", "cannot build the test program: %v", err)
 	}
-	uvm := filepath.Join(dir, "uvm")
-	if err := os.WriteFile(uvm, make([]byte, 4096), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	p, err := testproc.Start(bin, filepath.Join(dir, "state"), testproc.Options{IntervalMs: 2, UVM: uvm})
+	p, err := testproc.StartUVM(bin, dir, testproc.Options{IntervalMs: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = p.Kill() })
 	d := cudackpttest.NewReal("GPU-0", nil, p.PID)
-	d.Procs[p.PID].UVM = uvm
+	d.Procs[p.PID].UVM = p.UVM
 	transient := errors.New("transient")
 	ctx := context.Background()
 	if err := LockStep(d, []int{p.PID}, 0).Do(ctx); err != nil {

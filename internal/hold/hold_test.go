@@ -24,17 +24,13 @@ func uvmProc(t *testing.T) (*testproc.Proc, string) {
 	if err != nil {
 		t.Fatalf("build the test process: %v", err)
 	}
-	uvm := filepath.Join(dir, "uvm")
-	if err := os.WriteFile(uvm, make([]byte, 4096), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	p, err := testproc.Start(bin, filepath.Join(dir, "state"), testproc.Options{IntervalMs: 2, UVM: uvm})
+	p, err := testproc.StartUVM(bin, dir, testproc.Options{IntervalMs: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = p.Kill() })
 	waitThreads(t, p.PID, 2)
-	return p, uvm
+	return p, p.UVM
 }
 
 func waitThreads(t *testing.T, pid, n int) {
@@ -57,7 +53,7 @@ func unmap(t *testing.T, uvm string, d time.Duration) {
 		t.Fatal(err)
 	}
 	time.Sleep(d)
-	if err := os.Truncate(uvm, 4096); err != nil {
+	if err := os.Truncate(uvm, testproc.UVMSize); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -166,7 +162,7 @@ func TestStopThenThreads(t *testing.T) {
 	if !advances(t, p) {
 		t.Fatal("the kept thread does not run after a stop")
 	}
-	if err := os.Truncate(uvm, 4096); err != nil {
+	if err := os.Truncate(uvm, testproc.UVMSize); err != nil {
 		t.Fatal(err)
 	}
 	if err := h.Release(); err != nil {
@@ -236,8 +232,8 @@ func TestThreadsParentWaits(t *testing.T) {
 	if err != nil {
 		testreq.Skip(t, "cc", "cannot build the test program: %v", err)
 	}
-	uvm := filepath.Join(dir, "uvm")
-	if err := os.WriteFile(uvm, make([]byte, 4096), 0o600); err != nil {
+	uvm, err := testproc.MakeUVM(dir)
+	if err != nil {
 		t.Fatal(err)
 	}
 	cmd := exec.Command(bin, filepath.Join(dir, "state"), "--interval-ms", "2", "--uvm", uvm)

@@ -153,6 +153,13 @@ func ThreadState(pid, tid int) byte {
 	return s.State
 }
 
+// ThreadStopped reports whether thread tid of pid is stopped (a group-stop, or a tracer's stop), as
+// Stat.Stopped does for a process.
+func ThreadStopped(pid, tid int) bool {
+	s := ThreadState(pid, tid)
+	return s == 'T' || s == 't'
+}
+
 // Exists reports whether /proc/PID exists (a zombie exists).
 func Exists(pid int) bool {
 	_, err := os.Stat(filepath.Join(Root, strconv.Itoa(pid)))

@@ -82,10 +82,31 @@ func (o Options) args(state string) []string {
 	return a
 }
 
+// UVMSize is the size of an Options.UVM file: what the test process maps and its thread reads.
+const UVMSize = 4096
+
+// MakeUVM creates dir/uvm, a file for Options.UVM, and returns its path.
+func MakeUVM(dir string) (string, error) {
+	path := filepath.Join(dir, "uvm")
+	return path, os.WriteFile(path, make([]byte, UVMSize), 0o600)
+}
+
+// StartUVM starts bin as Start does, with its state file and a fresh UVM file (MakeUVM) in dir:
+// a process with a thread that dies if it runs while the file's pages are gone.
+func StartUVM(bin, dir string, o Options) (*Proc, error) {
+	uvm, err := MakeUVM(dir)
+	if err != nil {
+		return nil, err
+	}
+	o.UVM = uvm
+	return Start(bin, filepath.Join(dir, "state"), o)
+}
+
 // Proc is a started test process.
 type Proc struct {
 	PID       int
 	StateFile string
+	UVM       string // Options.UVM
 	MiB       int
 	cmd       *exec.Cmd
 	exited    chan struct{}
@@ -119,7 +140,7 @@ func Start(bin, stateFile string, o Options) (*Proc, error) {
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start %s: %w", bin, err)
 	}
-	p := &Proc{PID: cmd.Process.Pid, StateFile: stateFile, MiB: o.MiB, cmd: cmd, exited: make(chan struct{})}
+	p := &Proc{PID: cmd.Process.Pid, StateFile: stateFile, UVM: o.UVM, MiB: o.MiB, cmd: cmd, exited: make(chan struct{})}
 	go func() { _ = proc.WaitDead(cmd); close(p.exited) }()
 	if _, err := WaitState(stateFile, func(s State) bool { return s.PID == p.PID }, 10*time.Second); err != nil {
 		_ = p.Kill()

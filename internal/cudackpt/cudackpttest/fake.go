@@ -13,6 +13,7 @@ import (
 
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/testproc"
 )
 
 // ErrInvalidValue is what driver 580 answers to pairs that are not a bijection over the
@@ -25,7 +26,7 @@ type Proc struct {
 	GPU   string // UUID of the GPU it runs on
 	// UVM, when set, makes the process a real one that stands for a CUDA process whose threads
 	// touch the driver's mappings (testproc's --uvm FILE): the fake names its main thread as the
-	// restore thread, truncates UVM at the checkpoint and gives it back its 4096 bytes at the
+	// restore thread, truncates UVM at the checkpoint and gives it back its testproc.UVMSize bytes at the
 	// restore, so a thread of it that runs in between dies of SIGBUS.
 	UVM string
 	// Real marks a real process (UVM set implies it): the fake names its main thread as the
@@ -58,7 +59,7 @@ func New(gpu string, visible []string, pids ...int) *Driver {
 // stopped is an error matching cudackpt.ErrStopped when p is a real process whose restore thread
 // (its main thread) is stopped: the driver's calls about it would never return.
 func (p *Proc) stopped(pid int) error {
-	if st := proc.ThreadState(pid, pid); (p.Real || p.UVM != "") && (st == 'T' || st == 't') {
+	if (p.Real || p.UVM != "") && proc.ThreadStopped(pid, pid) {
 		return fmt.Errorf("pid %d: %w", pid, cudackpt.ErrStopped)
 	}
 	return nil
@@ -201,7 +202,7 @@ func (d *Driver) Restore(pid int, pairs []cudackpt.Pair) error {
 	p.State = cudackpt.Locked
 	if p.UVM != "" {
 		time.Sleep(uvmCallTime)
-		return os.Truncate(p.UVM, 4096)
+		return os.Truncate(p.UVM, testproc.UVMSize)
 	}
 	return nil
 }
