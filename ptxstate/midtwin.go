@@ -450,7 +450,11 @@ func (p *midPlan) vote(id int, barID string, aligned bool, L func(string) string
 		"@" + qV + " setp.lt.u32 \t" + qV + ", " + mA + ", " + mB + ";",
 		"@" + qV + " st.shared.u32 \t" + shAt(shRec) + ", " + mA + ";",
 		red + " \t" + qStop + ", " + barID + ", " + qV + ";",
-		fmt.Sprintf("@%s ld.volatile.global.u32 \t%s, %s;", pLead, rFlag, ctlAt(CtlOffPreempt)),
+		"// warp 0 loads the flag (the leader's copy is used): a load by the leader alone would leave",
+		"// warp 0 split for the rest of the body",
+		"@" + pWarp0 + " ld.param.u64 \t" + rCtl + ", [" + CtlParam + "];",
+		"@" + pWarp0 + " cvta.to.global.u64 \t" + rCtl + ", " + rCtl + ";",
+		fmt.Sprintf("@%s ld.volatile.global.u32 \t%s, %s;", pWarp0, rFlag, ctlAt(CtlOffPreempt)),
 		"@" + qStop + " bra.uni \t" + L(fmt.Sprintf("sv%d", id)) + ";",
 	}
 }

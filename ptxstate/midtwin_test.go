@@ -175,6 +175,10 @@ func TestMidBlockReducible(t *testing.T) {
 			}
 			if strings.HasSuffix(it.Func.Name, TwinSuffix) {
 				twins++
+				if line, ok := leaderReachesBody(g); !ok {
+					t.Errorf("%s %s: the leader-only instruction at line %d reaches the original body without a CTA barrier (warp 0 would run it split)",
+						path, it.Func.Name, line)
+				}
 			}
 		}
 	}

@@ -156,6 +156,7 @@ const (
 	pFits32 = "%ptxmig_p3"
 	pOneDim = "%ptxmig_p4"
 	pS      = "%ptxmig_p5"
+	pWarp0  = "%ptxmig_p6" // the thread is in warp 0 (linear %tid < 32): warp-uniform
 	rF      = "%ptxmig_f0" // leader: claim size arithmetic
 	rF2     = "%ptxmig_f1"
 )
@@ -269,8 +270,12 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan, twinName
 			"cvt.rpi.u32.f32 \t"+rAddr+", "+rF2+";",
 		)
 		if mayDefer {
+			// Also deferred: every claim of one-block claims (batch_max 1, blocks long enough
+			// that one makes a batch): made when the CTA is ready for it, on a fresh flag.
 			emit(
+				"ld.shared.v2.u32 \t{"+rTmp+", "+rTmp2+"}, "+shAt(shMin)+";",
 				"setp.le.u32 \t"+pS+", "+rAddr+", 1;",
+				"setp.eq.or.u32 \t"+pS+", "+rTmp2+", 1, "+pS+";",
 				"@"+pS+" mov.u64 \t"+rPend+", -2;",
 				"@"+pS+" bra \t"+L("noclaim"+id)+";",
 			)
@@ -292,7 +297,7 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan, twinName
 	}
 	emit(
 		"// ptxmig: preemptible persistent-thread scheduler (docs/PTXSTATE.md)",
-		".reg .pred \t%ptxmig_p<6>;",
+		".reg .pred \t%ptxmig_p<7>;",
 		".reg .b32 \t%ptxmig_r<14>;",
 		".reg .b64 \t%ptxmig_rd<8>;",
 		".reg .f32 \t%ptxmig_f<2>;",
@@ -315,6 +320,17 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan, twinName
 		"mov.u32 \t"+rTmp2+", %tid.z;",
 		"or.b32 \t"+rTmp+", "+rTmp+", "+rTmp2+";",
 		"setp.eq.u32 \t"+pLead+", "+rTmp+", 0;",
+		"// warp 0: linear thread index (x fastest) below 32",
+		"mov.u32 \t"+rTmp+", %tid.z;",
+		"mov.u32 \t"+rTmp2+", %ntid.y;",
+		"mul.lo.u32 \t"+rTmp+", "+rTmp+", "+rTmp2+";",
+		"mov.u32 \t"+rTmp2+", %tid.y;",
+		"add.u32 \t"+rTmp+", "+rTmp+", "+rTmp2+";",
+		"mov.u32 \t"+rTmp2+", %ntid.x;",
+		"mul.lo.u32 \t"+rTmp+", "+rTmp+", "+rTmp2+";",
+		"mov.u32 \t"+rTmp2+", %tid.x;",
+		"add.u32 \t"+rTmp+", "+rTmp+", "+rTmp2+";",
+		"setp.lt.u32 \t"+pWarp0+", "+rTmp+", 32;",
 		"mov.u32 \t"+rPar+", 0;",
 		"mov.u32 \t"+rSlot+", "+slotName+";",
 	)
@@ -372,6 +388,10 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan, twinName
 		"@"+pT+" bra \t"+L("ready")+";",
 	)
 	emit(loadCtl...)
+	emit(
+		"// on the flag as it is now: a deferred claim decides whether the CTA runs another block",
+		fmt.Sprintf("ld.volatile.global.u32 \t%s, %s;", rFlag, ctlAt(CtlOffPreempt)),
+	)
 	claim("2", false)
 	emit(
 		L("ready")+":",
@@ -455,9 +475,10 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan, twinName
 		emit(blockDispatch(L))
 	}
 	emit(
-		"// leader: read the flag during the batch's last block, for the next claim decision;",
-		"// predicated, not branched around: no divergent branch between the barrier and the body",
-		"setp.eq.and.u32 \t"+pT+", "+rCnt+", 1, "+pLead+";",
+		"// warp 0 reads the flag during the batch's last block, for the leader's next claim decision",
+		"// (the leader's copy is used): a load by the leader alone would split warp 0 for the whole",
+		"// body, as ptxas makes the predicated load a branch; the guard is warp-uniform",
+		"setp.eq.and.u32 \t"+pT+", "+rCnt+", 1, "+pWarp0+";",
 		"@"+pT+" ld.param.u64 \t"+rCtl+", ["+CtlParam+"];",
 		"@"+pT+" cvta.to.global.u64 \t"+rCtl+", "+rCtl+";",
 		fmt.Sprintf("@%s ld.volatile.global.u32 \t%s, %s;", pT, rFlag, ctlAt(CtlOffPreempt)),

@@ -69,7 +69,7 @@ if [ -d "$dist/gputest/ptxstate" ]; then
   mkdir -p "$dist/gputest/ptxstate/public"
   cp ptxstate/testdata/public/*.ptx "$dist/gputest/ptxstate/public/"
 fi
-for b in scripts/bench-*.sh scripts/probe-*.sh scripts/probe-*.c scripts/cuckpt.c scripts/dlsymlog.c; do [ -e "$b" ] && cp "$b" "$dist/bench/"; done
+for b in scripts/bench-*.sh scripts/probe-*.sh scripts/probe-*.c scripts/probe-*.ptx scripts/cuckpt.c scripts/dlsymlog.c; do [ -e "$b" ] && cp "$b" "$dist/bench/"; done
 cp scripts/gpu-e2e.sh "$dist/"
 if [ -n "${PTXMIG_CUDA_SAMPLES:-}" ]; then
   cs=$PTXMIG_CUDA_SAMPLES

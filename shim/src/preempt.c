@@ -565,8 +565,9 @@ static double block_us_of(krec *r, uint64_t resident) {
 
 // batch_max_for: the twin's largest claim. PTXMIG_PREEMPT_BATCH_MAX when set; else from the
 // kernel's sampled time per block so that one batch lasts about BATCH_TARGET_US (a CTA runs up to
-// ~2 batches after the flag is raised), 1 to PTXMIG_BATCH_MAX_DEFAULT; the default when the
-// kernel was never timed.
+// ~2 batches after the flag is raised; with one-block claims only the block in progress, as the
+// twin then claims nothing ahead), 1 to PTXMIG_BATCH_MAX_DEFAULT; the default when the kernel was
+// never timed.
 #define BATCH_TARGET_US 1000.0
 static uint32_t batch_max_for(krec *r, uint64_t resident) {
   if (cfg.preempt_batch_max) return cfg.preempt_batch_max;
@@ -842,10 +843,10 @@ int twin_launch(launch_tok *t, int kind, CUfunction f, const unsigned g[3], cons
   // auto (PTXMIG_MID_BLOCK=auto): the kernel's second, mid-block twin where its block twin could
   // not stop in time. A grid that fits in one wave of resident blocks gives each block-twin CTA one
   // block, which it cannot cut short; and a block expected to run longer than half
-  // PTXMIG_PREEMPT_MIN_US holds a block twin's stop for up to two blocks once timed (the one
-  // running, the one claimed ahead). A block's expected time: from the sample with the largest
-  // time per block (block_us_of), grown by how much the launch's count arguments exceed that
-  // sample's (a loop bound raised 10x: blocks 10x longer). One
+  // PTXMIG_PREEMPT_MIN_US holds a block twin's stop for the rest of the block running once timed
+  // (one-block claims: nothing claimed ahead). A block's expected time: from the sample with the
+  // largest time per block (block_us_of), grown by how much the launch's count arguments exceed
+  // that sample's (a loop bound raised 10x: blocks 10x longer). One
   // wave is judged by the mid twin's own occupancy (it holds more registers), so such a launch
   // still runs in one wave; a grid that is one wave for the block twin only gets the mid twin when
   // its blocks are long (two waves, but stoppable), else the block twin (and under auto the
