@@ -183,7 +183,7 @@ func buildSteps(env *op.Env, p *Plan, sink imageSink, images string, tr *treeTra
 			// no rank's collective kernel waits for one already locked.
 			steps = append(steps, qs.AlignStep(p.CUDAPIDs, o.LockTimeout))
 		}
-		steps = append(steps, qs.QuiesceStep(p.CUDAPIDs), qs.SaveMemoryStep(sink.Memory, prevMemory(env)),
+		steps = append(steps, qs.QuiesceStep(p.CUDAPIDs), qs.SaveMemoryStep(p.CUDAPIDs, sink.Memory, prevMemory(env)),
 			qs.ExplainLock(driverstep.LockStep(d, p.CUDAPIDs, o.LockTimeout)), qs.DetachStep(), driverstep.CheckpointStep(d, p.CUDAPIDs))
 	}
 	criuRan := false // CRIU started: it has touched the tree, whatever it did then

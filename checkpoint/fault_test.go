@@ -602,32 +602,41 @@ func killedAt(before map[string]bool) string {
 func (r *faultRig) stopAfter(t *testing.T, step string, args ...string) {
 	t.Helper()
 	cmd := exec.Command(r.bin, append([]string{"--store", r.f.st.Dir()}, args...)...)
-	cmd.Env = append(os.Environ(), op.FaultStopAfter+"="+step)
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
+	exited, _ := startStopped(t, cmd, step, 30*time.Second)
+	_ = cmd.Process.Signal(syscall.SIGKILL)
+	<-exited
+	r.settle(t)
+}
+
+// startStopped starts cmd (its environment, or os.Environ() when unset, plus op.FaultStopAfter
+// naming step) and waits up to within for it to stop itself after that step. It returns a
+// channel closed once cmd has exited (reaped), and cmd's output so far (stdout and stderr).
+func startStopped(t *testing.T, cmd *exec.Cmd, step string, within time.Duration) (<-chan struct{}, *bytes.Buffer) {
+	t.Helper()
+	if cmd.Env == nil {
+		cmd.Env = os.Environ()
+	}
+	cmd.Env = append(cmd.Env, op.FaultStopAfter+"="+step)
+	out := &bytes.Buffer{}
+	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	exited := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(exited) }()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	for deadline := time.Now().Add(within); ; time.Sleep(2 * time.Millisecond) {
 		if s, err := proc.ReadStat(cmd.Process.Pid); err == nil && s.Stopped() {
-			break
+			return exited, out
 		}
 		select {
 		case <-exited:
-			t.Fatalf("ptxmig exited before stopping after %s:\n%s", step, out.String())
+			t.Fatalf("%s exited before stopping after %s:\n%s", filepath.Base(cmd.Path), step, out.String())
 		default:
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("ptxmig did not stop after %s", step)
+			t.Fatalf("%s did not stop after %s within %s", filepath.Base(cmd.Path), step, within)
 		}
-		time.Sleep(2 * time.Millisecond)
 	}
-	_ = cmd.Process.Signal(syscall.SIGKILL)
-	<-exited
-	r.settle(t)
 }
 
 // TestGuardianAfterEachStep kills ptxmig right after each step of a checkpoint and of a restore

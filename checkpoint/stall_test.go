@@ -244,28 +244,8 @@ func TestCgroupKillThenRecover(t *testing.T) {
 	defer cg.Close()
 	p, m := r.f.startMiB(t, "state", 4)
 	cmd := exec.Command(r.bin, "--store", r.f.st.Dir(), "checkpoint", "--name", "killed", strconv.Itoa(p.PID))
-	cmd.Env = append(os.Environ(), op.FaultStopAfter+"="+checkpoint.StepDump)
 	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(cg.Fd())}
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(exited) }()
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(2 * time.Millisecond) {
-		if s, err := proc.ReadStat(cmd.Process.Pid); err == nil && s.Stopped() {
-			break
-		}
-		select {
-		case <-exited:
-			t.Fatalf("ptxmig exited before stopping after the dump:\n%s", out.String())
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("ptxmig did not stop after the dump")
-		}
-	}
+	exited, _ := startStopped(t, cmd, checkpoint.StepDump, 30*time.Second)
 	members, _ := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
 	if n := len(strings.Fields(string(members))); n < 2 {
 		t.Fatalf("the cgroup holds %d processes (%q); want ptxmig and its guardian", n, members)

@@ -44,7 +44,13 @@ func (in *Ingest) WriteFile(ctx context.Context, path string, w io.Writer) (int6
 		return 0, fmt.Errorf("ingest %s: read %s: not added", in.m.Name, path)
 	}
 	in.inflight.Wait()
-	staged := in.pw.stage.lookup()
+	return in.s.writeChunks(ctx, "ingest "+in.m.Name, path, f.chunks, in.pw.stage.lookup(), w)
+}
+
+// writeChunks writes a file's chunks, in order, to w: each chunk is read from its staged temp
+// file (staged, by hash) or from the store's chunk files, decoded and checked against its hash,
+// several chunks at once. what names the source in errors.
+func (s *Store) writeChunks(ctx context.Context, what, path string, chunks []*Chunk, staged map[ChunkID]string, w io.Writer) (int64, error) {
 	workers := min(runtime.NumCPU(), 8)
 	dec, err := newDecoder(workers)
 	if err != nil {
@@ -70,7 +76,7 @@ func (in *Ingest) WriteFile(ctx context.Context, path string, w io.Writer) (int6
 	next := make(chan int)
 	go func() {
 		defer close(next)
-		for i := range f.chunks {
+		for i := range chunks {
 			select {
 			case next <- i:
 			case <-ctx.Done():
@@ -91,7 +97,7 @@ func (in *Ingest) WriteFile(ctx context.Context, path string, w io.Writer) (int6
 				case <-ctx.Done():
 					return
 				}
-				ch := f.chunks[i]
+				ch := chunks[i]
 				var err error
 				if ch.Zero {
 					buf = append(buf[:0], make([]byte, ch.Size)...)
@@ -99,7 +105,7 @@ func (in *Ingest) WriteFile(ctx context.Context, path string, w io.Writer) (int6
 					if tmp, ok := staged[ch.Hash]; ok {
 						file, err = readFileInto(tmp, ch.Size, file)
 					} else {
-						file, err = in.s.readChunkFile(ch.Hash, ch.Size, file)
+						file, err = s.readChunkFile(ch.Hash, ch.Size, file)
 					}
 					if err == nil {
 						buf, scratch, err = dec.decode(file, ch.Hash, buf, scratch)
@@ -108,7 +114,7 @@ func (in *Ingest) WriteFile(ctx context.Context, path string, w io.Writer) (int6
 						err = fmt.Errorf("%w: chunk %s holds %d bytes, listed with %d", ErrCorrupt, ch.Hash, len(buf), ch.Size)
 					}
 					if err != nil {
-						err = fmt.Errorf("ingest %s: read %s at offset %d: %w", in.m.Name, path, ch.Offset, err)
+						err = fmt.Errorf("%s: read %s at offset %d: %w", what, path, ch.Offset, err)
 					}
 				}
 				slots[i%window] <- result{buf, err}
@@ -118,7 +124,7 @@ func (in *Ingest) WriteFile(ctx context.Context, path string, w io.Writer) (int6
 	defer wg.Wait()
 	defer cancel()
 	var n int64
-	for i := range f.chunks {
+	for i := range chunks {
 		var r result
 		select {
 		case r = <-slots[i%window]:

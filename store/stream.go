@@ -7,6 +7,7 @@ import (
 	"io"
 	"io/fs"
 	"log/slog"
+	"os"
 	"sort"
 	"strings"
 	"sync"
@@ -61,7 +62,8 @@ type Ingest struct {
 	mu       sync.Mutex
 	err      error // the first failure
 	files    map[string]*ingestFile
-	active   int // AddFile calls running
+	rescues  []string // rescue records written (WriteRescue), removed by Close
+	active   int      // AddFile calls running
 	state    ingestState
 	closed   bool
 }
@@ -507,6 +509,12 @@ func (in *Ingest) Close() {
 		}
 	}
 	in.pw.stage.close() // removes what was staged unless Commit published it
+	in.mu.Lock()
+	for _, p := range in.rescues { // the writer is alive to the end: nothing to rescue
+		_ = os.Remove(p)
+	}
+	in.rescues = nil
+	in.mu.Unlock()
 	in.lk.unlock()
 }
 

@@ -2,6 +2,7 @@ package shimstep
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
@@ -11,6 +12,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/devmem"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
+	"github.com/ptxmig/ptxmig/store"
 )
 
 // Step names of the owned-memory steps (processes whose shim owns device memory only).
@@ -47,11 +49,83 @@ type OwnedMemory struct {
 // is left to the driver, as any device memory).
 type MemorySink func(ctx context.Context) (devmem.Sink, devmem.Source, error)
 
-// SaveMemoryStep, after the quiesce: for every quiesced process whose shim owns device memory,
-// copy it into the image (chunks unchanged since prev's image by reference) and release its
-// physical memory. Its undo loads the memory back from what was stored and ends the session,
-// so that the quiesce's undo can resume the process.
-func (p *Preemption) SaveMemoryStep(sink MemorySink, prev func(pid int, instance string) *devmem.Prev) op.Step {
+// rescuer is a memory sink that leaves a rescue record (store.Ingest.WriteRescue): written
+// before the release, it is how a recovery finds the memory's only copy, the sink's staged
+// chunks, when ptxmig died before the image committed.
+type rescuer interface {
+	WriteRescue(key string, meta []byte, paths []string) error
+}
+
+// KindSaveMemory is the save step's kind (see op.Kind): its journal data is the pids. After a
+// crash its undo loads back the memory of every recorded process whose shim holds it released,
+// from the rescue record the step left in the store, so that the quiesce's undo can resume it.
+const KindSaveMemory = "shim.save-memory"
+
+func init() {
+	op.RegisterKind(op.Kind{ID: KindSaveMemory, Rebuild: func(r *op.Rec, data json.RawMessage) (op.Recovery, error) {
+		var x pidsData
+		if err := json.Unmarshal(data, &x); err != nil {
+			return op.Recovery{}, err
+		}
+		return op.Recovery{Undo: func(ctx context.Context) error {
+			return loadRescued(ctx, r.Header.Store, r.Header.Image, r.Alive(x.PIDs), r.Note)
+		}}, nil
+	}})
+}
+
+// loadRescued loads the owned memory of each of pids whose shim reports it released back from
+// the rescue records of image in the store at dir (a recovery, after ptxmig died).
+func loadRescued(ctx context.Context, dir, image string, pids []int, note func(string, ...any)) error {
+	var errs []error
+	var st *store.Store
+	for _, pid := range pids {
+		c, err := dial(ctx, pid)
+		if err != nil {
+			if !errors.Is(err, shimctl.ErrNoShim) {
+				errs = append(errs, fmt.Errorf("owned memory of pid %d: %w", pid, err))
+			}
+			continue
+		}
+		err = func() error {
+			defer c.Close()
+			ms, err := memStatus(ctx, c)
+			if err != nil || !ms.Released {
+				return nil // an older shim, or its memory is in place: nothing to load
+			}
+			if st == nil {
+				if st, err = store.Open(dir); err != nil {
+					return fmt.Errorf("owned memory of pid %d is released and its copy is in store %s: %w", pid, dir, err)
+				}
+			}
+			src, err := st.ReadRescue(ctx, image, store.RescueKey(pid))
+			if err != nil {
+				return fmt.Errorf("owned memory of pid %d is released; its rescue record: %w", pid, err)
+			}
+			defer src.Close()
+			x, err := devmem.ReadIndex(ctx, src, func(string) bool { return true }, pid)
+			if err == nil {
+				_, err = loadInto(ctx, c, x, src)
+			}
+			if err != nil {
+				return fmt.Errorf("owned memory of pid %d: load it back from the rescue record: %w", pid, err)
+			}
+			note("pid %d: loaded its owned device memory back (%d bytes) from the uncommitted image's rescue record", pid, x.Bytes())
+			return nil
+		}()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%w; the process stays held", err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// SaveMemoryStep, after the quiesce of pids: for every quiesced process whose shim owns device
+// memory, copy it into the image (chunks unchanged since prev's image by reference), leave a
+// rescue record of that copy in the store (the step fails if the sink has one and cannot write
+// it), and release its physical memory. Its undo loads the memory back from what was stored
+// and ends the session, so that the quiesce's undo can resume the process; after a crash, the
+// rebuilt undo loads it from the rescue record (KindSaveMemory).
+func (p *Preemption) SaveMemoryStep(pids []int, sink MemorySink, prev func(pid int, instance string) *devmem.Prev) op.Step {
 	var src devmem.Source
 	saved := map[int]*devmem.Index{}
 	var undo func(ctx context.Context) error
@@ -84,6 +158,17 @@ func (p *Preemption) SaveMemoryStep(sink MemorySink, prev func(pid int, instance
 				return err
 			}
 			saved[pid] = x // from here on a rollback loads it back (if the release happened)
+			if rs, ok := s.(rescuer); ok {
+				paths := []string{devmem.IndexName(pid)}
+				for _, rg := range x.Regions {
+					paths = append(paths, rg.File)
+				}
+				if err := rs.WriteRescue(store.RescueKey(pid), nil, paths); err != nil {
+					// Without it a ptxmig killed before the commit could not give the memory back:
+					// not released, and the checkpoint fails (its memory was not touched).
+					return fmt.Errorf("owned memory of pid %d: %w", pid, err)
+				}
+			}
 			t0 := time.Now()
 			rctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 			_, err = c.MemRelease(rctx)
@@ -120,7 +205,7 @@ func (p *Preemption) SaveMemoryStep(sink MemorySink, prev func(pid int, instance
 		}
 		return errors.Join(errs...)
 	}
-	return op.Step{Name: StepSaveMemory, Undo: undo,
+	return op.Step{Name: StepSaveMemory, Kind: KindSaveMemory, Data: pidsData{PIDs: pids}, Undo: undo,
 		// A failure after some processes' memory was released loads theirs back here: the
 		// transaction does not undo the step that failed.
 		Do: func(ctx context.Context) error {

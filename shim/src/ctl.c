@@ -286,8 +286,12 @@ static void conn_close(conn *c) {
     }
     if (preempt_state() == 1 && vmm_released()) {
       // Resuming now would run kernels on memory that is not there: stay held until a ptxmig
-      // (a rollback, `ptxmig recover`) loads it and resumes.
-      shim_log("lease connection closed while owned memory is released: the process stays held");
+      // (the guardian's rollback, `ptxmig recover`) loads it and resumes. Detached, as after a
+      // restore, so that the connection of that ptxmig may load it (handle_mem).
+      jbuf b = {0};
+      preempt_detach(&b);
+      free(b.p);
+      shim_log("lease connection closed while owned memory is released: the process stays held (detached)");
     } else if (preempt_state() == 1) {  // quiesced and not detached: the client went away
       jbuf b = {0};
       preempt_resume(&b);

@@ -1,0 +1,166 @@
+package store
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+)
+
+// TestRescue: a rescue record serves the files it names, byte for byte, from the ingest's staged
+// chunks, from chunks of the store that the ingest deduplicated, and zero chunks; it outlives the
+// ingest's writer (the ingest is never closed here, as when ptxmig is killed) and goes with
+// Close. A record that lies is refused with ErrCorrupt before anything is read.
+func TestRescue(t *testing.T) {
+	s := openTestStore(t)
+	ctx := context.Background()
+	rng := rand.New(rand.NewPCG(7, 8))
+	old := make([]byte, 3*DefaultChunkSize)
+	for i := range old {
+		old[i] = byte(rng.Uint32())
+	}
+	// A committed image holds old's chunks: the ingest below finds them there (not staged).
+	in0, err := s.NewIngest(ctx, PutOptions{Name: "before"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := in0.AddFile("mem", 0o600, bytes.NewReader(old)); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := in0.Commit(Metadata{}); err != nil {
+		t.Fatal(err)
+	}
+	in0.Close()
+
+	fresh := make([]byte, 2*DefaultChunkSize+12345)
+	for i := range fresh {
+		fresh[i] = byte(rng.Uint32())
+	}
+	mixed := append(append(append([]byte{}, old[:DefaultChunkSize]...), make([]byte, DefaultChunkSize)...), fresh[:DefaultChunkSize]...)
+	in, err := s.NewIngest(ctx, PutOptions{Name: "ckpt"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(in.Close)
+	for name, b := range map[string][]byte{"gpu-1.mem": fresh, "gpu-2.mem": mixed, "empty.mem": nil, "other": []byte("not rescued")} {
+		if _, err := in.AddFile(name, 0o600, bytes.NewReader(b)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := in.WriteRescue(RescueKey(42), []byte(`{"index":1}`), []string{"gpu-1.mem", "gpu-2.mem", "empty.mem"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := in.WriteRescue("bad/key", nil, nil); err == nil {
+		t.Error("a key with a slash was accepted")
+	}
+	if err := in.WriteRescue("k", nil, []string{"missing"}); err == nil {
+		t.Error("a file the ingest does not have was accepted")
+	}
+
+	r, err := s.ReadRescue(ctx, "ckpt", RescueKey(42))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(r.Meta) != `{"index":1}` {
+		t.Errorf("meta %q", r.Meta)
+	}
+	for name, want := range map[string][]byte{"gpu-1.mem": fresh, "gpu-2.mem": mixed, "empty.mem": nil} {
+		var b bytes.Buffer
+		if n, err := r.WriteFile(ctx, name, &b); err != nil || n != int64(len(want)) || !bytes.Equal(b.Bytes(), want) {
+			t.Errorf("%s: %d bytes, err %v; want its %d bytes back", name, n, err, len(want))
+		}
+	}
+	if _, err := r.WriteFile(ctx, "other", io.Discard); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a file the record does not name: %v, want ErrNotExist", err)
+	}
+	r.Close()
+
+	// Lies in the record: each refused by ReadRescue.
+	path := s.rescuePath("ckpt", RescueKey(42))
+	orig, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec rescueRecord
+	if err := json.Unmarshal(orig, &rec); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name string
+		edit func(r *rescueRecord)
+	}{
+		{"staged outside tmp", func(r *rescueRecord) { r.Files[0].Chunks[0].Staged = "../chunks/x" }},
+		{"staged name not a temp chunk", func(r *rescueRecord) { r.Files[0].Chunks[0].Staged = "rescue-ckpt.pid-42.json" }},
+		{"chunk too large", func(r *rescueRecord) { r.Files[0].Chunks[0].Size = MaxChunkSize + 1 }},
+		{"chunk of no bytes", func(r *rescueRecord) { r.Files[0].Chunks[0].Size = 0 }},
+		{"another image's record", func(r *rescueRecord) { r.Image = "before" }},
+		{"file listed twice", func(r *rescueRecord) { r.Files[1].Path = r.Files[0].Path }},
+		{"another version", func(r *rescueRecord) { r.Version = 9 }},
+	} {
+		x := rec
+		x.Files = append([]rescueFile(nil), rec.Files...)
+		for i := range x.Files {
+			x.Files[i].Chunks = append([]rescueChunk(nil), rec.Files[i].Chunks...)
+		}
+		c.edit(&x)
+		b, _ := json.Marshal(x)
+		if err := os.WriteFile(path, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if r, err := s.ReadRescue(ctx, "ckpt", RescueKey(42)); !errors.Is(err, ErrCorrupt) {
+			if r != nil {
+				r.Close()
+			}
+			t.Errorf("%s: err %v, want ErrCorrupt", c.name, err)
+		}
+	}
+	// A record whose staged chunk was changed on disk: refused by the chunk's hash when read.
+	if err := os.WriteFile(path, orig, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	staged := filepath.Join(s.tmpDir(), rec.Files[0].Chunks[0].Staged)
+	if rec.Files[0].Chunks[0].Staged == "" {
+		t.Fatal("the fresh file's first chunk is not staged")
+	}
+	good, _ := os.ReadFile(staged)
+	bad := append([]byte{}, good...)
+	bad[len(bad)-1] ^= 0xff
+	if err := os.WriteFile(staged, bad, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := s.ReadRescue(ctx, "ckpt", RescueKey(42)); err != nil {
+		t.Fatal(err)
+	} else {
+		if _, err := r.WriteFile(ctx, "gpu-1.mem", io.Discard); err == nil {
+			t.Error("a damaged staged chunk was served")
+		}
+		r.Close()
+	}
+	_ = os.WriteFile(staged, good, 0o600)
+	// Never through a symbolic link.
+	if err := os.Rename(path, path+".real"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(path+".real", path); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.ReadRescue(ctx, "ckpt", RescueKey(42)); !errors.Is(err, syscall.ELOOP) {
+		t.Errorf("a record behind a symbolic link: %v, want ELOOP (never followed)", err)
+	}
+	_ = os.Remove(path)
+	if err := os.Rename(path+".real", path); err != nil {
+		t.Fatal(err)
+	}
+
+	// The ingest's Close removes the record with the staged chunks.
+	in.Close()
+	if _, err := s.ReadRescue(ctx, "ckpt", RescueKey(42)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("after Close: %v, want ErrNotExist", err)
+	}
+}
