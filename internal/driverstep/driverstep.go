@@ -233,6 +233,7 @@ func LockStep(d op.Driver, pids []int, timeout time.Duration) op.Step {
 	undo := func(pids []int) error { return unlockLocked(d, pids, nil) }
 	return op.Step{Name: StepLock, Kind: KindLock, Data: pidsData{PIDs: pids},
 		Do: func(context.Context) error {
+			go hold.Prewarm() // the checkpoint's hold then finds its holder started
 			return eachDo(pids, func(pid int) error {
 				if err := d.Lock(pid, timeout); err != nil {
 					return fmt.Errorf("lock pid %d: %w", pid, err)

@@ -9,11 +9,20 @@
 // lock does not prevent it: it blocks CUDA calls, not loads and stores. CRIU's own CUDA plugin
 // keeps the process frozen except for that thread for the same reason.
 //
-// Threads seizes every other thread with ptrace (PTRACE_SEIZE + PTRACE_INTERRUPT) and wakes the
-// process if it was stopped, so that only the driver's thread runs. After the driver's checkpoint,
-// Stop leaves the whole process in a group-stop (SIGSTOP) without a tracer, so that CRIU can
-// seize and dump it and the process still cannot run; CRIU keeps a stopped process stopped, after
-// a dump and after a restore. Before the driver's restore, Threads again, and Release after it.
+// Threads has a holder process (holder.go) seize every other thread with ptrace (PTRACE_SEIZE +
+// PTRACE_INTERRUPT) and wake the process if it was stopped, so that only the driver's thread
+// runs. After the driver's checkpoint, Stop leaves the whole process in a group-stop (SIGSTOP)
+// without a tracer, so that CRIU can seize and dump it and the process still cannot run; CRIU
+// keeps a stopped process stopped, after a dump and after a restore. Before the driver's restore,
+// Threads again, and Release after it. The holder outlives ptxmig: if ptxmig dies while the
+// threads are held (in the middle of a driver call), the holder stops the process instead of
+// letting the threads go, and the guardian takes it from there.
+//
+// The tracer is not ptxmig because of what a dying tracer does: the kernel detaches its tracees,
+// which then run. Nor can the process simply be kept in a group-stop while the driver's thread
+// runs: a thread seized with PTRACE_SEIZE that is continued while the group-stop is in effect is
+// trapped again at once (measured on Linux 6.18: it stayed traced-stopped), and one attached with
+// PTRACE_ATTACH runs but cannot be interrupted (PTRACE_INTERRUPT is for seized threads).
 package hold
 
 import (
@@ -35,9 +44,10 @@ import (
 // stopTimeout bounds the wait for the process to reach a group-stop, or to leave it.
 const stopTimeout = 5 * time.Second
 
-// Held is a process whose threads but one are seized. Its methods are not safe for concurrent
-// use; every ptrace request runs on one OS thread (the kernel ties a tracee to its tracer thread).
-type Held struct {
+// local is a process whose threads but one are seized by this process (the holder). Its methods
+// are not safe for concurrent use; every ptrace request runs on one OS thread (the kernel ties a
+// tracee to its tracer thread).
+type local struct {
 	pid, keep int
 	tids      []int       // seized, in order
 	sigs      map[int]int // a signal a thread was stopped with, to deliver again at detach
@@ -45,18 +55,19 @@ type Held struct {
 	done      bool
 }
 
-// Threads seizes every thread of pid except keep (the driver's restore thread) and returns once
-// each of them is stopped; a process in a group-stop is continued, so that keep runs while the
-// others stay stopped under ptrace. A thread created meanwhile is seized too. On error nothing
-// stays seized and the process is as it was (a stopped process is stopped again).
-func Threads(pid, keep int) (*Held, error) {
+// holdHere seizes every thread of pid except keep (the driver's restore thread) from this
+// process and returns once each of them is stopped; a process in a group-stop is continued, so
+// that keep runs while the others stay stopped under ptrace. A thread created meanwhile is seized
+// too. On error nothing stays seized and the process is as it was (a stopped process is stopped
+// again).
+func holdHere(pid, keep int) (*local, error) {
 	if pid <= 0 || keep <= 0 {
 		return nil, fmt.Errorf("hold pid %d: bad thread %d", pid, keep)
 	}
 	if _, err := os.Stat(taskDir(pid, keep)); err != nil {
 		return nil, fmt.Errorf("hold pid %d: the driver's thread %d: %w", pid, keep, err)
 	}
-	h := &Held{pid: pid, keep: keep, sigs: map[int]int{}, calls: make(chan func())}
+	h := &local{pid: pid, keep: keep, sigs: map[int]int{}, calls: make(chan func())}
 	go h.tracer()
 	wasStopped := stopped(pid, keep)
 	var err error
@@ -74,20 +85,7 @@ func Threads(pid, keep int) (*Held, error) {
 	return h, nil
 }
 
-// Held reports the threads seized (for reports and tests).
-func (h *Held) Held() []int { return slices.Clone(h.tids) }
-
-// Release lets every thread run again (the process runs, unless it is stopped by a signal that
-// arrived meanwhile).
-func (h *Held) Release() error { return h.release(false) }
-
-// Stop puts the whole process in a group-stop (SIGSTOP), waits until keep has stopped, and then
-// lets go of the seized threads, which stop at once without running (the group-stop is in effect
-// when they are detached). The process stays stopped, with no tracer, until a SIGCONT (Threads
-// sends one).
-func (h *Held) Stop() error { return h.release(true) }
-
-func (h *Held) release(stop bool) error {
+func (h *local) release(stop bool) error {
 	if h.done {
 		return nil
 	}
@@ -132,21 +130,21 @@ func init() { runtime.LockOSThread() }
 
 // tracer runs the ptrace requests on one locked OS thread, which ends with them (a locked thread
 // that exits takes nothing of the runtime along).
-func (h *Held) tracer() {
+func (h *local) tracer() {
 	runtime.LockOSThread()
 	for f := range h.calls {
 		f()
 	}
 }
 
-func (h *Held) do(f func()) {
+func (h *local) do(f func()) {
 	done := make(chan struct{})
 	h.calls <- func() { f(); close(done) }
 	<-done
 }
 
 // seizeAll seizes and stops the threads of the process until no thread is left unseized.
-func (h *Held) seizeAll() error {
+func (h *local) seizeAll() error {
 	for round := 0; ; round++ {
 		tids, err := threads(h.pid)
 		if err != nil {
@@ -196,7 +194,7 @@ func (h *Held) seizeAll() error {
 // It never blocks in wait4: another thread of this process that waits for the process (its
 // parent's Wait, as in tests that start the process themselves) may take the status first, and a
 // blocking wait would then never return.
-func (h *Held) waitStop(tid int) error {
+func (h *local) waitStop(tid int) error {
 	deadline := time.Now().Add(stopTimeout)
 	for {
 		if done, err := h.takeStatus(tid); done || err != nil {
@@ -217,7 +215,7 @@ func (h *Held) waitStop(tid int) error {
 }
 
 // takeStatus takes tid's wait status without blocking: done when it reported a stop or its end.
-func (h *Held) takeStatus(tid int) (done bool, err error) {
+func (h *local) takeStatus(tid int) (done bool, err error) {
 	var ws syscall.WaitStatus
 	for {
 		wpid, err := syscall.Wait4(tid, &ws, unix.WALL|unix.WNOHANG, nil)

@@ -1,6 +1,8 @@
 package hold
 
 import (
+	"bufio"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -299,8 +301,26 @@ func BenchmarkHold(b *testing.B) {
 			b.Fatal("the test process did not start its threads")
 		}
 	}
+	// Holds in an operation are a driver call apart: the holder Threads starts for the next hold
+	// is ready by then. Each iteration waits for it outside the timing.
+	ready := func(b *testing.B) {
+		b.StopTimer()
+		Prewarm()
+		for {
+			spareMu.Lock()
+			h := spare
+			spareMu.Unlock()
+			if h != nil {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+		time.Sleep(20 * time.Millisecond) // its runtime started and waiting for the order
+		b.StartTimer()
+	}
 	b.Run("threads+release", func(b *testing.B) {
 		for i := 0; i < b.N; i++ {
+			ready(b)
 			h, err := Threads(p.PID, p.PID)
 			if err != nil {
 				b.Fatal(err)
@@ -310,13 +330,27 @@ func BenchmarkHold(b *testing.B) {
 			}
 		}
 	})
+	// The same hold from this process (no holder): the baseline of the holder's cost.
+	b.Run("threads+release-in-process", func(b *testing.B) {
+		for i := 0; i < b.N; i++ {
+			h, err := holdHere(p.PID, p.PID)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := h.release(false); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
 	b.Run("checkpoint-cycle", func(b *testing.B) {
 		for i := 0; i < b.N; i++ {
+			ready(b)
 			h, err := Threads(p.PID, p.PID)
 			if err == nil {
 				err = h.Stop()
 			}
 			if err == nil {
+				ready(b)
 				h, err = Threads(p.PID, p.PID)
 			}
 			if err == nil {
@@ -392,4 +426,116 @@ int main(void) { pthread_t a, b; pthread_create(&a, 0, spin, 0); pthread_create(
 			t.Errorf("worker %d left in state %c", tid, s)
 		}
 	}
+}
+
+// The holder outlives whoever asked for the hold: when its orders end without one (ptxmig died,
+// here in the middle of the driver's checkpoint: the mapping is gone), it leaves the process
+// stopped, with no tracer, every thread alive; the signals a terminal or a service manager sends
+// ptxmig's job do not end it meanwhile. A later hold (the guardian's restore) and its release let
+// the process run on.
+func TestHolderStopsWhenPtxmigGoes(t *testing.T) {
+	p, uvm := uvmProc(t)
+	h, err := Threads(p.PID, p.PID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(uvm, 0); err != nil { // the driver's checkpoint, under way
+		t.Fatal(err)
+	}
+	for _, sig := range []syscall.Signal{syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP} {
+		_ = syscall.Kill(h.hp.cmd.Process.Pid, sig)
+	}
+	time.Sleep(50 * time.Millisecond)
+	if got := states(p.PID); strings.Trim(got[1:], "t") != "" {
+		t.Fatalf("after SIGINT, SIGTERM and SIGHUP to the holder: thread states %q, want the others still held (t)", got)
+	}
+	_ = h.hp.in.Close() // ptxmig is gone: no order will come
+	if err := h.hp.cmd.Wait(); err == nil {
+		t.Error("the holder exited 0 without an order")
+	}
+	if got := states(p.PID); strings.Trim(got, "T") != "" {
+		t.Fatalf("after ptxmig went away: thread states %q, want every thread stopped (T)", got)
+	}
+	if tracer := tracerPID(t, p.PID); tracer != 0 {
+		t.Fatalf("pid %d is still traced by %d", p.PID, tracer)
+	}
+	if advances(t, p) || !testproc.Alive(p.PID) {
+		t.Fatalf("pid %d runs, or died, while the mapping is gone", p.PID)
+	}
+	h, err = Threads(p.PID, p.PID) // the guardian restores it
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(uvm, testproc.UVMSize); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Release(); err != nil {
+		t.Fatal(err)
+	}
+	if !advances(t, p) || strings.ContainsAny(states(p.PID), "tT") {
+		t.Fatalf("pid %d does not run on (states %q)", p.PID, states(p.PID))
+	}
+}
+
+// The same with ptxmig SIGKILLed: a process of its own (this test binary again) holds the
+// threads and is killed while they are held and the mapping is gone.
+func TestHolderStopsWhenPtxmigIsKilled(t *testing.T) {
+	if os.Getenv("HOLD_TEST_CHILD") != "" {
+		return // the child's side runs in TestMain
+	}
+	p, uvm := uvmProc(t)
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "HOLD_TEST_CHILD="+strconv.Itoa(p.PID))
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil || line != "held\n" {
+		_ = cmd.Process.Kill()
+		t.Fatalf("the holding child said %q (%v)", line, err)
+	}
+	if err := os.Truncate(uvm, 0); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Process.Kill()
+	_ = cmd.Wait()
+	for deadline := time.Now().Add(5 * time.Second); strings.Trim(states(p.PID), "T") != "" || tracerPID(t, p.PID) != 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("after ptxmig was killed: thread states %q, tracer %d; want every thread stopped, untraced", states(p.PID), tracerPID(t, p.PID))
+		}
+	}
+	if advances(t, p) || !testproc.Alive(p.PID) {
+		t.Fatalf("pid %d runs, or died, while the mapping is gone", p.PID)
+	}
+	if err := os.Truncate(uvm, testproc.UVMSize); err != nil {
+		t.Fatal(err)
+	}
+	h, err := Threads(p.PID, p.PID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Release(); err != nil {
+		t.Fatal(err)
+	}
+	if !advances(t, p) {
+		t.Fatalf("pid %d does not run on (states %q)", p.PID, states(p.PID))
+	}
+}
+
+func TestMain(m *testing.M) {
+	if s := os.Getenv("HOLD_TEST_CHILD"); s != "" {
+		// The stand-in for ptxmig in TestHolderStopsWhenPtxmigIsKilled: hold, say so, wait to be killed.
+		pid, _ := strconv.Atoi(s)
+		if _, err := Threads(pid, pid); err != nil {
+			fmt.Println("error", err)
+			os.Exit(1)
+		}
+		fmt.Println("held")
+		time.Sleep(time.Hour)
+	}
+	os.Exit(m.Run())
 }
