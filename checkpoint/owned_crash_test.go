@@ -2,6 +2,7 @@ package checkpoint_test
 
 import (
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"os"
@@ -112,6 +113,9 @@ func TestOwnedMemoryCrashAfterRelease(t *testing.T) {
 	a.waitSteps(t, 5) // running again, every region checked by the app each step
 	if st := memStatus(t, a.pid); st.Released {
 		t.Fatalf("after the recovery: shim %+v", st)
+	}
+	if _, err := f.st.ReadRescue(context.Background(), "crash", store.RescueKey(a.pid)); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the rescue record after the recovery that used it: %v, want it removed", err)
 	}
 	// The next checkpoint works as ever.
 	if _, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: a.pid, Name: "after", LeaveRunning: true, StagingRoot: f.stage}); err != nil {

@@ -729,7 +729,8 @@ func irreducibleEdges(g *CFG) []string {
 }
 
 // leaderReachesBody reports the first instruction guarded by the leader's predicate (pLead, or a
-// predicate computed from it in the same straight run of code) from which the original body can be
+// predicate computed from it in the same basic block: one computed in another block is not
+// followed, a limit of this check) from which the original body can be
 // reached without passing a CTA barrier, or that lies inside the body with no barrier after it
 // in its straight run of code. Such a guard is a branch
 // in ptxas' output (a predicated load is one too): lane 0 leaves the rest of warp 0, and nothing

@@ -86,12 +86,21 @@ func (s *Store) GC(ctx context.Context) (*GCStats, error) {
 		}
 	}
 	st := &GCStats{Images: len(ms)}
-	// Under the exclusive lock nobody is writing: every temp file is left over.
+	// Rescue records of writers that died (docs/FORMAT.md) stay until a recovery has used them,
+	// with the staged files and the chunks they name: they may hold a process's only copy.
+	records, staged, rescued := s.rescuesInTmp()
+	for id := range rescued {
+		live[id] = true
+	}
+	// Under the exclusive lock nobody is writing: every other temp file is left over.
 	tmps, err := os.ReadDir(s.tmpDir())
 	if err != nil {
 		return nil, fmt.Errorf("gc: %w", err)
 	}
 	for _, e := range tmps {
+		if records[e.Name()] || staged[e.Name()] {
+			continue
+		}
 		if err := os.RemoveAll(filepath.Join(s.tmpDir(), e.Name())); err != nil {
 			return nil, fmt.Errorf("gc: %w", err)
 		}

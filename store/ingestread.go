@@ -3,6 +3,7 @@ package store
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -104,6 +105,11 @@ func (s *Store) writeChunks(ctx context.Context, what, path string, chunks []*Ch
 				} else {
 					if tmp, ok := staged[ch.Hash]; ok {
 						file, err = readFileInto(tmp, ch.Size, file)
+						if errors.Is(err, os.ErrNotExist) {
+							// Renamed into chunks/ by a commit that did not finish (a rescue
+							// record's writer killed in Commit): read it there.
+							file, err = s.readChunkFile(ch.Hash, ch.Size, file)
+						}
 					} else {
 						file, err = s.readChunkFile(ch.Hash, ch.Size, file)
 					}
@@ -146,7 +152,9 @@ func (s *Store) writeChunks(ctx context.Context, what, path string, chunks []*Ch
 
 // readFileInto reads a staged chunk file (at most a header and size bytes) into buf.
 func readFileInto(path string, size int, buf []byte) ([]byte, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_NOFOLLOW, 0)
+	// O_NONBLOCK: a FIFO put in its place is refused below, not waited on (reads of a regular
+	// file ignore the flag).
+	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
 	if err != nil {
 		return buf, err
 	}

@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -20,8 +21,9 @@ import (
 // committed or closed it: a checkpoint that stored a process's owned device memory and released
 // it, then was killed, leaves the memory's only copy in its ingest's staged chunks. The record
 // lists those files' chunks (staged temp files by name, or the store's chunk files) and the
-// caller's own data (Meta); it lives in the store's tmp/ directory, so it goes with the staged
-// chunks it names: Close of the ingest removes both, and gc removes what a dead writer left.
+// caller's own data (Meta); it lives in the store's tmp/ directory with the staged chunks it
+// names: Close of the ingest removes both; gc keeps a record that reads, with the staged files
+// and the chunks it needs, until the recovery that used it removes it (Rescued.Remove).
 
 // rescueVersion is the format version of a rescue record.
 const rescueVersion = 1
@@ -131,6 +133,7 @@ type Rescued struct {
 	lk    *lock
 	Meta  []byte
 	name  string
+	path  string
 	files map[string][]*Chunk
 	stage map[ChunkID]string
 }
@@ -157,11 +160,16 @@ func (s *Store) ReadRescue(ctx context.Context, image, key string) (*Rescued, er
 
 func (s *Store) readRescue(image, key string) (*Rescued, error) {
 	path := s.rescuePath(image, key)
-	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_NOFOLLOW, 0)
+	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
+	if fi, err := f.Stat(); err != nil {
+		return nil, err
+	} else if !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("%w: rescue record %s is not a regular file (%s)", ErrCorrupt, path, fi.Mode().Type())
+	}
 	b, err := io.ReadAll(io.LimitReader(f, maxRescueBytes+1))
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", path, err)
@@ -179,7 +187,7 @@ func (s *Store) readRescue(image, key string) (*Rescued, error) {
 	if rec.Version != rescueVersion || rec.Image != image || rec.Key != key {
 		return nil, bad("version %d of image %q, key %q; want version %d of %q, %q", rec.Version, rec.Image, rec.Key, rescueVersion, image, key)
 	}
-	r := &Rescued{s: s, Meta: rec.Meta, name: image + "." + key, files: map[string][]*Chunk{}, stage: map[ChunkID]string{}}
+	r := &Rescued{s: s, Meta: rec.Meta, name: image + "." + key, path: path, files: map[string][]*Chunk{}, stage: map[ChunkID]string{}}
 	for _, rf := range rec.Files {
 		if rf.Path == "" || strings.ContainsRune(rf.Path, 0) || r.files[rf.Path] != nil {
 			return nil, bad("file %q: empty, or listed twice", rf.Path)
@@ -214,6 +222,78 @@ func (r *Rescued) WriteFile(ctx context.Context, path string, w io.Writer) (int6
 		return 0, fmt.Errorf("rescue %s: read %s: %w", r.name, path, os.ErrNotExist)
 	}
 	return r.s.writeChunks(ctx, "rescue "+r.name, path, chunks, r.stage, w)
+}
+
+// Remove deletes the record (its staged chunks are left to gc): the caller has what it rescued,
+// or nothing is left to rescue it for.
+func (r *Rescued) Remove() error {
+	if err := os.Remove(r.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// RemoveRescue deletes the rescue record of image under key, if there is one.
+func (s *Store) RemoveRescue(image, key string) error {
+	if err := checkRescueName(image, key); err != nil {
+		return fmt.Errorf("rescue: %w", err)
+	}
+	if err := os.Remove(s.rescuePath(image, key)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// rescuesInTmp reads every rescue record in tmp/ for gc: the staged files they name (base names)
+// and the chunks they need, which gc keeps. A record that does not read is not kept (nor is
+// anything it would name): it could not serve a recovery.
+func (s *Store) rescuesInTmp() (records, staged map[string]bool, chunks map[ChunkID]bool) {
+	records, staged, chunks = map[string]bool{}, map[string]bool{}, map[ChunkID]bool{}
+	ents, err := os.ReadDir(s.tmpDir())
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		rest, ok := strings.CutPrefix(e.Name(), "rescue-")
+		if !ok || !e.Type().IsRegular() {
+			continue
+		}
+		rest, ok = strings.CutSuffix(rest, ".json")
+		if !ok {
+			continue
+		}
+		// NAME.KEY: both may hold dots; the record itself says which split is its own.
+		var r *Rescued
+		for i := strings.IndexByte(rest, '.'); i > 0 && r == nil; i = nextDot(rest, i) {
+			if checkRescueName(rest[:i], rest[i+1:]) == nil {
+				r, _ = s.readRescue(rest[:i], rest[i+1:])
+			}
+		}
+		if r == nil {
+			continue
+		}
+		records[e.Name()] = true
+		for _, chunks2 := range r.files {
+			for _, c := range chunks2 {
+				if !c.Zero {
+					chunks[c.Hash] = true
+				}
+			}
+		}
+		for _, p := range r.stage {
+			staged[filepath.Base(p)] = true
+		}
+	}
+	return
+}
+
+// nextDot is the index of the next '.' in s after i, or -1.
+func nextDot(s string, i int) int {
+	j := strings.IndexByte(s[i+1:], '.')
+	if j < 0 {
+		return -1
+	}
+	return i + 1 + j
 }
 
 // Close releases the store lock.

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"syscall"
 	"testing"
+	"time"
 )
 
 // TestRescue: a rescue record serves the files it names, byte for byte, from the ingest's staged
@@ -163,4 +164,117 @@ func TestRescue(t *testing.T) {
 	if _, err := s.ReadRescue(ctx, "ckpt", RescueKey(42)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("after Close: %v, want ErrNotExist", err)
 	}
+}
+
+// rescued writes an ingest of image "ckpt" holding file "m" (data) with a rescue record under
+// RescueKey(1), and returns the ingest and the record as written.
+func rescued(t *testing.T, s *Store, data []byte) (*Ingest, rescueRecord) {
+	t.Helper()
+	in, err := s.NewIngest(context.Background(), PutOptions{Name: "ckpt"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := in.AddFile("m", 0o600, bytes.NewReader(data)); err != nil {
+		t.Fatal(err)
+	}
+	if err := in.WriteRescue(RescueKey(1), nil, []string{"m"}); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(s.rescuePath("ckpt", RescueKey(1)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec rescueRecord
+	if err := json.Unmarshal(b, &rec); err != nil {
+		t.Fatal(err)
+	}
+	if rec.Files[0].Chunks[0].Staged == "" {
+		t.Fatal("the first chunk is not staged")
+	}
+	return in, rec
+}
+
+// TestRescueEdges: a FIFO in place of the record or of a staged chunk is refused at once (never
+// waited on, with the store lock held); a writer killed in Commit after its staged chunks were
+// published into chunks/ still has its files served; gc keeps a record, its staged chunks and
+// the chunks it needs until the record is removed (after the recovery that used it).
+func TestRescueEdges(t *testing.T) {
+	ctx := context.Background()
+	data := make([]byte, 3*DefaultChunkSize)
+	for i := range data {
+		data[i] = byte(i*7>>3 + i>>20)
+	}
+	read := func(s *Store) ([]byte, error) {
+		r, err := s.ReadRescue(ctx, "ckpt", RescueKey(1))
+		if err != nil {
+			return nil, err
+		}
+		defer r.Close()
+		var b bytes.Buffer
+		_, err = r.WriteFile(ctx, "m", &b)
+		return b.Bytes(), err
+	}
+	t.Run("fifo record", func(t *testing.T) {
+		s := openTestStore(t)
+		if err := syscall.Mkfifo(s.rescuePath("ckpt", RescueKey(1)), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		var err error
+		within(t, 5*time.Second, "ReadRescue of a FIFO", func() { _, err = read(s) })
+		if !errors.Is(err, ErrCorrupt) {
+			t.Fatalf("err %v, want ErrCorrupt", err)
+		}
+	})
+	t.Run("fifo staged chunk", func(t *testing.T) {
+		s := openTestStore(t)
+		in, rec := rescued(t, s, data)
+		defer in.Close()
+		p := filepath.Join(s.tmpDir(), rec.Files[0].Chunks[0].Staged)
+		if err := os.Remove(p); err != nil {
+			t.Fatal(err)
+		}
+		if err := syscall.Mkfifo(p, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		var err error
+		within(t, 5*time.Second, "a FIFO staged chunk", func() { _, err = read(s) })
+		if err == nil {
+			t.Fatal("a FIFO was served as a chunk")
+		}
+	})
+	t.Run("killed in commit", func(t *testing.T) {
+		s := openTestStore(t)
+		in, _ := rescued(t, s, data)
+		defer in.Close()
+		if err := in.pw.stage.commit(); err != nil { // Commit's renames; the writer dies before the manifest
+			t.Fatal(err)
+		}
+		if _, err := s.Get("ckpt"); err == nil {
+			t.Fatal("the image committed")
+		}
+		if got, err := read(s); err != nil || !bytes.Equal(got, data) {
+			t.Fatalf("%d bytes, err %v; want the file from chunks/", len(got), err)
+		}
+	})
+	t.Run("gc keeps it", func(t *testing.T) {
+		s := openTestStore(t)
+		in, _ := rescued(t, s, data)
+		in.lk.unlock() // the writer is killed: nothing closed, its lock gone
+		st, err := s.GC(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, err := read(s); err != nil || !bytes.Equal(got, data) {
+			t.Fatalf("after gc (%+v): %d bytes, err %v; want the rescued file whole", st, len(got), err)
+		}
+		if err := s.RemoveRescue("ckpt", RescueKey(1)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.GC(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if ents, _ := os.ReadDir(s.tmpDir()); len(ents) != 0 {
+			t.Fatalf("tmp/ after the record went and gc ran: %d entries", len(ents))
+		}
+	})
 }

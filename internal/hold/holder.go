@@ -87,7 +87,7 @@ func Threads(pid, keep int) (*Held, error) {
 	}
 	rest, err := hp.reply("held")
 	if err != nil {
-		hp.kill() // holds nothing: its hold failed, or it never answered
+		hp.abandon() // its hold failed (it holds nothing), or it never answered
 		return nil, fmt.Errorf("hold pid %d: %w", pid, err)
 	}
 	h := &Held{pid: pid, hp: hp}
@@ -172,6 +172,24 @@ func (hp *holderProc) kill() {
 	_ = hp.cmd.Wait()
 }
 
+// abandonWait bounds the wait for a holder told to go (its orders closed) before it is killed.
+const abandonWait = 15 * time.Second
+
+// abandon ends a holder that may still hold (it did not answer): its orders close, so that if it
+// holds it stops the process and lets go, as if ptxmig had died; it is killed only if it has not
+// ended after abandonWait (a kill while it holds would let the threads run).
+func (hp *holderProc) abandon() {
+	_ = hp.in.Close()
+	done := make(chan struct{})
+	go func() { _ = hp.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(abandonWait):
+		_ = hp.cmd.Process.Kill()
+		<-done
+	}
+}
+
 // Held reports the threads seized (for reports and tests).
 func (h *Held) Held() []int { return slices.Clone(h.tids) }
 
@@ -195,7 +213,7 @@ func (h *Held) order(what string) error {
 		_, err = h.hp.reply("ok")
 	}
 	if err != nil {
-		h.hp.kill() // what it did is in err; it holds nothing now, or never will again
+		h.hp.abandon() // what it did is in err
 		return fmt.Errorf("%s pid %d: %w", what, h.pid, err)
 	}
 	putHolder(h.hp)

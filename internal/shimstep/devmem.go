@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"os"
 	"slices"
 	"time"
 
@@ -68,55 +69,75 @@ func init() {
 			return op.Recovery{}, err
 		}
 		return op.Recovery{Undo: func(ctx context.Context) error {
-			return loadRescued(ctx, r.Header.Store, r.Header.Image, r.Alive(x.PIDs), r.Note)
+			return loadRescued(ctx, r.Header.Store, r.Header.Image, x.PIDs, r.Alive(x.PIDs), r.Note)
 		}}, nil
 	}})
 }
 
-// loadRescued loads the owned memory of each of pids whose shim reports it released back from
-// the rescue records of image in the store at dir (a recovery, after ptxmig died).
-func loadRescued(ctx context.Context, dir, image string, pids []int, note func(string, ...any)) error {
+// loadRescued loads the owned memory of each of alive (those of all still running as
+// themselves) whose shim reports it released back from the rescue records of image in the store
+// at dir (a recovery, after ptxmig died), and removes the records no process needs any more: the
+// ones used, and those of processes gone or not released. A record whose load failed stays.
+func loadRescued(ctx context.Context, dir, image string, all, alive []int, note func(string, ...any)) error {
+	if dir == "" || image == "" {
+		return nil
+	}
+	if fi, err := os.Lstat(dir); err != nil || !fi.IsDir() {
+		return nil // no store (any more): nothing was rescued there
+	}
+	st, err := store.Open(dir)
+	if err != nil {
+		return fmt.Errorf("owned memory: open store %s for its rescue records: %w", dir, err)
+	}
 	var errs []error
-	var st *store.Store
-	for _, pid := range pids {
-		c, err := dial(ctx, pid)
-		if err != nil {
-			if !errors.Is(err, shimctl.ErrNoShim) {
-				errs = append(errs, fmt.Errorf("owned memory of pid %d: %w", pid, err))
-			}
-			continue
-		}
-		err = func() error {
-			defer c.Close()
-			ms, err := memStatus(ctx, c)
-			if err != nil || !ms.Released {
-				return nil // an older shim, or its memory is in place: nothing to load
-			}
-			if st == nil {
-				if st, err = store.Open(dir); err != nil {
-					return fmt.Errorf("owned memory of pid %d is released and its copy is in store %s: %w", pid, dir, err)
-				}
-			}
-			src, err := st.ReadRescue(ctx, image, store.RescueKey(pid))
-			if err != nil {
-				return fmt.Errorf("owned memory of pid %d is released; its rescue record: %w", pid, err)
-			}
-			defer src.Close()
-			x, err := devmem.ReadIndex(ctx, src, func(string) bool { return true }, pid)
-			if err == nil {
-				_, err = loadInto(ctx, c, x, src)
-			}
-			if err != nil {
-				return fmt.Errorf("owned memory of pid %d: load it back from the rescue record: %w", pid, err)
-			}
-			note("pid %d: loaded its owned device memory back (%d bytes) from the uncommitted image's rescue record", pid, x.Bytes())
-			return nil
-		}()
+	for _, pid := range all {
+		keep, err := loadRescuedOne(ctx, st, image, pid, slices.Contains(alive, pid), note)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("%w; the process stays held", err))
 		}
+		if !keep {
+			if err := st.RemoveRescue(image, store.RescueKey(pid)); err != nil {
+				errs = append(errs, fmt.Errorf("owned memory of pid %d: remove its rescue record: %w", pid, err))
+			}
+		}
 	}
 	return errors.Join(errs...)
+}
+
+// loadRescuedOne is loadRescued for one pid; keep reports whether its record is still needed.
+func loadRescuedOne(ctx context.Context, st *store.Store, image string, pid int, alive bool, note func(string, ...any)) (keep bool, err error) {
+	if !alive {
+		return false, nil
+	}
+	c, err := dial(ctx, pid)
+	if err != nil {
+		if errors.Is(err, shimctl.ErrNoShim) {
+			return false, nil
+		}
+		return true, fmt.Errorf("owned memory of pid %d: %w", pid, err)
+	}
+	defer c.Close()
+	ms, err := memStatus(ctx, c)
+	if err != nil {
+		return true, fmt.Errorf("owned memory of pid %d: %w", pid, err)
+	}
+	if !ms.Released {
+		return false, nil // its memory is in place: nothing to load
+	}
+	src, err := st.ReadRescue(ctx, image, store.RescueKey(pid))
+	if err != nil {
+		return true, fmt.Errorf("owned memory of pid %d is released; its rescue record: %w", pid, err)
+	}
+	defer src.Close()
+	x, err := devmem.ReadIndex(ctx, src, func(string) bool { return true }, pid)
+	if err == nil {
+		_, err = loadInto(ctx, c, x, src)
+	}
+	if err != nil {
+		return true, fmt.Errorf("owned memory of pid %d: load it back from the rescue record: %w", pid, err)
+	}
+	note("pid %d: loaded its owned device memory back (%d bytes) from the uncommitted image's rescue record", pid, x.Bytes())
+	return false, nil
 }
 
 // SaveMemoryStep, after the quiesce of pids: for every quiesced process whose shim owns device
