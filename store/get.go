@@ -24,37 +24,66 @@ func (s *Store) readChunkFile(id ChunkID, size int, buf []byte) ([]byte, error) 
 		return buf, err
 	}
 	defer f.Close()
-	if int64(cap(buf)) < n {
-		buf = make([]byte, n)
-	}
-	buf = buf[:n]
-	if _, err := io.ReadFull(f, buf); err != nil {
+	buf, err = readAll(f, n, buf)
+	if err != nil {
 		return buf, fmt.Errorf("read chunk %s: %w", id, err)
 	}
 	return buf, nil
 }
 
-// openChunkFile opens the chunk file of id (never through a symbolic link) and checks that it
-// is a regular file whose size fits a chunk of size bytes; it returns the file and its size.
+// openChunkFile opens the chunk file of id (openChunkPath); it returns the file and its size.
 func (s *Store) openChunkFile(id ChunkID, size int) (*os.File, int64, error) {
-	f, err := os.OpenFile(s.chunkPath(id), os.O_RDONLY|unix.O_NOFOLLOW, 0)
-	if err != nil {
-		if errors.Is(err, fs.ErrNotExist) {
-			return nil, 0, fmt.Errorf("%w: chunk %s missing", ErrCorrupt, id)
-		}
+	f, n, err := openChunkPath(s.chunkPath(id), size)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return nil, 0, fmt.Errorf("%w: chunk %s missing", ErrCorrupt, id)
+	case err != nil:
 		return nil, 0, fmt.Errorf("read chunk %s: %w", id, err)
+	}
+	return f, n, nil
+}
+
+// openChunkPath opens a chunk file, in chunks/ or staged in tmp/ (openRegular), and checks that
+// its size fits a chunk of size bytes; it returns the file and its size.
+func openChunkPath(path string, size int) (*os.File, int64, error) {
+	f, fi, err := openRegular(path)
+	if err != nil {
+		return nil, 0, err
+	}
+	if n := fi.Size(); n < chunkHeaderLen || n > chunkHeaderLen+int64(maxEncodedLen(size)) {
+		f.Close()
+		return nil, 0, fmt.Errorf("%w: file of %d bytes for a chunk of %d bytes", ErrCorrupt, n, size)
+	}
+	return f, fi.Size(), nil
+}
+
+// openRegular opens path for reading, never through a symbolic link and never waiting (a FIFO in
+// a file's place is refused, not waited on for a writer), and checks that it is a regular file.
+func openRegular(path string) (*os.File, fs.FileInfo, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, nil, err
 	}
 	fi, err := f.Stat()
 	if err != nil {
 		f.Close()
-		return nil, 0, fmt.Errorf("read chunk %s: %w", id, err)
+		return nil, nil, err
 	}
-	n := fi.Size()
-	if !fi.Mode().IsRegular() || n < chunkHeaderLen || n > chunkHeaderLen+int64(maxEncodedLen(size)) {
+	if !fi.Mode().IsRegular() {
 		f.Close()
-		return nil, 0, fmt.Errorf("%w: chunk %s: file of %d bytes for a chunk of %d bytes", ErrCorrupt, id, n, size)
+		return nil, nil, fmt.Errorf("%w: %s is not a regular file (%s)", ErrCorrupt, path, fi.Mode().Type())
 	}
-	return f, n, nil
+	return f, fi, nil
+}
+
+// readAll reads the n bytes of f into buf (reusing its capacity).
+func readAll(f *os.File, n int64, buf []byte) ([]byte, error) {
+	if int64(cap(buf)) < n {
+		buf = make([]byte, n)
+	}
+	buf = buf[:n]
+	_, err := io.ReadFull(f, buf)
+	return buf, err
 }
 
 // prefetchAhead is how many chunks a stream announces to the kernel before it reads them.

@@ -9,8 +9,6 @@ import (
 	"os"
 	"runtime"
 	"sync"
-
-	"golang.org/x/sys/unix"
 )
 
 // Reading back what an ingest holds before it commits: a checkpoint that released a process's
@@ -150,28 +148,15 @@ func (s *Store) writeChunks(ctx context.Context, what, path string, chunks []*Ch
 	return n, nil
 }
 
-// readFileInto reads a staged chunk file (at most a header and size bytes) into buf.
+// readFileInto reads a staged chunk file (openChunkPath) into buf; a missing one is
+// fs.ErrNotExist.
 func readFileInto(path string, size int, buf []byte) ([]byte, error) {
-	// O_NONBLOCK: a FIFO put in its place is refused below, not waited on (reads of a regular
-	// file ignore the flag).
-	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+	f, n, err := openChunkPath(path, size)
 	if err != nil {
 		return buf, err
 	}
 	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return buf, err
-	}
-	if n := fi.Size(); !fi.Mode().IsRegular() || n < chunkHeaderLen || n > chunkHeaderLen+int64(maxEncodedLen(size)) {
-		return buf, fmt.Errorf("%w: staged chunk file of %d bytes for a chunk of %d", ErrCorrupt, n, size)
-	}
-	if int64(cap(buf)) < fi.Size() {
-		buf = make([]byte, fi.Size())
-	}
-	buf = buf[:fi.Size()]
-	_, err = io.ReadFull(f, buf)
-	return buf, err
+	return readAll(f, n, buf)
 }
 
 // lookup returns the temp file of every chunk staged so far.

@@ -12,8 +12,6 @@ import (
 	"strconv"
 	"strings"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/ptxmig/ptxmig/internal/atomicfile"
 )
 
@@ -160,16 +158,11 @@ func (s *Store) ReadRescue(ctx context.Context, image, key string) (*Rescued, er
 
 func (s *Store) readRescue(image, key string) (*Rescued, error) {
 	path := s.rescuePath(image, key)
-	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+	f, _, err := openRegular(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	if fi, err := f.Stat(); err != nil {
-		return nil, err
-	} else if !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("%w: rescue record %s is not a regular file (%s)", ErrCorrupt, path, fi.Mode().Type())
-	}
 	b, err := io.ReadAll(io.LimitReader(f, maxRescueBytes+1))
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", path, err)
