@@ -30,6 +30,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(crashHelperEnv) == "1" {
 		os.Exit(crashHelper())
 	}
+	if os.Getenv(denyIOURingEnv) == "1" {
+		os.Exit(denyIOURingExec())
+	}
 	os.Exit(m.Run())
 }
 

@@ -436,22 +436,32 @@ func timeoutText(d time.Duration) string {
 	return d.String()
 }
 
-// refuseIOURing refuses a tree in which a process has an io_uring instance mapped: CRIU (4.2.1)
-// cannot dump one ("Unknown shit 600 (anon_inode:[io_uring])"), and on 2x H200 (2026-11-28) a
-// 2-rank PyTorch DDP job whose dump failed there stopped making progress after the rollback. The
-// maps are read before anything is touched.
+// refuseIOURing refuses a tree in which a process holds an io_uring instance (mapped, or only
+// open): CRIU (4.2.1) cannot dump one ("Unknown shit 600 (anon_inode:[io_uring])"), and on 2x
+// H200 (2026-11-28) a 2-rank PyTorch DDP job whose dump failed there stopped making progress after
+// the rollback. Maps and file descriptors are read before anything is touched.
 func refuseIOURing(tree []proc.Stat) error {
 	for _, s := range tree {
-		b, err := proc.ReadFile("", s.PID, "maps", 64<<20)
-		if err != nil {
-			continue // gone, or unreadable: CRIU will say
+		if !holdsIOURing(s.PID) {
+			continue
 		}
-		if bytes.Contains(b, []byte("anon_inode:[io_uring]")) {
-			return op.Refusef("pid %d (%s) has an io_uring instance, which CRIU cannot checkpoint; nothing was touched. "+
-				"Start the job without io_uring (PyTorch's TCPStore uses it through libuv: USE_LIBUV=0 turns libuv off, "+
-				"and `ptxmig run --nccl-sockets` sets it; torchrun's agent kept one even with `--rdzv-conf use_libuv=0` "+
-				"(PyTorch 2.11): start the ranks with torch.multiprocessing instead; another program: its own switch)", s.PID, s.Comm)
-		}
+		return op.Refusef("pid %d (%s) has an io_uring instance, which CRIU cannot checkpoint; nothing was touched. "+
+			"Start the job with `ptxmig run --no-io-uring` (io_uring_setup then fails with ENOSYS and libuv, in PyTorch's "+
+			"TCPStore and torchrun's agent, falls back to epoll; `--nccl-sockets` implies it), or turn io_uring off "+
+			"in the program itself", s.PID, s.Comm)
 	}
 	return nil
+}
+
+// ioURingTarget is what /proc/PID/maps and /proc/PID/fd/N name an io_uring instance.
+const ioURingTarget = "anon_inode:[io_uring]"
+
+// holdsIOURing: pid maps an io_uring instance or has one open. Unreadable (gone, or no access):
+// false, CRIU will say.
+func holdsIOURing(pid int) bool {
+	if b, err := proc.ReadFile("", pid, "maps", 64<<20); err == nil && bytes.Contains(b, []byte(ioURingTarget)) {
+		return true
+	}
+	targets, _ := proc.FDTargets("", pid)
+	return slices.Contains(targets, ioURingTarget)
 }

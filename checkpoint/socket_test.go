@@ -21,6 +21,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/seccomp"
 	"github.com/ptxmig/ptxmig/internal/testproc"
 	"github.com/ptxmig/ptxmig/internal/testreq"
 	"github.com/ptxmig/ptxmig/restore"
@@ -210,27 +211,70 @@ func TestEstablishedConnection(t *testing.T) {
 	t.Logf("network lock %s; count %d at the checkpoint, carried on after the restore", d.NetworkLock, at)
 }
 
-// ioURingProgram maps an io_uring instance's submission ring, says "ready" and waits.
-const ioURingProgram = `#include <linux/io_uring.h>
+// ioURingProgram creates an io_uring instance ("map": and maps its submission ring; "open": only
+// keeps its descriptor), or, where io_uring_setup fails, carries on without one as libuv does.
+// It writes what it got ("io_uring" or "errno N") and does so again at every SIGUSR1.
+const ioURingProgram = `#include <errno.h>
+#include <linux/io_uring.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-int main(void) {
-  struct io_uring_params p = {0};
+static volatile sig_atomic_t again;
+static void on_usr1(int s) { (void)s; again = 1; }
+static int try_setup(int map) {
+  struct io_uring_params p;
+  memset(&p, 0, sizeof p);
   int fd = (int)syscall(__NR_io_uring_setup, 4, &p);
-  if (fd < 0) return 2;
-  void *m = mmap(0, p.sq_off.array + p.sq_entries * 4, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, IORING_OFF_SQ_RING);
-  if (m == MAP_FAILED) return 3;
-  if (write(1, "ready\n", 6) != 6) return 4;
-  for (;;) pause();
+  char b[32];
+  int n = fd < 0 ? snprintf(b, sizeof b, "errno %d\n", errno) : snprintf(b, sizeof b, "io_uring\n");
+  if (fd >= 0 && map &&
+      mmap(0, p.sq_off.array + p.sq_entries * 4, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, IORING_OFF_SQ_RING) == MAP_FAILED)
+    return 3;
+  return write(1, b, n) == n ? 0 : 4;
+}
+int main(int argc, char **argv) {
+  int map = argc > 1 && strcmp(argv[1], "map") == 0;
+  signal(SIGUSR1, on_usr1);
+  if (try_setup(map)) return 2;
+  for (;;) {
+    pause();
+    if (again) { again = 0; if (try_setup(map)) return 2; }
+  }
 }
 `
 
-// TestIOURingRefused: CRIU cannot dump an io_uring instance (and a DDP job whose dump failed on
-// one stopped making progress after the rollback): preflight refuses the tree, exit 3's error,
-// before anything is frozen.
-func TestIOURingRefused(t *testing.T) {
-	f := setup(t)
+// denyIOURingEnv makes this test binary install seccomp.DenyIOURing and exec its arguments (as
+// `ptxmig run --no-io-uring` does).
+const denyIOURingEnv = "PTXMIG_TEST_DENY_IO_URING"
+
+func denyIOURingExec() int {
+	if _, err := seccomp.DenyIOURing(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	args := flagArgs(os.Args)
+	err := syscall.Exec(args[0], args, os.Environ())
+	fmt.Fprintln(os.Stderr, err)
+	return 1
+}
+
+// flagArgs is what follows "--" in args.
+func flagArgs(args []string) []string {
+	for i, a := range args {
+		if a == "--" {
+			return args[i+1:]
+		}
+	}
+	return nil
+}
+
+// startIOURing builds ioURingProgram and starts it (through the filter when deny), and waits for
+// its first line.
+func startIOURing(t *testing.T, mode string, deny bool) (pid int, outPath string) {
+	t.Helper()
 	dir := t.TempDir()
 	src, bin := filepath.Join(dir, "uring.c"), filepath.Join(dir, "uring")
 	if err := os.WriteFile(src, []byte(ioURingProgram), 0o600); err != nil {
@@ -239,37 +283,100 @@ func TestIOURingRefused(t *testing.T) {
 	if out, err := exec.Command("cc", "-O2", "-o", bin, src).CombinedOutput(); err != nil {
 		testreq.Skip(t, "cc", "cannot build the io_uring program: %v\n%s", err, out)
 	}
-	out, err := os.Create(filepath.Join(dir, "out"))
+	outPath = filepath.Join(dir, "out")
+	out, err := os.Create(outPath)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer out.Close()
-	cmd := exec.Command(bin)
-	cmd.Stdout, cmd.SysProcAttr = out, &syscall.SysProcAttr{Setsid: true}
+	cmd := exec.Command(bin, mode)
+	if deny {
+		cmd = exec.Command(os.Args[0], "-test.run=^$", "--", bin, mode)
+		cmd.Env = append(os.Environ(), denyIOURingEnv+"=1")
+	}
+	var errb strings.Builder
+	cmd.Stdout, cmd.Stderr, cmd.SysProcAttr = out, &errb, &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	pid = cmd.Process.Pid
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	t.Cleanup(func() { _ = testproc.KillPID(pid, 10*time.Second) })
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if b, _ := os.ReadFile(out.Name()); string(b) == "ready\n" {
+		if b, _ := os.ReadFile(outPath); strings.HasSuffix(string(b), "\n") {
 			break
 		}
 		select {
 		case err := <-exited:
-			t.Skipf("this kernel gives no io_uring (sysctl kernel.io_uring_disabled, seccomp): the program exited: %v", err)
+			t.Fatalf("the io_uring program exited: %v\n%s", err, errb.String())
 		default:
 		}
 		if time.Now().After(deadline) {
 			t.Fatal("the io_uring program did not get ready")
 		}
 	}
-	_, err = checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: cmd.Process.Pid, Name: "uring", StagingRoot: f.stage})
-	if !errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), "io_uring") {
-		t.Fatalf("checkpoint of a process with io_uring: %v; want a refusal naming it", err)
+	return pid, outPath
+}
+
+// TestIOURingRefused: CRIU cannot dump an io_uring instance (and a DDP job whose dump failed on
+// one stopped making progress after the rollback): preflight refuses the tree, mapped or only
+// open, with exit 3's error naming the way out, before anything is frozen.
+func TestIOURingRefused(t *testing.T) {
+	f := setup(t)
+	for _, mode := range []string{"map", "open"} {
+		t.Run(mode, func(t *testing.T) {
+			pid, out := startIOURing(t, mode, false)
+			if b, _ := os.ReadFile(out); string(b) != "io_uring\n" {
+				t.Skipf("this kernel gives no io_uring (sysctl kernel.io_uring_disabled, seccomp): the program got %q", b)
+			}
+			_, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: pid, Name: "uring-" + mode, StagingRoot: f.stage})
+			if !errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), "io_uring") || !strings.Contains(err.Error(), "--no-io-uring") {
+				t.Fatalf("checkpoint of a process with io_uring (%s): %v; want a refusal naming it and --no-io-uring", mode, err)
+			}
+			if s, err := proc.ReadStat(pid); err != nil || s.Stopped() {
+				t.Fatalf("after the refusal the process is %+v (%v)", s, err)
+			}
+		})
 	}
-	if s, err := proc.ReadStat(cmd.Process.Pid); err != nil || s.Stopped() {
-		t.Fatalf("after the refusal the process is %+v (%v)", s, err)
+}
+
+// TestIOURingDenied: the same program started under the filter of `ptxmig run --no-io-uring`
+// gets ENOSYS and carries on without io_uring; it is checkpointed and restored by real CRIU, and
+// after the restore io_uring_setup still fails: CRIU restored the filter with the process.
+func TestIOURingDenied(t *testing.T) {
+	f := setup(t)
+	pid, out := startIOURing(t, "map", true)
+	enosys := fmt.Sprintf("errno %d\n", int(syscall.ENOSYS))
+	if b, _ := os.ReadFile(out); string(b) != enosys {
+		t.Fatalf("under the filter the program got %q, want %q", b, enosys)
+	}
+	if _, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: pid, Name: "uring-denied", StagingRoot: f.stage}); err != nil {
+		t.Fatalf("checkpoint of a process under the filter: %v", err)
+	}
+	if err := proc.WaitGone(context.Background(), pid, 10*time.Second); err != nil {
+		t.Fatalf("the checkpointed process did not end: %v", err)
+	}
+	r, err := restore.Run(context.Background(), f.env, restore.Options{Image: "uring-denied", StagingRoot: f.stage})
+	if err != nil {
+		t.Fatalf("restore: %v", err)
+	}
+	if r.PID != pid {
+		t.Fatalf("restored pid %d, want %d", r.PID, pid)
+	}
+	if err := syscall.Kill(pid, syscall.SIGUSR1); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		b, _ := os.ReadFile(out)
+		if strings.Count(string(b), "\n") >= 2 {
+			if string(b) != enosys+enosys {
+				t.Fatalf("after the restore io_uring_setup gave %q, want ENOSYS again (the filter restored)", b)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the restored program did not answer SIGUSR1: %q", b)
+		}
 	}
 }

@@ -114,8 +114,8 @@ func quiesceOf(res *checkpoint.Result) (time.Duration, bool) {
 
 // TestFrameworks: the framework matrix (docs/COMPATIBILITY.md). Each framework's loop runs under
 // the default `ptxmig run`; three `checkpoint --leave-running` (the first quiesce recorded apart),
-// a checkpoint + restore, and with two GPUs a migrate there and back; the output must equal an
-// uninterrupted run's. A framework ptxmig refuses by name must be refused up front (exit 3) and
+// a checkpoint + restore, and a migrate (two GPUs: there and back; one: --rehearse); the output
+// must equal an uninterrupted run's. A framework ptxmig refuses by name must be refused up front (exit 3) and
 // run on to the same output.
 func TestFrameworks(t *testing.T) {
 	devs := need(t, 1)
@@ -186,23 +186,26 @@ func TestFrameworks(t *testing.T) {
 			}
 			rs := time.Since(t0)
 			progresses(t, p, 2*time.Minute, "the restore")
-			moves := "migrate not run (one GPU)"
-			if len(devs) > 1 {
-				var downs []string
-				for _, to := range []string{"1", "0"} {
-					so, se, code := ptxmig(t, "--json", "migrate", "--gpu", to, strconv.Itoa(p.pid))
-					if code != 0 {
-						t.Fatalf("migrate of %s to GPU %s: exit %d\n%s", row.name, to, code, se)
-					}
-					var mres migrate.Result
-					if err := json.Unmarshal([]byte(so), &mres); err != nil {
-						t.Fatalf("migrate --json: %v\n%s", err, so)
-					}
-					downs = append(downs, mres.Downtime.Round(time.Millisecond).String())
-					progresses(t, p, 2*time.Minute, "the migrate to GPU "+to)
-				}
-				moves = "migrate 0→1→0 downtime " + strings.Join(downs, ", ")
+			// Two GPUs: there and back. One: a rehearsal onto its own GPU (the whole move: the
+			// driver's checkpoint to host memory and its restore, without the store).
+			moves, targets := "migrate 0→1→0", [][]string{{"--gpu", "1"}, {"--gpu", "0"}}
+			if len(devs) == 1 {
+				moves, targets = "migrate --rehearse (one GPU)", [][]string{{"--rehearse"}}
 			}
+			var downs []string
+			for _, to := range targets {
+				so, se, code := ptxmig(t, append(append([]string{"--json", "migrate"}, to...), strconv.Itoa(p.pid))...)
+				if code != 0 {
+					t.Fatalf("migrate %v of %s: exit %d\n%s", to, row.name, code, se)
+				}
+				var mres migrate.Result
+				if err := json.Unmarshal([]byte(so), &mres); err != nil {
+					t.Fatalf("migrate --json: %v\n%s", err, so)
+				}
+				downs = append(downs, mres.Downtime.Round(time.Millisecond).String())
+				progresses(t, p, 2*time.Minute, fmt.Sprintf("the migrate %v", to))
+			}
+			moves += " downtime " + strings.Join(downs, ", ")
 			waitExit(t, p.pid, 8*time.Minute)
 			sameResults(t, results(p.log), <-ref)
 			record(t, "%s: identical output; first quiesce %s, later %s; --leave-running wall p50 %s; checkpoint %s, restore %s; %s",

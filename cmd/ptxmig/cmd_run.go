@@ -17,6 +17,7 @@ import (
 
 	"github.com/ptxmig/ptxmig/internal/exitcode"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/seccomp"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
 )
 
@@ -66,13 +67,20 @@ func init() {
 			"cannot restore, so ptxmig refuses to checkpoint such a job. --nccl-sockets starts it with the\n" +
 			"transports it can take: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_CUMEM_ENABLE=0 (the ranks\n" +
 			"exchange data through sockets: slower collectives) and USE_LIBUV=0 (PyTorch's TCPStore\n" +
-			"without libuv, whose io_uring CRIU cannot dump). A job launched by torchrun is still refused:\n" +
-			"its agent keeps an io_uring instance even with --rdzv-conf use_libuv=0 (PyTorch 2.11); start\n" +
-			"the ranks with torch.multiprocessing (mp.spawn). Nothing is changed without the flag; a\n" +
-			"variable already set to another value stops ptxmig run (125).\n\n" +
+			"without libuv), and it implies --no-io-uring (torchrun's agent creates an io_uring instance\n" +
+			"through libuv whatever its store is told). Nothing is changed without the flag; a variable\n" +
+			"already set to another value stops ptxmig run (125).\n\n" +
+			"io_uring: CRIU cannot checkpoint an io_uring instance, so ptxmig refuses a process that holds\n" +
+			"one. --no-io-uring starts CMD with a seccomp filter under which io_uring_setup(2) fails with\n" +
+			"ENOSYS, as on a kernel without io_uring; programs that use it when it is there (libuv, in\n" +
+			"PyTorch's TCPStore and torchrun's agent) fall back to epoll. Every other system call is untouched;\n" +
+			"the filter is inherited by CMD's children and restored with them. Without CAP_SYS_ADMIN the\n" +
+			"kernel asks for no_new_privs first, so setuid programs started by CMD then gain no privileges.\n\n" +
 			"Examples:\n" +
 			"   ptxmig run -- python3 train.py --steps 200\n" +
 			"   ptxmig run --nccl-sockets -- python3 train_ddp.py   # ranks by mp.spawn: a checkpointable job\n" +
+			"   ptxmig run --nccl-sockets -- torchrun --standalone --nproc-per-node 4 train_ddp.py\n" +
+			"   ptxmig run --no-io-uring -- python3 serve.py   # io_uring_setup fails, libuv uses epoll\n" +
 			"   ptxmig run --preempt always ./longgrid --seconds 30\n" +
 			"   ptxmig run --mid-block -- ./longkernel --seconds 600   # stop inside its blocks\n" +
 			"   ptxmig run --mid-block=false -- python3 jit_app.py   # block-granular twins only\n" +
@@ -87,7 +95,9 @@ func init() {
 			&cli.BoolFlag{Name: "owned-memory", EnvVars: []string{"PTXMIG_OWNED_MEMORY"},
 				Usage: "the shim serves device allocations from VMM mappings it moves itself at checkpoint and restore (fast; no CUDA IPC of them)"},
 			&cli.BoolFlag{Name: "nccl-sockets",
-				Usage: "a multi-process NCCL job that ptxmig can checkpoint: its ranks exchange data through sockets (" + strings.Join(ncclSocketEnv, " ") + ")"},
+				Usage: "a multi-process NCCL job that ptxmig can checkpoint: its ranks exchange data through sockets (" + strings.Join(ncclSocketEnv, " ") + "); implies --no-io-uring"},
+			&cli.BoolFlag{Name: "no-io-uring",
+				Usage: "io_uring_setup(2) fails with ENOSYS in CMD and its children (a seccomp filter), so that nothing holds an io_uring instance, which CRIU cannot checkpoint"},
 			socketDirFlag(),
 		},
 		Action: runAction,
@@ -302,6 +312,16 @@ func runAction(c *cli.Context) error {
 	if st, err := proc.ReadStat(os.Getpid()); err == nil && st.SID == 0 {
 		if _, err := unix.Setsid(); err != nil {
 			env(c).Log.Debug("run: cannot start a session for CMD", "err", err)
+		}
+	}
+	if c.Bool("no-io-uring") || c.Bool("nccl-sockets") {
+		// Last, right before the exec: the filter binds ptxmig's own threads as well.
+		newPrivs, err := seccomp.DenyIOURing()
+		if err != nil {
+			return exitcode.Wrap(exitcode.RunFailed, fmt.Errorf("run: --no-io-uring: %w; nothing was started", err))
+		}
+		if !newPrivs {
+			env(c).Log.Debug("run: no_new_privs set for the seccomp filter (no CAP_SYS_ADMIN)")
 		}
 	}
 	err = unix.Exec(path, args, envv)

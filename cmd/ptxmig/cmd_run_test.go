@@ -274,6 +274,27 @@ func TestRun(t *testing.T) {
 		}
 	})
 
+	t.Run("no io_uring", func(t *testing.T) {
+		// --no-io-uring (and --nccl-sockets, which implies it) starts the app under one more
+		// seccomp filter than ptxmig's caller has (a container may have its own); without either
+		// flag there is none more. What the filter does: internal/seccomp's and checkpoint's tests.
+		own := seccompFilters(t, os.Getpid())
+		show := `grep '^Seccomp_filters:' /proc/$$/status | cut -f2`
+		for _, tc := range []struct {
+			flags []string
+			more  int
+		}{{nil, 0}, {[]string{"--no-io-uring"}, 1}, {[]string{"--nccl-sockets"}, 1}} {
+			args := append(append([]string{"run"}, tc.flags...), "--shim", f.shim, "--socket-dir", f.sock, "--", "sh", "-c", show)
+			out, err := f.cmd(args).Output()
+			if err != nil {
+				t.Fatalf("%v: %v", tc.flags, err)
+			}
+			if got, want := strings.TrimSpace(string(out)), strconv.Itoa(own+tc.more); got != want {
+				t.Errorf("%v: the app has %s seccomp filters, want %s", tc.flags, got, want)
+			}
+		}
+	})
+
 	t.Run("session", func(t *testing.T) {
 		// The app keeps ptxmig's session, except where that session's leader is outside the PID
 		// namespace (session 0 in /proc: docker exec, CI runners): CRIU cannot dump such a
@@ -464,4 +485,24 @@ func TestRun(t *testing.T) {
 			}
 		}
 	})
+}
+
+// seccompFilters is the Seccomp_filters count of /proc/PID/status (0 on a kernel without it).
+func seccompFilters(t *testing.T, pid int) int {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "Seccomp_filters:"); ok {
+			n, err := strconv.Atoi(strings.TrimSpace(v))
+			if err != nil {
+				t.Fatalf("%q: %v", l, err)
+			}
+			return n
+		}
+	}
+	t.Skip("this kernel's /proc/PID/status has no Seccomp_filters line (Linux < 5.9)")
+	return 0
 }

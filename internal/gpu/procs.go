@@ -61,13 +61,9 @@ func inspect(procRoot string, pid int) (ProcInfo, bool) {
 		pi.Comm = strings.TrimSpace(string(b))
 	}
 	pi.Cmdline = ReadCmdline(procRoot, pid)
-	if fds, err := os.ReadDir(filepath.Join(dir, "fd")); err == nil {
+	if targets, err := proc.FDTargets(procRoot, pid); err == nil {
 		seen := map[int]bool{}
-		for _, fd := range fds {
-			t, err := os.Readlink(filepath.Join(dir, "fd", fd.Name()))
-			if err != nil {
-				continue
-			}
+		for _, t := range targets {
 			if n, ok := strings.CutPrefix(t, "/dev/nvidia"); ok {
 				if m, err := strconv.Atoi(n); err == nil && !seen[m] {
 					seen[m] = true

@@ -110,6 +110,27 @@ func ReadFile(root string, pid int, name string, limit int64) ([]byte, error) {
 	return io.ReadAll(io.LimitReader(f, limit))
 }
 
+// FDTargets returns what the open file descriptors of pid name (the links /proc/PID/fd/N under
+// root, "" meaning Root: a path, or "anon_inode:[…]", "socket:[…]"…), skipping any closed while
+// they are read.
+func FDTargets(root string, pid int) ([]string, error) {
+	if root == "" {
+		root = Root
+	}
+	dir := filepath.Join(root, strconv.Itoa(pid), "fd")
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]string, 0, len(ents))
+	for _, e := range ents {
+		if t, err := os.Readlink(filepath.Join(dir, e.Name())); err == nil {
+			out = append(out, t)
+		}
+	}
+	return out, nil
+}
+
 // ReadStat reads and parses /proc/PID/stat; a missing process gives an error wrapping ErrNoProcess.
 func ReadStat(pid int) (Stat, error) {
 	b, err := ReadFile(Root, pid, "stat", MaxSmall)
