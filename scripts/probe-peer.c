@@ -1,0 +1,204 @@
+/* probe-peer MODE [MIB] — does the driver restore a process that uses peer access between two GPUs
+ * when the access is turned off for the checkpoint? Measured on one process that another process
+ * (scripts/cuckpt) locks, checkpoints, restores and unlocks while it waits.
+ *
+ *   peer-keep     enable peer access between devices 0 and 1 both ways, check that a kernel on
+ *                 each device reads and writes the other's memory, print "ready", wait for a line
+ *                 on stdin, check again. The control: driver 580 was seen to refuse the restore of
+ *                 such a process (CUDA_ERROR_INVALID_VALUE, docs/PLATFORM.md).
+ *   peer-toggle   the same, but peer access is disabled both ways before "ready" and enabled again
+ *                 after the line: does the driver restore a process whose peer access was turned
+ *                 off for the checkpoint, and does peer access work again after (also with the
+ *                 GPUs swapped by the restore's pairs)?
+ *
+ * (Device-to-device moves through memory another process keeps: scripts/probe-holder.c.)
+ * Prints "fact: ..." lines and "FAIL: ..." on the first failure (exit 1). MIB (default 1024, at
+ * most 64 used) sizes the buffers.
+ * Build: cc -O2 -o probe-peer probe-peer.c -ldl (no CUDA headers). Run: scripts/probe-peer.sh. */
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef uint64_t CUdeviceptr;
+
+static CUresult (*cuInit)(unsigned), (*cuDeviceGet)(int *, int), (*cuDeviceGetCount)(int *),
+    (*cuDevicePrimaryCtxRetain)(void **, int), (*cuCtxSetCurrent)(void *), (*cuCtxEnablePeerAccess)(void *, unsigned),
+    (*cuCtxDisablePeerAccess)(void *), (*cuMemAlloc)(CUdeviceptr *, size_t), (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t),
+    (*cuMemcpyDtoH)(void *, CUdeviceptr, size_t), (*cuCtxSynchronize)(void), (*cuModuleLoadData)(void **, const void *),
+    (*cuModuleGetFunction)(void **, void *, const char *),
+    (*cuLaunchKernel)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **),
+    (*cuGetErrorName)(CUresult, const char **);
+
+/* copy(dst, src, n): dst[i] = src[i] + 1 for i < n (32-bit words); reads one device's memory and
+ * writes the other's when given pointers on both. */
+static const char *ptx =
+    ".version 7.0\n.target sm_70\n.address_size 64\n"
+    ".visible .entry copy(.param .u64 dst, .param .u64 src, .param .u32 n)\n{\n"
+    "  .reg .pred %p;\n  .reg .b32 %r<7>;\n  .reg .b64 %rd<6>;\n"
+    "  ld.param.u64 %rd1, [dst];\n  ld.param.u64 %rd2, [src];\n  ld.param.u32 %r1, [n];\n"
+    "  mov.u32 %r2, %ctaid.x;\n  mov.u32 %r3, %ntid.x;\n  mov.u32 %r4, %tid.x;\n  mad.lo.s32 %r5, %r2, %r3, %r4;\n"
+    "  setp.ge.u32 %p, %r5, %r1;\n  @%p bra DONE;\n"
+    "  mul.wide.u32 %rd3, %r5, 4;\n  add.s64 %rd4, %rd2, %rd3;\n  add.s64 %rd5, %rd1, %rd3;\n"
+    "  ld.global.u32 %r6, [%rd4];\n  add.u32 %r6, %r6, 1;\n  st.global.u32 [%rd5], %r6;\n"
+    "DONE:\n  ret;\n}\n";
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+static const char *ename(CUresult r) {
+  const char *s = "?";
+  if (cuGetErrorName) cuGetErrorName(r, &s);
+  return s;
+}
+#define CK(call)                                                              \
+  do {                                                                        \
+    CUresult r_ = (call);                                                     \
+    if (r_) {                                                                 \
+      printf("FAIL: %s: %s (%d) at line %d\n", #call, ename(r_), r_, __LINE__); \
+      exit(1);                                                                \
+    }                                                                         \
+  } while (0)
+#define SYM(n, name)                                                            \
+  if (!(*(void **)&n = dlsym(h, name "_v2")) && !(*(void **)&n = dlsym(h, name))) { \
+    printf("FAIL: no %s in libcuda\n", name);                                   \
+    return 1;                                                                   \
+  }
+
+static void *ctx[2], *fn[2];
+static uint32_t *host;
+
+static void wait_line(void) {
+  printf("ready %d\n", getpid());
+  fflush(stdout);
+  char b[64];
+  if (!fgets(b, sizeof b, stdin)) {
+    printf("FAIL: stdin closed\n");
+    exit(1);
+  }
+}
+
+/* on device d's context: dst[i] = src[i] + 1; then check dst holds want + 1. */
+static int run_copy(int d, CUdeviceptr dst, CUdeviceptr src, uint32_t n, uint32_t want0) {
+  CK(cuCtxSetCurrent(ctx[d]));
+  void *args[] = {&dst, &src, &n};
+  CK(cuLaunchKernel(fn[d], (n + 255) / 256, 1, 1, 256, 1, 1, 0, 0, args, 0));
+  CK(cuCtxSynchronize());
+  CK(cuMemcpyDtoH(host, dst, (size_t)n * 4));
+  for (uint32_t i = 0; i < n; i++)
+    if (host[i] != want0 + i * 3 + 1) return 0;
+  return 1;
+}
+
+static void fill(int d, CUdeviceptr p, uint32_t n, uint32_t base) {
+  for (uint32_t i = 0; i < n; i++) host[i] = base + i * 3;
+  CK(cuCtxSetCurrent(ctx[d]));
+  CK(cuMemcpyHtoD(p, host, (size_t)n * 4));
+}
+
+static void peer_check(const char *when, CUdeviceptr a, CUdeviceptr b, uint32_t n) {
+  // a on device 0, b on device 1: device 1's kernel reads a and writes b, device 0's reads b
+  // (holding a + 1) and writes a.
+  fill(0, a, n, 7);
+  int r1 = run_copy(1, b, a, n, 7);   // peer read by device 1
+  int r0 = run_copy(0, a, b, n, 8);   // peer read by device 0 (b holds 7 + 3i + 1)
+  printf("fact: %s: device 1 reads device 0's memory: %s; device 0 reads device 1's: %s\n", when, r1 ? "ok" : "WRONG",
+         r0 ? "ok" : "WRONG");
+  if (!r1 || !r0) exit(1);
+}
+
+static void peer(int toggle, uint32_t n) {
+  CUdeviceptr a, b;
+  CK(cuCtxSetCurrent(ctx[0]));
+  CK(cuMemAlloc(&a, (size_t)n * 4));
+  CK(cuCtxSetCurrent(ctx[1]));
+  CK(cuMemAlloc(&b, (size_t)n * 4));
+  CK(cuCtxSetCurrent(ctx[0]));
+  CK(cuCtxEnablePeerAccess(ctx[1], 0));
+  CK(cuCtxSetCurrent(ctx[1]));
+  CK(cuCtxEnablePeerAccess(ctx[0], 0));
+  peer_check("before the checkpoint, peer access on", a, b, n);
+  if (toggle) {
+    CK(cuCtxSetCurrent(ctx[0]));
+    CK(cuCtxDisablePeerAccess(ctx[1]));
+    CK(cuCtxSetCurrent(ctx[1]));
+    CK(cuCtxDisablePeerAccess(ctx[0]));
+    printf("fact: peer access disabled both ways for the checkpoint\n");
+  }
+  wait_line();
+  if (toggle) {
+    double t0 = now();
+    CK(cuCtxSetCurrent(ctx[0]));
+    CK(cuCtxEnablePeerAccess(ctx[1], 0));
+    CK(cuCtxSetCurrent(ctx[1]));
+    CK(cuCtxEnablePeerAccess(ctx[0], 0));
+    printf("fact: peer access enabled again both ways after the restore (%.2f ms)\n", now() - t0);
+  }
+  // Contents of a survived? (b was last written by device 0's kernel: a = b + 1 = 7 + 3i + 2.)
+  CK(cuCtxSetCurrent(ctx[0]));
+  CK(cuMemcpyDtoH(host, a, (size_t)n * 4));
+  int kept = 1;
+  for (uint32_t i = 0; i < n; i++) kept &= host[i] == 9 + i * 3;
+  printf("fact: device memory kept across the checkpoint: %s\n", kept ? "yes" : "NO");
+  peer_check("after the restore", a, b, n);
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: probe-peer peer-keep|peer-toggle [MIB]\n");
+    return 2;
+  }
+  const char *mode = argv[1];
+  size_t mib = argc > 2 ? strtoull(argv[2], 0, 10) : 1024;
+  setvbuf(stdout, 0, _IOLBF, 0);
+  void *h = dlopen("libcuda.so.1", RTLD_NOW);
+  if (!h) {
+    printf("FAIL: %s\n", dlerror());
+    return 1;
+  }
+  SYM(cuInit, "cuInit") SYM(cuDeviceGet, "cuDeviceGet") SYM(cuDeviceGetCount, "cuDeviceGetCount")
+  SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain") SYM(cuCtxSetCurrent, "cuCtxSetCurrent")
+  SYM(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess") SYM(cuCtxDisablePeerAccess, "cuCtxDisablePeerAccess")
+  SYM(cuMemAlloc, "cuMemAlloc") SYM(cuMemcpyHtoD, "cuMemcpyHtoD") SYM(cuMemcpyDtoH, "cuMemcpyDtoH")
+  SYM(cuModuleLoadData, "cuModuleLoadData")
+  SYM(cuModuleGetFunction, "cuModuleGetFunction") SYM(cuLaunchKernel, "cuLaunchKernel")
+  SYM(cuGetErrorName, "cuGetErrorName")
+  /* CUDA 13's cuCtxSynchronize_v2 takes a context: the plain name. */
+  if (!(*(void **)&cuCtxSynchronize = dlsym(h, "cuCtxSynchronize"))) {
+    printf("FAIL: no cuCtxSynchronize\n");
+    return 1;
+  }
+  int count = 0;
+  CK(cuInit(0));
+  CK(cuDeviceGetCount(&count));
+  if (count < 2) {
+    printf("FAIL: needs 2 GPUs, has %d\n", count);
+    return 1;
+  }
+  for (int d = 0; d < 2; d++) {
+    int dev;
+    void *mod;
+    CK(cuDeviceGet(&dev, d));
+    CK(cuDevicePrimaryCtxRetain(&ctx[d], dev));
+    CK(cuCtxSetCurrent(ctx[d]));
+    CK(cuModuleLoadData(&mod, ptx));
+    CK(cuModuleGetFunction(&fn[d], mod, "copy"));
+  }
+  uint32_t n = (uint32_t)((mib << 20) / 4 > (64u << 20) / 4 ? (64u << 20) / 4 : (mib << 20) / 4);
+  host = malloc((size_t)(64u << 20));
+  if (!host) return 1;
+  if (!strcmp(mode, "peer-keep") || !strcmp(mode, "peer-toggle"))
+    peer(!strcmp(mode, "peer-toggle"), n);
+  else {
+    fprintf(stderr, "unknown mode %s\n", mode);
+    return 2;
+  }
+  printf("PASS: %s\n", mode);
+  return 0;
+}
