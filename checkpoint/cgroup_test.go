@@ -29,14 +29,8 @@ func TestRestoreCgroup(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var v2 *proc.CgroupMount
-	for i := range mounts {
-		if mounts[i].V2 {
-			v2 = &mounts[i]
-			break
-		}
-	}
-	if v2 == nil {
+	v2, ok := proc.UnifiedMount(mounts)
+	if !ok {
 		testreq.Skip(t, "cgroup2", "no cgroup v2 (unified) hierarchy mounted")
 	}
 	own, err := proc.Cgroup(os.Getpid())

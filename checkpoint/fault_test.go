@@ -682,3 +682,56 @@ func TestGuardianAfterEachStep(t *testing.T) {
 	t.Logf("killed after dump (rolled back: running on), after store and after finish (finished: image stored, " +
 		"restored by a restore killed after its CRIU step, which ran on): every outcome as expected")
 }
+
+// TestGuardianSurvivesGroupKill: ptxmig runs in a cgroup of its own (as a service does) and the
+// whole cgroup is killed right after CRIU's dump (cgroup.kill: systemctl stop or kill, an OOM
+// group kill): ptxmig and everything else of that cgroup die, but its guardian, started in
+// proc.KeepCgroup, resumes the stopped process. (Started in ptxmig's cgroup, it died with it and
+// the process stayed stopped until `ptxmig recover`.)
+func TestGuardianSurvivesGroupKill(t *testing.T) {
+	r := newFaultRig(t)
+	f := r.f
+	svc, svcFD := testproc.ServiceCgroup(t)
+	p, m := f.startMiB(t, "state", 1)
+	pid := p.PID
+	t.Cleanup(func() { _ = testproc.KillPID(pid, 10*time.Second); reapZombies() })
+	before, _ := testproc.ReadState(p.StateFile)
+	cmd := exec.Command(r.bin, "--store", f.st.Dir(), "checkpoint", "--name", "group-kill", strconv.Itoa(pid))
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: svcFD}
+	exited, _ := startStopped(t, cmd, checkpoint.StepDump, 30*time.Second)
+	if s, err := proc.ReadStat(pid); err != nil || !s.Stopped() {
+		t.Fatalf("after the dump the process is %+v (%v), want stopped", s, err)
+	}
+	if err := testproc.KillCgroup(svc); err != nil {
+		t.Fatal(err)
+	}
+	<-exited
+	// The guardian alone must roll it back: no `ptxmig recover` here (settle would run one).
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		reapZombies()
+		js, err := journal.List(r.journal)
+		if err != nil {
+			t.Fatal(err)
+		}
+		guardians := 0
+		for _, c := range children() {
+			if c.Comm == "ptxmig-guardian" && !c.Zombie() {
+				guardians++
+			}
+		}
+		if len(js) == 0 && guardians == 0 {
+			break
+		}
+		if guardians == 0 {
+			t.Fatalf("ptxmig's cgroup killed after the dump: no guardian left and the journal %v is still there (the guardian died with the cgroup)", js)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the guardian did not finish within 60 s (journals %v)", js)
+		}
+	}
+	if _, err := f.st.Get("group-kill"); err == nil || !aliveReaped(pid) {
+		t.Fatalf("ptxmig's cgroup killed after the dump: image %v, alive %v; want the process running, no image\n%s", err, aliveReaped(pid), lastReport())
+	}
+	noneStoppedPIDs(t, []int{pid})
+	advancesExactly(t, p.StateFile, m, before.Step, 3)
+}

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,7 +18,6 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/testproc"
-	"github.com/ptxmig/ptxmig/internal/testreq"
 	"github.com/ptxmig/ptxmig/restore"
 	"github.com/ptxmig/ptxmig/store"
 )
@@ -210,47 +208,32 @@ func TestGuardianEndsStalledCRIU(t *testing.T) {
 }
 
 // TestCgroupKillThenRecover: a service manager kills the whole cgroup of a ptxmig checkpoint
-// (ptxmig, its guardian and CRIU together: `systemctl stop`, a unit's timeout) after the dump
-// stopped the process and before the image was stored. Nothing is left to roll it back: the
+// (`systemctl stop`, a unit's timeout) after the dump stopped the process and before the image
+// was stored, and the guardian dies too: it lives in proc.KeepCgroup, out of that kill's reach
+// (TestGuardianSurvivesGroupKill), so here it is killed beside it, as a kill of a container's
+// whole cgroup or a host without cgroup v2 would take it. Nothing is left to roll it back: the
 // process stays stopped with no image. What ptxmig-recover.service runs (`ptxmig recover`, from
 // the failed unit's OnFailure=) then resumes it exactly; no image is left.
 func TestCgroupKillThenRecover(t *testing.T) {
 	r := newFaultRig(t)
-	mounts, err := proc.CgroupMounts()
-	if err != nil {
-		t.Fatal(err)
-	}
-	v2 := ""
-	for _, m := range mounts {
-		if m.V2 {
-			v2 = m.Dir
-		}
-	}
-	if v2 == "" {
-		testreq.Skip(t, "cgroup2", "no cgroup v2 hierarchy is mounted: %+v", mounts)
-	}
-	dir := filepath.Join(v2, fmt.Sprintf("ptxmig-test-kill-%d", os.Getpid()))
-	if err := os.Mkdir(dir, 0o755); err != nil {
-		testreq.Skip(t, "cgroup2", "cannot create a cgroup v2 directory: %v", err)
-	}
-	defer os.Remove(dir)
-	if _, err := os.Stat(filepath.Join(dir, "cgroup.kill")); err != nil {
-		testreq.Skip(t, "cgroup2", "the kernel has no cgroup.kill (Linux >= 5.14): %v", err)
-	}
-	cg, err := os.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cg.Close()
+	dir, cgFD := testproc.ServiceCgroup(t)
 	p, m := r.f.startMiB(t, "state", 4)
 	cmd := exec.Command(r.bin, "--store", r.f.st.Dir(), "checkpoint", "--name", "killed", strconv.Itoa(p.PID))
-	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(cg.Fd())}
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: cgFD}
 	exited, _ := startStopped(t, cmd, checkpoint.StepDump, 30*time.Second)
-	members, _ := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
-	if n := len(strings.Fields(string(members))); n < 2 {
-		t.Fatalf("the cgroup holds %d processes (%q); want ptxmig and its guardian", n, members)
+	guardian := 0
+	for _, c := range proc.Children(cmd.Process.Pid) {
+		if proc.Comm(c) == "ptxmig-guardian" {
+			guardian = c
+		}
 	}
-	if err := os.WriteFile(filepath.Join(dir, "cgroup.kill"), []byte("1"), 0o644); err != nil {
+	if cg, err := proc.Cgroup(guardian); guardian == 0 || err != nil || cg != proc.KeepCgroup {
+		t.Fatalf("ptxmig's guardian (pid %d) is in cgroup %q (%v), want %s", guardian, cg, err, proc.KeepCgroup)
+	}
+	if err := syscall.Kill(guardian, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	if err := testproc.KillCgroup(dir); err != nil {
 		t.Fatal(err)
 	}
 	<-exited

@@ -61,10 +61,8 @@ func planCgroups(p *Plan, o Options) (*cgroupPlan, error) {
 			cp.perProc[t.PID] = t.Cgroup
 		}
 	}
-	for i := range mounts {
-		if mounts[i].V2 && cp.v2 == nil {
-			cp.v2 = &mounts[i]
-		}
+	if m, ok := proc.UnifiedMount(mounts); ok {
+		cp.v2 = &m
 	}
 	switch {
 	case o.Cgroup != "":

@@ -477,52 +477,72 @@ func TestHolderStopsWhenPtxmigGoes(t *testing.T) {
 	}
 }
 
-// The same with ptxmig SIGKILLed: a process of its own (this test binary again) holds the
-// threads and is killed while they are held and the mapping is gone.
+// The same with ptxmig killed: a process of its own (this test binary again) holds the threads
+// and is killed while they are held and the mapping is gone — by a SIGKILL, or with its whole
+// cgroup (cgroup.kill: a service stopped, an OOM group kill), which the holder survives in
+// proc.KeepCgroup (started in ptxmig's cgroup it died too, and the threads ran).
 func TestHolderStopsWhenPtxmigIsKilled(t *testing.T) {
 	if os.Getenv("HOLD_TEST_CHILD") != "" {
 		return // the child's side runs in TestMain
 	}
-	p, uvm := uvmProc(t)
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "HOLD_TEST_CHILD="+strconv.Itoa(p.PID))
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	line, err := bufio.NewReader(out).ReadString('\n')
-	if err != nil || line != "held\n" {
-		_ = cmd.Process.Kill()
-		t.Fatalf("the holding child said %q (%v)", line, err)
-	}
-	if err := os.Truncate(uvm, 0); err != nil {
-		t.Fatal(err)
-	}
-	_ = cmd.Process.Kill()
-	_ = cmd.Wait()
-	for deadline := time.Now().Add(5 * time.Second); strings.Trim(states(p.PID), "T") != "" || tracerPID(t, p.PID) != 0; time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("after ptxmig was killed: thread states %q, tracer %d; want every thread stopped, untraced", states(p.PID), tracerPID(t, p.PID))
-		}
-	}
-	if advances(t, p) || !testproc.Alive(p.PID) {
-		t.Fatalf("pid %d runs, or died, while the mapping is gone", p.PID)
-	}
-	if err := os.Truncate(uvm, testproc.UVMSize); err != nil {
-		t.Fatal(err)
-	}
-	h, err := Threads(p.PID, p.PID)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := h.Release(); err != nil {
-		t.Fatal(err)
-	}
-	if !advances(t, p) {
-		t.Fatalf("pid %d does not run on (states %q)", p.PID, states(p.PID))
+	for _, group := range []bool{false, true} {
+		name := map[bool]string{false: "SIGKILL", true: "cgroup.kill"}[group]
+		t.Run(name, func(t *testing.T) {
+			p, uvm := uvmProc(t)
+			cmd := exec.Command(os.Args[0], "-test.run=^$")
+			cmd.Env = append(os.Environ(), "HOLD_TEST_CHILD="+strconv.Itoa(p.PID))
+			var svc string
+			if group {
+				var fd int
+				svc, fd = testproc.ServiceCgroup(t)
+				cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: fd}
+			}
+			out, err := cmd.StdoutPipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			line, err := bufio.NewReader(out).ReadString('\n')
+			if err != nil || line != "held\n" {
+				_ = cmd.Process.Kill()
+				t.Fatalf("the holding child said %q (%v)", line, err)
+			}
+			if err := os.Truncate(uvm, 0); err != nil {
+				t.Fatal(err)
+			}
+			if group {
+				err = testproc.KillCgroup(svc)
+			} else {
+				err = cmd.Process.Kill()
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			_ = cmd.Wait()
+			for deadline := time.Now().Add(5 * time.Second); strings.Trim(states(p.PID), "T") != "" || tracerPID(t, p.PID) != 0; time.Sleep(5 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("after ptxmig was killed: thread states %q, tracer %d; want every thread stopped, untraced", states(p.PID), tracerPID(t, p.PID))
+				}
+			}
+			if advances(t, p) || !testproc.Alive(p.PID) {
+				t.Fatalf("pid %d runs, or died, while the mapping is gone", p.PID)
+			}
+			if err := os.Truncate(uvm, testproc.UVMSize); err != nil {
+				t.Fatal(err)
+			}
+			h, err := Threads(p.PID, p.PID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := h.Release(); err != nil {
+				t.Fatal(err)
+			}
+			if !advances(t, p) {
+				t.Fatalf("pid %d does not run on (states %q)", p.PID, states(p.PID))
+			}
+		})
 	}
 }
 

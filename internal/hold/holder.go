@@ -17,6 +17,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ptxmig/ptxmig/internal/proc"
 )
 
 // The threads are held by a holder process, not by ptxmig: a process's tracer that dies detaches
@@ -55,9 +57,17 @@ type Held struct {
 // holderProc is a started holder: it takes a "hold PID KEEP" order, then "stop" or "release",
 // and then the next "hold", until its stdin closes.
 type holderProc struct {
-	cmd *exec.Cmd
-	in  io.WriteCloser
-	out *bufio.Reader
+	cmd  *exec.Cmd
+	in   io.WriteCloser
+	out  *bufio.Reader
+	outF *os.File // out's pipe, closed once the holder is reaped
+}
+
+// wait reaps the holder and closes its end of the answers' pipe.
+func (hp *holderProc) wait() error {
+	err := hp.cmd.Wait()
+	_ = hp.outF.Close()
+	return err
 }
 
 // Threads seizes every thread of pid except keep (the driver's restore thread), through a holder
@@ -140,36 +150,47 @@ func putHolder(hp *holderProc) {
 	spareMu.Unlock()
 	if hp != nil {
 		_ = hp.in.Close() // idle: it exits
-		go func() { _ = hp.cmd.Wait() }()
+		go func() { _ = hp.wait() }()
 	}
 }
 
-// startHolder starts a holder, which waits for a "hold PID KEEP" order on its stdin.
+// startHolder starts a holder, which waits for a "hold PID KEEP" order on its stdin. It runs in a
+// cgroup of its own (proc.KeepCgroup): a kill of ptxmig's whole cgroup (a service stopped, an OOM
+// group kill) leaves it to stop the process it holds instead of letting its threads run.
 func startHolder() (*holderProc, error) {
-	cmd := exec.Command(holderExe, HolderArg)
-	cmd.Args[0] = "ptxmig"
-	cmd.Dir = "/"
-	cmd.Stderr = os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	in, err := cmd.StdinPipe()
+	inR, inW, err := os.Pipe()
 	if err != nil {
 		return nil, err
 	}
-	outp, err := cmd.StdoutPipe()
+	outR, outW, err := os.Pipe()
 	if err != nil {
+		inR.Close()
+		inW.Close()
 		return nil, err
 	}
-	if err := cmd.Start(); err != nil {
+	cmd, _, err := proc.StartKept(func() *exec.Cmd {
+		cmd := exec.Command(holderExe, HolderArg)
+		cmd.Args[0] = "ptxmig"
+		cmd.Dir = "/"
+		cmd.Stdin, cmd.Stdout, cmd.Stderr = inR, outW, os.Stderr
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		return cmd
+	})
+	inR.Close()
+	outW.Close()
+	if err != nil {
+		inW.Close()
+		outR.Close()
 		return nil, err
 	}
-	return &holderProc{cmd: cmd, in: in, out: bufio.NewReader(outp)}, nil
+	return &holderProc{cmd: cmd, in: inW, out: bufio.NewReader(outR), outF: outR}, nil
 }
 
 // kill ends a holder that holds nothing.
 func (hp *holderProc) kill() {
 	_ = hp.in.Close()
 	_ = hp.cmd.Process.Kill()
-	_ = hp.cmd.Wait()
+	_ = hp.wait()
 }
 
 // abandonWait bounds the wait for a holder told to go (its orders closed) before it is killed.
@@ -181,7 +202,7 @@ const abandonWait = 15 * time.Second
 func (hp *holderProc) abandon() {
 	_ = hp.in.Close()
 	done := make(chan struct{})
-	go func() { _ = hp.cmd.Wait(); close(done) }()
+	go func() { _ = hp.wait(); close(done) }()
 	select {
 	case <-done:
 	case <-time.After(abandonWait):

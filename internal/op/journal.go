@@ -282,12 +282,16 @@ func startGuardian(exe, journalPath string) (*guardianProc, error) {
 		return nil, err
 	}
 	defer readyR.Close()
-	cmd := exec.Command(exe, GuardianArg, journalPath)
-	cmd.Args[0] = "ptxmig"
-	cmd.Dir = "/"
-	cmd.ExtraFiles = []*os.File{watchR, readyW}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	err = cmd.Start()
+	// In a cgroup of its own (proc.KeepCgroup): a kill of ptxmig's whole cgroup leaves it to roll
+	// the operation back.
+	cmd, _, err := proc.StartKept(func() *exec.Cmd {
+		cmd := exec.Command(exe, GuardianArg, journalPath)
+		cmd.Args[0] = "ptxmig"
+		cmd.Dir = "/"
+		cmd.ExtraFiles = []*os.File{watchR, readyW}
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		return cmd
+	})
 	watchR.Close()
 	readyW.Close()
 	if err != nil {

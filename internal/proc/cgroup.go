@@ -171,6 +171,16 @@ func CgroupMounts() ([]CgroupMount, error) {
 	return ParseCgroupMounts(b), nil
 }
 
+// UnifiedMount is the mounted cgroup v2 hierarchy among mounts, if any.
+func UnifiedMount(mounts []CgroupMount) (CgroupMount, bool) {
+	for _, m := range mounts {
+		if m.V2 {
+			return m, true
+		}
+	}
+	return CgroupMount{}, false
+}
+
 // MountOf finds where the hierarchy of e is mounted.
 func MountOf(mounts []CgroupMount, e CgroupEntry) (CgroupMount, bool) {
 	for _, m := range mounts {

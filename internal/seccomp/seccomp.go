@@ -57,14 +57,22 @@ func DenyIOURing() (newPrivs bool, err error) {
 	if !arches[runtime.GOARCH] {
 		return true, fmt.Errorf("%w: io_uring_setup's number is not known on %s", ErrNotSupported, runtime.GOARCH)
 	}
+	// no_new_privs is a thread's own: the prctl and the retry must run on the same thread.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	f := Filter()
 	prog := unix.SockFprog{Len: uint16(len(f)), Filter: &f[0]}
 	install := func() error {
-		_, _, e := unix.Syscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, unix.SECCOMP_FILTER_FLAG_TSYNC,
+		r, _, e := unix.Syscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, unix.SECCOMP_FILTER_FLAG_TSYNC,
 			uintptr(unsafe.Pointer(&prog)))
 		runtime.KeepAlive(f)
 		if e != 0 {
 			return e
+		}
+		if r != 0 {
+			// TSYNC's refusal is no errno: the kernel installed the filter nowhere and returns the
+			// id of a thread that cannot take it (one with a seccomp filter or mode of its own).
+			return fmt.Errorf("thread %d of this process cannot take it (a seccomp filter of its own)", r)
 		}
 		return nil
 	}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"runtime"
 	"strings"
 	"testing"
 	"unsafe"
@@ -24,6 +25,8 @@ func TestMain(m *testing.M) {
 	case "probe":
 		fmt.Println(setup())
 		os.Exit(0)
+	case "conflict":
+		os.Exit(conflict())
 	}
 	os.Exit(m.Run())
 }
@@ -57,6 +60,34 @@ func helper() int {
 		return 1
 	}
 	fmt.Print("child: ", string(out))
+	return 0
+}
+
+// conflict gives one thread a filter of its own (no TSYNC), which the other threads lack, and
+// then calls DenyIOURing from another thread: TSYNC cannot bring that thread onto the new filter,
+// so the kernel refuses the whole filter, and DenyIOURing must say so.
+func conflict() int {
+	ready := make(chan error)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread keeps its filter and stays
+		err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+		if err == nil {
+			allow := []unix.SockFilter{{Code: unix.BPF_RET | unix.BPF_K, K: unix.SECCOMP_RET_ALLOW}}
+			prog := unix.SockFprog{Len: 1, Filter: &allow[0]}
+			if _, _, e := unix.Syscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, 0, uintptr(unsafe.Pointer(&prog))); e != 0 {
+				err = e
+			}
+		}
+		ready <- err
+		select {}
+	}()
+	if err := <-ready; err != nil {
+		fmt.Println("install:", fmt.Errorf("%w: a thread's own filter: %v", ErrNotSupported, err))
+		return 1
+	}
+	_, err := DenyIOURing()
+	fmt.Println("deny:", err)
+	fmt.Println("self:", setup())
 	return 0
 }
 
@@ -103,5 +134,32 @@ func TestDenyIOURing(t *testing.T) {
 	// The test process itself has no filter.
 	if got := setup(); got != "ok" {
 		t.Errorf("the filter leaked into the test process: io_uring_setup %s", got)
+	}
+}
+
+// TestDenyIOURingTSYNCRefused: when a thread of the process cannot take the filter (it has a
+// filter of its own), the kernel installs it nowhere and returns that thread's id, not an errno;
+// DenyIOURing must report an error, not a filter that is not there.
+func TestDenyIOURingTSYNCRefused(t *testing.T) {
+	if got := setup(); got != "ok" {
+		t.Skipf("this kernel gives no io_uring without the filter (%s): nothing to deny", got)
+	}
+	c := exec.Command(os.Args[0], "-test.run=^$")
+	c.Env = append(os.Environ(), helperEnv+"=conflict")
+	out, err := c.CombinedOutput()
+	if err != nil {
+		if strings.Contains(string(out), ErrNotSupported.Error()) {
+			t.Skipf("no seccomp filters here: %s", out)
+		}
+		t.Fatalf("helper: %v\n%s", err, out)
+	}
+	if strings.Contains(string(out), "deny: <nil>\n") {
+		t.Fatalf("DenyIOURing reported success though a thread could not take the filter:\n%s", out)
+	}
+	if !strings.Contains(string(out), "thread") {
+		t.Errorf("the error does not name the thread that refused:\n%s", out)
+	}
+	if !strings.Contains(string(out), "self: ok\n") {
+		t.Errorf("the kernel installed the filter after all, the test proves nothing:\n%s", out)
 	}
 }
