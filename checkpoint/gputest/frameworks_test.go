@@ -28,6 +28,8 @@ type fwRow struct {
 	maybe   bool   // the refusal may not come (then the row must work)
 	steps   int
 	env     []string
+	run     []string // flags of `ptxmig run`
+	gpus    int      // the GPUs the row needs (0: one)
 }
 
 var fwRows = []fwRow{
@@ -38,8 +40,11 @@ var fwRows = []fwRow{
 	{name: "compile", steps: 300, env: []string{"TORCHINDUCTOR_COMPILE_THREADS=1"}},
 	{name: "compile-workers", fw: "compile", refused: "TORCHINDUCTOR_COMPILE_THREADS=1", maybe: true, steps: 300},
 	{name: "triton", steps: 400}, {name: "cupy", steps: 400}, {name: "numba", steps: 400},
-	// JAX on one GPU: on several, XLA enables peer access between them (refused for that).
+	// JAX on one GPU; on several, XLA enables peer access between them: refused for that, and
+	// checkpointable when started with --no-peer-access.
 	{name: "jax", steps: 400, env: []string{"CUDA_VISIBLE_DEVICES=0"}},
+	{name: "jax-gpus", fw: "jax", steps: 400, refused: "--no-peer-access", gpus: 2},
+	{name: "jax-gpus-no-peer", fw: "jax", steps: 400, run: []string{"--no-peer-access"}, gpus: 2},
 }
 
 // fwAvailable skips the test when the host lacks the framework (frameworks.py says "skip:").
@@ -74,14 +79,15 @@ func fwReference(t *testing.T, env []string, args ...string) <-chan []string {
 // fwStart runs frameworks.py under `ptxmig run` (the default preemption) and waits for the line
 // starting with until; a framework missing on the host skips the row (frameworks.py prints
 // "skip: REASON").
-func fwStart(t *testing.T, env []string, until string, args ...string) *proc {
+func fwStart(t *testing.T, env, run []string, until string, args ...string) *proc {
 	t.Helper()
 	shim := os.Getenv("PTXMIG_SHIM")
 	if shim == "" {
 		t.Skip("PTXMIG_SHIM not set (run through gpu-e2e.sh)")
 	}
-	p := startEnv(t, env, bin, append([]string{"run", "--shim", shim, "--socket-dir",
-		filepath.Join(t.TempDir(), "sock"), "--", "python3", filepath.Join(workloads, "frameworks.py")}, args...)...)
+	runArgs := append(append([]string{"run", "--shim", shim, "--socket-dir", filepath.Join(t.TempDir(), "sock")}, run...),
+		"--", "python3", filepath.Join(workloads, "frameworks.py"))
+	p := startEnv(t, env, bin, append(runArgs, args...)...)
 	for deadline := time.Now().Add(5 * time.Minute); ; time.Sleep(100 * time.Millisecond) {
 		for _, l := range lines(p.log) {
 			if strings.HasPrefix(l, "skip: ") {
@@ -125,10 +131,13 @@ func TestFrameworks(t *testing.T) {
 			if fw == "" {
 				fw = row.name
 			}
+			if len(devs) < max(row.gpus, 1) {
+				t.Skipf("needs %d GPUs, this host has %d", row.gpus, len(devs))
+			}
 			fwAvailable(t, fw)
 			args := []string{fw, "--steps", strconv.Itoa(row.steps), "--sleep-ms", "30"}
 			ref := fwReference(t, row.env, args...)
-			p := fwStart(t, row.env, "step 5 ", args...)
+			p := fwStart(t, row.env, row.run, "step 5 ", args...)
 			var first time.Duration
 			var later, walls []time.Duration
 			for i := 0; i < 3; i++ {
@@ -189,8 +198,11 @@ func TestFrameworks(t *testing.T) {
 			// Two GPUs: there and back. One: a rehearsal onto its own GPU (the whole move: the
 			// driver's checkpoint to host memory and its restore, without the store).
 			moves, targets := "migrate 0→1→0", [][]string{{"--gpu", "1"}, {"--gpu", "0"}}
-			if len(devs) == 1 {
+			switch {
+			case len(devs) == 1:
 				moves, targets = "migrate --rehearse (one GPU)", [][]string{{"--rehearse"}}
+			case row.gpus > 1: // a process on GPUs 0 and 1: swapped, and back
+				moves, targets = "migrate --gpu-map 0=1,1=0 twice", [][]string{{"--gpu-map", "0=1,1=0"}, {"--gpu-map", "0=1,1=0"}}
 			}
 			var downs []string
 			for _, to := range targets {
@@ -252,7 +264,7 @@ func TestJITLongKernels(t *testing.T) {
 				// share it by time slices (each launch then takes about twice as long), and a
 				// restored process among them can be killed by Xid 109 (docs/PLATFORM.md).
 				want := <-fwReference(t, nil, args...)
-				p := fwStart(t, env, "step 1 ", args...)
+				p := fwStart(t, env, nil, "step 1 ", args...)
 				time.Sleep(time.Second) // into the second launch
 				so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--lock-timeout", "10s",
 					"--name", fmt.Sprintf("jit-%s-%s-%d", c.name, wave, time.Now().UnixNano()), strconv.Itoa(p.pid))

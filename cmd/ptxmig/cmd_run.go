@@ -70,6 +70,12 @@ func init() {
 			"without libuv), and it implies --no-io-uring (torchrun's agent creates an io_uring instance\n" +
 			"through libuv whatever its store is told). Nothing is changed without the flag; a variable\n" +
 			"already set to another value stops ptxmig run (125).\n\n" +
+			"Peer access: the NVIDIA driver (580) cannot restore a process that enabled peer access between\n" +
+			"its GPUs, so ptxmig refuses to checkpoint one (XLA enables it in every JAX process on a host with\n" +
+			"several GPUs). --no-peer-access makes its GPUs answer as a pair without a peer path (PCIe without\n" +
+			"P2P: cuDeviceCanAccessPeer 0, an enable refused as unsupported) and sets NCCL_P2P_DISABLE=1:\n" +
+			"frameworks then copy between the GPUs through host memory (slower), and the process stays\n" +
+			"checkpointable. It changes nothing on a host with one GPU.\n\n" +
 			"io_uring: CRIU cannot checkpoint an io_uring instance, so ptxmig refuses a process that holds\n" +
 			"one. --no-io-uring starts CMD with a seccomp filter under which io_uring_setup(2) fails with\n" +
 			"ENOSYS, as on a kernel without io_uring; programs that use it when it is there (libuv, in\n" +
@@ -81,6 +87,7 @@ func init() {
 			"   ptxmig run --nccl-sockets -- python3 train_ddp.py   # ranks by mp.spawn: a checkpointable job\n" +
 			"   ptxmig run --nccl-sockets -- torchrun --standalone --nproc-per-node 4 train_ddp.py\n" +
 			"   ptxmig run --no-io-uring -- python3 serve.py   # io_uring_setup fails, libuv uses epoll\n" +
+			"   ptxmig run --no-peer-access -- python3 jax_train.py   # JAX on several GPUs: checkpointable\n" +
 			"   ptxmig run --preempt always ./longgrid --seconds 30\n" +
 			"   ptxmig run --mid-block -- ./longkernel --seconds 600   # stop inside its blocks\n" +
 			"   ptxmig run --mid-block=false -- python3 jit_app.py   # block-granular twins only\n" +
@@ -96,6 +103,8 @@ func init() {
 				Usage: "the shim serves device allocations from VMM mappings it moves itself at checkpoint and restore (fast; no CUDA IPC of them)"},
 			&cli.BoolFlag{Name: "nccl-sockets",
 				Usage: "a multi-process NCCL job that ptxmig can checkpoint: its ranks exchange data through sockets (" + strings.Join(ncclSocketEnv, " ") + "); implies --no-io-uring"},
+			&cli.BoolFlag{Name: "no-peer-access",
+				Usage: "CMD's GPUs answer as a pair without a peer path (no peer access, NCCL_P2P_DISABLE=1), so that the driver can restore it"},
 			&cli.BoolFlag{Name: "no-io-uring",
 				Usage: "io_uring_setup(2) fails with ENOSYS in CMD and its children (a seccomp filter), so that nothing holds an io_uring instance, which CRIU cannot checkpoint"},
 			socketDirFlag(),
@@ -237,6 +246,10 @@ func lookCommand(name string) (string, error) {
 // --leave-running and ran on; docs/PLATFORM.md).
 var ncclSocketEnv = []string{"NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1", "NCCL_CUMEM_ENABLE=0", "USE_LIBUV=0"}
 
+// noPeerEnv is what --no-peer-access sets: the shim answers for GPUs without a peer path, and
+// NCCL (whose own P2P transport does not ask the CUDA API in every case) keeps off it too.
+var noPeerEnv = []string{"PTXMIG_PEER_ACCESS=0", "NCCL_P2P_DISABLE=1"}
+
 func runAction(c *cli.Context) error {
 	args := c.Args().Slice()
 	if len(args) > 0 && args[0] == "--" {
@@ -274,11 +287,17 @@ func runAction(c *cli.Context) error {
 	if c.Bool("owned-memory") {
 		settings["PTXMIG_OWNED_MEMORY"] = "1"
 	}
-	if c.Bool("nccl-sockets") {
-		for _, kv := range ncclSocketEnv {
+	for _, f := range []struct {
+		flag string
+		env  []string
+	}{{"nccl-sockets", ncclSocketEnv}, {"no-peer-access", noPeerEnv}} {
+		if !c.Bool(f.flag) {
+			continue
+		}
+		for _, kv := range f.env {
 			k, v, _ := strings.Cut(kv, "=")
 			if have, ok := os.LookupEnv(k); ok && have != v {
-				return exitcode.Usagef("run: --nccl-sockets sets %s, which the environment sets to %q: unset it or drop the flag", kv, have)
+				return exitcode.Usagef("run: --%s sets %s, which the environment sets to %q: unset it or drop the flag", f.flag, kv, have)
 			}
 			settings[k] = v
 		}

@@ -274,6 +274,27 @@ func TestRun(t *testing.T) {
 		}
 	})
 
+	t.Run("no peer access", func(t *testing.T) {
+		// --no-peer-access tells the shim to answer for GPUs without a peer path and keeps NCCL's
+		// P2P transport off; a conflicting NCCL_P2P_DISABLE stops ptxmig run (125), nothing starts.
+		show := `echo "$PTXMIG_PEER_ACCESS|$NCCL_P2P_DISABLE"`
+		args := []string{"run", "--no-peer-access", "--shim", f.shim, "--socket-dir", f.sock, "--", "sh", "-c", show}
+		if out, err := f.cmd(args).Output(); err != nil || string(out) != "0|1\n" {
+			t.Errorf("--no-peer-access: %q %v", out, err)
+		}
+		if out, err := f.cmd(f.runArgs("sh", "-c", show)).Output(); err != nil || string(out) != "|\n" {
+			t.Errorf("without the flag: %q %v", out, err)
+		}
+		c := f.cmd(args, "NCCL_P2P_DISABLE=0")
+		var errb bytes.Buffer
+		c.Stderr = &errb
+		err := c.Run()
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 125 || !strings.Contains(errb.String(), "--no-peer-access sets NCCL_P2P_DISABLE=1") {
+			t.Errorf("--no-peer-access against NCCL_P2P_DISABLE=0: %v, %s", err, errb.String())
+		}
+	})
+
 	t.Run("no io_uring", func(t *testing.T) {
 		// --no-io-uring (and --nccl-sockets, which implies it) starts the app under one more
 		// seccomp filter than ptxmig's caller has (a container may have its own); without either

@@ -41,8 +41,10 @@ func RefuseUnrestorable(ctx context.Context, pids []int) error {
 			found = append(found, fmt.Sprintf("has enabled peer access between its GPUs (%d link(s), reported by the ptxmig shim): "+
 				"the NVIDIA driver checkpoints such a process but cannot restore it (cuCheckpointProcessRestore fails with "+
 				"CUDA_ERROR_INVALID_VALUE, in place or onto other GPUs; measured with driver 580.159.04)", n))
-			fixes = append(fixes, "Have the application disable peer access first (cuCtxDisablePeerAccess / "+
-				"cudaDeviceDisablePeerAccess; NCCL: NCCL_P2P_DISABLE=1)")
+			fixes = append(fixes, "Start it with `ptxmig run --no-peer-access` (its GPUs then answer as a pair without a "+
+				"peer path: frameworks such as JAX and PyTorch copy between them through host memory), or have the "+
+				"application disable peer access first (cuCtxDisablePeerAccess / cudaDeviceDisablePeerAccess; NCCL: "+
+				"NCCL_P2P_DISABLE=1)")
 		}
 		if s := st.IPC; s != nil && (s.Exported > 0 || s.Imported > 0) {
 			found = append(found, fmt.Sprintf("shares GPU memory with other processes (%s; reported by the ptxmig shim): "+

@@ -101,8 +101,10 @@ func TestRefuseUnrestorablePeerMessage(t *testing.T) {
 	want := fmt.Sprintf("pid %d has enabled peer access between its GPUs (2 link(s), reported by the ptxmig shim): "+
 		"the NVIDIA driver checkpoints such a process but cannot restore it (cuCheckpointProcessRestore fails with "+
 		"CUDA_ERROR_INVALID_VALUE, in place or onto other GPUs; measured with driver 580.159.04), so it would be lost; "+
-		"nothing was touched. Have the application disable peer access first (cuCtxDisablePeerAccess / "+
-		"cudaDeviceDisablePeerAccess; NCCL: NCCL_P2P_DISABLE=1)", pid)
+		"nothing was touched. Start it with `ptxmig run --no-peer-access` (its GPUs then answer as a pair without a "+
+		"peer path: frameworks such as JAX and PyTorch copy between them through host memory), or have the "+
+		"application disable peer access first (cuCtxDisablePeerAccess / cudaDeviceDisablePeerAccess; NCCL: "+
+		"NCCL_P2P_DISABLE=1)", pid)
 	if err := RefuseUnrestorable(context.Background(), []int{pid}); err == nil || err.Error() != want {
 		t.Fatalf("err = %v\nwant    %s", err, want)
 	}

@@ -2,24 +2,28 @@ package shimctl
 
 // Status is the result of the "status" request.
 type Status struct {
-	PID             int               `json:"pid"`
-	Shim            string            `json:"shim"`
-	Proto           int               `json:"proto"`
-	Exe             string            `json:"exe"`
-	UptimeS         float64           `json:"uptime_s"`
-	CUDAInitialized bool              `json:"cuda_initialized"`
-	DriverCUDA      int               `json:"driver_cuda_version,omitempty"`
-	PeerAccess      int               `json:"peer_access"`           // peer links enabled between the process's contexts
-	IPC             *IPC              `json:"ipc,omitempty"`         // nil from a shim that predates it
-	Collectives     *Collectives      `json:"collectives,omitempty"` // NCCL launches and the alignment hold (older shims: nil)
-	Devices         []Device          `json:"devices"`
-	Contexts        []Context         `json:"contexts"`
-	Allocations     map[string]any    `json:"allocations"`
-	Modules         []Module          `json:"modules"`
-	Interception    map[string]uint64 `json:"interception"`
-	Launches        map[string]uint64 `json:"launches"`
-	Sampling        map[string]uint64 `json:"sampling"`
-	Preempt         *PreemptStatus    `json:"preempt,omitempty"` // protocol 2
+	PID             int     `json:"pid"`
+	Shim            string  `json:"shim"`
+	Proto           int     `json:"proto"`
+	Exe             string  `json:"exe"`
+	UptimeS         float64 `json:"uptime_s"`
+	CUDAInitialized bool    `json:"cuda_initialized"`
+	DriverCUDA      int     `json:"driver_cuda_version,omitempty"`
+	PeerAccess      int     `json:"peer_access"` // peer links enabled between the process's contexts
+	// PeerAccessOff: started with PTXMIG_PEER_ACCESS=0 (`ptxmig run --no-peer-access`), the GPUs
+	// answer as without a peer path; PeerAccessRefused counts the enables refused so.
+	PeerAccessOff     bool              `json:"peer_access_off,omitempty"`
+	PeerAccessRefused int               `json:"peer_access_refused,omitempty"`
+	IPC               *IPC              `json:"ipc,omitempty"`         // nil from a shim that predates it
+	Collectives       *Collectives      `json:"collectives,omitempty"` // NCCL launches and the alignment hold (older shims: nil)
+	Devices           []Device          `json:"devices"`
+	Contexts          []Context         `json:"contexts"`
+	Allocations       map[string]any    `json:"allocations"`
+	Modules           []Module          `json:"modules"`
+	Interception      map[string]uint64 `json:"interception"`
+	Launches          map[string]uint64 `json:"launches"`
+	Sampling          map[string]uint64 `json:"sampling"`
+	Preempt           *PreemptStatus    `json:"preempt,omitempty"` // protocol 2
 }
 
 // IPC is the GPU memory a process shares with other processes, as its shim counts it (status

@@ -51,6 +51,7 @@ void config_load(void) {
   cfg.mid_max_bytes = (uint64_t)env_uint("PTXMIG_MID_BLOCK_MAX_MB", 2048) << 20;
   cfg.owned = env_uint("PTXMIG_OWNED_MEMORY", 0) != 0;
   cfg.owned_min = (uint64_t)env_uint("PTXMIG_OWNED_MIN_KB", 1024) << 10;
+  cfg.no_peer = env_uint("PTXMIG_PEER_ACCESS", 1) == 0;
   const char *pc = getenv("PTXMIG_PTX_CACHE");
   snprintf(cfg.ptx_cache, sizeof cfg.ptx_cache, "%s", pc ? pc : "/var/cache/ptxmig/ptx");
   const char *hp = getenv("PTXMIG_HELPER");

@@ -39,6 +39,7 @@ typedef struct {
   uint64_t mid_max_bytes;    // PTXMIG_MID_BLOCK_MAX_MB (default 2048): save areas of one launch at most
   int owned;                 // PTXMIG_OWNED_MEMORY=1 (default 0): serve cuMemAlloc* from VMM mappings (vmm.c)
   uint64_t owned_min;        // PTXMIG_OWNED_MIN_KB (default 1024): smaller allocations go to the driver
+  int no_peer;               // PTXMIG_PEER_ACCESS=0 (default 1): no peer access between GPUs (hooks.c)
   char ptx_cache[256];       // PTXMIG_PTX_CACHE, default /var/cache/ptxmig/ptx ("" or "off": no cache)
   char helper[256];          // PTXMIG_HELPER: the ptxmig binary ("" : none)
   unsigned helper_timeout_ms;  // PTXMIG_HELPER_TIMEOUT_MS (default 60000)

@@ -172,6 +172,8 @@ static void report_interception(jbuf *b) {
   X(cuDevicePrimaryCtxReset_v2, "cuDevicePrimaryCtxReset", 11000, 0, 0, 0)        \
   X(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", 0, 0, 0, 0)                  \
   X(cuCtxDisablePeerAccess, "cuCtxDisablePeerAccess", 0, 0, 0, 0)                \
+  X(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", 0, 0, 0, 0)                  \
+  X(cuDeviceGetP2PAttribute, "cuDeviceGetP2PAttribute", 0, 0, 0, 0)              \
   X(cuModuleLoad, "cuModuleLoad", 0, 0, 0, 0)                                     \
   X(cuModuleLoadData, "cuModuleLoadData", 0, 0, 0, 0)                             \
   X(cuModuleLoadDataEx, "cuModuleLoadDataEx", 0, 0, 0, 0)                         \
@@ -853,10 +855,30 @@ FREE_ASYNC(cuMemFreeAsync_ptsz, 1)
 
 // Peer access between contexts: driver 580 checkpoints a process that enabled it but cannot
 // restore it (CUDA_ERROR_INVALID_VALUE, in place or remapped; docs/PLATFORM.md), so ptxmig reads
-// the count from status and refuses such a checkpoint before touching the process.
+// the count from status and refuses such a checkpoint before touching the process. With
+// PTXMIG_PEER_ACCESS=0 (`ptxmig run --no-peer-access`) the GPUs answer as a pair without a peer
+// path (PCIe without P2P): no peer access, P2P attributes 0, and an enable is refused as such a
+// pair's driver refuses it, so frameworks copy between GPUs through host memory and the process
+// stays restorable.
 EXPORT CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
+  if (cfg.no_peer) {
+    trk_peer_refused();
+    return CUDA_ERROR_PEER_ACCESS_UNSUPPORTED;
+  }
   CALL_REAL(cuCtxEnablePeerAccess, peer, flags);
   if (r_ == CUDA_SUCCESS) trk_peer_access(1);
+  return r_;
+}
+EXPORT CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
+  CALL_REAL(cuDeviceCanAccessPeer, can, dev, peer);
+  if (r_ == CUDA_SUCCESS && cfg.no_peer && can) *can = 0;
+  return r_;
+}
+// CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED (2), _NATIVE_ATOMIC_SUPPORTED (3) and
+// _CUDA_ARRAY_ACCESS_SUPPORTED (4) read 0; the performance rank (1) is the driver's.
+EXPORT CUresult cuDeviceGetP2PAttribute(int *value, int attrib, CUdevice src, CUdevice dst) {
+  CALL_REAL(cuDeviceGetP2PAttribute, value, attrib, src, dst);
+  if (r_ == CUDA_SUCCESS && cfg.no_peer && value && attrib >= 2 && attrib <= 4) *value = 0;
   return r_;
 }
 EXPORT CUresult cuCtxDisablePeerAccess(CUcontext peer) {

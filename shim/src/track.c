@@ -1309,9 +1309,10 @@ static void report_devices(jbuf *b) {
 
 // Peer links the process has enabled between its contexts and not disabled (status
 // "peer_access").
-static atomic_long peer_links;
+static atomic_long peer_links, peer_refused;
 void trk_peer_access(int delta) { atomic_fetch_add(&peer_links, delta); }
 long trk_peer_links(void) { return atomic_load(&peer_links); }
+void trk_peer_refused(void) { atomic_fetch_add(&peer_refused, 1); }
 
 void trk_report_status(jbuf *b, int brief) {
   jb_printf(b, ",\"uptime_s\":%.3f,\"cuda_initialized\":%s", (double)(shim_now_ns() - start_ns) / 1e9,
@@ -1319,7 +1320,8 @@ void trk_report_status(jbuf *b, int brief) {
   int dv = 0;
   CUresult (*ver)(int *) = (CUresult(*)(int *))drv_sym("cuDriverGetVersion");
   if (ver && ver(&dv) == CUDA_SUCCESS) jb_printf(b, ",\"driver_cuda_version\":%d", dv);
-  jb_printf(b, ",\"peer_access\":%ld", atomic_load(&peer_links));
+  jb_printf(b, ",\"peer_access\":%ld,\"peer_access_off\":%s,\"peer_access_refused\":%ld", atomic_load(&peer_links),
+            cfg.no_peer ? "true" : "false", atomic_load(&peer_refused));
   jb_key(b, "ipc");
   report_share(b);
   jb_key(b, "devices");

@@ -18,6 +18,7 @@ void trk_alloc_remove(uint64_t key, int kind);  // kind -1: whichever kind key h
 void trk_vmm_unmap(uint64_t ptr, uint64_t size);
 void trk_peer_access(int delta);  // +1 per peer link enabled, -1 per link disabled
 long trk_peer_links(void);
+void trk_peer_refused(void);     // an enable refused under PTXMIG_PEER_ACCESS=0
 // Cross-process GPU memory sharing (status "ipc"; docs/SHIM-PROTOCOL.md says what is counted).
 // Each is called after the driver call succeeded.
 enum share_kind { SK_IPC_MEM, SK_VMM, SK_POOL, SK_POOL_PTR, SK_COUNT };

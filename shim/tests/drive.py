@@ -216,6 +216,21 @@ def main():
                     want["clock_ns"] = 0
                 check(all(st[k] == v for k, v in want.items()) and (st["ns"] > 0) == bool(self_time),
                       f"app_direct PTXMIG_SELF_TIME={self_time!r}: self_time {st}")
+    # PTXMIG_PEER_ACCESS=0 (`ptxmig run --no-peer-access`): the GPUs answer as a pair without a peer
+    # path, an enable is refused (217) and not counted; status says so. Without it, the driver's.
+    for off in ("", "0"):
+        with case(f"app_direct[PTXMIG_PEER_ACCESS={off}]"):
+            res = run_app(opts, "app_direct", {"PTXMIG_PEER_ACCESS": off},
+                          {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
+                          {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3},
+                          expect_peer=0 if off else 1)
+            if res:
+                want = "peer: can 0 access-supported 0 enable 217" if off else "peer: can 1 access-supported 1 enable 0"
+                check(want in res[3], f"app_direct PTXMIG_PEER_ACCESS={off!r}: stderr lacks {want!r}: {res[3][-500:]}")
+                st = res[1]
+                check(st.get("peer_access_off") == bool(off) and st.get("peer_access_refused") == (2 if off else 0),
+                      f"app_direct PTXMIG_PEER_ACCESS={off!r}: status peer_access_off {st.get('peer_access_off')}, "
+                      f"refused {st.get('peer_access_refused')}")
     # Memory shared with other processes (CUDA IPC, VMM shareable handles, pools; ptxmig refuses to
     # checkpoint such a process): the live exports and imports in status, then none once undone.
     with case("app_direct[APP_SHARE=1]"):

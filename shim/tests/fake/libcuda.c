@@ -221,6 +221,9 @@ EXPORT CUresult cuCtxGetDevice(int *d) { if (!current) return 201; *d = 0; retur
 // One fake device: any context is accepted as a peer; a NULL one is refused as the driver would.
 EXPORT CUresult cuCtxEnablePeerAccess(void *peer, unsigned flags) { (void)flags; return peer ? OK : E_INVALID_HANDLE; }
 EXPORT CUresult cuCtxDisablePeerAccess(void *peer) { return peer ? OK : E_INVALID_HANDLE; }
+// As a pair of GPUs with a peer path (NVLink) would answer.
+EXPORT CUresult cuDeviceCanAccessPeer(int *can, int d, int peer) { (void)d; (void)peer; if (!inited) return E_NOT_INITIALIZED; *can = 1; return OK; }
+EXPORT CUresult cuDeviceGetP2PAttribute(int *v, int attr, int src, int dst) { (void)src; (void)dst; if (!inited) return E_NOT_INITIALIZED; *v = attr == 1 ? 0 : 1; return OK; }
 EXPORT CUresult cuDeviceGetUuid_v2(unsigned char *u, int d) { (void)d; for (int i = 0; i < 16; i++) u[i] = (unsigned char)i; return OK; }
 EXPORT CUresult cuDevicePrimaryCtxRetain(void **c, int d) { (void)d; if (!inited) return E_NOT_INITIALIZED; *c = &primary; return OK; }
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(int d) { (void)d; return OK; }
@@ -1677,7 +1680,7 @@ static const struct { const char *name; void *fn; } table[] = {
     T(cuStreamSynchronize_ptsz) T(cuStreamQuery) T(cuStreamQuery_ptsz) T(cuLaunchHostFunc) T(cuMemcpyHtoDAsync_v2)
     T(cuMemcpyHtoD_v2) T(cuMemcpyDtoHAsync_v2) T(cuMemcpyDtoH_v2) T(cuMemsetD32Async) T(cuMemsetD32_v2)
     T(cuEventRecord_ptsz) T(cuEventSynchronize) T(cuStreamWaitEvent) T(cuCtxEnablePeerAccess)
-    T(cuCtxDisablePeerAccess) T(cuMemGetAllocationGranularity) T(cuMemAddressReserve) T(cuMemAddressFree)
+    T(cuCtxDisablePeerAccess) T(cuDeviceCanAccessPeer) T(cuDeviceGetP2PAttribute) T(cuMemGetAllocationGranularity) T(cuMemAddressReserve) T(cuMemAddressFree)
     T(cuMemSetAccess) T(cuMemHostRegister) T(cuMemHostRegister_v2) T(cuMemHostUnregister) T(cuMemGetAddressRange_v2)
     T(cuPointerGetAttribute) T(cuIpcGetMemHandle) T(cuMemsetD8Async) T(cuMemsetD8_v2) T(cuMemAllocPitch_v2)
     T(cuIpcOpenMemHandle) T(cuIpcOpenMemHandle_v2) T(cuIpcCloseMemHandle) T(cuMemExportToShareableHandle)
