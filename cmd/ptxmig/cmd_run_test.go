@@ -250,48 +250,37 @@ func TestRun(t *testing.T) {
 		}
 	})
 
-	t.Run("nccl sockets", func(t *testing.T) {
-		// --nccl-sockets sets the job's transports; without it nothing is set; a conflicting value
-		// is ptxmig run's own failure (125), and nothing starts.
-		show := `echo "$NCCL_P2P_DISABLE|$NCCL_SHM_DISABLE|$NCCL_CUMEM_ENABLE|$USE_LIBUV"`
-		args := append([]string{"run", "--nccl-sockets", "--shim", f.shim, "--socket-dir", f.sock, "--"}, "sh", "-c", show)
-		if out, err := f.cmd(args).Output(); err != nil || string(out) != "1|1|0|0\n" {
-			t.Errorf("--nccl-sockets: %q %v", out, err)
-		}
-		if out, err := f.cmd(f.runArgs("sh", "-c", show)).Output(); err != nil || string(out) != "|||\n" {
-			t.Errorf("without the flag: %q %v", out, err)
-		}
-		if out, err := f.cmd(args, "NCCL_P2P_DISABLE=1").Output(); err != nil || string(out) != "1|1|0|0\n" {
-			t.Errorf("--nccl-sockets with an agreeing environment: %q %v", out, err)
-		}
-		c := f.cmd(args, "NCCL_CUMEM_ENABLE=1")
-		var errb bytes.Buffer
-		c.Stderr = &errb
-		err := c.Run()
-		var ee *exec.ExitError
-		if !errors.As(err, &ee) || ee.ExitCode() != 125 || !strings.Contains(errb.String(), "NCCL_CUMEM_ENABLE") { // run's own failure
-			t.Errorf("--nccl-sockets against NCCL_CUMEM_ENABLE=1: %v, %s", err, errb.String())
-		}
-	})
-
-	t.Run("no peer access", func(t *testing.T) {
-		// --no-peer-access tells the shim to answer for GPUs without a peer path and keeps NCCL's
-		// P2P transport off; a conflicting NCCL_P2P_DISABLE stops ptxmig run (125), nothing starts.
-		show := `echo "$PTXMIG_PEER_ACCESS|$NCCL_P2P_DISABLE"`
-		args := []string{"run", "--no-peer-access", "--shim", f.shim, "--socket-dir", f.sock, "--", "sh", "-c", show}
-		if out, err := f.cmd(args).Output(); err != nil || string(out) != "0|1\n" {
-			t.Errorf("--no-peer-access: %q %v", out, err)
-		}
-		if out, err := f.cmd(f.runArgs("sh", "-c", show)).Output(); err != nil || string(out) != "|\n" {
-			t.Errorf("without the flag: %q %v", out, err)
-		}
-		c := f.cmd(args, "NCCL_P2P_DISABLE=0")
-		var errb bytes.Buffer
-		c.Stderr = &errb
-		err := c.Run()
-		var ee *exec.ExitError
-		if !errors.As(err, &ee) || ee.ExitCode() != 125 || !strings.Contains(errb.String(), "--no-peer-access sets NCCL_P2P_DISABLE=1") {
-			t.Errorf("--no-peer-access against NCCL_P2P_DISABLE=0: %v, %s", err, errb.String())
+	t.Run("environment flags", func(t *testing.T) {
+		// --nccl-sockets sets the job's transports, --no-peer-access tells the shim to answer for
+		// GPUs without a peer path and keeps NCCL's P2P off; without them nothing is set; an
+		// agreeing environment is fine; a conflicting value is ptxmig run's own failure (125), and
+		// nothing starts.
+		for _, tc := range []struct {
+			flag, show, want, unset, agree, conflict, names string
+		}{
+			{"--nccl-sockets", `echo "$NCCL_P2P_DISABLE|$NCCL_SHM_DISABLE|$NCCL_CUMEM_ENABLE|$USE_LIBUV"`, "1|1|0|0\n", "|||\n",
+				"NCCL_P2P_DISABLE=1", "NCCL_CUMEM_ENABLE=1", "NCCL_CUMEM_ENABLE"},
+			{"--no-peer-access", `echo "$PTXMIG_PEER_ACCESS|$NCCL_P2P_DISABLE"`, "0|1\n", "|\n",
+				"NCCL_P2P_DISABLE=1", "NCCL_P2P_DISABLE=0", "--no-peer-access sets NCCL_P2P_DISABLE=1"},
+		} {
+			args := []string{"run", tc.flag, "--shim", f.shim, "--socket-dir", f.sock, "--", "sh", "-c", tc.show}
+			if out, err := f.cmd(args).Output(); err != nil || string(out) != tc.want {
+				t.Errorf("%s: %q %v, want %q", tc.flag, out, err, tc.want)
+			}
+			if out, err := f.cmd(f.runArgs("sh", "-c", tc.show)).Output(); err != nil || string(out) != tc.unset {
+				t.Errorf("without %s: %q %v", tc.flag, out, err)
+			}
+			if out, err := f.cmd(args, tc.agree).Output(); err != nil || string(out) != tc.want {
+				t.Errorf("%s with %s: %q %v", tc.flag, tc.agree, out, err)
+			}
+			c := f.cmd(args, tc.conflict)
+			var errb bytes.Buffer
+			c.Stderr = &errb
+			err := c.Run()
+			var ee *exec.ExitError
+			if !errors.As(err, &ee) || ee.ExitCode() != 125 || !strings.Contains(errb.String(), tc.names) { // run's own failure
+				t.Errorf("%s against %s: %v, %s", tc.flag, tc.conflict, err, errb.String())
+			}
 		}
 	})
 
