@@ -508,13 +508,15 @@ func (in *Ingest) Close() {
 			drained = true
 		}
 	}
-	in.pw.stage.close() // removes what was staged unless Commit published it
+	// The records first, then what they name: a crash in between leaves staged files no record
+	// names (gc removes them), never a record naming files that are gone.
 	in.mu.Lock()
 	for _, p := range in.rescues { // the writer is alive to the end: nothing to rescue
 		_ = os.Remove(p)
 	}
 	in.rescues = nil
 	in.mu.Unlock()
+	in.pw.stage.close() // removes what was staged unless Commit published it
 	in.lk.unlock()
 }
 

@@ -265,12 +265,13 @@ func threads(pid int) ([]int, error) {
 // stopped reports whether thread keep of pid is in a group-stop.
 func stopped(pid, keep int) bool { return proc.ThreadState(pid, keep) == 'T' }
 
-// waitState waits until thread tid of pid is in a state ok accepts (or gone).
+// waitState waits until thread tid of pid is in a state ok accepts, or gone or dead (a zombie:
+// the process was killed meanwhile, there is nothing left to stop or run).
 func waitState(pid, tid int, ok func(byte) bool) error {
 	deadline := time.Now().Add(stopTimeout)
 	for {
 		s := proc.ThreadState(pid, tid)
-		if s == 0 || ok(s) {
+		if s == 0 || s == 'Z' || s == 'X' || ok(s) {
 			return nil
 		}
 		if time.Now().After(deadline) {

@@ -194,6 +194,37 @@ func TestThreadsTracedElsewhere(t *testing.T) {
 	}
 }
 
+// TestStopKilledWhileHeld: a process killed while it is held (SIGKILL reaches a traced process)
+// has nothing left to stop: Stop and Release succeed at once instead of waiting for a dead
+// thread to stop, and nothing stays attached.
+func TestStopKilledWhileHeld(t *testing.T) {
+	for _, stop := range []bool{true, false} {
+		t.Run(map[bool]string{true: "stop", false: "release"}[stop], func(t *testing.T) {
+			p, _ := uvmProc(t)
+			h, err := Threads(p.PID, p.PID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := syscall.Kill(p.PID, syscall.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			for deadline := time.Now().Add(5 * time.Second); proc.ThreadState(p.PID, p.PID) != 'Z'; time.Sleep(time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("pid %d did not die (state %c)", p.PID, proc.ThreadState(p.PID, p.PID))
+				}
+			}
+			if stop {
+				err = h.Stop()
+			} else {
+				err = h.Release()
+			}
+			if err != nil {
+				t.Fatalf("after the held process was killed: %v", err)
+			}
+		})
+	}
+}
+
 func TestThreadsBadArguments(t *testing.T) {
 	p, _ := uvmProc(t)
 	for _, c := range []struct{ pid, keep int }{{p.PID, 0}, {0, p.PID}, {p.PID, 1}, {1 << 30, 1 << 30}} {

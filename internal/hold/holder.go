@@ -233,9 +233,13 @@ func (h *Held) order(what string) error {
 	if err == nil {
 		_, err = h.hp.reply("ok")
 	}
+	var he holderError
+	if err != nil && !errors.As(err, &he) { // the holder's own errors name the order and the pid
+		err = fmt.Errorf("%s pid %d: %w", what, h.pid, err)
+	}
 	if err != nil {
 		h.hp.abandon() // what it did is in err
-		return fmt.Errorf("%s pid %d: %w", what, h.pid, err)
+		return err
 	}
 	putHolder(h.hp)
 	return nil
@@ -267,10 +271,15 @@ func (hp *holderProc) reply(want string) (string, error) {
 	case want:
 		return rest, nil
 	case "error":
-		return "", errors.New(rest)
+		return "", holderError(rest)
 	}
 	return "", fmt.Errorf("the holder answered %q", s)
 }
+
+// holderError is an error the holder answered ("error MSG"): MSG names what failed and the pid.
+type holderError string
+
+func (e holderError) Error() string { return string(e) }
 
 // holderMain is the holder: its orders come on stdin ("hold PID KEEP", then "stop" or
 // "release", and again), its answers go to stdout. Each hold runs on tracer threads of its own
