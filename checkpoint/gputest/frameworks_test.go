@@ -45,6 +45,10 @@ var fwRows = []fwRow{
 	{name: "jax", steps: 400, env: []string{"CUDA_VISIBLE_DEVICES=0"}},
 	{name: "jax-gpus", fw: "jax", steps: 400, refused: "--no-peer-access", gpus: 2},
 	{name: "jax-gpus-no-peer", fw: "jax", steps: 400, run: []string{"--no-peer-access"}, gpus: 2},
+	// One PyTorch process over two GPUs (model parallel): PyTorch enables peer access for its
+	// copies between them where the GPUs have a peer path; --no-peer-access keeps it restorable.
+	{name: "pipeline", steps: 300, refused: "--no-peer-access", maybe: true, gpus: 2},
+	{name: "pipeline-no-peer", fw: "pipeline", steps: 300, run: []string{"--no-peer-access"}, gpus: 2},
 }
 
 // fwAvailable skips the test when the host lacks the framework (frameworks.py says "skip:").

@@ -6,8 +6,9 @@
 FRAMEWORK: resnet (torchvision ResNet-18 training), gpt2 (Hugging Face GPT-2, bf16 autocast,
 AdamW), compile (an MLP under torch.compile: Inductor's Triton kernels), triton (a @triton.jit
 kernel), cupy (a cupy.RawKernel: NVRTC), numba (a numba.cuda.jit kernel: NVVM's LTO-IR linked by
-nvJitLink), jax (a jax.jit MLP). One GPU, no download: models
-are built from configurations with a fixed seed. Every step prints "step N VALUE" (a loss to 17
+nvJitLink), jax (a jax.jit MLP), pipeline (a PyTorch MLP split over cuda:0 and cuda:1, model
+parallel: activations and gradients copied between the GPUs). One GPU (pipeline: two), no
+download: models are built from configurations with a fixed seed. Every step prints "step N VALUE" (a loss to 17
 significant digits, or an exact checksum) and the end "final VALUE"; two uninterrupted runs print
 identical lines, and so must a run checkpointed, restored or migrated in between. --long-ms makes
 each cupy/numba launch spin about that long per block (a long kernel; --one-wave: a grid of one
@@ -109,6 +110,26 @@ def run_compile(a, emit):
         emit(step, f"{loss.item():.17g}")
 
 
+def run_pipeline(a, emit):
+    torch = torch_setup(a.seed)
+    if torch.cuda.device_count() < 2:
+        print(f"skip: pipeline needs 2 GPUs, {torch.cuda.device_count()} visible", flush=True)
+        raise SystemExit(3)
+    d0, d1 = torch.device("cuda:0"), torch.device("cuda:1")
+    first = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU()).to(d0)
+    second = torch.nn.Linear(1024, 16).to(d1)
+    opt = torch.optim.Adam(list(first.parameters()) + list(second.parameters()), lr=1e-3)
+    g = torch.Generator().manual_seed(a.seed)
+    x = torch.randn(512, 256, generator=g).to(d0)
+    y = torch.randn(512, 16, generator=g).to(d1)
+    for step in range(1, a.steps + 1):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(second(first(x).to(d1)), y)  # GPU 0 -> GPU 1, and back in backward
+        loss.backward()
+        opt.step()
+        emit(step, f"{loss.item():.17g}")
+
+
 def run_triton(a, emit):
     torch = torch_setup(a.seed)
     import triton
@@ -197,7 +218,7 @@ def run_jax(a, emit):
 
 RUNNERS = {"resnet": (run_resnet, "torchvision"), "gpt2": (run_gpt2, "transformers"), "compile": (run_compile, "torch"),
            "triton": (run_triton, "triton"), "cupy": (run_cupy, "cupy"), "numba": (run_numba, "numba.cuda"),
-           "jax": (run_jax, "jax")}
+           "jax": (run_jax, "jax"), "pipeline": (run_pipeline, "torch")}
 
 
 def main() -> int:
