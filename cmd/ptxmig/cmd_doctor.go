@@ -89,6 +89,7 @@ type doctorProbes struct {
 	socketDir     func(dir string) error
 	pending       func() ([]op.Recovered, error) // op.Pending
 	session       func() (int, error)            // ptxmig's session id as /proc shows it
+	keep          func() (string, bool)          // proc.KeepReport: do guardians survive a kill of ptxmig's cgroup
 }
 
 var doctorHost = doctorProbes{
@@ -143,6 +144,7 @@ var doctorHost = doctorProbes{
 	ptxas:     ptxas.Find,
 	socketDir: checkSocketDir,
 	pending:   op.Pending,
+	keep:      proc.KeepReport,
 }
 
 func doctorAction(c *cli.Context) error {
@@ -402,6 +404,11 @@ func runDoctor(ctx context.Context, p doctorProbes, storeDir, sockDir string) do
 		add("failure logs", "ok", logDir+" (created on the first failure; $PTXMIG_LOG_DIR overrides)", "")
 	}
 	pendingCheck(p, root, add) // operations a ptxmig that died left behind
+	if msg, ok := p.keep(); ok {
+		add("group kill", "ok", msg, "")
+	} else {
+		add("group kill", "warn", msg, "units that run ptxmig: name ptxmig-recover.service in OnFailure= (ptxmig-rebalance.service does), so that a kill of the unit's cgroup is rolled back")
+	}
 
 	// The shim and its tools.
 	if s, err := p.shim(); err != nil {

@@ -50,11 +50,15 @@ func fakeHost(good bool) doctorProbes {
 		socketDir:   func(string) error { return nil },
 		pending:     func() ([]op.Recovered, error) { return nil, nil },
 		session:     func() (int, error) { return 4242, nil },
+		keep: func() (string, bool) {
+			return "ptxmig runs in cgroup /system.slice/ptxmig-rebalance.service; guardians and holders start in /ptxmig.keep (cgroup v2 at /sys/fs/cgroup), out of reach of a kill of ptxmig's cgroup", true
+		},
 	}
 	if good {
 		return p
 	}
 	p.session = func() (int, error) { return 0, nil } // docker exec
+	p.keep = func() (string, bool) { return "no cgroup hierarchy mounted: guardians and holders start where ptxmig is", false }
 	// A container on an old driver, with no CRIU, a loose store and no shim.
 	p.euid = func() int { return 1000 }
 	p.missingCaps = func() ([]probe.Capability, error) {

@@ -2,6 +2,7 @@ package proc
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"syscall"
@@ -29,19 +30,7 @@ const KeepCgroup = "/ptxmig.keep"
 func StartKept(mk func() *exec.Cmd) (cmd *exec.Cmd, kept bool, err error) {
 	mounts, _ := CgroupMounts()
 	own, _ := Cgroups(os.Getpid())
-	var v2, v1 *CgroupMount
-	for _, e := range own {
-		m, ok := MountOf(mounts, e)
-		if !ok || e.Path == "/" {
-			continue
-		}
-		switch {
-		case e.V2():
-			v2 = &m
-		case e.Controllers == "name=systemd":
-			v1 = &m
-		}
-	}
+	v2, v1 := keepHierarchies(own, mounts)
 	if v2 != nil {
 		if fd, ferr := keepDirFD(*v2); ferr == nil {
 			cmd = mk()
@@ -71,6 +60,52 @@ func StartKept(mk func() *exec.Cmd) (cmd *exec.Cmd, kept bool, err error) {
 		kept = true
 	}
 	return cmd, kept, nil
+}
+
+// keepHierarchies are the hierarchies StartKept uses: the unified one and systemd's v1 one, each
+// where ptxmig is not at its top (own: ptxmig's cgroups) and it is mounted.
+func keepHierarchies(own []CgroupEntry, mounts []CgroupMount) (v2, v1 *CgroupMount) {
+	for _, e := range own {
+		m, ok := MountOf(mounts, e)
+		if !ok || e.Path == "/" {
+			continue
+		}
+		switch {
+		case e.V2():
+			v2 = &m
+		case e.Controllers == "name=systemd":
+			v1 = &m
+		}
+	}
+	return v2, v1
+}
+
+// KeepReport says, for `ptxmig doctor`, whether a kill of ptxmig's cgroup would spare the
+// processes StartKept starts: ok is false where it would not (a fix is then needed).
+func KeepReport() (msg string, ok bool) {
+	mounts, err := CgroupMounts()
+	if err != nil {
+		return "cannot read the cgroup mounts: " + err.Error(), false
+	}
+	own, err := Cgroups(os.Getpid())
+	if err != nil {
+		return "cannot read ptxmig's cgroups: " + err.Error(), false
+	}
+	v2, v1 := keepHierarchies(own, mounts)
+	cg, _ := Cgroup(os.Getpid())
+	_, unified := UnifiedMount(mounts)
+	switch {
+	case v2 != nil:
+		if unix.Access(v2.Dir, unix.W_OK) != nil {
+			return fmt.Sprintf("ptxmig runs in cgroup %s, and %s is not writable here: a kill of that cgroup would take the guardian and the holder too", cg, v2.Dir), false
+		}
+		return fmt.Sprintf("ptxmig runs in cgroup %s; guardians and holders start in %s (cgroup v2 at %s), out of reach of a kill of ptxmig's cgroup", cg, KeepCgroup, v2.Dir), true
+	case v1 != nil:
+		return fmt.Sprintf("no cgroup v2 where ptxmig is: guardians and holders move to %s in systemd's v1 hierarchy after they start (a kill in that moment takes them)", KeepCgroup), true
+	case unified || len(own) > 0:
+		return "ptxmig runs at the top of its cgroup hierarchy (a container's cgroup namespace, or no service cgroup): a kill of the whole container takes the guardian with it", true
+	}
+	return "no cgroup hierarchy mounted: guardians and holders start where ptxmig is", false
 }
 
 // keepDirFD creates KeepCgroup in m and opens its directory for CLONE_INTO_CGROUP.
