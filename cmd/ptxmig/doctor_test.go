@@ -58,7 +58,9 @@ func fakeHost(good bool) doctorProbes {
 		return p
 	}
 	p.session = func() (int, error) { return 0, nil } // docker exec
-	p.keep = func() (string, bool) { return "no cgroup hierarchy mounted: guardians and holders start where ptxmig is", false }
+	p.keep = func() (string, bool) {
+		return "no cgroup hierarchy mounted: guardians and holders start where ptxmig is", false
+	}
 	// A container on an old driver, with no CRIU, a loose store and no shim.
 	p.euid = func() int { return 1000 }
 	p.missingCaps = func() ([]probe.Capability, error) {
