@@ -88,7 +88,11 @@ func (s *Store) GC(ctx context.Context) (*GCStats, error) {
 	st := &GCStats{Images: len(ms)}
 	// Rescue records of writers that died (docs/FORMAT.md) stay until a recovery has used them,
 	// with the staged files and the chunks they name: they may hold a process's only copy.
-	records, staged, rescued := s.rescuesInTmp()
+	committed := map[string]bool{}
+	for _, m := range ms {
+		committed[m.Name] = true
+	}
+	records, staged, rescued := s.rescuesInTmp(committed)
 	for id := range rescued {
 		live[id] = true
 	}

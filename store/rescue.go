@@ -130,6 +130,7 @@ type Rescued struct {
 	s     *Store
 	lk    *lock
 	Meta  []byte
+	image string // the ingest's image name
 	name  string
 	path  string
 	files map[string][]*Chunk
@@ -180,7 +181,7 @@ func (s *Store) readRescue(image, key string) (*Rescued, error) {
 	if rec.Version != rescueVersion || rec.Image != image || rec.Key != key {
 		return nil, bad("version %d of image %q, key %q; want version %d of %q, %q", rec.Version, rec.Image, rec.Key, rescueVersion, image, key)
 	}
-	r := &Rescued{s: s, Meta: rec.Meta, name: image + "." + key, path: path, files: map[string][]*Chunk{}, stage: map[ChunkID]string{}}
+	r := &Rescued{s: s, Meta: rec.Meta, image: image, name: image + "." + key, path: path, files: map[string][]*Chunk{}, stage: map[ChunkID]string{}}
 	for _, rf := range rec.Files {
 		if rf.Path == "" || strings.ContainsRune(rf.Path, 0) || r.files[rf.Path] != nil {
 			return nil, bad("file %q: empty, or listed twice", rf.Path)
@@ -239,8 +240,10 @@ func (s *Store) RemoveRescue(image, key string) error {
 
 // rescuesInTmp reads every rescue record in tmp/ for gc: the staged files they name (base names)
 // and the chunks they need, which gc keeps. A record that does not read is not kept (nor is
-// anything it would name): it could not serve a recovery.
-func (s *Store) rescuesInTmp() (records, staged map[string]bool, chunks map[ChunkID]bool) {
+// anything it would name): it could not serve a recovery; nor is the record of an image in
+// committed (a writer that died between its commit and removing its records: the image holds
+// everything, and no new ingest can take a committed image's name).
+func (s *Store) rescuesInTmp(committed map[string]bool) (records, staged map[string]bool, chunks map[ChunkID]bool) {
 	records, staged, chunks = map[string]bool{}, map[string]bool{}, map[ChunkID]bool{}
 	ents, err := os.ReadDir(s.tmpDir())
 	if err != nil {
@@ -262,7 +265,7 @@ func (s *Store) rescuesInTmp() (records, staged map[string]bool, chunks map[Chun
 				r, _ = s.readRescue(rest[:i], rest[i+1:])
 			}
 		}
-		if r == nil {
+		if r == nil || committed[r.image] {
 			continue
 		}
 		records[e.Name()] = true

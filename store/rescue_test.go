@@ -278,3 +278,39 @@ func TestRescueEdges(t *testing.T) {
 		}
 	})
 }
+
+// TestRescueAfterCommit: a commit removes the ingest's rescue records (the image holds the files;
+// no rollback can need them), and gc removes a record left by a writer that died between its
+// commit and that removal, with nothing it named lost from the image.
+func TestRescueAfterCommit(t *testing.T) {
+	s := openTestStore(t)
+	ctx := context.Background()
+	data := bytes.Repeat([]byte("owned memory "), 2*DefaultChunkSize/13)
+	in, _ := rescued(t, s, data)
+	path := s.rescuePath("ckpt", RescueKey(1))
+	saved, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := in.Commit(Metadata{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("after the commit the record is still there: %v", err)
+	}
+	in.Close()
+	// A writer that died right after its commit: its record is back, naming a committed image.
+	if err := os.WriteFile(path, saved, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	st, err := s.GC(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) || st.TempRemoved == 0 {
+		t.Fatalf("gc kept the record of a committed image (%v, %d temp files removed)", err, st.TempRemoved)
+	}
+	if _, err := s.Verify(ctx, "ckpt"); err != nil {
+		t.Fatalf("the image after gc: %v", err)
+	}
+}

@@ -465,7 +465,20 @@ func (in *Ingest) commit(meta Metadata) (*Manifest, *Stats, error) {
 	in.mu.Lock()
 	in.state = ingestCommitted
 	in.mu.Unlock()
+	// The image holds everything now: the rescue records served a rollback, which can no longer
+	// happen (a crash right here leaves records of a committed image: gc removes those).
+	in.removeRescues()
 	return m, in.c.stats(time.Since(in.start)), nil
+}
+
+// removeRescues removes the ingest's rescue records (WriteRescue).
+func (in *Ingest) removeRescues() {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	for _, p := range in.rescues {
+		_ = os.Remove(p)
+	}
+	in.rescues = nil
 }
 
 // errIngestClosed fails an ingest closed before it was committed.
@@ -510,12 +523,7 @@ func (in *Ingest) Close() {
 	}
 	// The records first, then what they name: a crash in between leaves staged files no record
 	// names (gc removes them), never a record naming files that are gone.
-	in.mu.Lock()
-	for _, p := range in.rescues { // the writer is alive to the end: nothing to rescue
-		_ = os.Remove(p)
-	}
-	in.rescues = nil
-	in.mu.Unlock()
+	in.removeRescues() // the writer is alive to the end: nothing to rescue
 	in.pw.stage.close() // removes what was staged unless Commit published it
 	in.lk.unlock()
 }
