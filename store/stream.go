@@ -523,7 +523,7 @@ func (in *Ingest) Close() {
 	}
 	// The records first, then what they name: a crash in between leaves staged files no record
 	// names (gc removes them), never a record naming files that are gone.
-	in.removeRescues() // the writer is alive to the end: nothing to rescue
+	in.removeRescues()  // the writer is alive to the end: nothing to rescue
 	in.pw.stage.close() // removes what was staged unless Commit published it
 	in.lk.unlock()
 }
