@@ -88,9 +88,9 @@ func (s *Store) GC(ctx context.Context) (*GCStats, error) {
 	st := &GCStats{Images: len(ms)}
 	// Rescue records of writers that died (docs/FORMAT.md) stay until a recovery has used them,
 	// with the staged files and the chunks they name: they may hold a process's only copy.
-	committed := map[string]bool{}
+	committed := map[string]*Manifest{}
 	for _, m := range ms {
-		committed[m.Name] = true
+		committed[m.Name] = m
 	}
 	records, staged, rescued := s.rescuesInTmp(committed)
 	for id := range rescued {

@@ -241,9 +241,10 @@ func (s *Store) RemoveRescue(image, key string) error {
 // rescuesInTmp reads every rescue record in tmp/ for gc: the staged files they name (base names)
 // and the chunks they need, which gc keeps. A record that does not read is not kept (nor is
 // anything it would name): it could not serve a recovery; nor is the record of an image in
-// committed (a writer that died between its commit and removing its records: the image holds
-// everything, and no new ingest can take a committed image's name).
-func (s *Store) rescuesInTmp(committed map[string]bool) (records, staged map[string]bool, chunks map[ChunkID]bool) {
+// committed that holds every file the record names (a writer that died between its commit and
+// removing its records: the image holds everything). Another ingest of the same name (started
+// before the commit) has files of its own, which the image does not hold: its record stays.
+func (s *Store) rescuesInTmp(committed map[string]*Manifest) (records, staged map[string]bool, chunks map[ChunkID]bool) {
 	records, staged, chunks = map[string]bool{}, map[string]bool{}, map[ChunkID]bool{}
 	ents, err := os.ReadDir(s.tmpDir())
 	if err != nil {
@@ -265,7 +266,7 @@ func (s *Store) rescuesInTmp(committed map[string]bool) (records, staged map[str
 				r, _ = s.readRescue(rest[:i], rest[i+1:])
 			}
 		}
-		if r == nil || committed[r.image] {
+		if r == nil || r.heldBy(committed[r.image]) {
 			continue
 		}
 		records[e.Name()] = true
@@ -281,6 +282,29 @@ func (s *Store) rescuesInTmp(committed map[string]bool) (records, staged map[str
 		}
 	}
 	return
+}
+
+// heldBy reports whether image m holds each file of the record, chunk for chunk.
+func (r *Rescued) heldBy(m *Manifest) bool {
+	if m == nil {
+		return false
+	}
+	files := make(map[string][]Chunk, len(m.Files))
+	for _, f := range m.Files {
+		files[f.Path] = f.Chunks
+	}
+	for p, chunks := range r.files {
+		have, ok := files[p]
+		if !ok || len(have) != len(chunks) {
+			return false
+		}
+		for i, c := range chunks {
+			if h := have[i]; h.Size != c.Size || h.Zero != c.Zero || (!c.Zero && h.Hash != c.Hash) {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // nextDot is the index of the next '.' in s after i, or -1.

@@ -314,3 +314,39 @@ func TestRescueAfterCommit(t *testing.T) {
 		t.Fatalf("the image after gc: %v", err)
 	}
 }
+
+// TestRescueOfAnIngestThatLostItsName: two ingests of one image name (two checkpoints given the
+// same --name); one commits, the other's writer dies before its commit, with a rescue record of
+// its own files. gc keeps that record: the committed image is another ingest's and does not hold
+// them (a file of the same path and size, other bytes).
+func TestRescueOfAnIngestThatLostItsName(t *testing.T) {
+	s := openTestStore(t)
+	ctx := context.Background()
+	data := bytes.Repeat([]byte("the loser's memory "), 2*DefaultChunkSize/19)
+	loser, _ := rescued(t, s, data)
+	winner, err := s.NewIngest(ctx, PutOptions{Name: "ckpt"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := bytes.Repeat([]byte("the winner's memory"), 2*DefaultChunkSize/19) // as long, other bytes
+	if _, err := winner.AddFile("m", 0o600, bytes.NewReader(other)); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := winner.Commit(Metadata{}); err != nil {
+		t.Fatal(err)
+	}
+	winner.Close()
+	loser.lk.unlock() // the loser's writer is killed: nothing closed, its lock gone
+	if _, err := s.GC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r, err := s.ReadRescue(ctx, "ckpt", RescueKey(1))
+	if err != nil {
+		t.Fatalf("after gc: %v; want the dead writer's record kept", err)
+	}
+	defer r.Close()
+	var b bytes.Buffer
+	if _, err := r.WriteFile(ctx, "m", &b); err != nil || !bytes.Equal(b.Bytes(), data) {
+		t.Fatalf("after gc: %d bytes, err %v; want the rescued file whole", b.Len(), err)
+	}
+}
