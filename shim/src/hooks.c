@@ -312,6 +312,16 @@ static void *substitute(const char *symbol, void *p, int version, unsigned long 
   // ABI, the one of this hook's exported symbol, so the wrapper (which calls that exported
   // symbol, or adopts p when the driver exports none) serves the caller with the same ABI.
   int ptsz = flags == CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
+  // Asked with the per-thread flag for a function without a per-thread variant (no stream: module
+  // loads, allocations, peer access; a cudart built for the per-thread default stream asks so for
+  // every entry point), the driver hands out the plain one: so does the shim.
+  if (ptsz && symbol) {
+    int has_pt = 0;
+    for (int i = 0; i < H_COUNT && !has_pt; i++)
+      has_pt = !hooks[i].lib && hooks[i].ptsz && hooks[i].query && strcmp(hooks[i].query, symbol) == 0 &&
+               version >= hooks[i].lo && (!hooks[i].hi || version < hooks[i].hi);
+    ptsz = has_pt;
+  }
   for (int i = 0; i < H_COUNT && symbol; i++) {
     hook_t *h = &hooks[i];
     if (h->lib || !h->query || strcmp(h->query, symbol) != 0 || h->ptsz != ptsz) continue;

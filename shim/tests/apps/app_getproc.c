@@ -29,7 +29,9 @@ int main(void) {
   CUresult (*init)(unsigned) = get("cuInit", 0);
   CUresult (*retain)(void **, int) = get("cuDevicePrimaryCtxRetain", 0);
   CUresult (*setcur)(void *) = get("cuCtxSetCurrent", 0);
-  CUresult (*load)(void **, const void *) = get("cuModuleLoadData", 0);
+  // Asked with the per-thread default stream flag, as a cudart built for it asks for every entry
+  // point: cuModuleLoadData has no _ptsz variant, and the driver answers with the plain one.
+  CUresult (*load)(void **, const void *) = get("cuModuleLoadData", 2);
   CUresult (*getfn)(void **, void *, const char *) = get("cuModuleGetFunction", 0);
   CUresult (*alloc)(unsigned long long *, size_t) = get("cuMemAlloc", 0);
   CUresult (*allocasync)(unsigned long long *, size_t, void *) = get("cuMemAllocAsync", 2);
