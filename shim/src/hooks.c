@@ -884,11 +884,11 @@ EXPORT CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
   if (r_ == CUDA_SUCCESS && cfg.no_peer && can) *can = 0;
   return r_;
 }
-// CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED (2), _NATIVE_ATOMIC_SUPPORTED (3) and
-// _CUDA_ARRAY_ACCESS_SUPPORTED (4) read 0; the performance rank (1) is the driver's.
+// Every P2P attribute but the performance rank (1) reads 0: access (2), native atomics (3), CUDA
+// array access (4), CUDA 13's partial native atomics (5), and any later one, each a capability.
 EXPORT CUresult cuDeviceGetP2PAttribute(int *value, int attrib, CUdevice src, CUdevice dst) {
   CALL_REAL(cuDeviceGetP2PAttribute, value, attrib, src, dst);
-  if (r_ == CUDA_SUCCESS && cfg.no_peer && value && attrib >= 2 && attrib <= 4) *value = 0;
+  if (r_ == CUDA_SUCCESS && cfg.no_peer && value && attrib != 1) *value = 0;
   return r_;
 }
 EXPORT CUresult cuCtxDisablePeerAccess(CUcontext peer) {
