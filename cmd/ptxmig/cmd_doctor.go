@@ -40,8 +40,10 @@ func init() {
 			"and its checkpoint API; the GPUs (MIG is not supported) and their persistence mode; the store\n" +
 			"(location, symlink target, owner, mode, read-only, free space; a missing store is fine if its\n" +
 			"parent exists: the first checkpoint creates it); the staging and failure-log directories;\n" +
-			"libptxmig.so (for `ptxmig run`), ptxas and the shim's socket directory; and operations a\n" +
-			"ptxmig that died left interrupted (their journals, read only: `ptxmig recover` handles them).\n" +
+			"libptxmig.so (for `ptxmig run`), ptxas and the shim's socket directory; operations a ptxmig\n" +
+			"that died left interrupted (their journals, read only: `ptxmig recover` handles them); and\n" +
+			"whether a kill of ptxmig's whole cgroup (a service stopped, an OOM group kill) would spare the\n" +
+			"guardian that rolls an operation back (it starts in the cgroup /ptxmig.keep where it can).\n" +
 			"Nothing else is created or changed: the test process and its scratch directory are removed.\n" +
 			"Exits 1 when any check fails, 0 otherwise (warnings included). A host without an NVIDIA driver\n" +
 			"can still checkpoint CPU processes: the GPU lines are warnings there.\n\n" +
