@@ -160,6 +160,17 @@ func reapZombies() {
 	}
 }
 
+// liveGuardians counts the guardians among this test's children (it is their subreaper).
+func liveGuardians() int {
+	n := 0
+	for _, c := range children() {
+		if c.Comm == "ptxmig-guardian" && !c.Zombie() {
+			n++
+		}
+	}
+	return n
+}
+
 // settle waits for the guardian of a killed ptxmig to finish; a journal it did not handle (ptxmig
 // died before the guardian ran) goes to `ptxmig recover`. Then it checks that no CRIU runs and
 // no staging or journal is left.
@@ -168,12 +179,7 @@ func (r *faultRig) settle(t *testing.T) {
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		reapZombies()
-		guardians := 0
-		for _, c := range children() {
-			if c.Comm == "ptxmig-guardian" && !c.Zombie() {
-				guardians++
-			}
-		}
+		guardians := liveGuardians()
 		js, err := journal.List(r.journal)
 		if err != nil {
 			t.Fatal(err)
@@ -713,12 +719,7 @@ func TestGuardianSurvivesGroupKill(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		guardians := 0
-		for _, c := range children() {
-			if c.Comm == "ptxmig-guardian" && !c.Zombie() {
-				guardians++
-			}
-		}
+		guardians := liveGuardians()
 		if len(js) == 0 && guardians == 0 {
 			break
 		}

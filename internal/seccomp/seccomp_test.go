@@ -1,7 +1,6 @@
 package seccomp
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -106,6 +105,22 @@ func TestFilterShape(t *testing.T) {
 	}
 }
 
+// runHelper runs this test binary as the helper of mode and returns its output; it skips where
+// the kernel has no seccomp filters.
+func runHelper(t *testing.T, mode string) []byte {
+	t.Helper()
+	c := exec.Command(os.Args[0], "-test.run=^$")
+	c.Env = append(os.Environ(), helperEnv+"="+mode)
+	out, err := c.CombinedOutput()
+	if err != nil {
+		if strings.Contains(string(out), ErrNotSupported.Error()) {
+			t.Skipf("no seccomp filters here: %s", out)
+		}
+		t.Fatalf("helper %s: %v\n%s", mode, err, out)
+	}
+	return out
+}
+
 // TestDenyIOURing: with the filter, io_uring_setup says ENOSYS in the process and in what it
 // starts afterwards, and other calls still work. The kernel must offer io_uring without the
 // filter, else the test proves nothing.
@@ -113,16 +128,7 @@ func TestDenyIOURing(t *testing.T) {
 	if got := setup(); got != "ok" {
 		t.Skipf("this kernel gives no io_uring without the filter (%s: sysctl kernel.io_uring_disabled, or a seccomp profile): nothing to deny", got)
 	}
-	c := exec.Command(os.Args[0], "-test.run=^$")
-	c.Env = append(os.Environ(), helperEnv+"=deny")
-	out, err := c.CombinedOutput()
-	if err != nil {
-		var ee *exec.ExitError
-		if errors.As(err, &ee) && strings.Contains(string(out), ErrNotSupported.Error()) {
-			t.Skipf("no seccomp filters here: %s", out)
-		}
-		t.Fatalf("helper: %v\n%s", err, out)
-	}
+	out := runHelper(t, "deny")
 	for _, want := range []string{"self: ENOSYS", "getpid works: true", "child: ENOSYS"} {
 		if !strings.Contains(string(out), want+"\n") {
 			t.Errorf("helper output lacks %q:\n%s", want, out)
@@ -144,15 +150,7 @@ func TestDenyIOURingTSYNCRefused(t *testing.T) {
 	if got := setup(); got != "ok" {
 		t.Skipf("this kernel gives no io_uring without the filter (%s): nothing to deny", got)
 	}
-	c := exec.Command(os.Args[0], "-test.run=^$")
-	c.Env = append(os.Environ(), helperEnv+"=conflict")
-	out, err := c.CombinedOutput()
-	if err != nil {
-		if strings.Contains(string(out), ErrNotSupported.Error()) {
-			t.Skipf("no seccomp filters here: %s", out)
-		}
-		t.Fatalf("helper: %v\n%s", err, out)
-	}
+	out := runHelper(t, "conflict")
 	if strings.Contains(string(out), "deny: <nil>\n") {
 		t.Fatalf("DenyIOURing reported success though a thread could not take the filter:\n%s", out)
 	}
