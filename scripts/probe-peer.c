@@ -10,6 +10,12 @@
  *                 after the line: does the driver restore a process whose peer access was turned
  *                 off for the checkpoint, and does peer access work again after (also with the
  *                 GPUs swapped by the restore's pairs)?
+ *   vmm-peer      a context on device 0 only: map memory created on device 1 (cuMemCreate,
+ *                 cuMemSetAccess for device 0: a peer mapping without cuCtxEnablePeerAccess), copy
+ *                 device 0's memory into it, check it, unmap and release it before "ready"; after
+ *                 the line, check device 0's memory and do it again. Does a VMM peer mapping made
+ *                 and dropped before the checkpoint leave the driver able to restore the process
+ *                 (issue 34: owned memory copied into memory kept on the target GPU)?
  *
  * (Device-to-device moves through memory another process keeps: scripts/probe-holder.c.)
  * Prints "fact: ..." lines and "FAIL: ..." on the first failure (exit 1). MIB (default 1024, at
@@ -32,7 +38,11 @@ static CUresult (*cuInit)(unsigned), (*cuDeviceGet)(int *, int), (*cuDeviceGetCo
     (*cuMemcpyDtoH)(void *, CUdeviceptr, size_t), (*cuCtxSynchronize)(void), (*cuModuleLoadData)(void **, const void *),
     (*cuModuleGetFunction)(void **, void *, const char *),
     (*cuLaunchKernel)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **),
-    (*cuGetErrorName)(CUresult, const char **);
+    (*cuGetErrorName)(CUresult, const char **), (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long),
+    (*cuMemAddressFree)(CUdeviceptr, size_t), (*cuMemCreate)(unsigned long long *, size_t, const void *, unsigned long long),
+    (*cuMemRelease)(unsigned long long), (*cuMemMap)(CUdeviceptr, size_t, size_t, unsigned long long, unsigned long long),
+    (*cuMemUnmap)(CUdeviceptr, size_t), (*cuMemSetAccess)(CUdeviceptr, size_t, const void *, size_t),
+    (*cuMemcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t);
 
 /* copy(dst, src, n): dst[i] = src[i] + 1 for i < n (32-bit words); reads one device's memory and
  * writes the other's when given pointers on both. */
@@ -149,9 +159,56 @@ static void peer(int toggle, uint32_t n) {
   peer_check("after the restore", a, b, n);
 }
 
+/* vmm_round: on device 0's context, copy a (device 0) into memory created on device 1 and mapped
+ * for device 0, read it back, then drop the mapping and the memory. */
+static void vmm_round(const char *when, CUdeviceptr a, uint32_t n, uint32_t base) {
+  struct { int type, htypes; struct { int type, id; } loc; void *win32; unsigned char flags[8]; } prop = {0};
+  struct { struct { int type, id; } loc; int flags; } acc = {{1, 0}, 3};
+  prop.type = 1;     /* CU_MEM_ALLOCATION_TYPE_PINNED */
+  prop.loc.type = 1; /* CU_MEM_LOCATION_TYPE_DEVICE */
+  prop.loc.id = 1;
+  size_t sz = (((size_t)n * 4) + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
+  CUdeviceptr m;
+  unsigned long long hd;
+  double t0 = now();
+  CK(cuCtxSetCurrent(ctx[0]));
+  CK(cuMemAddressReserve(&m, sz, 2u << 20, 0, 0));
+  CK(cuMemCreate(&hd, sz, &prop, 0));
+  CK(cuMemMap(m, sz, 0, hd, 0));
+  CK(cuMemSetAccess(m, sz, &acc, 1));
+  CK(cuMemcpyDtoD(m, a, (size_t)n * 4));
+  CK(cuCtxSynchronize());
+  CK(cuMemcpyDtoH(host, m, (size_t)n * 4));
+  int ok = 1;
+  for (uint32_t i = 0; i < n; i++) ok &= host[i] == base + i * 3;
+  CK(cuMemUnmap(m, sz));
+  CK(cuMemRelease(hd));
+  CK(cuMemAddressFree(m, sz));
+  printf("fact: %s: device 0 copied %u KiB into device 1's memory through a VMM peer mapping, then dropped it: %s (%.2f ms)\n",
+         when, n / 256, ok ? "ok" : "WRONG", now() - t0);
+  if (!ok) exit(1);
+}
+
+static void vmm_peer(uint32_t n) {
+  CUdeviceptr a;
+  CK(cuCtxSetCurrent(ctx[0]));
+  CK(cuMemAlloc(&a, (size_t)n * 4));
+  fill(0, a, n, 11);
+  vmm_round("before the checkpoint", a, n, 11);
+  wait_line();
+  CK(cuCtxSetCurrent(ctx[0]));
+  CK(cuMemcpyDtoH(host, a, (size_t)n * 4));
+  int kept = 1;
+  for (uint32_t i = 0; i < n; i++) kept &= host[i] == 11 + i * 3;
+  printf("fact: device memory kept across the checkpoint: %s\n", kept ? "yes" : "NO");
+  if (!kept) exit(1);
+  fill(0, a, n, 13);
+  vmm_round("after the restore", a, n, 13);
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
-    fprintf(stderr, "usage: probe-peer peer-keep|peer-toggle [MIB]\n");
+    fprintf(stderr, "usage: probe-peer peer-keep|peer-toggle|vmm-peer [MIB]\n");
     return 2;
   }
   const char *mode = argv[1];
@@ -168,7 +225,10 @@ int main(int argc, char **argv) {
   SYM(cuMemAlloc, "cuMemAlloc") SYM(cuMemcpyHtoD, "cuMemcpyHtoD") SYM(cuMemcpyDtoH, "cuMemcpyDtoH")
   SYM(cuModuleLoadData, "cuModuleLoadData")
   SYM(cuModuleGetFunction, "cuModuleGetFunction") SYM(cuLaunchKernel, "cuLaunchKernel")
-  SYM(cuGetErrorName, "cuGetErrorName")
+  SYM(cuGetErrorName, "cuGetErrorName") SYM(cuMemAddressReserve, "cuMemAddressReserve")
+  SYM(cuMemAddressFree, "cuMemAddressFree") SYM(cuMemCreate, "cuMemCreate") SYM(cuMemRelease, "cuMemRelease")
+  SYM(cuMemMap, "cuMemMap") SYM(cuMemUnmap, "cuMemUnmap") SYM(cuMemSetAccess, "cuMemSetAccess")
+  SYM(cuMemcpyDtoD, "cuMemcpyDtoD")
   /* CUDA 13's cuCtxSynchronize_v2 takes a context: the plain name. */
   if (!(*(void **)&cuCtxSynchronize = dlsym(h, "cuCtxSynchronize"))) {
     printf("FAIL: no cuCtxSynchronize\n");
@@ -181,7 +241,8 @@ int main(int argc, char **argv) {
     printf("FAIL: needs 2 GPUs, has %d\n", count);
     return 1;
   }
-  for (int d = 0; d < 2; d++) {
+  int vmm = !strcmp(mode, "vmm-peer");
+  for (int d = 0; d < (vmm ? 1 : 2); d++) { /* vmm-peer: a context on device 0 only */
     int dev;
     void *mod;
     CK(cuDeviceGet(&dev, d));
@@ -195,6 +256,8 @@ int main(int argc, char **argv) {
   if (!host) return 1;
   if (!strcmp(mode, "peer-keep") || !strcmp(mode, "peer-toggle"))
     peer(!strcmp(mode, "peer-toggle"), n);
+  else if (vmm)
+    vmm_peer(n);
   else {
     fprintf(stderr, "unknown mode %s\n", mode);
     return 2;

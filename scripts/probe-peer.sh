@@ -9,13 +9,15 @@
 #
 #   scripts/probe-peer.sh [MIB] [CASE...]    (root; default 1024 MiB and every case below)
 #
-# Cases: peer-keep (peer access left on: the control), peer-toggle, peer-toggle-swapped, keeper. Output: one block per case on stdout and in $PTXMIG_OUT/probe-peer.txt.
+# Cases: peer-keep (peer access left on: the control), peer-toggle, peer-toggle-swapped,
+# vmm-peer, vmm-peer-swapped (a VMM mapping of the other GPU's memory made and dropped before the
+# checkpoint), keeper. Output: one block per case on stdout and in $PTXMIG_OUT/probe-peer.txt.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 mib=${1:-1024}
 shift || true
 cases=("$@")
-[ ${#cases[@]} -gt 0 ] || cases=(peer-keep peer-toggle peer-toggle-swapped keeper)
+[ ${#cases[@]} -gt 0 ] || cases=(peer-keep peer-toggle peer-toggle-swapped vmm-peer vmm-peer-swapped keeper)
 out=${PTXMIG_OUT:-./results}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -30,6 +30,7 @@ type fwRow struct {
 	env     []string
 	run     []string // flags of `ptxmig run`
 	gpus    int      // the GPUs the row needs (0: one)
+	peer    bool     // peer access must have been on, and turned off for every checkpoint
 }
 
 var fwRows = []fwRow{
@@ -40,14 +41,14 @@ var fwRows = []fwRow{
 	{name: "compile", steps: 300, env: []string{"TORCHINDUCTOR_COMPILE_THREADS=1"}},
 	{name: "compile-workers", fw: "compile", refused: "TORCHINDUCTOR_COMPILE_THREADS=1", maybe: true, steps: 300},
 	{name: "triton", steps: 400}, {name: "cupy", steps: 400}, {name: "numba", steps: 400},
-	// JAX on one GPU; on several, XLA enables peer access between them: refused for that, and
-	// checkpointable when started with --no-peer-access.
+	// JAX on one GPU; on several, XLA enables peer access between them: the shim turns it off for
+	// each checkpoint and on again after; or it is started with --no-peer-access.
 	{name: "jax", steps: 400, env: []string{"CUDA_VISIBLE_DEVICES=0"}},
-	{name: "jax-gpus", fw: "jax", steps: 400, refused: "--no-peer-access", gpus: 2},
+	{name: "jax-gpus", fw: "jax", steps: 400, gpus: 2, peer: true},
 	{name: "jax-gpus-no-peer", fw: "jax", steps: 400, run: []string{"--no-peer-access"}, gpus: 2},
 	// One PyTorch process over two GPUs (model parallel): PyTorch enables peer access for its
-	// copies between them where the GPUs have a peer path; --no-peer-access keeps it restorable.
-	{name: "pipeline", steps: 300, refused: "--no-peer-access", maybe: true, gpus: 2},
+	// copies between them where the GPUs have a peer path.
+	{name: "pipeline", steps: 300, gpus: 2},
 	{name: "pipeline-no-peer", fw: "pipeline", steps: 300, run: []string{"--no-peer-access"}, gpus: 2},
 }
 
@@ -112,6 +113,16 @@ func fwStart(t *testing.T, env, run []string, until string, args ...string) *pro
 	}
 }
 
+// peerOffOf is the number of peer links the checkpoint turned off in its process (0: none).
+func peerOffOf(res *checkpoint.Result) int {
+	for _, r := range res.Preemption {
+		if r.PeerOff != nil {
+			return r.PeerOff.Links
+		}
+	}
+	return 0
+}
+
 // quiesceOf is the quiesce time of the checkpoint's process (its first shim report).
 func quiesceOf(res *checkpoint.Result) (time.Duration, bool) {
 	for _, r := range res.Preemption {
@@ -124,7 +135,8 @@ func quiesceOf(res *checkpoint.Result) (time.Duration, bool) {
 
 // TestFrameworks: the framework matrix (docs/COMPATIBILITY.md). Each framework's loop runs under
 // the default `ptxmig run`; three `checkpoint --leave-running` (the first quiesce recorded apart),
-// a checkpoint + restore, and a migrate (two GPUs: there and back; one: --rehearse); the output
+// a checkpoint + restore, and a migrate (two GPUs: there and back; one: --rehearse); a process
+// with peer access has it turned off for each checkpoint and on after (row.peer: it must); the output
 // must equal an uninterrupted run's. A framework ptxmig refuses by name must be refused up front (exit 3) and
 // run on to the same output.
 func TestFrameworks(t *testing.T) {
@@ -144,6 +156,7 @@ func TestFrameworks(t *testing.T) {
 			p := fwStart(t, row.env, row.run, "step 5 ", args...)
 			var first time.Duration
 			var later, walls []time.Duration
+			peers := ""
 			for i := 0; i < 3; i++ {
 				t0 := time.Now()
 				so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--lock-timeout", "10s",
@@ -169,6 +182,13 @@ func TestFrameworks(t *testing.T) {
 				var res checkpoint.Result
 				if err := json.Unmarshal([]byte(so), &res); err != nil {
 					t.Fatalf("checkpoint --json: %v\n%s", err, so)
+				}
+				links := peerOffOf(&res)
+				if row.peer && links == 0 {
+					t.Fatalf("checkpoint --leave-running %d of %s: no peer access turned off (the row enables it)", i, row.name)
+				}
+				if links > 0 && i == 0 {
+					peers = fmt.Sprintf("; peer access (%d links) off for each checkpoint, on after", links)
 				}
 				if q, ok := quiesceOf(&res); ok && i == 0 {
 					first = q
@@ -224,9 +244,9 @@ func TestFrameworks(t *testing.T) {
 			moves += " downtime " + strings.Join(downs, ", ")
 			waitExit(t, p.pid, 8*time.Minute)
 			sameResults(t, results(p.log), <-ref)
-			record(t, "%s: identical output; first quiesce %s, later %s; --leave-running wall p50 %s; checkpoint %s, restore %s; %s",
+			record(t, "%s: identical output; first quiesce %s, later %s; --leave-running wall p50 %s; checkpoint %s, restore %s; %s%s",
 				row.name, first, strings.Trim(fmt.Sprint(later), "[]"), pct(walls, 50).Round(time.Millisecond),
-				ck.Round(time.Millisecond), rs.Round(time.Millisecond), moves)
+				ck.Round(time.Millisecond), rs.Round(time.Millisecond), moves, peers)
 		})
 	}
 }

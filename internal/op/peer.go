@@ -13,10 +13,11 @@ import (
 // RefuseUnrestorable refuses, before anything is touched, an operation on a process that runs
 // under the ptxmig shim and holds GPU state the NVIDIA driver can checkpoint but not restore, as
 // its shim reports it:
-//   - peer access enabled between its GPU contexts (cuCtxEnablePeerAccess links): driver 580
-//     checkpoints such a process, but cuCheckpointProcessRestore then fails with
-//     CUDA_ERROR_INVALID_VALUE, in place as well as onto other GPUs (measured on 2x H100, driver
-//     580.159.04; docs/PLATFORM.md);
+//   - peer access enabled between its GPU contexts (cuCtxEnablePeerAccess links), under a shim
+//     that cannot turn it off for the checkpoint (one that can says peer_toggle; the quiesce step
+//     turns it off, the resume on): driver 580 checkpoints such a process, but
+//     cuCheckpointProcessRestore then failed with CUDA_ERROR_INVALID_VALUE, in place as well as
+//     onto other GPUs (measured on 2x H100, driver 580.159.04; docs/PLATFORM.md);
 //   - GPU memory shared with another process, exported (CUDA IPC, VMM shareable handles, memory
 //     pools) or imported: cuCheckpointProcessRestore fails with CUDA_ERROR_NOT_SUPPORTED, so a
 //     --leave-running checkpoint cannot roll back either (measured on 2x H200, driver 580.159.04,
@@ -27,7 +28,7 @@ import (
 // is asked about peer links only. One whose shim does not answer is refused.
 func RefuseUnrestorable(ctx context.Context, pids []int) error {
 	for _, pid := range pids {
-		st, err := shimStatus(ctx, pid)
+		st, err := ShimStatus(ctx, pid)
 		if err != nil {
 			return Refusef("pid %d runs under the ptxmig shim, which did not say whether it shares GPU memory with other "+
 				"processes or enabled peer access (%v): the driver could checkpoint it and then not restore it; nothing was "+
@@ -37,7 +38,7 @@ func RefuseUnrestorable(ctx context.Context, pids []int) error {
 			continue
 		}
 		var found, fixes []string
-		if n := st.PeerAccess; n > 0 {
+		if n := st.PeerAccess; n > 0 && !st.PeerToggle {
 			found = append(found, fmt.Sprintf("has enabled peer access between its GPUs (%d link(s), reported by the ptxmig shim): "+
 				"the NVIDIA driver checkpoints such a process but cannot restore it (cuCheckpointProcessRestore fails with "+
 				"CUDA_ERROR_INVALID_VALUE, in place or onto other GPUs; measured with driver 580.159.04)", n))
@@ -93,11 +94,11 @@ func describeSharing(s *shimctl.IPC) string {
 	return strings.Join(out, "; ")
 }
 
-// shimStatus returns pid's shim status; nil without a shim. A process that has the shim mapped
+// ShimStatus returns pid's shim status (brief); nil without a shim. A process that has the shim mapped
 // but whose status cannot be read is an error: it may share GPU memory, and going ahead could
 // lose it (seen on 2x H200: a DDP rank on NCCL's default transports was checkpointed and could
 // not be restored when its shim was not asked).
-func shimStatus(ctx context.Context, pid int) (*shimctl.Status, error) {
+func ShimStatus(ctx context.Context, pid int) (*shimctl.Status, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	c, err := DialShim(ctx, pid)

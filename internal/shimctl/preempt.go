@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 	"time"
 )
 
@@ -61,6 +62,9 @@ type Quiesce struct {
 	NotStopped []LaunchNote      `json:"not_stopped"`
 	Originals  []LaunchNote      `json:"originals"`
 	Gate       string            `json:"gate"`
+	// PeerLinks: peer links the process has enabled (0 from shims that predate peer-off); ptxmig
+	// turns them off (PeerOff) before the driver lock.
+	PeerLinks int `json:"peer_links,omitempty"`
 	// Stopping lists the launches still stopping when the reply was sent (preempt raised, not yet
 	// ended): the shim keeps raising; status.preempt.stopping counts those left.
 	Stopping []uint64 `json:"stopping,omitempty"`
@@ -124,8 +128,8 @@ func (q *Quiesce) validate() error {
 	if q.State != "quiesced" {
 		return fmt.Errorf("state %q, want quiesced", q.State)
 	}
-	if q.ElapsedUS < 0 {
-		return fmt.Errorf("elapsed_us %d", q.ElapsedUS)
+	if q.ElapsedUS < 0 || q.PeerLinks < 0 {
+		return fmt.Errorf("elapsed_us %d, peer_links %d", q.ElapsedUS, q.PeerLinks)
 	}
 	if len(q.Preempted)+len(q.Drained)+len(q.NotStopped)+len(q.Originals) > maxListed {
 		return fmt.Errorf("more than %d launches listed", maxListed)
@@ -169,6 +173,41 @@ func (c *Client) Detach(ctx context.Context) error {
 		return fmt.Errorf("detach: waiting for the shim to close the connection: %w", err)
 	}
 	return nil
+}
+
+// PeerSet is the reply to peer-off and peer-on: the peer links the process has, whether this
+// request changed their state, and how long the wait for the contexts' queued work took.
+type PeerSet struct {
+	Links     int   `json:"links"`
+	Changed   bool  `json:"changed"`
+	SyncUS    int64 `json:"sync_us"`
+	ElapsedUS int64 `json:"elapsed_us"`
+}
+
+// PeerOff (quiesced, the lease's connection) waits for the work queued in every context with a
+// peer link, then disables every link, so that the driver can restore the process; PeerOn (or the
+// resume) enables them again. ErrNoPeerToggle: an older shim, which cannot.
+func (c *Client) PeerOff(ctx context.Context) (*PeerSet, error) { return c.peerSet(ctx, "peer-off") }
+
+// PeerOn enables the links PeerOff disabled; a no-op when they are on.
+func (c *Client) PeerOn(ctx context.Context) (*PeerSet, error) { return c.peerSet(ctx, "peer-on") }
+
+// ErrNoPeerToggle: the shim predates peer-off and peer-on.
+var ErrNoPeerToggle = fmt.Errorf("%w: the shim cannot turn peer access off (it predates peer-off)", ErrShim)
+
+func (c *Client) peerSet(ctx context.Context, cmd string) (*PeerSet, error) {
+	raw, err := c.preemptRaw(ctx, cmd, nil)
+	if err != nil {
+		if strings.Contains(err.Error(), "unknown cmd") {
+			return nil, ErrNoPeerToggle
+		}
+		return nil, err
+	}
+	var r PeerSet
+	if err := json.Unmarshal(raw, &r); err != nil || r.Links < 0 || r.SyncUS < 0 || r.ElapsedUS < 0 {
+		return nil, fmt.Errorf("%s: %w: %v", cmd, ErrProtocol, err)
+	}
+	return &r, nil
 }
 
 // Resume relaunches the remainders of preempted kernels and opens the gate; idempotent.

@@ -12,18 +12,22 @@ type Status struct {
 	PeerAccess      int     `json:"peer_access"` // peer links enabled between the process's contexts
 	// PeerAccessOff: started with PTXMIG_PEER_ACCESS=0 (`ptxmig run --no-peer-access`), the GPUs
 	// answer as without a peer path; PeerAccessRefused counts the enables refused so.
-	PeerAccessOff     bool              `json:"peer_access_off,omitempty"`
-	PeerAccessRefused int               `json:"peer_access_refused,omitempty"`
-	IPC               *IPC              `json:"ipc,omitempty"`         // nil from a shim that predates it
-	Collectives       *Collectives      `json:"collectives,omitempty"` // NCCL launches and the alignment hold (older shims: nil)
-	Devices           []Device          `json:"devices"`
-	Contexts          []Context         `json:"contexts"`
-	Allocations       map[string]any    `json:"allocations"`
-	Modules           []Module          `json:"modules"`
-	Interception      map[string]uint64 `json:"interception"`
-	Launches          map[string]uint64 `json:"launches"`
-	Sampling          map[string]uint64 `json:"sampling"`
-	Preempt           *PreemptStatus    `json:"preempt,omitempty"` // protocol 2
+	PeerAccessOff     bool `json:"peer_access_off,omitempty"`
+	PeerAccessRefused int  `json:"peer_access_refused,omitempty"`
+	// PeerToggle: the shim turns the process's peer access off for a checkpoint and on again after
+	// (peer-off, peer-on; false from older shims); PeerSuspended: it is off now.
+	PeerToggle    bool              `json:"peer_toggle,omitempty"`
+	PeerSuspended bool              `json:"peer_access_suspended,omitempty"`
+	IPC           *IPC              `json:"ipc,omitempty"`         // nil from a shim that predates it
+	Collectives   *Collectives      `json:"collectives,omitempty"` // NCCL launches and the alignment hold (older shims: nil)
+	Devices       []Device          `json:"devices"`
+	Contexts      []Context         `json:"contexts"`
+	Allocations   map[string]any    `json:"allocations"`
+	Modules       []Module          `json:"modules"`
+	Interception  map[string]uint64 `json:"interception"`
+	Launches      map[string]uint64 `json:"launches"`
+	Sampling      map[string]uint64 `json:"sampling"`
+	Preempt       *PreemptStatus    `json:"preempt,omitempty"` // protocol 2
 }
 
 // IPC is the GPU memory a process shares with other processes, as its shim counts it (status

@@ -37,6 +37,8 @@ type PreemptReport struct {
 	Resume     *shimctl.Resume  `json:"resume,omitempty"`
 	Align      *AlignReport     `json:"align,omitempty"`        // a job's process stopped after a collective first (AlignStep)
 	Owned      *OwnedMemory     `json:"owned_memory,omitempty"` // device memory the shim owns (--owned-memory)
+	// PeerOff: the process's peer access, turned off after the quiesce (a resume turns it on).
+	PeerOff *shimctl.PeerSet `json:"peer_off,omitempty"`
 }
 
 // Preemption quiesces the CUDA processes of an operation that run under the shim before the
@@ -115,10 +117,49 @@ func (p *Preemption) QuiesceStep(pids []int) op.Step {
 		Do: func(ctx context.Context) error {
 			for _, pid := range pids {
 				p.quiesce(ctx, pid)
+				if err := p.peerOff(ctx, pid); err != nil {
+					return undoPartial(ctx, err, true, func(ctx context.Context) error { return p.resumeAll(ctx, pids, true) },
+						"resume the processes quiesced")
+				}
 			}
 			return nil
 		},
 		Undo: func(ctx context.Context) error { return p.resumeAll(ctx, pids, true) }}
+}
+
+// peerOffTimeout bounds peer-off, which first waits for the work queued in the contexts with a
+// peer link (a kernel without a twin still running).
+const peerOffTimeout = 30 * time.Second
+
+// peerOff turns a quiesced process's peer access off (the driver restores it only so; the resume
+// turns it on again). A process without links, or whose shim predates peer-off, is left as it
+// is: preflight refuses a process with links under such a shim (op.RefuseUnrestorable).
+func (p *Preemption) peerOff(ctx context.Context, pid int) error {
+	c, ok := p.leases[pid]
+	if !ok {
+		// Not quiesced (no shim, or its quiesce failed): a shim that reports links must not be
+		// checkpointed with them on.
+		if r := p.report(pid); r.Shim {
+			if st, err := op.ShimStatus(ctx, pid); err == nil && st != nil && st.PeerAccess > 0 {
+				return fmt.Errorf("pid %d has peer access enabled and was not quiesced (%s), so it cannot be turned off for the checkpoint", pid, r.Note)
+			}
+		}
+		return nil
+	}
+	if r := p.report(pid); r.Quiesce == nil || r.Quiesce.PeerLinks == 0 {
+		return nil
+	}
+	pctx, cancel := context.WithTimeout(ctx, peerOffTimeout)
+	defer cancel()
+	x, err := c.PeerOff(pctx)
+	switch {
+	case errors.Is(err, shimctl.ErrNoPeerToggle):
+		return nil
+	case err != nil:
+		return fmt.Errorf("pid %d: turn its peer access off for the checkpoint: %w", pid, err)
+	}
+	p.report(pid).PeerOff = x
+	return nil
 }
 
 func (p *Preemption) quiesce(ctx context.Context, pid int) {

@@ -2,13 +2,16 @@ package shimstep
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/ptxmig/ptxmig/internal/driverstep"
@@ -128,5 +131,77 @@ func TestPreemptionWaitsForStopping(t *testing.T) {
 	}
 	if r := p.Reports[0]; r.StopWait <= 0 || r.Note != "" || len(r.Quiesce.Stopping) != 1 {
 		t.Fatalf("report %+v", r)
+	}
+}
+
+// TestPreemptionPeerOff: a quiesced process that reports peer links has them turned off before
+// the step ends (the resume turns them on in the shim); a peer-off that fails fails the step, and
+// the processes quiesced are resumed. Without links nothing is asked.
+func TestPreemptionPeerOff(t *testing.T) {
+	pid := os.Getpid()
+	tests := []struct {
+		name    string
+		links   int
+		peerOff string // the reply to peer-off
+		wantErr string
+		wantOff bool
+	}{
+		{name: "no links"},
+		{name: "links", links: 2, peerOff: reply("peer-off", `{"links":2,"changed":true,"sync_us":40,"elapsed_us":55}`, 2), wantOff: true},
+		{name: "refused", links: 1, peerOff: `{"ok":false,"proto":2,"error":"peer-off: disabling peer access of link 1 of 1 failed (999)"}` + "\n",
+			wantErr: "turn its peer access off for the checkpoint"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			t.Setenv("PTXMIG_SOCKET_DIR", dir)
+			var mu sync.Mutex
+			var asked []string
+			shimctltest.ServeFunc(t, filepath.Join(dir, fmt.Sprintf("%d.sock", pid)), func(line string) string {
+				var req struct{ Cmd string }
+				_ = json.Unmarshal([]byte(line), &req)
+				mu.Lock()
+				asked = append(asked, req.Cmd)
+				mu.Unlock()
+				switch req.Cmd {
+				case "quiesce":
+					return reply("quiesce", fmt.Sprintf(`{"state":"quiesced","elapsed_us":5,"gate":"closed","peer_links":%d}`, tt.links), 2)
+				case "peer-off":
+					return tt.peerOff
+				case "resume":
+					return reply("resume", `{"state":"running","was":"quiesced","relaunched":0,"elapsed_us":3}`, 2)
+				}
+				return ""
+			})
+			env := &op.Env{Log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+			p := NewPreemption(env, 0)
+			defer p.Close()
+			_, err := op.Execute(context.Background(), []op.Step{p.QuiesceStep([]int{pid})}, nil, 0, env.Log)
+			mu.Lock()
+			defer mu.Unlock()
+			if tt.wantErr != "" {
+				var se *op.StepError
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) || !errors.As(err, &se) || !se.RolledBack() {
+					t.Fatalf("err = %v, want %q, rolled back", err, tt.wantErr)
+				}
+				if want := []string{"quiesce", "peer-off", "resume"}; !slices.Equal(asked, want) {
+					t.Errorf("asked %v, want %v", asked, want)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := []string{"quiesce"}
+			if tt.links > 0 {
+				want = append(want, "peer-off")
+			}
+			if !slices.Equal(asked, want) {
+				t.Errorf("asked %v, want %v", asked, want)
+			}
+			if r := p.Reports[0]; (r.PeerOff != nil) != tt.wantOff || (tt.wantOff && r.PeerOff.Links != tt.links) {
+				t.Errorf("report peer_off %+v", r.PeerOff)
+			}
+		})
 	}
 }

@@ -239,8 +239,21 @@ static void handle_line(conn *c, const char *line, size_t n) {
       c->close_after = 1;  // no connection may stay open into a CRIU dump: the shim closes its end
       send_ok(c, cmd, &b);
     }
+  } else if (strcmp(cmd, "peer-off") == 0 || strcmp(cmd, "peer-on") == 0) {
+    // Peer access off for a checkpoint (quiesced, the lease's connection), on again after (the
+    // lease's, or any connection to a restored process); a resume turns it on by itself.
+    int on = strcmp(cmd, "peer-on") == 0, st = preempt_state();
+    if (st == 0 || (!c->lease && !(on && st == 2))) {
+      reply_error(fd, st == 0 ? "peer: not quiesced" : "peer: only the connection that quiesced may change peer access");
+    } else if (trk_peer_set(on, &b, err, sizeof err)) {
+      reply_error(fd, err);
+    } else {
+      send_ok(c, cmd, &b);
+    }
   } else if (strcmp(cmd, "resume") == 0) {
-    if (vmm_stashed() && vmm_cmd_unstash(&b, err, sizeof err)) {
+    if (trk_peer_is_off() && trk_peer_set(1, &b, err, sizeof err)) {
+      reply_error(fd, err);  // peer access stays off: the process stays held (a later resume retries)
+    } else if (vmm_stashed() && vmm_cmd_unstash(&b, err, sizeof err)) {
       reply_error(fd, err);  // the memory stays stashed: the process stays held (a later resume retries)
     } else if (vmm_released()) {
       reply_error(fd, "resume: owned device memory is released; load it first (mem-begin load, mem-fill)");
@@ -254,7 +267,7 @@ static void handle_line(conn *c, const char *line, size_t n) {
       vmm_stash_drop();
     }
   } else {
-    reply_error(fd, "unknown cmd (want status, kernels, dump-modules, align, quiesce, detach, resume or mem-*)");
+    reply_error(fd, "unknown cmd (want status, kernels, dump-modules, align, quiesce, peer-off, peer-on, detach, resume or mem-*)");
   }
   free(b.p);
   for (int i = 0; i < NKEYS; i++) free(vals[i]);
@@ -294,6 +307,10 @@ static void conn_close(conn *c) {
       shim_log("lease connection closed while owned memory is released: the process stays held (detached)");
     } else if (preempt_state() == 1) {  // quiesced and not detached: the client went away
       jbuf b = {0};
+      char err[300];
+      if (trk_peer_is_off() && trk_peer_set(1, &b, err, sizeof err)) shim_log("lease connection closed: %s", err);
+      free(b.p);
+      b = (jbuf){0};
       preempt_resume(&b);
       shim_log("lease connection closed before detach: resumed (%s)", b.p ? b.p : "");
       free(b.p);

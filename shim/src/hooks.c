@@ -863,21 +863,20 @@ ALLOC_POOL(cuMemAllocFromPoolAsync_ptsz, 1)
 FREE_ASYNC(cuMemFreeAsync, 0)
 FREE_ASYNC(cuMemFreeAsync_ptsz, 1)
 
-// Peer access between contexts: driver 580 checkpoints a process that enabled it but cannot
-// restore it (CUDA_ERROR_INVALID_VALUE, in place or remapped; docs/PLATFORM.md), so ptxmig reads
-// the count from status and refuses such a checkpoint before touching the process. With
+// Peer access between contexts: the shim keeps the links the process enabled (track.c), so that
+// ptxmig turns them off for a checkpoint and on again after (peer-off / peer-on); driver 580 cannot
+// restore a process that had them on at its checkpoint in every case (docs/PLATFORM.md). With
 // PTXMIG_PEER_ACCESS=0 (`ptxmig run --no-peer-access`) the GPUs answer as a pair without a peer
 // path (PCIe without P2P): no peer access, P2P attributes 0, and an enable is refused as such a
-// pair's driver refuses it, so frameworks copy between GPUs through host memory and the process
-// stays restorable.
+// pair's driver refuses it, so frameworks copy between GPUs through host memory.
 EXPORT CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
   if (cfg.no_peer) {
     trk_peer_refused();
     return CUDA_ERROR_PEER_ACCESS_UNSUPPORTED;
   }
-  CALL_REAL(cuCtxEnablePeerAccess, peer, flags);
-  if (r_ == CUDA_SUCCESS) trk_peer_access(1);
-  return r_;
+  __typeof__(&cuCtxEnablePeerAccess) real = REAL(cuCtxEnablePeerAccess);
+  if (!real) return 999; /* CUDA_ERROR_UNKNOWN */
+  return trk_peer_enable(peer, flags, real);
 }
 EXPORT CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
   CALL_REAL(cuDeviceCanAccessPeer, can, dev, peer);
@@ -892,9 +891,9 @@ EXPORT CUresult cuDeviceGetP2PAttribute(int *value, int attrib, CUdevice src, CU
   return r_;
 }
 EXPORT CUresult cuCtxDisablePeerAccess(CUcontext peer) {
-  CALL_REAL(cuCtxDisablePeerAccess, peer);
-  if (r_ == CUDA_SUCCESS) trk_peer_access(-1);
-  return r_;
+  __typeof__(&cuCtxDisablePeerAccess) real = REAL(cuCtxDisablePeerAccess);
+  if (!real) return 999; /* CUDA_ERROR_UNKNOWN */
+  return trk_peer_disable(peer, real);
 }
 
 // Owned memory answers as one allocation of the size the app asked for (not its mapping's).

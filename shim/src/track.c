@@ -1308,11 +1308,145 @@ static void report_devices(jbuf *b) {
 }
 
 // Peer links the process has enabled between its contexts and not disabled (status
-// "peer_access").
-static atomic_long peer_links, peer_refused;
-void trk_peer_access(int delta) { atomic_fetch_add(&peer_links, delta); }
-long trk_peer_links(void) { return atomic_load(&peer_links); }
+// "peer_access"), each with the context it was enabled from, so that ptxmig can turn them off for
+// a checkpoint and on again after (peer-off / peer-on): driver 580 restores such a process once its
+// peer access is off (scripts/probe-peer.sh, 2x H200). While they are off, the app's own enables and
+// disables change the table only; peer-on applies it. peer_mu is never taken by a fork handler.
+#define MAX_PEER 64
+#define CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED 704
+#define CUDA_ERROR_PEER_ACCESS_NOT_ENABLED 705
+static pthread_mutex_t peer_mu = PTHREAD_MUTEX_INITIALIZER;
+typedef struct {
+  CUcontext ctx, peer;
+  unsigned flags;
+} peer_link;
+static peer_link links[MAX_PEER];
+static int nlinks, links_lost, peer_off;  // peer_mu; links_lost: more links than the table holds
+static atomic_long peer_refused;
+static struct {
+  pthread_once_t once;
+  CUresult (*get)(CUcontext *), (*push)(CUcontext), (*pop)(CUcontext *), (*sync)(void);
+  CUresult (*enable)(CUcontext, unsigned), (*disable)(CUcontext);
+} pd = {.once = PTHREAD_ONCE_INIT};
+static void pd_load(void) {
+  *(void **)&pd.get = drv_sym("cuCtxGetCurrent");
+  *(void **)&pd.push = drv_sym("cuCtxPushCurrent_v2");
+  *(void **)&pd.pop = drv_sym("cuCtxPopCurrent_v2");
+  *(void **)&pd.sync = drv_sym("cuCtxSynchronize");
+  *(void **)&pd.enable = drv_sym("cuCtxEnablePeerAccess");
+  *(void **)&pd.disable = drv_sym("cuCtxDisablePeerAccess");
+}
+static int pd_ready(void) {
+  pthread_once(&pd.once, pd_load);
+  return pd.get && pd.push && pd.pop && pd.sync && pd.enable && pd.disable;
+}
+static int link_find(CUcontext ctx, CUcontext peer) {  // peer_mu held
+  for (int i = 0; i < nlinks; i++)
+    if (links[i].ctx == ctx && links[i].peer == peer) return i;
+  return -1;
+}
+
+CUresult trk_peer_enable(CUcontext peer, unsigned flags, CUresult (*real)(CUcontext, unsigned)) {
+  CUcontext cur = NULL;
+  if (!pd_ready() || pd.get(&cur) != CUDA_SUCCESS) return real(peer, flags);
+  pthread_mutex_lock(&peer_mu);
+  int i = link_find(cur, peer);
+  // Off for a checkpoint: the driver's state is what it was at peer-off; the table is what the app
+  // wants, applied by peer-on.
+  CUresult r = peer_off ? (i >= 0 ? CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED : CUDA_SUCCESS) : real(peer, flags);
+  if (r == CUDA_SUCCESS && i < 0) {
+    if (nlinks < MAX_PEER) links[nlinks++] = (peer_link){cur, peer, flags};
+    else links_lost++;
+  }
+  pthread_mutex_unlock(&peer_mu);
+  return r;
+}
+
+CUresult trk_peer_disable(CUcontext peer, CUresult (*real)(CUcontext)) {
+  CUcontext cur = NULL;
+  if (!pd_ready() || pd.get(&cur) != CUDA_SUCCESS) return real(peer);
+  pthread_mutex_lock(&peer_mu);
+  int i = link_find(cur, peer);
+  CUresult r = peer_off ? (i >= 0 ? CUDA_SUCCESS : CUDA_ERROR_PEER_ACCESS_NOT_ENABLED) : real(peer);
+  if (r == CUDA_SUCCESS) {
+    if (i >= 0) links[i] = links[--nlinks];
+    else if (links_lost > 0) links_lost--;
+  }
+  pthread_mutex_unlock(&peer_mu);
+  return r;
+}
+
+long trk_peer_links(void) {
+  pthread_mutex_lock(&peer_mu);
+  long n = nlinks + links_lost;
+  pthread_mutex_unlock(&peer_mu);
+  return n;
+}
 void trk_peer_refused(void) { atomic_fetch_add(&peer_refused, 1); }
+
+// peer_apply enables (on) or disables links [0, n) from their contexts; on a failure it undoes the
+// ones done and says which. peer_mu held.
+static int peer_apply(int on, int n, char *err, size_t errlen) {
+  for (int i = 0; i < n; i++) {
+    CUcontext x;
+    CUresult r = pd.push(links[i].ctx);
+    if (r == CUDA_SUCCESS) {
+      r = on ? pd.enable(links[i].peer, links[i].flags) : pd.disable(links[i].peer);
+      if (r == (on ? CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED : CUDA_ERROR_PEER_ACCESS_NOT_ENABLED)) r = CUDA_SUCCESS;
+      pd.pop(&x);
+    }
+    if (r != CUDA_SUCCESS) {
+      snprintf(err, errlen, "peer-%s: %s peer access of link %d of %d failed (%d)", on ? "on" : "off", on ? "enabling" : "disabling",
+               i + 1, n, r);
+      peer_apply(!on, i, err + strlen(err), 0);  // undo; its own failure is not reported over this one
+      return -1;
+    }
+  }
+  return 0;
+}
+
+int trk_peer_set(int on, jbuf *b, char *err, size_t errlen) {
+  uint64_t t0 = shim_now_ns(), sync_ns = 0;
+  if (!pd_ready()) {
+    snprintf(err, errlen, "peer-%s: the driver lacks the peer access entry points", on ? "on" : "off");
+    return -1;
+  }
+  pthread_mutex_lock(&peer_mu);
+  int rc = 0, n = nlinks, was = peer_off;
+  if (!on && links_lost) {
+    snprintf(err, errlen, "peer-off: the process enabled more than %d peer links; the shim cannot turn them all off", MAX_PEER);
+    rc = -1;
+  } else if (on == peer_off) {
+    if (!on) {
+      // No kernel may be reading a peer's memory when its access goes: wait for the work queued
+      // in every context with a link (the quiesce holds new launches).
+      for (int i = 0; i < n && rc == 0; i++) {
+        int seen = 0;
+        for (int k = 0; k < i; k++) seen |= links[k].ctx == links[i].ctx;
+        if (seen) continue;
+        CUcontext x;
+        CUresult r = pd.push(links[i].ctx);
+        if (r == CUDA_SUCCESS) r = pd.sync(), pd.pop(&x);
+        if (r != CUDA_SUCCESS) snprintf(err, errlen, "peer-off: synchronizing a context before disabling its peer access failed (%d)", r), rc = -1;
+      }
+      sync_ns = shim_now_ns() - t0;
+    }
+    if (rc == 0) rc = peer_apply(on, n, err, errlen);
+    if (rc == 0) peer_off = !on;
+  }
+  pthread_mutex_unlock(&peer_mu);
+  if (rc == 0)
+    jb_printf(b, "{\"links\":%d,\"changed\":%s,\"sync_us\":%llu,\"elapsed_us\":%llu}", n, was != !on ? "true" : "false",
+              (unsigned long long)sync_ns / 1000, (unsigned long long)(shim_now_ns() - t0) / 1000);
+  return rc;
+}
+
+int trk_peer_is_off(void) {
+  pthread_mutex_lock(&peer_mu);
+  int off = peer_off;
+  pthread_mutex_unlock(&peer_mu);
+  return off;
+}
 
 void trk_report_status(jbuf *b, int brief) {
   jb_printf(b, ",\"uptime_s\":%.3f,\"cuda_initialized\":%s", (double)(shim_now_ns() - start_ns) / 1e9,
@@ -1320,8 +1454,8 @@ void trk_report_status(jbuf *b, int brief) {
   int dv = 0;
   CUresult (*ver)(int *) = (CUresult(*)(int *))drv_sym("cuDriverGetVersion");
   if (ver && ver(&dv) == CUDA_SUCCESS) jb_printf(b, ",\"driver_cuda_version\":%d", dv);
-  jb_printf(b, ",\"peer_access\":%ld,\"peer_access_off\":%s,\"peer_access_refused\":%ld", atomic_load(&peer_links),
-            cfg.no_peer ? "true" : "false", atomic_load(&peer_refused));
+  jb_printf(b, ",\"peer_access\":%ld,\"peer_access_off\":%s,\"peer_access_refused\":%ld,\"peer_toggle\":true,\"peer_access_suspended\":%s",
+            trk_peer_links(), cfg.no_peer ? "true" : "false", atomic_load(&peer_refused), trk_peer_is_off() ? "true" : "false");
   jb_key(b, "ipc");
   report_share(b);
   jb_key(b, "devices");

@@ -16,9 +16,17 @@ enum alloc_kind { AK_DEVICE, AK_PITCH, AK_ASYNC, AK_MANAGED, AK_HOST, AK_VMM_PHY
 void trk_alloc_add(uint64_t key, uint64_t size, int kind);
 void trk_alloc_remove(uint64_t key, int kind);  // kind -1: whichever kind key has
 void trk_vmm_unmap(uint64_t ptr, uint64_t size);
-void trk_peer_access(int delta);  // +1 per peer link enabled, -1 per link disabled
+// Peer access: the hooks of cuCtxEnablePeerAccess / cuCtxDisablePeerAccess call the driver's
+// (real) through these, which keep the table of links peer-off / peer-on act on.
+CUresult trk_peer_enable(CUcontext peer, unsigned flags, CUresult (*real)(CUcontext, unsigned));
+CUresult trk_peer_disable(CUcontext peer, CUresult (*real)(CUcontext));
 long trk_peer_links(void);
-void trk_peer_refused(void);     // an enable refused under PTXMIG_PEER_ACCESS=0
+void trk_peer_refused(void);  // an enable refused under PTXMIG_PEER_ACCESS=0
+// trk_peer_set(0): wait for the work queued in every context with a link, then disable every
+// link (a checkpoint follows); trk_peer_set(1) enables them again. 0 with a JSON reply in b, or
+// -1 with err (nothing changed).
+int trk_peer_set(int on, jbuf *b, char *err, size_t errlen);
+int trk_peer_is_off(void);
 // Cross-process GPU memory sharing (status "ipc"; docs/SHIM-PROTOCOL.md says what is counted).
 // Each is called after the driver call succeeded.
 enum share_kind { SK_IPC_MEM, SK_VMM, SK_POOL, SK_POOL_PTR, SK_COUNT };

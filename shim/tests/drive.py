@@ -231,6 +231,47 @@ def main():
                 check(st.get("peer_access_off") == bool(off) and st.get("peer_access_refused") == (2 if off else 0),
                       f"app_direct PTXMIG_PEER_ACCESS={off!r}: status peer_access_off {st.get('peer_access_off')}, "
                       f"refused {st.get('peer_access_refused')}")
+    # Peer access off for a checkpoint: peer-off (quiesced, the lease's connection) disables every
+    # link in the driver and says so in status; the app's own enable and disable meanwhile change
+    # only the shim's table; the resume enables the links again.
+    with case("app_direct[peer-off]"):
+        peer_file = os.path.join(harness.scratch("ptxmig-peer-"), "links")
+
+        def toggle(c, app):
+            links = lambda: open(peer_file).read().strip()
+            r = c.req(cmd="peer-off")
+            check(not r["ok"] and "not quiesced" in r["error"], f"peer-off while running: {r}")
+            path = c.s.getpeername()
+            q = Conn(path)
+            r = q.req(cmd="quiesce", budget_ms=100)
+            check(r["ok"], f"quiesce: {r}")
+            r = c.req(cmd="peer-off")
+            check(not r["ok"] and "only the connection that quiesced" in r["error"], f"peer-off from another connection: {r}")
+            r = q.req(cmd="peer-off")
+            check(r["ok"] and r["result"]["links"] == 1 and r["result"]["changed"], f"peer-off: {r}")
+            check(links() == "0", f"peer-off: the driver still has {links()} link(s)")
+            st = c.req(cmd="status")["result"]
+            check(st["peer_access"] == 1 and st["peer_access_suspended"] and st["peer_toggle"], f"status after peer-off: {st.get('peer_access')}, suspended {st.get('peer_access_suspended')}")
+            r = q.req(cmd="peer-off")
+            check(r["ok"] and not r["result"]["changed"], f"peer-off again: {r}")
+            r = q.req(cmd="resume")
+            check(r["ok"] and links() == "1", f"resume: {r}; the driver has {links()} link(s)")
+            st = c.req(cmd="status")["result"]
+            check(st["peer_access"] == 1 and not st["peer_access_suspended"], f"status after resume: suspended {st.get('peer_access_suspended')}")
+            # A lease that goes away while peer access is off: on again before the resume.
+            r = q.req(cmd="quiesce", budget_ms=100)
+            r2 = q.req(cmd="peer-off")
+            check(r["ok"] and r2["ok"] and links() == "0", f"quiesce + peer-off: {r} {r2}")
+            q.close()
+            deadline = time.time() + 5
+            while time.time() < deadline and links() != "1":
+                time.sleep(0.05)
+            check(links() == "1", "lease closed while peer access was off: not enabled again")
+
+        run_app(opts, "app_direct", {"FAKE_CUDA_PEER_FILE": peer_file},
+                {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
+                {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3},
+                expect_peer=1, after=toggle)
     # Memory shared with other processes (CUDA IPC, VMM shareable handles, pools; ptxmig refuses to
     # checkpoint such a process): the live exports and imports in status, then none once undone.
     with case("app_direct[APP_SHARE=1]"):

@@ -189,7 +189,8 @@ int main(void) {
   CK(cuModuleLoadData(&mod, test_ptx));
   CK(cuModuleGetFunction(&fn, mod, "k_test"));
   CK(cuMemAlloc_v2(&d, 1 << 20));
-  // Peer access: two links enabled, one disabled, one refused call (the shim's status counts 1).
+  // Peer access: a link enabled, enabled again (already enabled: 704), disabled and enabled again,
+  // and one refused call (the shim's status counts 1).
   // Refused as unsupported (PTXMIG_PEER_ACCESS=0 under the shim), it carries on without, as
   // frameworks do; what it was told goes to stderr (the reference run without the shim differs).
   int can = -1, p2p = -1;
@@ -197,8 +198,9 @@ int main(void) {
   CK(cuDeviceGetP2PAttribute(&p2p, 2, 0, 0));
   CUresult pe = cuCtxEnablePeerAccess(ctx, 0);
   if (pe == 0) {
-    CK(cuCtxEnablePeerAccess(ctx, 0));
+    if (cuCtxEnablePeerAccess(ctx, 0) != 704) return 6;  // CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
     CK(cuCtxDisablePeerAccess(ctx));
+    CK(cuCtxEnablePeerAccess(ctx, 0));
   } else if (pe != 217) {  // CUDA_ERROR_PEER_ACCESS_UNSUPPORTED
     return 5;
   }

@@ -219,8 +219,38 @@ EXPORT CUresult cuDeviceTotalMem_v2(size_t *b, int d) { (void)d; *b = (size_t)80
 EXPORT CUresult cuDeviceGetAttribute(int *v, int a, int d) { (void)d; *v = a == 75 ? 9 : a == 16 ? 4 : 0; return OK; }
 EXPORT CUresult cuCtxGetDevice(int *d) { if (!current) return 201; *d = 0; return OK; }
 // One fake device: any context is accepted as a peer; a NULL one is refused as the driver would.
-EXPORT CUresult cuCtxEnablePeerAccess(void *peer, unsigned flags) { (void)flags; return peer ? OK : E_INVALID_HANDLE; }
-EXPORT CUresult cuCtxDisablePeerAccess(void *peer) { return peer ? OK : E_INVALID_HANDLE; }
+// Links are kept per (current context, peer) as the driver keeps them: enabling one twice is 704
+// (PEER_ACCESS_ALREADY_ENABLED), disabling one that is off 705 (PEER_ACCESS_NOT_ENABLED).
+// FAKE_CUDA_PEER_FILE=PATH: the number of links enabled is written there after each change.
+static struct { void *ctx, *peer; } fake_links[16];
+static int fake_nlinks;
+static void fake_links_note(void) {
+  const char *f = getenv("FAKE_CUDA_PEER_FILE");
+  FILE *o = f && *f ? fopen(f, "w") : NULL;
+  if (o) fprintf(o, "%d\n", fake_nlinks), fclose(o);
+}
+static int fake_link(void *peer) {
+  for (int i = 0; i < fake_nlinks; i++)
+    if (fake_links[i].ctx == current && fake_links[i].peer == peer) return i;
+  return -1;
+}
+EXPORT CUresult cuCtxEnablePeerAccess(void *peer, unsigned flags) {
+  (void)flags;
+  if (!peer || !current) return E_INVALID_HANDLE;
+  if (fake_link(peer) >= 0) return 704;
+  if (fake_nlinks == 16) return 999;
+  fake_links[fake_nlinks].ctx = current, fake_links[fake_nlinks++].peer = peer;
+  fake_links_note();
+  return OK;
+}
+EXPORT CUresult cuCtxDisablePeerAccess(void *peer) {
+  if (!peer || !current) return E_INVALID_HANDLE;
+  int i = fake_link(peer);
+  if (i < 0) return 705;
+  fake_links[i] = fake_links[--fake_nlinks];
+  fake_links_note();
+  return OK;
+}
 // As a pair of GPUs with a peer path (NVLink) would answer.
 EXPORT CUresult cuDeviceCanAccessPeer(int *can, int d, int peer) { (void)d; (void)peer; if (!inited) return E_NOT_INITIALIZED; *can = 1; return OK; }
 EXPORT CUresult cuDeviceGetP2PAttribute(int *v, int attr, int src, int dst) { (void)src; (void)dst; if (!inited) return E_NOT_INITIALIZED; *v = attr == 1 ? 0 : 1; return OK; }
