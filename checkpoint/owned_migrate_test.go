@@ -137,17 +137,33 @@ func TestMigrateOwnedMemory(t *testing.T) {
 
 // TestMigrateOwnedMemoryRollback: a failure at the stash (its stash prepared and pre-copied, then
 // unused), at any driver step, or at the unstash on the target, ends with the app running on GPU
-// 0 with all its memory and no stash left. "re-create" fails the shim's own
+// 0 with all its memory and no stash left; with memory kept on the target for the device-to-device
+// copy too (a rollback puts the memory back from the stash). "re-create" fails the shim's own
 // unstash on the target (its second cuMemCreate: the first region re-created is released again):
 // the driver moves the app back, where the stash is put back.
 func TestMigrateOwnedMemoryRollback(t *testing.T) {
 	injected := errors.New("injected")
-	for _, fail := range []string{"hook " + shimstep.StepStashMemory, "lock", "checkpoint", "restore-to-" + gpu1, "unlock", "hook " + shimstep.StepUnstashMemory, "hook " + shimstep.StepResume, "re-create"} {
-		t.Run(fail, func(t *testing.T) {
+	for _, tc := range []struct {
+		fail       string
+		deviceCopy bool
+	}{
+		{"hook " + shimstep.StepStashMemory, false}, {"lock", false}, {"checkpoint", false}, {"restore-to-" + gpu1, false},
+		{"unlock", false}, {"hook " + shimstep.StepUnstashMemory, false}, {"hook " + shimstep.StepResume, false}, {"re-create", false},
+		// With memory kept on the target for the device-to-device copy (filled in the stop).
+		{"restore-to-" + gpu1, true}, {"hook " + shimstep.StepUnstashMemory, true}, {"hook " + shimstep.StepResume, true}, {"re-create", true},
+	} {
+		fail, name := tc.fail, tc.fail
+		if tc.deviceCopy {
+			name += " (device copy)"
+		}
+		t.Run(name, func(t *testing.T) {
 			f := setup(t)
 			failAt := filepath.Join(f.dir, "vmm-fail-at")
 			a := startOwned(t, f, "owned", "FAKE_CUDA_VMM_FAIL_AT="+failAt)
 			drv := ownedMigrateEnv(f, a, 2)
+			if tc.deviceCopy {
+				f.env.Driver = keeping(t, drv)
+			}
 			want := injected
 			if fail == "re-create" {
 				want = nil
@@ -313,5 +329,101 @@ func TestStashProtocol(t *testing.T) {
 	a.waitSteps(t, 5)
 	if st := memStatus(t, a.pid); st.Released || st.Stashed {
 		t.Errorf("shim after the resume: %+v", st)
+	}
+}
+
+// keepingDriver is the fake driver of the migrate tests plus what ptxmig itself does on a GPU:
+// the memory it keeps for the device-to-device copy comes from the real binding
+// (internal/cudackpt) over the fake libcuda, whose one device stands for every target.
+type keepingDriver struct {
+	*cudackpttest.Driver
+	real *cudackpt.Driver
+	dev  cudackpt.UUID
+}
+
+func (d keepingDriver) Keep(_ cudackpt.UUID, bytes uint64) (*cudackpt.Kept, error) {
+	return d.real.Keep(d.dev, bytes)
+}
+
+// keeping wraps drv into a keepingDriver.
+func keeping(t *testing.T, drv *cudackpttest.Driver) keepingDriver {
+	t.Helper()
+	_, fake, _ := ownedBuild(t)
+	// No other test of this package opens the driver binding: the first Open loads the fake
+	// (Open keeps its first result for the process).
+	t.Setenv("PTXMIG_LIBCUDA", filepath.Join(fake, "libcuda.so.1"))
+	real, err := cudackpt.Open()
+	if err != nil {
+		t.Fatalf("open the fake driver for ptxmig's own calls: %v", err)
+	}
+	devs, err := real.Devices()
+	if err != nil || len(devs) == 0 {
+		t.Fatalf("fake driver devices: %v %v", devs, err)
+	}
+	return keepingDriver{drv, real, devs[0].UUID}
+}
+
+// TestMigrateOwnedMemoryDeviceCopy: with memory kept on the target (the default), the stop also
+// copies the owned memory into it device to device, and the unstash puts it back from there (no
+// pinning, no host copy); memory the app wrote between the last pre-copy round and the stop is
+// in it. When that copy cannot be read at the unstash (its import fails), the stash is used;
+// with --device-copy=false there is none. Every way, the app runs on with all its memory (it
+// checks every byte every step).
+func TestMigrateOwnedMemoryDeviceCopy(t *testing.T) {
+	for _, tt := range []struct {
+		name       string
+		noCopy     bool
+		failImport bool
+		wantFrom   string
+	}{
+		{name: "device copy", wantFrom: "target"},
+		{name: "import fails at the unstash", failImport: true, wantFrom: "host"},
+		{name: "device-copy=false", noCopy: true, wantFrom: "host"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			f := setup(t)
+			failAt := filepath.Join(f.dir, "import-fail-at")
+			a := startOwned(t, f, "owned", "FAKE_CUDA_IMPORT_FAIL_AT="+failAt)
+			f.env.Driver = keeping(t, ownedMigrateEnv(f, a, 2))
+			f.env.Hook = func(_ context.Context, s string) error {
+				switch {
+				case s == shimstep.StepQuiesce:
+					a.waitSteps(t, 2) // region A changes after the last pre-copy round
+				case s == shimstep.StepUnstashMemory && tt.failImport:
+					return os.WriteFile(failAt, []byte("1\n"), 0o600)
+				}
+				return nil
+			}
+			res, err := migrate.Run(context.Background(), f.env, migrate.Options{PID: a.pid, GPUs: []int{1}, LockTimeout: 5 * time.Second,
+				NoDeviceCopy: tt.noCopy})
+			if err != nil {
+				t.Fatalf("migrate: %v", err)
+			}
+			m := ownedOf(t, res.Preemption, a.pid)
+			if m.Stash == nil || m.Unstash == nil || m.Unstash.Bytes != appOwnedBytes || m.Released {
+				t.Fatalf("owned memory: %+v, stash %+v, unstash %+v", m, m.Stash, m.Unstash)
+			}
+			if tt.noCopy {
+				if m.Target != nil || m.Stash.Target != nil {
+					t.Errorf("--device-copy=false: target %+v, stash's %+v", m.Target, m.Stash.Target)
+				}
+			} else if m.Target == nil || m.Target.Bytes < appOwnedBytes || m.Stash.Target == nil || !m.Stash.Target.Filled ||
+				m.Stash.Target.Bytes != appOwnedBytes {
+				t.Fatalf("no device copy: target %+v (note %q), stash's %+v", m.Target, m.TargetNote, m.Stash.Target)
+			}
+			if m.Unstash.From != tt.wantFrom || (tt.wantFrom == "target") == (m.Unstash.TargetError != "") && tt.failImport {
+				t.Errorf("unstash from %q (target error %q), want %q", m.Unstash.From, m.Unstash.TargetError, tt.wantFrom)
+			}
+			if tt.failImport && !strings.Contains(m.Unstash.TargetError, "import") {
+				t.Errorf("unstash: target error %q, want the failed import", m.Unstash.TargetError)
+			}
+			if tt.wantFrom == "target" && m.Unstash.Pinned {
+				t.Errorf("unstash from the target copy pinned the stash: %+v", m.Unstash)
+			}
+			a.waitSteps(t, 5)
+			if st := memStatus(t, a.pid); st.Released || st.Stashed || st.Regions != 3 || st.StashBytes != 0 {
+				t.Errorf("shim after the migrate: %+v; want the memory back and the stash freed", st)
+			}
+		})
 	}
 }

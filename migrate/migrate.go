@@ -15,6 +15,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/driverstep"
+	"github.com/ptxmig/ptxmig/internal/gpu"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
@@ -50,6 +51,9 @@ type Options struct {
 	Rehearse bool
 	// NoPrecopy: owned memory is not pre-copied while the process runs; the stop copies all of it.
 	NoPrecopy bool
+	// NoDeviceCopy: owned memory goes through the process's host stash only; by default it is also
+	// copied device to device into memory ptxmig keeps on the target GPU, and put back from there.
+	NoDeviceCopy bool
 }
 
 // GPURef names a GPU.
@@ -75,6 +79,17 @@ type Plan struct {
 
 	opts   Options
 	dpairs []cudackpt.Pair
+	// moves: per CUDA process that uses one GPU, where it goes (the device-to-device copy of its
+	// owned memory needs exactly one).
+	moves map[int]move
+}
+
+// move is where one process's GPU goes: To, and whether it is the GPU it is on (a rehearsal or
+// a pair to itself); Bytes is what the process holds there.
+type move struct {
+	To    gpu.Device
+	Same  bool
+	Bytes uint64
 }
 
 // Result reports a migration. Downtime runs from the start of the quiesce (the lock without
@@ -189,6 +204,7 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if p.dpairs, err = placement.DriverPairs(pairs); err != nil {
 		return nil, op.Refusef("migrate pid %d: %w", pid, err)
 	}
+	p.moves = moves(devs, pids, pairs)
 	who := fmt.Sprintf("pid %d", pid)
 	if len(pids) > 1 || pids[0] != pid {
 		who = fmt.Sprintf("the job's CUDA processes (pid %s)", op.PIDText(pids))
@@ -196,6 +212,13 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	prepare := "under the shim with owned memory: ready the host memory that memory will be stashed in, and pre-copy it in rounds while the process runs"
 	if o.NoPrecopy {
 		prepare = "under the shim with owned memory: ready the host memory that memory will be stashed in, while the process runs"
+	}
+	stash := "under the shim with owned memory (ptxmig run --owned-memory): copy into the process's own host memory what it does not hold yet, and release it, so the driver moves only the rest"
+	unstash := "stashed owned memory: re-create it at the same addresses on the target and copy it back"
+	if !o.NoDeviceCopy {
+		prepare += "; keep memory of its size on the target GPU for a device-to-device copy"
+		stash += "; copy it device to device into the memory kept on the target GPU too"
+		unstash = "stashed owned memory: re-create it at the same addresses on the target and copy it back from the memory kept there (device to device), else from the stash"
 	}
 	steps := []op.PlanStep{{Step: shimstep.StepPrepareStash, Action: prepare}}
 	if len(pids) > 1 {
@@ -207,16 +230,78 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	}
 	p.Steps = append(steps,
 		op.PlanStep{Step: shimstep.StepQuiesce, Action: "if it runs under the ptxmig shim: stop preemptible kernels between blocks, hold new launches"},
-		op.PlanStep{Step: shimstep.StepStashMemory, Action: "under the shim with owned memory (ptxmig run --owned-memory): copy into the process's own host memory what it does not hold yet, and release it, so the driver moves only the rest"},
+		op.PlanStep{Step: shimstep.StepStashMemory, Action: stash},
 		op.PlanStep{Step: StepLock, Action: fmt.Sprintf("lock %s (timeout %s)", who, lockTimeoutText(o.LockTimeout))},
 		op.PlanStep{Step: StepCheckpoint, Action: fmt.Sprintf("checkpoint: copy its GPU memory (up to %s, less what was stashed) to host memory", bytesize.FormatU(p.GPUBytes))},
 		op.PlanStep{Step: StepRestore, Action: restoreAction},
 		op.PlanStep{Step: StepUnlock, Action: fmt.Sprintf("unlock %s", who)},
-		op.PlanStep{Step: shimstep.StepUnstashMemory, Action: "stashed owned memory: re-create it at the same addresses on the target and copy it back"},
+		op.PlanStep{Step: shimstep.StepUnstashMemory, Action: unstash},
 		op.PlanStep{Step: shimstep.StepResume, Action: "under the shim: relaunch preempted kernels on the target, release held launches"},
 		op.PlanStep{Step: "on failure", Action: fmt.Sprintf("restore without pairs (back onto GPU %s) and unlock", indexes(p.Source))},
 	)
 	return p, nil
+}
+
+// moves maps each process of pids that uses exactly one GPU to that GPU's pair.
+func moves(devs []gpu.Device, pids []int, pairs []placement.Pair) map[int]move {
+	out := map[int]move{}
+	for _, pid := range pids {
+		uses := gpu.UsedBy(devs, pid)
+		if len(uses) != 1 {
+			continue
+		}
+		for _, pr := range pairs {
+			if strings.EqualFold(pr.From.UUID, uses[0].Device.UUID) {
+				out[pid] = move{To: pr.To, Same: strings.EqualFold(pr.From.UUID, pr.To.UUID), Bytes: uses[0].Memory}
+			}
+		}
+	}
+	return out
+}
+
+// keepMargin is what the device-to-device copy leaves free on the target besides the kept memory
+// and the process: ptxmig's own context there, and room for the driver's restore.
+const keepMargin = 1 << 30
+
+// keeper returns the device-to-device copy's allocator (shimstep.Preemption.KeepTarget) for the
+// plan, or nil when the driver cannot keep memory or the copy is off. It refuses a process that
+// does not use exactly one GPU, and a target without room for the kept memory beside the process
+// (the process re-creates its memory there while the copy is still kept).
+func (p *Plan) keeper(env *op.Env) func(pid int, bytes uint64) (*cudackpt.Kept, error) {
+	drv, ok := env.Driver.(interface {
+		Keep(cudackpt.UUID, uint64) (*cudackpt.Kept, error)
+	})
+	if !ok || p.opts.NoDeviceCopy {
+		return nil
+	}
+	return func(pid int, bytes uint64) (*cudackpt.Kept, error) {
+		m, ok := p.moves[pid]
+		if !ok {
+			return nil, fmt.Errorf("pid %d does not use exactly one GPU", pid)
+		}
+		devs, err := env.GPUs.Devices()
+		if err != nil {
+			return nil, fmt.Errorf("read GPU memory: %w", err)
+		}
+		free := uint64(0)
+		for _, d := range devs {
+			if strings.EqualFold(d.UUID, m.To.UUID) {
+				free = d.MemoryFree()
+			}
+		}
+		need := bytes + keepMargin
+		if !m.Same {
+			need += m.Bytes
+		}
+		if free < need {
+			return nil, fmt.Errorf("GPU %d has %s free, the copy needs %s there", m.To.Index, bytesize.FormatU(free), bytesize.FormatU(need))
+		}
+		u, err := cudackpt.ParseUUID(m.To.UUID)
+		if err != nil {
+			return nil, err
+		}
+		return drv.Keep(u, bytes)
+	}
 }
 
 // cudaProcesses is what a migrate of pid moves: every process of its tree whose GPU state the
@@ -269,6 +354,7 @@ func Execute(ctx context.Context, env *op.Env, p *Plan) (*Result, error) {
 		return placement.CheckRoom(p.Pairs, devs, true)
 	}
 	pre := shimstep.NewPreemption(env, o.PreemptBudget)
+	pre.KeepTarget = p.keeper(env)
 	defer pre.Close()
 	driver := Steps(env.Driver, p.PIDs, p.dpairs, o.LockTimeout, recheck)
 	driver[0] = pre.ExplainLock(driver[0])

@@ -8,7 +8,10 @@
 #   owned   under `ptxmig run --owned-memory --preempt off`: 64 MiB it advances every 200 ms and
 #           SIZE GiB - 64 MiB it never writes after the start (counter --frozen-mib, as weights);
 #           `ptxmig migrate` pre-copies it into the process's host memory while it runs, the stop
-#           copies what changed since, the driver moves the rest;
+#           copies what changed since, and all of it device to device into memory ptxmig keeps on
+#           the target GPU (the default), the driver moves the rest, the target copy comes back;
+#   owned, host only  the same process, `ptxmig migrate --device-copy=false`: back from the host
+#           stash (pinned again for the copy), as before the device-to-device copy;
 #   owned, no pre-copy  the same process, `ptxmig migrate --precopy=false`: the stop copies it all;
 #   owned, all advancing  a second owned process whose SIZE GiB all advance every step: pre-copy
 #           cannot converge (the changed set is everything);
@@ -18,7 +21,7 @@
 #           checkpoint, restore, unlock; scripts/cuckpt.c), their times summed.
 # With two GPUs every migrate moves to the other GPU (--gpu 1, then --gpu 0 back); with one,
 # `ptxmig migrate --rehearse` moves it onto its own GPU and the bare calls restore without pairs.
-# Each round runs the five, in an order that alternates from round to round; BENCH_ROUNDS rounds
+# Each round runs the six, in an order that alternates from round to round; BENCH_ROUNDS rounds
 # (default 3). Every process must advance after each move. Reported: the median downtime per way
 # and size (ptxmig's downtime: quiesce to resume; bare: the calls' sum), its parts, and the ratios.
 # Environment: PTXMIG_BIN, PTXMIG_WORKLOADS (counter: testdata/workloads/build.sh), PTXMIG_OUT
@@ -105,12 +108,20 @@ elif what == 'parts':
 else:
     for o in owned:
         s, u = o['stash'], o['unstash']
-        print('stash %d MiB (prepared %s, copied %d MiB in %.0f ms, %.1f GB/s, GPU hash %.0f ms, map and pin %.0f, unpin %.0f, release %.0f); '
-              'unstash: re-create %.0f, pin %.0f, pin and copy %.0f ms' % (
-                  s['bytes'] >> 20, s.get('prepared', False), s.get('copied_bytes', s['bytes']) >> 20, s['copy_us'] / 1e3,
-                  s.get('copied_bytes', s['bytes']) / max(s['copy_us'], 1) / 1e3, s.get('hash_us', 0) / 1e3,
-                  (s.get('populate_us', 0) + s['pin_us']) / 1e3, s.get('unpin_us', 0) / 1e3, s.get('release_us', 0) / 1e3,
-                  u.get('remap_us', 0) / 1e3, u['pin_us'] / 1e3, u['copy_us'] / 1e3))
+        line = ('stash %d MiB (prepared %s, copied %d MiB in %.0f ms, %.1f GB/s, GPU hash %.0f ms, map and pin %.0f, unpin %.0f, release %.0f); '
+                'unstash: re-create %.0f, pin %.0f, pin and copy %.0f ms' % (
+                    s['bytes'] >> 20, s.get('prepared', False), s.get('copied_bytes', s['bytes']) >> 20, s['copy_us'] / 1e3,
+                    s.get('copied_bytes', s['bytes']) / max(s['copy_us'], 1) / 1e3, s.get('hash_us', 0) / 1e3,
+                    (s.get('populate_us', 0) + s['pin_us']) / 1e3, s.get('unpin_us', 0) / 1e3, s.get('release_us', 0) / 1e3,
+                    u.get('remap_us', 0) / 1e3, u['pin_us'] / 1e3, u['copy_us'] / 1e3))
+        t = s.get('target')
+        if t:
+            line += '; device copy to the target: %s %d MiB in %.1f ms (map %.1f ms)' % (
+                'filled' if t.get('filled') else 'FAILED ' + t.get('error', ''), t.get('bytes', 0) >> 20, t.get('copy_us', 0) / 1e3, t.get('map_us', 0) / 1e3)
+        line += '; unstash from %s%s' % (u.get('from', 'host'), ' (' + u['target_error'] + ')' if u.get('target_error') else '')
+        if o.get('target_note'):
+            line += '; ' + o['target_note']
+        print(line)
 PY
 }
 median() { python3 -c "import statistics,sys; print(round(statistics.median(float(x) for x in sys.argv[1:])))" "$@"; }
@@ -126,12 +137,13 @@ for g in "${sizes[@]}"; do
   # Warm-up, untimed: the first migrate of each pays for loading ptxmig and the driver's paths.
   move owned "$p_owned" "$raw/warm-owned-$g.json"; move hot "$p_hot" "$raw/warm-hot-$g.json"
   move driver "$p_driver" "$raw/warm-driver-$g.json"
-  down_o=() down_n=() down_h=() down_d=() down_b=()
+  down_o=() down_x=() down_n=() down_h=() down_d=() down_b=()
   for r in $(seq "$ROUNDS"); do
-    order=(owned nopre hot driver bare); [ $((r % 2)) = 0 ] && order=(bare driver hot nopre owned)
+    order=(owned host nopre hot driver bare); [ $((r % 2)) = 0 ] && order=(bare driver hot nopre host owned)
     for w in "${order[@]}"; do
       case $w in
         owned) move owned "$p_owned" "$raw/owned-$g-$r.json"; down_o+=("$(j "$raw/owned-$g-$r.json" "d['downtime_ns']/1e6")") ;;
+        host) move owned "$p_owned" "$raw/host-$g-$r.json" --device-copy=false; down_x+=("$(j "$raw/host-$g-$r.json" "d['downtime_ns']/1e6")") ;;
         nopre) move owned "$p_owned" "$raw/nopre-$g-$r.json" --precopy=false; down_n+=("$(j "$raw/nopre-$g-$r.json" "d['downtime_ns']/1e6")") ;;
         hot) move hot "$p_hot" "$raw/hot-$g-$r.json"; down_h+=("$(j "$raw/hot-$g-$r.json" "d['downtime_ns']/1e6")") ;;
         driver) move driver "$p_driver" "$raw/driver-$g-$r.json"; down_d+=("$(j "$raw/driver-$g-$r.json" "d['downtime_ns']/1e6")") ;;
@@ -139,14 +151,15 @@ for g in "${sizes[@]}"; do
       esac
     done
   done
-  mo=$(median "${down_o[@]}") mn=$(median "${down_n[@]}") mh=$(median "${down_h[@]}") md=$(median "${down_d[@]}") mb=$(median "${down_b[@]}")
+  mo=$(median "${down_o[@]}") mx=$(median "${down_x[@]}") mn=$(median "${down_n[@]}") mh=$(median "${down_h[@]}") md=$(median "${down_d[@]}") mb=$(median "${down_b[@]}")
   o=$raw/owned-$g-1.json d1=$raw/driver-$g-1.json
-  rows+=("| $g GiB | ptxmig, owned memory, pre-copied (64 MiB advancing) | **$mo** (${down_o[*]}) | $(summary rounds "$o"); $(summary parts "$o"); $(summary stash "$o") |")
+  rows+=("| $g GiB | ptxmig, owned memory, pre-copied (64 MiB advancing), device to device | **$mo** (${down_o[*]}) | $(summary rounds "$o"); $(summary parts "$o"); $(summary stash "$o") |")
+  rows+=("| $g GiB | ptxmig, owned memory, pre-copied, --device-copy=false (host stash only) | **$mx** (${down_x[*]}) | $(summary parts "$raw/host-$g-1.json"); $(summary stash "$raw/host-$g-1.json") |")
   rows+=("| $g GiB | ptxmig, owned memory, --precopy=false | **$mn** (${down_n[*]}) | $(summary parts "$raw/nopre-$g-1.json"); $(summary stash "$raw/nopre-$g-1.json") |")
   rows+=("| $g GiB | ptxmig, owned memory, all advancing | **$mh** (${down_h[*]}) | $(summary rounds "$raw/hot-$g-1.json"); $(summary parts "$raw/hot-$g-1.json"); $(summary stash "$raw/hot-$g-1.json") |")
   rows+=("| $g GiB | ptxmig, the driver's memory | **$md** (${down_d[*]}) | $(summary parts "$d1") |")
   rows+=("| $g GiB | the four driver calls | **$mb** (${down_b[*]}) | $(grep -v cuInit "$raw/bare-$g-1.txt" | tr '\n' ' ') |")
-  rows+=("| $g GiB | **owned pre-copied / driver's path**, **/ bare calls**; no pre-copy / driver's path; all advancing / driver's path | **$(python3 -c "print(f'{$mo/$md:.2f}')")×**, **$(python3 -c "print(f'{$mo/$mb:.2f}')")×**; $(python3 -c "print(f'{$mn/$md:.2f}')")×; $(python3 -c "print(f'{$mh/$md:.2f}')")× | |")
+  rows+=("| $g GiB | **owned pre-copied / driver's path**, **/ bare calls**; device to device / host stash only; no pre-copy / driver's path; all advancing / driver's path | **$(python3 -c "print(f'{$mo/$md:.2f}')")×**, **$(python3 -c "print(f'{$mo/$mb:.2f}')")×**; $(python3 -c "print(f'{$mo/$mx:.2f}')")×; $(python3 -c "print(f'{$mn/$md:.2f}')")×; $(python3 -c "print(f'{$mh/$md:.2f}')")× | |")
   kill -9 "$p_owned" "$p_hot" "$p_driver" 2>/dev/null || true
   sleep 1
 done

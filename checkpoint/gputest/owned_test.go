@@ -118,7 +118,8 @@ func TestOwnedMemory(t *testing.T) {
 // TestMigrateOwnedMemory: counter under `ptxmig run --owned-memory` with PTXMIG_OWNED_MIB MiB
 // (default 256) it advances and a frozen GiB, migrated four times: to the other GPU and back on a
 // host with two, `migrate --rehearse` (onto its own GPU) on a host with one. Every move stashes all
-// the owned memory in the process and puts it back; the run ends with the checksums of an
+// the owned memory in the process, copies it device to device into memory ptxmig keeps on the
+// target, and puts it back from there; the run ends with the checksums of an
 // uninterrupted run. The downtimes go to $PTXMIG_OUT/gputest/owned-migrate.md.
 func TestMigrateOwnedMemory(t *testing.T) {
 	devs := need(t, 1)
@@ -130,7 +131,7 @@ func TestMigrateOwnedMemory(t *testing.T) {
 	ref := referenceAsync(t, "counter", args...)
 	p := startShimmedCache(t, []string{"--preempt", "auto", "--owned-memory"}, filepath.Join(out, "gputest", "ptxcache"), filepath.Join(workloads, "counter"), args...)
 	waitLine(t, p.log, "step 5 ", 3*time.Minute)
-	rows := []string{"| move | owned memory | stash (copy) | lock, driver checkpoint, restore, unlock | unstash (re-create, copy) | downtime |", "|---|---|---|---|---|---|"}
+	rows := []string{"| move | owned memory | stash (copy) | device copy to the target | lock, driver checkpoint, restore, unlock | unstash (re-create, copy; from) | downtime |", "|---|---|---|---|---|---|---|"}
 	for i := range 4 {
 		move := []string{"--rehearse"}
 		if len(devs) > 1 {
@@ -153,12 +154,21 @@ func TestMigrateOwnedMemory(t *testing.T) {
 		if m == nil || m.Stash == nil || m.Unstash == nil || m.Stash.Bytes < uint64(mib+1024)<<20 || m.Unstash.Bytes != m.Stash.Bytes || m.Released {
 			t.Fatalf("migrate %v: owned memory %+v; want all of it stashed and put back", move, m)
 		}
+		// The default moves the memory device to device too: kept on the target, filled in the
+		// stop, put back from there.
+		if m.Target == nil || m.Stash.Target == nil || !m.Stash.Target.Filled || m.Unstash.From != "target" {
+			t.Fatalf("migrate %v: no device-to-device copy: kept %+v (%s), stop %+v, unstash from %q (%s)", move, m.Target, m.TargetNote,
+				m.Stash.Target, m.Unstash.From, m.Unstash.TargetError)
+		}
 		us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
-		row := fmt.Sprintf("| %s | %d MiB in %d regions | %s (%s, %.1f GB/s, pinned %v) | %s, %s, %s, %s | %s (%s, %s) | %s |", strings.Join(move, " "),
+		dc := fmt.Sprintf("%s (map %s, %.0f GB/s)", us(m.Stash.Target.CopyUS).Round(100*time.Microsecond), us(m.Stash.Target.MapUS).Round(100*time.Microsecond),
+			float64(m.Stash.Target.Bytes)/max(us(m.Stash.Target.CopyUS).Seconds(), 1e-9)/1e9)
+		row := fmt.Sprintf("| %s | %d MiB in %d regions | %s (%s, %.1f GB/s, pinned %v) | %s | %s, %s, %s, %s | %s (%s, %s; %s) | %s |", strings.Join(move, " "),
 			m.Stash.Bytes>>20, m.Stash.Regions, res.Stash.Round(time.Millisecond), us(m.Stash.CopyUS).Round(time.Millisecond),
-			float64(m.Stash.Bytes)/max(us(m.Stash.CopyUS).Seconds(), 1e-9)/1e9, m.Stash.Pinned,
+			float64(m.Stash.Bytes)/max(us(m.Stash.CopyUS).Seconds(), 1e-9)/1e9, m.Stash.Pinned, dc,
 			res.Lock.Round(time.Millisecond), res.Checkpoint.Round(time.Millisecond), res.Restore.Round(time.Millisecond), res.Unlock.Round(time.Millisecond),
-			res.Unstash.Round(time.Millisecond), us(m.Unstash.RemapUS).Round(time.Millisecond), us(m.Unstash.CopyUS).Round(time.Millisecond), res.Downtime.Round(time.Millisecond))
+			res.Unstash.Round(time.Millisecond), us(m.Unstash.RemapUS).Round(time.Millisecond), us(m.Unstash.CopyUS).Round(time.Millisecond), m.Unstash.From,
+			res.Downtime.Round(time.Millisecond))
 		t.Log(row)
 		rows = append(rows, row)
 		waitLine(t, p.log, fmt.Sprintf("step %d ", 20+15*i), 3*time.Minute)

@@ -30,10 +30,12 @@ func init() {
 			"locked by another tool, has a controlling terminal, or belongs to a session whose leader is\n" +
 			"outside this PID namespace (docker exec: CRIU cannot dump it); CRIU is missing; the store is\n" +
 			"read-only or lacks room for the estimate (resident memory + GPU memory); a CUDA process under\n" +
-			"the shim has enabled peer access between its GPUs or shares GPU memory with another process\n" +
-			"(CUDA IPC, VMM shareable handles, memory pools: NCCL's default transports; the error names\n" +
-			"NCCL's socket transports as the way out), which driver 580 checkpoints but cannot restore; a\n" +
-			"tree with an io_uring instance (CRIU cannot dump it). From the driver's checkpoint until its\n" +
+			"the shim shares GPU memory with another process (CUDA IPC, VMM shareable handles, memory\n" +
+			"pools: NCCL's default transports; the error names NCCL's socket transports as the way out),\n" +
+			"which driver 580 checkpoints but cannot restore; a\n" +
+			"tree with an io_uring instance (CRIU cannot dump it). Peer access a process under the shim\n" +
+			"enabled between its GPUs is turned off after the quiesce and on again when it resumes (also\n" +
+			"after a restore). From the driver's checkpoint until its\n" +
 			"restore a CUDA process stays stopped, but for the driver's own thread while the driver works\n" +
 			"(a thread touching device memory in between would kill it: JAX's do). A\n" +
 			"tree of several CUDA processes under the shim that launch collectives (NCCL ranks) is first\n" +

@@ -24,9 +24,10 @@ func init() {
 			"onto the targets → unlock → resume (preempted kernels relaunched on the target). The process\n" +
 			"keeps its pid, memory addresses and handles; CUDA device ordinals inside it stay the same while\n" +
 			"the physical GPU changes. Preflight checks the targets (same chip family, enough\n" +
-			"free memory) and refuses (exit 3) a process under the shim that enabled peer access between\n" +
-			"its GPUs or shares GPU memory with another process (CUDA IPC, VMM shareable handles, memory\n" +
-			"pools: NCCL's default transports; driver 580 cannot restore it); a warning names other\n" +
+			"free memory) and refuses (exit 3) a process under the shim that shares GPU memory with\n" +
+			"another process (CUDA IPC, VMM shareable handles, memory pools: NCCL's default transports;\n" +
+			"driver 580 cannot restore it); peer access between its GPUs is turned off for the move and\n" +
+			"on again after; a warning names other\n" +
 			"processes on the targets (a context the driver restored has been killed by Xid 109 beside\n" +
 			"another process's long kernels).\n" +
 			"The driver needs a pair for every GPU of the host, whatever CUDA_VISIBLE_DEVICES\n" +
@@ -43,7 +44,13 @@ func init() {
 			"them back before the process runs again. While the process still runs, that host memory is\n" +
 			"made ready and the memory pre-copied in rounds (each copies the 4 MiB chunks whose GPU hash\n" +
 			"changed since the round before, while that set shrinks), so the stop copies only what changed\n" +
-			"since the last round (--precopy=false: the stop copies it all).\n" +
+			"since the last round (--precopy=false: the stop copies it all). By default ptxmig also\n" +
+			"allocates memory of that size on the target GPU while the process runs; in the stop the\n" +
+			"shim copies the memory there device to device (NVLink or PCIe peer path; its mapping is\n" +
+			"dropped before the driver checkpoints) and on the target copies it back from there instead\n" +
+			"of from host memory; ptxmig frees it after. Without room for it on the target (its size\n" +
+			"beside the process, plus 1 GiB), for a process on several GPUs, or with\n" +
+			"--device-copy=false, the memory goes through the host stash only; the stash is always made.\n" +
 			"--rehearse goes through the whole move with the process's own GPUs as targets: it proves the\n" +
 			"process can be moved and measures the downtime, on a host with one GPU too.\n" +
 			"Prints the downtime (gate closed to gate open) and its parts; on a terminal, a status line on\n" +
@@ -67,6 +74,7 @@ func init() {
 			allowModelChangeFlag(),
 			&cli.BoolFlag{Name: "dry-run", Usage: "print the plan after preflight; touch nothing"},
 			&cli.BoolFlag{Name: "precopy", Value: true, Usage: "pre-copy owned memory while the process runs (on by default; --precopy=false: all of it in the stop)"},
+			&cli.BoolFlag{Name: "device-copy", Value: true, Usage: "copy owned memory to the target GPU device to device as well (on by default; --device-copy=false: through host memory only)"},
 			&cli.BoolFlag{Name: "rehearse", Usage: "move the process onto its own GPUs (no target): proves it can move, measures the downtime"},
 			&cli.DurationFlag{Name: "lock-timeout", Value: 10 * time.Second, Usage: "how long the driver lock may wait for running kernels (0: forever)"},
 			preemptBudgetFlag(),
@@ -111,7 +119,8 @@ func migrateAction(c *cli.Context) error {
 		return fmt.Errorf("migrate: %w: no running process with pid %d", errNoProcess, pid)
 	}
 	plan, err := migrate.PlanMigrate(c.Context, e, migrate.Options{PID: pid, GPUs: gpus, GPUMap: gmap, LockTimeout: lockTimeout, PreemptBudget: budget,
-		AllowModelChange: c.Bool("allow-model-change"), Rehearse: c.Bool("rehearse"), NoPrecopy: !c.Bool("precopy")})
+		AllowModelChange: c.Bool("allow-model-change"), Rehearse: c.Bool("rehearse"), NoPrecopy: !c.Bool("precopy"),
+		NoDeviceCopy: !c.Bool("device-copy")})
 	if err != nil {
 		return opError(g.Err, err)
 	}

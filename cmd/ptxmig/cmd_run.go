@@ -70,12 +70,13 @@ func init() {
 			"without libuv), and it implies --no-io-uring (torchrun's agent creates an io_uring instance\n" +
 			"through libuv whatever its store is told). Nothing is changed without the flag; a variable\n" +
 			"already set to another value stops ptxmig run (125).\n\n" +
-			"Peer access: the NVIDIA driver (580) cannot restore a process that enabled peer access between\n" +
-			"its GPUs, so ptxmig refuses to checkpoint one (XLA enables it in every JAX process on a host with\n" +
-			"several GPUs). --no-peer-access makes its GPUs answer as a pair without a peer path (PCIe without\n" +
-			"P2P: cuDeviceCanAccessPeer 0, an enable refused as unsupported) and sets NCCL_P2P_DISABLE=1:\n" +
-			"frameworks then copy between the GPUs through host memory (slower), and the process stays\n" +
-			"checkpointable. It changes nothing on a host with one GPU.\n\n" +
+			"Peer access: a process that enabled peer access between its GPUs (XLA does in every JAX\n" +
+			"process on a host with several GPUs; PyTorch for copies between GPUs) has it turned off by the\n" +
+			"shim for each checkpoint, after the quiesce, and on again when it resumes (driver 580 restores\n" +
+			"such a process only so). --no-peer-access instead makes its GPUs answer as a pair without a\n" +
+			"peer path (PCIe without P2P: cuDeviceCanAccessPeer 0, an enable refused as unsupported) and\n" +
+			"sets NCCL_P2P_DISABLE=1: frameworks then copy between the GPUs through host memory (slower)\n" +
+			"and no peer access is ever on. It changes nothing on a host with one GPU.\n\n" +
 			"io_uring: CRIU cannot checkpoint an io_uring instance, so ptxmig refuses a process that holds\n" +
 			"one. --no-io-uring starts CMD with a seccomp filter under which io_uring_setup(2) fails with\n" +
 			"ENOSYS, as on a kernel without io_uring; programs that use it when it is there (libuv, in\n" +
@@ -87,7 +88,7 @@ func init() {
 			"   ptxmig run --nccl-sockets -- python3 train_ddp.py   # ranks by mp.spawn: a checkpointable job\n" +
 			"   ptxmig run --nccl-sockets -- torchrun --standalone --nproc-per-node 4 train_ddp.py\n" +
 			"   ptxmig run --no-io-uring -- python3 serve.py   # io_uring_setup fails, libuv uses epoll\n" +
-			"   ptxmig run --no-peer-access -- python3 jax_train.py   # JAX on several GPUs: checkpointable\n" +
+			"   ptxmig run --no-peer-access -- python3 jax_train.py   # JAX on several GPUs, no peer access\n" +
 			"   ptxmig run --preempt always ./longgrid --seconds 30\n" +
 			"   ptxmig run --mid-block -- ./longkernel --seconds 600   # stop inside its blocks\n" +
 			"   ptxmig run --mid-block=false -- python3 jit_app.py   # block-granular twins only\n" +
@@ -104,7 +105,7 @@ func init() {
 			&cli.BoolFlag{Name: "nccl-sockets",
 				Usage: "a multi-process NCCL job that ptxmig can checkpoint: its ranks exchange data through sockets (" + strings.Join(ncclSocketEnv, " ") + "); implies --no-io-uring"},
 			&cli.BoolFlag{Name: "no-peer-access",
-				Usage: "CMD's GPUs answer as a pair without a peer path (no peer access, NCCL_P2P_DISABLE=1), so that the driver can restore it"},
+				Usage: "CMD's GPUs answer as a pair without a peer path (no peer access, NCCL_P2P_DISABLE=1): never any peer access to turn off"},
 			&cli.BoolFlag{Name: "no-io-uring",
 				Usage: "io_uring_setup(2) fails with ENOSYS in CMD and its children (a seccomp filter), so that nothing holds an io_uring instance, which CRIU cannot checkpoint"},
 			socketDirFlag(),

@@ -178,9 +178,31 @@ func printOwned(w io.Writer, pid int, m *shimstep.OwnedMemory) {
 			pid, bytesize.Format(int64(x.Bytes)), x.Regions, usText(x.ElapsedUS), bytesize.Format(int64(copied)), usText(x.CopyUS), rateText(copied, x.CopyUS),
 			usText(x.HashUS), usText(x.PopulateUS+x.PinUS), usText(x.UnpinUS), usText(x.ReleaseUS))
 	}
+	if t := m.Target; t != nil {
+		fmt.Fprintf(w, "pid %d: %s kept on GPU %d for a device-to-device copy (allocated while it ran in %s)\n", pid,
+			bytesize.Format(int64(t.Bytes)), t.GPU, usText(t.KeepUS))
+	}
+	if m.TargetNote != "" {
+		fmt.Fprintf(w, "pid %d: %s\n", pid, esc(m.TargetNote))
+	}
+	if x := m.Stash; x != nil && x.Target != nil {
+		if x.Target.Filled {
+			fmt.Fprintf(w, "pid %d: owned device memory copied to the target GPU device to device: %s in %s (%s/s; import and map %s)\n", pid,
+				bytesize.Format(int64(x.Target.Bytes)), usText(x.Target.CopyUS), rateText(x.Target.Bytes, x.Target.CopyUS), usText(x.Target.MapUS))
+		} else {
+			fmt.Fprintf(w, "pid %d: no device-to-device copy: %s\n", pid, esc(x.Target.Error))
+		}
+	}
 	if x := m.Unstash; x != nil {
-		fmt.Fprintf(w, "pid %d: owned device memory %s put back in %s (re-create %s, copy %s, %s/s; pin %s)\n",
-			pid, bytesize.Format(int64(x.Bytes)), usText(x.ElapsedUS), usText(x.RemapUS), usText(x.CopyUS), rateText(x.Bytes, x.CopyUS), usText(x.PinUS))
+		from := "its host memory"
+		if x.From == "target" {
+			from = "the target GPU's copy, device to device"
+		}
+		fmt.Fprintf(w, "pid %d: owned device memory %s put back from %s in %s (re-create %s, copy %s, %s/s; pin %s)\n",
+			pid, bytesize.Format(int64(x.Bytes)), from, usText(x.ElapsedUS), usText(x.RemapUS), usText(x.CopyUS), rateText(x.Bytes, x.CopyUS), usText(x.PinUS))
+		if x.TargetError != "" {
+			fmt.Fprintf(w, "pid %d: the target GPU's copy was not used: %s\n", pid, esc(x.TargetError))
+		}
 	}
 }
 

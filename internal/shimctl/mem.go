@@ -119,6 +119,23 @@ type MemStashed struct {
 	UnpinUS     int64  `json:"unpin_us,omitempty"`
 	ReleaseUS   int64  `json:"release_us,omitempty"`
 	ElapsedUS   int64  `json:"elapsed_us"`
+	// Target: mem-stash's copy into memory kept on the target GPU (MemStashTo); From:
+	// mem-unstash's source, "target" (that copy, device to device) or "host" (the stash), and
+	// why not the target copy when one was given (TargetError).
+	Target      *MemTarget `json:"target,omitempty"`
+	From        string     `json:"from,omitempty"`
+	TargetError string     `json:"target_error,omitempty"`
+}
+
+// MemTarget is mem-stash's report of the target copy: Filled when every region went into it
+// (Bytes), the time to import and map it and to copy; Error says why not (the stash alone is
+// then used).
+type MemTarget struct {
+	Filled bool   `json:"filled"`
+	Bytes  uint64 `json:"bytes"`
+	MapUS  int64  `json:"map_us"`
+	CopyUS int64  `json:"copy_us"`
+	Error  string `json:"error,omitempty"`
 }
 
 // MemPrepared is the reply to mem-prepare: Bytes of host memory populated and pinned (0: none).
@@ -220,6 +237,20 @@ func (c *Client) MemStash(ctx context.Context) (*MemStashed, error) {
 	return call[MemStashed](ctx, c, "mem-stash", nil)
 }
 
+// MemStashTo is MemStash that also copies the regions into target, device memory of size bytes
+// that ptxmig keeps on the GPU the process moves to (an exported POSIX fd), before releasing
+// them; the shim drops its mapping of target before it replies. A target it cannot use is
+// reported in the reply's Target, not as an error: the stash holds everything.
+func (c *Client) MemStashTo(ctx context.Context, target *os.File, size uint64) (*MemStashed, error) {
+	return callWith[MemStashed](ctx, c, "mem-stash", map[string]any{"target_bytes": size}, target)
+}
+
+// MemUnstashFrom is MemUnstash copying from target (the memory MemStashTo filled, exported
+// again) where it can, else from the stash; the reply's From says which.
+func (c *Client) MemUnstashFrom(ctx context.Context, target *os.File) (*MemStashed, error) {
+	return callWith[MemStashed](ctx, c, "mem-unstash", nil, target)
+}
+
 // MemUnstash re-creates the stashed regions at their addresses, on their device ordinals, and
 // copies them back; nothing to do when nothing is stashed.
 func (c *Client) MemUnstash(ctx context.Context) (*MemStashed, error) {
@@ -228,7 +259,12 @@ func (c *Client) MemUnstash(ctx context.Context) (*MemStashed, error) {
 
 // call sends cmd with args (may be nil) and decodes its result into a T.
 func call[T any](ctx context.Context, c *Client, cmd string, args map[string]any) (*T, error) {
-	raw, err := c.Raw(ctx, cmd, args)
+	return callWith[T](ctx, c, cmd, args, nil)
+}
+
+// callWith is call with f's descriptor attached to the request (nil: none).
+func callWith[T any](ctx context.Context, c *Client, cmd string, args map[string]any, f *os.File) (*T, error) {
+	raw, err := c.rawWith(ctx, cmd, args, f)
 	if err != nil {
 		return nil, err
 	}

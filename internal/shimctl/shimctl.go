@@ -228,6 +228,11 @@ type envelope struct {
 
 // Raw sends one request and returns the validated "result" member of the reply.
 func (c *Client) Raw(ctx context.Context, cmd string, args map[string]any) (json.RawMessage, error) {
+	return c.rawWith(ctx, cmd, args, nil)
+}
+
+// rawWith is Raw with f's descriptor attached to the request (SCM_RIGHTS) when f is not nil.
+func (c *Client) rawWith(ctx context.Context, cmd string, args map[string]any, f *os.File) (json.RawMessage, error) {
 	req := map[string]any{"cmd": cmd}
 	for k, v := range args {
 		req[k] = v
@@ -245,7 +250,7 @@ func (c *Client) Raw(ctx context.Context, cmd string, args map[string]any) (json
 	}
 	stop := context.AfterFunc(ctx, func() { c.conn.SetDeadline(time.Unix(1, 0)) })
 	defer stop()
-	if _, err := c.conn.Write(append(line, '\n')); err != nil {
+	if err := c.send(append(line, '\n'), f); err != nil {
 		return nil, fmt.Errorf("%s: send to %s: %w", cmd, c.path, err)
 	}
 	lim := limitOf(cmd)
@@ -376,4 +381,21 @@ func (c *Client) DumpModules(ctx context.Context, dir string) (*Dump, error) {
 		return nil, fmt.Errorf("dump-modules: %w: dumped into %q (index %q), asked for %q", ErrProtocol, d.Dir, d.Index, dir)
 	}
 	return &d, nil
+}
+
+// send writes b, with f's descriptor attached to its first bytes when f is not nil.
+func (c *Client) send(b []byte, f *os.File) error {
+	if f == nil {
+		_, err := c.conn.Write(b)
+		return err
+	}
+	uc, ok := c.conn.(*net.UnixConn)
+	if !ok {
+		return fmt.Errorf("a descriptor needs a unix socket")
+	}
+	n, _, err := uc.WriteMsgUnix(b, syscall.UnixRights(int(f.Fd())), nil)
+	if err == nil && n < len(b) {
+		_, err = c.conn.Write(b[n:])
+	}
+	return err
 }

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/devmem"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
@@ -44,6 +45,20 @@ type OwnedMemory struct {
 	Precopy []*shimctl.MemPrecopied `json:"precopy,omitempty"`
 	Stash   *shimctl.MemStashed     `json:"stash,omitempty"`
 	Unstash *shimctl.MemStashed     `json:"unstash,omitempty"`
+	// Target (migrate): device memory ptxmig kept on the GPU the process moves to for the
+	// device-to-device copy (Stash.Target, Unstash.From say how it went); TargetNote says why there
+	// was none.
+	Target     *KeptTarget `json:"target,omitempty"`
+	TargetNote string      `json:"target_note,omitempty"`
+}
+
+// KeptTarget is the memory kept on the target GPU for a device-to-device copy.
+type KeptTarget struct {
+	GPU   int    `json:"gpu"` // the CUDA ordinal in ptxmig (the NVML index on most hosts)
+	UUID  string `json:"uuid"`
+	Bytes uint64 `json:"bytes"`
+	// KeepUS: allocating it, ptxmig's driver initialization and context included (not downtime).
+	KeepUS int64 `json:"keep_us"`
 }
 
 // MemorySink gives the save step the checkpoint's store ingest (nil with a reason: the memory
@@ -357,12 +372,46 @@ func (p *Preemption) PrepareStashStep(pids []int, precopy bool) op.Step {
 					if precopy && x.Bytes > 0 {
 						o.Precopy = p.precopy(ctx, c, pid, x.Bytes)
 					}
+					if x.Bytes > 0 {
+						p.keepTarget(pid, x.Bytes, o)
+					}
 				}
 			}
 			c.Close()
 		}
 		return nil
 	}}
+}
+
+// keepTarget allocates, while the process runs, the memory on its target GPU that the stash step
+// copies its owned memory into device to device (KeepTarget). Best effort: without it the memory
+// goes through the stash alone, and the report says why.
+func (p *Preemption) keepTarget(pid int, bytes uint64, o *OwnedMemory) {
+	if p.KeepTarget == nil {
+		return
+	}
+	t0 := time.Now()
+	k, err := p.KeepTarget(pid, bytes)
+	if err != nil {
+		o.TargetNote = fmt.Sprintf("no device-to-device copy (%v): the memory goes through host memory", err)
+		p.log("owned memory: no device-to-device copy", "pid", pid, "err", err)
+		return
+	}
+	if p.kept == nil {
+		p.kept = map[int]*cudackpt.Kept{}
+	}
+	p.kept[pid] = k
+	o.Target = &KeptTarget{GPU: k.Device.Ordinal, UUID: k.Device.UUID.String(), Bytes: k.Size, KeepUS: time.Since(t0).Microseconds()}
+}
+
+// dropTarget frees the memory kept for pid's device-to-device copy, if any.
+func (p *Preemption) dropTarget(pid int) {
+	if k, ok := p.kept[pid]; ok {
+		delete(p.kept, pid)
+		if err := k.Free(); err != nil {
+			p.log("owned memory: freeing the device-to-device copy's memory failed", "pid", pid, "err", err)
+		}
+	}
 }
 
 // precopy runs the pre-copy rounds of one process (see PrepareStashStep).
@@ -417,9 +466,7 @@ func (p *Preemption) StashMemoryStep() op.Step {
 			if !ownsMemory(ctx, c) {
 				continue // an older shim, or no owned memory: the driver moves it all
 			}
-			sctx, cancel := context.WithTimeout(ctx, stashTimeout)
-			x, err := c.MemStash(sctx)
-			cancel()
+			x, err := p.stash(ctx, c, pid)
 			if err != nil {
 				return fmt.Errorf("owned memory of pid %d: stash: %w", pid, err)
 			}
@@ -438,6 +485,29 @@ func (p *Preemption) StashMemoryStep() op.Step {
 	}}
 }
 
+// stash runs pid's mem-stash, copying into the memory kept on its target GPU too when there is
+// some (a copy that did not fill it frees it: the unstash then copies from the stash).
+func (p *Preemption) stash(ctx context.Context, c *shimctl.Client, pid int) (*shimctl.MemStashed, error) {
+	sctx, cancel := context.WithTimeout(ctx, stashTimeout)
+	defer cancel()
+	k, ok := p.kept[pid]
+	if !ok {
+		return c.MemStash(sctx)
+	}
+	f, err := k.Export()
+	if err != nil {
+		p.log("owned memory: exporting the device-to-device copy's memory failed; through host memory", "pid", pid, "err", err)
+		p.dropTarget(pid)
+		return c.MemStash(sctx)
+	}
+	defer f.Close()
+	x, err := c.MemStashTo(sctx, f, k.Size)
+	if err != nil || x.Target == nil || !x.Target.Filled {
+		p.dropTarget(pid)
+	}
+	return x, err
+}
+
 // UnstashMemoryStep, after the driver restore and unlock (migrate): every process whose memory
 // is stashed re-creates it on the GPU it now runs on and copies it back. No undo of its own: if
 // it fails, the driver steps' undos move the processes back and the stash step's undo puts the
@@ -448,7 +518,7 @@ func (p *Preemption) UnstashMemoryStep() op.Step {
 			if r.Owned == nil || r.Owned.Stash == nil || !r.Owned.Released {
 				continue
 			}
-			if err := p.unstash(ctx, r.PID); err != nil {
+			if err := p.unstashFrom(ctx, r.PID, true); err != nil {
 				return err
 			}
 		}
@@ -456,14 +526,36 @@ func (p *Preemption) UnstashMemoryStep() op.Step {
 	}}
 }
 
+// unstash puts pid's stashed memory back from the stash (a rollback: the process is back on its
+// source GPU).
 func (p *Preemption) unstash(ctx context.Context, pid int) error {
+	return p.unstashFrom(ctx, pid, false)
+}
+
+// unstashFrom puts pid's stashed memory back; with target, from the memory kept on the GPU it
+// moved to where the stash step filled it (device to device, no pinning), else from the stash.
+// The kept memory is freed after either.
+func (p *Preemption) unstashFrom(ctx context.Context, pid int, target bool) error {
+	defer p.dropTarget(pid)
 	c, done, err := p.client(ctx, pid)
 	if err != nil {
 		return fmt.Errorf("owned memory of pid %d: %w; its shim puts the memory back when it is resumed", pid, err)
 	}
 	defer done()
 	sctx, cancel := context.WithTimeout(ctx, stashTimeout)
-	x, err := c.MemUnstash(sctx)
+	var x *shimctl.MemStashed
+	if k, ok := p.kept[pid]; ok && target {
+		var f *os.File
+		if f, err = k.Export(); err == nil {
+			x, err = c.MemUnstashFrom(sctx, f)
+			f.Close()
+		} else {
+			p.log("owned memory: exporting the device-to-device copy's memory failed; from the stash", "pid", pid, "err", err)
+			x, err = c.MemUnstash(sctx)
+		}
+	} else {
+		x, err = c.MemUnstash(sctx)
+	}
 	cancel()
 	if err != nil {
 		return fmt.Errorf("owned memory of pid %d: unstash: %w", pid, err)

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
 )
@@ -56,6 +57,11 @@ type Preemption struct {
 	// dialer reaches a pid's shim (nil: dial, through the socket directory in its environment);
 	// tests serve several fake shims from one process.
 	dialer func(ctx context.Context, pid int) (*shimctl.Client, error)
+	// KeepTarget (migrate; nil: none) allocates device memory of bytes on the GPU pid moves to,
+	// for its owned memory's device-to-device copy (PrepareStashStep); kept holds it until the
+	// unstash or Close.
+	KeepTarget func(pid int, bytes uint64) (*cudackpt.Kept, error)
+	kept       map[int]*cudackpt.Kept
 }
 
 // NewPreemption prepares the preemption of an operation.
@@ -315,6 +321,9 @@ func (p *Preemption) Close() {
 			c.Close()
 			delete(m, pid)
 		}
+	}
+	for pid := range p.kept {
+		p.dropTarget(pid)
 	}
 }
 

@@ -80,8 +80,21 @@ typedef struct {
   size_t len, pos;  // pos: past the line being handled
   int discarding, lease, close_after;
   int armed;  // this connection armed the collective alignment: closing it disarms
+  int passed_fd;  // a descriptor ptxmig attached to the line being read (SCM_RIGHTS), or -1
   uint64_t last_ns;
 } conn;
+
+// take_fd hands the descriptor passed with the current line to the request that uses it (mem-stash
+// and mem-unstash: a target copy); one no request took is closed after the line.
+static int take_fd(conn *c) {
+  int fd = c->passed_fd;
+  c->passed_fd = -1;
+  return fd;
+}
+static void drop_fd(conn *c) {
+  if (c->passed_fd >= 0) close(c->passed_fd);
+  c->passed_fd = -1;
+}
 static conn conns[MAX_CONN];
 
 
@@ -117,7 +130,7 @@ static unsigned long long parse_u64(const char *v, unsigned long long def) {
 // the connection holding the quiesce lease, or, in a process restored while detached (no lease),
 // to any connection while the process is not running.
 static void handle_mem(conn *c, const char *cmd, const char *dir, const char *chunk, const char *slots,
-                       const char *hash, const char *skip, const char *unpin) {
+                       const char *hash, const char *skip, const char *unpin, const char *target_bytes) {
   char err[300] = "";
   jbuf b = {0};
   int rc;
@@ -159,9 +172,19 @@ static void handle_mem(conn *c, const char *cmd, const char *dir, const char *ch
   } else if (strcmp(cmd, "mem-end") == 0) {
     rc = vmm_cmd_end(&b);
   } else if (strcmp(cmd, "mem-stash") == 0) {
-    rc = vmm_cmd_stash(&b, err, sizeof err);
+    int fd = take_fd(c);  // a target copy (migrate, device to device), or -1
+    unsigned long long tb = parse_u64(target_bytes, 0);
+    if (fd >= 0 && (tb == 0 || tb == ~0ull)) {
+      rc = -1;
+      snprintf(err, sizeof err, "mem-stash: a target copy needs target_bytes, its size");
+    } else {
+      rc = vmm_cmd_stash(fd, tb, &b, err, sizeof err);
+    }
+    if (fd >= 0) close(fd);
   } else if (strcmp(cmd, "mem-unstash") == 0) {
-    rc = vmm_cmd_unstash(&b, err, sizeof err);  // the stash is freed after the resume (vmm_stash_drop)
+    int fd = take_fd(c);
+    rc = vmm_cmd_unstash(fd, &b, err, sizeof err);  // the stash is freed after the resume (vmm_stash_drop)
+    if (fd >= 0) close(fd);
   } else {
     rc = -1;
     snprintf(err, sizeof err,
@@ -175,7 +198,8 @@ static void handle_mem(conn *c, const char *cmd, const char *dir, const char *ch
 
 // handle_line answers one request.
 static void handle_line(conn *c, const char *line, size_t n) {
-  static const char *const keys[] = {"cmd", "dir", "#budget_ms", "#chunk_bytes", "#slots", "#hash", "skip", "#at", "#brief", "#unpin"};
+  static const char *const keys[] = {"cmd", "dir", "#budget_ms", "#chunk_bytes", "#slots", "#hash", "skip", "#at", "#brief", "#unpin",
+                                     "#target_bytes"};
   enum { NKEYS = sizeof keys / sizeof keys[0] };
   char *vals[NKEYS];
   char err[256];
@@ -227,7 +251,7 @@ static void handle_line(conn *c, const char *line, size_t n) {
       }
     }
   } else if (strncmp(cmd, "mem-", 4) == 0) {
-    handle_mem(c, cmd, vals[1], vals[3], vals[4], vals[5], vals[6], vals[9]);
+    handle_mem(c, cmd, vals[1], vals[3], vals[4], vals[5], vals[6], vals[9], vals[10]);
   } else if (strcmp(cmd, "detach") == 0) {
     vmm_conn_closed();  // the ring is gone before CRIU dumps the process
     if (!c->lease) {
@@ -253,7 +277,7 @@ static void handle_line(conn *c, const char *line, size_t n) {
   } else if (strcmp(cmd, "resume") == 0) {
     if (trk_peer_is_off() && trk_peer_set(1, &b, err, sizeof err)) {
       reply_error(fd, err);  // peer access stays off: the process stays held (a later resume retries)
-    } else if (vmm_stashed() && vmm_cmd_unstash(&b, err, sizeof err)) {
+    } else if (vmm_stashed() && vmm_cmd_unstash(-1, &b, err, sizeof err)) {
       reply_error(fd, err);  // the memory stays stashed: the process stays held (a later resume retries)
     } else if (vmm_released()) {
       reply_error(fd, "resume: owned device memory is released; load it first (mem-begin load, mem-fill)");
@@ -275,6 +299,7 @@ static void handle_line(conn *c, const char *line, size_t n) {
 
 static void conn_close(conn *c) {
   if (c->fd < 0) return;
+  drop_fd(c);
   close(c->fd);
   c->fd = -1;
   free(c->buf);
@@ -293,7 +318,7 @@ static void conn_close(conn *c) {
       // The memory is in the process (a migrate's ptxmig went away): put it back, then resume.
       jbuf b = {0};
       char err[300];
-      if (vmm_cmd_unstash(&b, err, sizeof err)) shim_log("lease connection closed while owned memory is stashed: %s; the process stays held", err);
+      if (vmm_cmd_unstash(-1, &b, err, sizeof err)) shim_log("lease connection closed while owned memory is stashed: %s; the process stays held", err);
       else shim_log("lease connection closed while owned memory is stashed: loaded back (%s)", b.p ? b.p : "");
       free(b.p);
     }
@@ -338,12 +363,29 @@ static void conn_open(int fd) {
   }
   struct timeval tv = {10, 0};
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  conns[i] = (conn){.fd = fd, .buf = buf, .last_ns = shim_now_ns()};
+  conns[i] = (conn){.fd = fd, .buf = buf, .passed_fd = -1, .last_ns = shim_now_ns()};
 }
 
 // conn_read reads what is there and answers every complete line.
 static void conn_read(conn *c) {
-  ssize_t r = recv(c->fd, c->buf + c->len, MAX_LINE - c->len, MSG_DONTWAIT);
+  struct iovec io = {.iov_base = c->buf + c->len, .iov_len = MAX_LINE - c->len};
+  union {
+    char buf[CMSG_SPACE(4 * sizeof(int))];
+    struct cmsghdr align;
+  } u;
+  struct msghdr m = {.msg_iov = &io, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+  ssize_t r = recvmsg(c->fd, &m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  // Descriptors ptxmig attached: the first is kept for the line being read, others are closed.
+  for (struct cmsghdr *h = r > 0 ? CMSG_FIRSTHDR(&m) : NULL; h; h = CMSG_NXTHDR(&m, h)) {
+    if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS) continue;
+    size_t n = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t k = 0; k < n; k++) {
+      int fd;
+      memcpy(&fd, CMSG_DATA(h) + k * sizeof(int), sizeof fd);
+      if (c->passed_fd < 0) c->passed_fd = fd;
+      else close(fd);
+    }
+  }
   if (r < 0 && (errno == EINTR || errno == EAGAIN)) return;
   if (r <= 0) {
     conn_close(c);
@@ -361,6 +403,7 @@ static void conn_read(conn *c) {
     } else if (i > start) {
       c->pos = i + 1;
       handle_line(c, c->buf + start, i - start);
+      drop_fd(c);  // a descriptor goes with one line only
     }
     start = i + 1;
   }

@@ -71,6 +71,8 @@ static struct {
   CUresult (*ev_destroy)(CUevent);
   CUresult (*dtoh_async)(void *, CUdeviceptr, size_t, CUstream);
   CUresult (*htod_async)(CUdeviceptr, const void *, size_t, CUstream);
+  CUresult (*dtod_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+  CUresult (*import)(CUmemGenericAllocationHandle *, void *, int);
   CUresult (*memset8_async)(CUdeviceptr, unsigned char, size_t, CUstream);
   CUresult (*mem_alloc)(CUdeviceptr *, size_t);
   CUresult (*mem_free)(CUdeviceptr);
@@ -108,6 +110,8 @@ static void v_load(void) {
   VSYM(ev_destroy, "cuEventDestroy_v2");
   VSYM(dtoh_async, "cuMemcpyDtoHAsync_v2");
   VSYM(htod_async, "cuMemcpyHtoDAsync_v2");
+  VSYM(dtod_async, "cuMemcpyDtoDAsync_v2");
+  VSYM(import, "cuMemImportFromShareableHandle");
   VSYM(memset8_async, "cuMemsetD8Async");
   VSYM(mem_alloc, "cuMemAlloc_v2");
   VSYM(mem_free, "cuMemFree_v2");
@@ -1023,6 +1027,13 @@ static uint64_t prepared_ns;   // vmm_mu: when it was prepared (ST_PREPARED)
 static uint8_t *shash, *hvalid;
 static uint64_t snchunks, sgen;
 static int rounds;
+// The target copy (migrate, device to device; see "the target copy" below).
+typedef struct {
+  int filled;           // the copy holds every region as they were at gen
+  uint64_t gen, bytes;  // bytes: the regions' (back to back)
+  size_t size;          // the target allocation's, as mapped
+} target_copy_state;
+static target_copy_state tgt;  // vmm_mu
 
 int vmm_stashed(void) {
   pthread_mutex_lock(&vmm_mu);
@@ -1072,6 +1083,7 @@ static void stash_free(void) {  // vmm_mu held
   stash = NULL;
   stash_len = 0;
   stash_state = ST_NONE;
+  tgt.filled = 0;
   precopy_reset();
 }
 
@@ -1309,11 +1321,130 @@ out:
   return rc;
 }
 
+// ---- the target copy (migrate, device to device) ----
+// For a migrate, ptxmig keeps memory of the owned size on the target GPU (an allocation of its
+// own, exported as a POSIX fd) and hands it to mem-stash: after the stash, the shim imports it,
+// maps it read-write for the owned memory's device (a peer mapping when the target is another
+// GPU), copies every region into it back to back (the stash's layout) and drops the mapping and
+// the handle before the reply, so nothing of another process is mapped when the driver
+// checkpoints (driver 580 restores a process whose VMM peer mapping was dropped so:
+// scripts/probe-peer.sh vmm-peer). mem-unstash, given the same memory again, copies from it on the
+// target, where it is now local, instead of pinning the stash and copying from the host. The stash
+// stays the copy of record: no fd, a failed import, map or copy, or regions changed since, and
+// the host path runs. A target copy is never mapped outside these two requests.
+#define HANDLE_POSIX_FD 1
+
+// target_map imports fd (a POSIX fd handle of at least size bytes) and maps it read-write for
+// dev. vmm_mu held, the context current. 0, or a CUresult with what failed in *what.
+static CUresult target_map(int fd, size_t size, CUdevice dev, CUdeviceptr *va, CUmemGenericAllocationHandle *h,
+                           const char **what) {
+  size_t g = granularity(dev);
+  *va = 0;
+  *h = 0;
+  if (!v.import || !v.dtod_async) return *what = "the driver lacks cuMemImportFromShareableHandle", CUDA_ERROR_NOT_SUPPORTED;
+  if (!g || size % g) return *what = "its size is not a multiple of the allocation granularity", CUDA_ERROR_INVALID_VALUE;
+  CUresult r = v.import(h, (void *)(intptr_t)fd, HANDLE_POSIX_FD);
+  if (r != CUDA_SUCCESS) return *what = "import", r;
+  r = v.reserve(va, size, g, 0, 0);
+  if (r != CUDA_SUCCESS) {
+    v.release(*h);
+    return *what = "reserve", r;
+  }
+  r = v.map(*va, size, 0, *h, 0);
+  if (r == CUDA_SUCCESS) {
+    mem_access_desc a = {.location = {LOC_DEVICE, dev}, .flags = ACCESS_RW};
+    r = v.set_access(*va, size, &a, 1);
+    if (r != CUDA_SUCCESS) *what = "set access", v.unmap(*va, size);
+  } else {
+    *what = "map";
+  }
+  if (r != CUDA_SUCCESS) {
+    v.addr_free(*va, size);
+    v.release(*h);
+  }
+  return r;
+}
+
+static void target_unmap(CUdeviceptr va, size_t size, CUmemGenericAllocationHandle h) {
+  v.unmap(va, size);
+  v.addr_free(va, size);
+  v.release(h);
+}
+
+// target_copy copies every region to (out) or from the target copy mapped at base, back to back,
+// in STASH_PIECE pieces over NSTREAMS streams, and waits. vmm_mu held, the context current.
+static CUresult target_copy(int out, CUdeviceptr base) {
+  CUstream st[NSTREAMS] = {0};
+  CUresult r = streams_open(st);
+  uint64_t so = 0;
+  size_t n = 0;
+  for (size_t i = 0; i < nregs && r == CUDA_SUCCESS; i++) {
+    uint64_t len = region_bytes(&regs[i]);
+    for (uint64_t o = 0; o < len && r == CUDA_SUCCESS; o += STASH_PIECE, n++) {
+      uint64_t k = len - o < STASH_PIECE ? len - o : STASH_PIECE;
+      r = out ? v.dtod_async(base + so + o, regs[i].va + o, k, st[n % NSTREAMS])
+              : v.dtod_async(regs[i].va + o, base + so + o, k, st[n % NSTREAMS]);
+    }
+    so += len;
+  }
+  return streams_close(st, r);
+}
+
+// target_fill (mem-stash, after the stash): copy the regions into the target copy fd names and
+// drop it. Its report goes into b; a failure is reported there, not returned (the stash holds
+// everything). vmm_mu held, the context current.
+static void target_fill(int fd, uint64_t bytes, jbuf *b) {
+  uint64_t t0 = shim_now_ns(), total = owned_total();
+  CUdeviceptr va = 0;
+  CUmemGenericAllocationHandle h = 0;
+  const char *what = "";
+  CUresult r = CUDA_ERROR_INVALID_VALUE;
+  tgt.filled = 0;
+  int same = 1;
+  for (size_t i = 1; i < nregs; i++) same &= regs[i].dev == regs[0].dev;
+  if (!same) what = "the owned memory is on several GPUs";
+  else if (bytes < total) what = "it is smaller than the owned memory";
+  else r = target_map(fd, bytes, regs[0].dev, &va, &h, &what);
+  uint64_t t1 = shim_now_ns();
+  if (r == CUDA_SUCCESS) {
+    r = target_copy(1, va);
+    if (r != CUDA_SUCCESS) what = "copy";
+    target_unmap(va, bytes, h);
+  }
+  if (r == CUDA_SUCCESS) tgt = (target_copy_state){.filled = 1, .gen = regs_gen, .bytes = total, .size = bytes};
+  uint64_t t2 = shim_now_ns();
+  jb_printf(b, "{\"filled\":%s,\"bytes\":%llu,\"map_us\":%llu,\"copy_us\":%llu", r == CUDA_SUCCESS ? "true" : "false",
+            (unsigned long long)(r == CUDA_SUCCESS ? total : 0), (unsigned long long)(t1 - t0) / 1000, (unsigned long long)(t2 - t1) / 1000);
+  if (r != CUDA_SUCCESS) {
+    char e[160];
+    snprintf(e, sizeof e, "%s (%d): the stash alone is used", what, r);
+    jb_s(b, ",\"error\":");
+    jb_str(b, e, strlen(e));
+  }
+  jb_s(b, "}");
+}
+
+// target_load (mem-unstash, the regions re-created): copy them from the target copy fd names. 0
+// when done; otherwise what failed is in *what and the caller copies from the stash. vmm_mu held,
+// the context current.
+static CUresult target_load(int fd, const char **what) {
+  CUdeviceptr va = 0;
+  CUmemGenericAllocationHandle h = 0;
+  if (!tgt.filled || tgt.gen != regs_gen || tgt.bytes != owned_total()) return *what = "no target copy of these regions", CUDA_ERROR_INVALID_VALUE;
+  size_t size = tgt.size;
+  CUresult r = target_map(fd, size, regs[0].dev, &va, &h, what);
+  if (r != CUDA_SUCCESS) return r;
+  r = target_copy(0, va);
+  if (r != CUDA_SUCCESS) *what = "copy";
+  target_unmap(va, size, h);
+  return r;
+}
+
 // vmm_cmd_stash (quiesced, memory live): copy into the stash what it does not hold yet (after
 // pre-copy rounds: the chunks whose hash differs; else everything, into a stash mapped now when
 // none was prepared or the regions changed since), unpin it, then release the physical memory. On
 // failure nothing is released and the stash is gone.
-int vmm_cmd_stash(jbuf *b, char *err, size_t errlen) {
+int vmm_cmd_stash(int fd, uint64_t target_bytes, jbuf *b, char *err, size_t errlen) {
   if (preempt_state() == 0) return fail(err, errlen, "mem-stash: not quiesced");
   if (!v_ready()) return fail(err, errlen, "mem-stash: the driver lacks the VMM entry points");
   session_end();
@@ -1325,6 +1456,8 @@ int vmm_cmd_stash(jbuf *b, char *err, size_t errlen) {
   }
   int rc = -1, pushed = 0, all = 1, prepared = 0, precopied = 0;
   uint64_t total = owned_total(), bytes = 0, pop_ns = 0, pin_ns = 0, hash_ns = 0, copy_ns = 0, unpin_ns = 0, t_rel = 0;
+  jbuf tb = {0};  // the target copy's report
+  tgt.filled = 0;
   CUcontext x;
   CUstream hs = NULL;
   uint64_t *list = NULL;
@@ -1367,6 +1500,8 @@ int vmm_cmd_stash(jbuf *b, char *err, size_t errlen) {
       r = streams_close(st, r);
       bytes = total;
     }
+    // The target copy, from the memory still live (the stash holds everything by now).
+    if (fd >= 0 && r == CUDA_SUCCESS) target_fill(fd, target_bytes, &tb);
     uint64_t t2 = shim_now_ns();
     copy_ns = t2 - t1;
     stash_unpin();  // plain process memory again before the driver checkpoint
@@ -1388,14 +1523,16 @@ int vmm_cmd_stash(jbuf *b, char *err, size_t errlen) {
   jb_printf(b,
             "{\"regions\":%zu,\"bytes\":%llu,\"copied_bytes\":%llu,\"prepared\":%s,\"precopied\":%s,\"pinned\":%s,"
             "\"sync_us\":%llu,\"populate_us\":%llu,\"pin_us\":%llu,\"hash_us\":%llu,\"copy_us\":%llu,\"unpin_us\":%llu,"
-            "\"release_us\":%llu,\"elapsed_us\":%llu}",
+            "\"release_us\":%llu,\"elapsed_us\":%llu%s%s}",
             nregs, (unsigned long long)total, (unsigned long long)bytes, prepared ? "true" : "false",
             precopied ? "true" : "false", all ? "true" : "false", (unsigned long long)(t_sync - t0) / 1000,
             (unsigned long long)pop_ns / 1000, (unsigned long long)pin_ns / 1000, (unsigned long long)hash_ns / 1000,
             (unsigned long long)copy_ns / 1000, (unsigned long long)unpin_ns / 1000,
-            (unsigned long long)(shim_now_ns() - t_rel) / 1000, (unsigned long long)(shim_now_ns() - t0) / 1000);
+            (unsigned long long)(shim_now_ns() - t_rel) / 1000, (unsigned long long)(shim_now_ns() - t0) / 1000,
+            tb.p ? ",\"target\":" : "", tb.p ? tb.p : "");
   rc = 0;
 out:
+  free(tb.p);
   if (hs) v.stream_destroy(hs);
   free(list);
   if (pushed) v.ctx_pop(&x);
@@ -1408,7 +1545,7 @@ out:
 // overlap); the stash is unpinned and freed by vmm_stash_drop, after the resume. On failure the
 // regions stay released and the stash stays, so that it can be tried again. Nothing stashed: an
 // empty reply.
-int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
+int vmm_cmd_unstash(int fd, jbuf *b, char *err, size_t errlen) {
   if (!v_ready()) return fail(err, errlen, "mem-unstash: the driver lacks the VMM entry points");
   session_end();
   uint64_t t0 = shim_now_ns();
@@ -1417,7 +1554,7 @@ int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
     int nothing = !released;
     pthread_mutex_unlock(&vmm_mu);
     if (nothing) {
-      jb_printf(b, "{\"regions\":0,\"bytes\":0,\"pinned\":false,\"remap_us\":0,\"pin_us\":0,\"copy_us\":0,\"elapsed_us\":0}");
+      jb_printf(b, "{\"regions\":0,\"bytes\":0,\"pinned\":false,\"remap_us\":0,\"pin_us\":0,\"copy_us\":0,\"elapsed_us\":0,\"from\":\"host\"}");
       return 0;
     }
     return fail(err, errlen, "mem-unstash: owned memory is released but not stashed (mem-begin load)");
@@ -1439,7 +1576,15 @@ int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
     }
   }
   uint64_t t_map = shim_now_ns();
-  if (remapped == nregs) {
+  const char *twhat = NULL;
+  int from_target = 0;
+  if (remapped == nregs && fd >= 0) {  // the target copy, local now: no pinning, no host copy
+    CUresult tr = target_load(fd, &twhat);
+    from_target = tr == CUDA_SUCCESS;
+    if (from_target) rc = 0;
+    else shim_log("owned memory: the target copy was not used (%s, %d); copying from the stash", twhat, tr);
+  }
+  if (remapped == nregs && !from_target) {
     CUstream st[NSTREAMS] = {0};
     size_t k = 0;
     CUresult r = streams_open(st);
@@ -1459,11 +1604,18 @@ int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen) {
     stash_unpin();
   } else {
     released = 0;
+    tgt.filled = 0;
     stash_state = ST_DRAINING;  // unpinned and freed after the resume (vmm_stash_drop)
     uint64_t t_end = shim_now_ns();
-    jb_printf(b, "{\"regions\":%zu,\"bytes\":%llu,\"pinned\":%s,\"remap_us\":%llu,\"pin_us\":%llu,\"copy_us\":%llu,\"elapsed_us\":%llu}",
-              nregs, (unsigned long long)bytes, all ? "true" : "false", (unsigned long long)(t_map - t0) / 1000,
-              (unsigned long long)pin_ns / 1000, (unsigned long long)(t_end - t_map) / 1000, (unsigned long long)(t_end - t0) / 1000);
+    jb_printf(b, "{\"regions\":%zu,\"bytes\":%llu,\"pinned\":%s,\"remap_us\":%llu,\"pin_us\":%llu,\"copy_us\":%llu,\"elapsed_us\":%llu,\"from\":\"%s\"",
+              nregs, (unsigned long long)bytes, all && !from_target ? "true" : "false", (unsigned long long)(t_map - t0) / 1000,
+              (unsigned long long)pin_ns / 1000, (unsigned long long)(t_end - t_map) / 1000, (unsigned long long)(t_end - t0) / 1000,
+              from_target ? "target" : "host");
+    if (twhat) {
+      jb_s(b, ",\"target_error\":");
+      jb_str(b, twhat, strlen(twhat));
+    }
+    jb_s(b, "}");
   }
   v.ctx_pop(&x);
   pthread_mutex_unlock(&vmm_mu);

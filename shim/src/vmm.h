@@ -35,8 +35,8 @@ int vmm_cmd_end(jbuf *b);
 int vmm_stashed(void);  // the released memory is in the stash
 int vmm_cmd_prepare(jbuf *b, char *err, size_t errlen);
 int vmm_cmd_precopy(int unpin, jbuf *b, char *err, size_t errlen);
-int vmm_cmd_stash(jbuf *b, char *err, size_t errlen);
-int vmm_cmd_unstash(jbuf *b, char *err, size_t errlen);
+int vmm_cmd_stash(int fd, uint64_t target_bytes, jbuf *b, char *err, size_t errlen);  // fd: a target copy, or -1
+int vmm_cmd_unstash(int fd, jbuf *b, char *err, size_t errlen);  // fd: the target copy, or -1
 void vmm_stash_drop(void);  // after the resume's reply: unpin and free an unstashed or unused stash
 void vmm_tick(void);        // control thread, every second: frees a drained or stale prepared stash
 

@@ -37,7 +37,7 @@ enum {
   X(bad_access) X(mid_twin_launches) X(ptxmig_chunk_hash) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)      \
   X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemHostRegister_v2) X(cuMemHostUnregister) X(cuIpcGetMemHandle)   \
   X(cuIpcOpenMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle) X(cuMemExportToShareableHandle)              \
-  X(cuMemImportFromShareableHandle) X(cuMemRetainAllocationHandle) X(cuMemPoolExportToShareableHandle)               \
+  X(cuMemImportFromShareableHandle) X(cuMemRetainAllocationHandle) X(cuMemcpyDtoDAsync_v2) X(cuMemPoolExportToShareableHandle)               \
   X(cuMemPoolImportFromShareableHandle) X(cuMemPoolExportPointer) X(cuMemPoolImportPointer) X(cuMemPoolDestroy)
 #define E(n) C_##n,
   CALLS(E)
@@ -257,6 +257,17 @@ EXPORT CUresult cuDeviceGetP2PAttribute(int *v, int attr, int src, int dst) { (v
 EXPORT CUresult cuDeviceGetUuid_v2(unsigned char *u, int d) { (void)d; for (int i = 0; i < 16; i++) u[i] = (unsigned char)i; return OK; }
 EXPORT CUresult cuDevicePrimaryCtxRetain(void **c, int d) { (void)d; if (!inited) return E_NOT_INITIALIZED; *c = &primary; return OK; }
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(int d) { (void)d; return OK; }
+// Enough of the rest of the driver API for ptxmig's own binding (internal/cudackpt) to load this
+// library: its tests of what ptxmig itself does on a GPU (memory it keeps for a migrate). A
+// process's checkpoint is not faked here (cudackpttest fakes it in Go): those calls say so.
+EXPORT CUresult cuGetErrorName(CUresult r, const char **s) { *s = r == 801 ? "CUDA_ERROR_NOT_SUPPORTED" : "CUDA_ERROR_FAKE"; return OK; }
+EXPORT CUresult cuGetErrorString(CUresult r, const char **s) { (void)r; *s = "fake driver"; return OK; }
+EXPORT CUresult cuCheckpointProcessGetState(int pid, int *st) { (void)pid; (void)st; return 801; }
+EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) { (void)pid; (void)tid; return 801; }
+EXPORT CUresult cuCheckpointProcessLock(int pid, void *a) { (void)pid; (void)a; return 801; }
+EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, void *a) { (void)pid; (void)a; return 801; }
+EXPORT CUresult cuCheckpointProcessRestore(int pid, void *a) { (void)pid; (void)a; return 801; }
+EXPORT CUresult cuCheckpointProcessUnlock(int pid, void *a) { (void)pid; (void)a; return 801; }
 EXPORT CUresult cuCtxSetCurrent(void *c) { current = c; return OK; }
 EXPORT CUresult cuCtxGetCurrent(void **c) { *c = current; return OK; }
 EXPORT CUresult cuCtxPushCurrent_v2(void *c) { current = c; return OK; }
@@ -653,8 +664,11 @@ static void phys_drop(phys *p) {  // released and unmapped: the memory goes
 // FAKE_CUDA_VMM_FAIL_AT=FILE: while FILE holds a count N, each cuMemCreate counts it down and the
 // one that finds 1 fails with CUDA_ERROR_OUT_OF_MEMORY and removes FILE (a test arms one failure
 // at a chosen moment by writing the file).
-static int vmm_fail_now(void) {
-  const char *path = getenv("FAKE_CUDA_VMM_FAIL_AT");
+// FAKE_CUDA_IMPORT_FAIL_AT=FILE: the same for cuMemImportFromShareableHandle.
+static int fail_now(const char *var);
+static int vmm_fail_now(void) { return fail_now("FAKE_CUDA_VMM_FAIL_AT"); }
+static int fail_now(const char *var) {
+  const char *path = getenv(var);
   if (!path || !*path) return 0;
   FILE *fp = fopen(path, "r+");
   if (!fp) return 0;
@@ -955,6 +969,7 @@ EXPORT CUresult cuMemExportToShareableHandle(void *out, unsigned long long h, in
 }
 EXPORT CUresult cuMemImportFromShareableHandle(unsigned long long *h, void *os, int type) {
   COUNT(cuMemImportFromShareableHandle);
+  if (fail_now("FAKE_CUDA_IMPORT_FAIL_AT")) return E_OUT_OF_MEMORY;
   struct stat st;
   int fd = (int)(intptr_t)os;
   if (!h || type != 1 || fstat(fd, &st) || st.st_size <= 0 || (size_t)st.st_size % GRAN) return E_INVALID_VALUE;
@@ -1546,6 +1561,12 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, voi
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) { return copy_op(NULL, d, h, n, 1); }
 EXPORT CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, void *s) { return d2h_op(s, h, d, n, 0); }
 EXPORT CUresult cuMemcpyDtoH_v2(void *h, CUdeviceptr d, size_t n) { return d2h_op(NULL, h, d, n, 1); }
+// Device to device: both ends are checked at submission, the source read when the copy runs.
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr src, size_t n, void *s) {
+  COUNT(cuMemcpyDtoDAsync_v2);
+  if (vmm_refused("a copy to", d, n, PROT_WRITE)) return E_INVALID_VALUE;
+  return d2h_op(s, (void *)(uintptr_t)d, src, n, 0);
+}
 static CUresult memset32(CUdeviceptr p, unsigned v, size_t n, void *s);
 EXPORT CUresult cuMemsetD32Async(CUdeviceptr p, unsigned v, size_t n, void *s) { return memset32(p, v, n, s); }
 static CUresult memset32(CUdeviceptr p, unsigned v, size_t n, void *s) {
@@ -1708,7 +1729,7 @@ static const struct { const char *name; void *fn; } table[] = {
     T(cuFuncGetParamInfo) T(cuFuncSetAttribute) T(cuOccupancyMaxActiveBlocksPerMultiprocessor) T(cuCtxGetDevice) T(cuStreamCreate)
     T(cuStreamCreateWithPriority) T(cuStreamDestroy_v2) T(cuStreamGetCtx) T(cuStreamGetFlags) T(cuStreamSynchronize)
     T(cuStreamSynchronize_ptsz) T(cuStreamQuery) T(cuStreamQuery_ptsz) T(cuLaunchHostFunc) T(cuMemcpyHtoDAsync_v2)
-    T(cuMemcpyHtoD_v2) T(cuMemcpyDtoHAsync_v2) T(cuMemcpyDtoH_v2) T(cuMemsetD32Async) T(cuMemsetD32_v2)
+    T(cuMemcpyHtoD_v2) T(cuMemcpyDtoHAsync_v2) T(cuMemcpyDtoH_v2) T(cuMemcpyDtoDAsync_v2) T(cuMemsetD32Async) T(cuMemsetD32_v2)
     T(cuEventRecord_ptsz) T(cuEventSynchronize) T(cuStreamWaitEvent) T(cuCtxEnablePeerAccess)
     T(cuCtxDisablePeerAccess) T(cuDeviceCanAccessPeer) T(cuDeviceGetP2PAttribute) T(cuMemGetAllocationGranularity) T(cuMemAddressReserve) T(cuMemAddressFree)
     T(cuMemSetAccess) T(cuMemHostRegister) T(cuMemHostRegister_v2) T(cuMemHostUnregister) T(cuMemGetAddressRange_v2)
