@@ -10,7 +10,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/devmem"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/shimctl"
@@ -392,23 +391,45 @@ func (p *Preemption) keepTarget(pid int, bytes uint64, o *OwnedMemory) {
 	}
 	t0 := time.Now()
 	k, err := p.KeepTarget(pid, bytes)
+	var kt *keptTarget
+	if err == nil {
+		// Both descriptors now: exporting and freeing are ptxmig's driver calls, kept out of the
+		// stop (the memory is freed by Close, after the resume).
+		kt = &keptTarget{k: k}
+		if kt.stash, err = k.Export(); err == nil {
+			kt.unstash, err = k.Export()
+		}
+		if err != nil {
+			kt.free()
+		}
+	}
 	if err != nil {
 		o.TargetNote = fmt.Sprintf("no device-to-device copy (%v): the memory goes through host memory", err)
 		p.log("owned memory: no device-to-device copy", "pid", pid, "err", err)
 		return
 	}
 	if p.kept == nil {
-		p.kept = map[int]*cudackpt.Kept{}
+		p.kept = map[int]*keptTarget{}
 	}
-	p.kept[pid] = k
+	p.kept[pid] = kt
 	o.Target = &KeptTarget{GPU: k.Device.Ordinal, UUID: k.Device.UUID.String(), Bytes: k.Size, KeepUS: time.Since(t0).Microseconds()}
+}
+
+// free closes the descriptors and frees the memory.
+func (kt *keptTarget) free() error {
+	for _, f := range []*os.File{kt.stash, kt.unstash} {
+		if f != nil {
+			f.Close()
+		}
+	}
+	return kt.k.Free()
 }
 
 // dropTarget frees the memory kept for pid's device-to-device copy, if any.
 func (p *Preemption) dropTarget(pid int) {
-	if k, ok := p.kept[pid]; ok {
+	if kt, ok := p.kept[pid]; ok {
 		delete(p.kept, pid)
-		if err := k.Free(); err != nil {
+		if err := kt.free(); err != nil {
 			p.log("owned memory: freeing the device-to-device copy's memory failed", "pid", pid, "err", err)
 		}
 	}
@@ -490,18 +511,11 @@ func (p *Preemption) StashMemoryStep() op.Step {
 func (p *Preemption) stash(ctx context.Context, c *shimctl.Client, pid int) (*shimctl.MemStashed, error) {
 	sctx, cancel := context.WithTimeout(ctx, stashTimeout)
 	defer cancel()
-	k, ok := p.kept[pid]
+	kt, ok := p.kept[pid]
 	if !ok {
 		return c.MemStash(sctx)
 	}
-	f, err := k.Export()
-	if err != nil {
-		p.log("owned memory: exporting the device-to-device copy's memory failed; through host memory", "pid", pid, "err", err)
-		p.dropTarget(pid)
-		return c.MemStash(sctx)
-	}
-	defer f.Close()
-	x, err := c.MemStashTo(sctx, f, k.Size)
+	x, err := c.MemStashTo(sctx, kt.stash, kt.k.Size)
 	if err != nil || x.Target == nil || !x.Target.Filled {
 		p.dropTarget(pid)
 	}
@@ -534,9 +548,8 @@ func (p *Preemption) unstash(ctx context.Context, pid int) error {
 
 // unstashFrom puts pid's stashed memory back; with target, from the memory kept on the GPU it
 // moved to where the stash step filled it (device to device, no pinning), else from the stash.
-// The kept memory is freed after either.
+// The kept memory is freed by Close, after the resume.
 func (p *Preemption) unstashFrom(ctx context.Context, pid int, target bool) error {
-	defer p.dropTarget(pid)
 	c, done, err := p.client(ctx, pid)
 	if err != nil {
 		return fmt.Errorf("owned memory of pid %d: %w; its shim puts the memory back when it is resumed", pid, err)
@@ -544,15 +557,8 @@ func (p *Preemption) unstashFrom(ctx context.Context, pid int, target bool) erro
 	defer done()
 	sctx, cancel := context.WithTimeout(ctx, stashTimeout)
 	var x *shimctl.MemStashed
-	if k, ok := p.kept[pid]; ok && target {
-		var f *os.File
-		if f, err = k.Export(); err == nil {
-			x, err = c.MemUnstashFrom(sctx, f)
-			f.Close()
-		} else {
-			p.log("owned memory: exporting the device-to-device copy's memory failed; from the stash", "pid", pid, "err", err)
-			x, err = c.MemUnstash(sctx)
-		}
+	if kt, ok := p.kept[pid]; ok && target {
+		x, err = c.MemUnstashFrom(sctx, kt.unstash)
 	} else {
 		x, err = c.MemUnstash(sctx)
 	}

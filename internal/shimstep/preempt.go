@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"strings"
 	"time"
 
@@ -61,7 +62,14 @@ type Preemption struct {
 	// for its owned memory's device-to-device copy (PrepareStashStep); kept holds it until the
 	// unstash or Close.
 	KeepTarget func(pid int, bytes uint64) (*cudackpt.Kept, error)
-	kept       map[int]*cudackpt.Kept
+	kept       map[int]*keptTarget
+}
+
+// keptTarget is the memory kept for one process's device-to-device copy, with the descriptors
+// the stash and the unstash hand its shim, exported while the process still runs.
+type keptTarget struct {
+	k              *cudackpt.Kept
+	stash, unstash *os.File
 }
 
 // NewPreemption prepares the preemption of an operation.
