@@ -14,6 +14,7 @@ import (
 
 	"github.com/ptxmig/ptxmig/checkpoint"
 	procfs "github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/migrate"
 	"github.com/ptxmig/ptxmig/restore"
 )
@@ -95,10 +96,10 @@ func wantHeavier(t *testing.T, pid, heavy int, when string) {
 // from one to the other every step (twogpu), is checkpointed (both GPUs recorded), restored with
 // the GPUs swapped (--gpu-map 0=1,1=0), then migrated back with the same map; every step's
 // checksums equal an uninterrupted run's, and NVML shows its larger buffer on the GPU the map
-// says. With --p2p (peer access enabled, a kernel on one GPU reading the other's memory), which
-// driver 580 checkpoints but cannot restore: under the shim every operation is refused before
-// anything is touched and the process finishes exactly; without the shim the driver's answer is
-// recorded and the image must survive the failed restores.
+// says. With --p2p (peer access enabled, a kernel on one GPU reading the other's memory): under
+// the shim its peer access is off for every operation and the process finishes exactly; without
+// the shim the driver's answer is recorded (measured: no restore) and the image must survive the
+// failed restores.
 func TestProcessOnBothGPUs(t *testing.T) {
 	devs := need(t, 2)
 	if n := visibleHere(t, devs); n < 2 {
@@ -151,28 +152,61 @@ func TestProcessOnBothGPUs(t *testing.T) {
 			f.Close()
 		}
 	}
-	// Under the shim, ptxmig knows the process enabled peer access and refuses every operation
-	// before touching it (exit 3); the process runs on and finishes exactly.
+	// Under the shim, its peer access is turned off after each quiesce and on again when it
+	// resumes (driver 580 restores such a process only so): checkpoint --leave-running, migrate
+	// with the GPUs swapped and back, a checkpoint that ends it and a restore, and the checksums of
+	// an uninterrupted run (its kernels read the other GPU's memory every step).
 	t.Run("p2p, under the shim", func(t *testing.T) {
-		ref := referenceAsync(t, "twogpu", append(p2pArgs, "--interval-ms", "0")...)
-		p := startShimmed(t, "off", "twogpu", append(p2pArgs, "--interval-ms", "100")...)
+		long := []string{"--mib", "256", "--steps", "300", "--p2p"}
+		ref := referenceAsync(t, "twogpu", append(long, "--interval-ms", "0")...)
+		p := startShimmed(t, "off", "twogpu", append(long, "--interval-ms", "100")...)
 		waitLine(t, p.log, "step 10 ", 2*time.Minute)
-		for _, cmd := range [][]string{
-			{"checkpoint", "--name", "twogpu-p2p-shim", strconv.Itoa(p.pid)},
-			{"checkpoint", "--leave-running", "--name", "twogpu-p2p-shim-lr", strconv.Itoa(p.pid)},
-			{"migrate", "--gpu-map", "0=1,1=0", strconv.Itoa(p.pid)},
-		} {
-			_, se, code := ptxmig(t, cmd...)
-			if code != 3 || !strings.Contains(se, "peer access") {
-				t.Fatalf("%s of a process with peer access: exit %d (%s), want 3 naming peer access", cmd[0], code, se)
+		peerOff := func(reports []*shimstep.PreemptReport, what string) int64 {
+			for _, r := range reports {
+				if r.PID == p.pid && r.PeerOff != nil && r.PeerOff.Links > 0 {
+					return r.PeerOff.ElapsedUS
+				}
 			}
-			if s, err := procfs.ReadStat(p.pid); err != nil || s.Stopped() {
-				t.Fatalf("after the refused %s pid %d is %+v (%v)", cmd[0], p.pid, s, err)
-			}
+			t.Fatalf("%s: no peer access turned off (reports %+v)", what, reports)
+			return 0
 		}
-		record(t, "checkpoint, checkpoint --leave-running and migrate refused before anything was touched (exit 3)")
+		so, se, code := ptxmig(t, "--json", "checkpoint", "--leave-running", "--name", "twogpu-p2p-shim-lr", strconv.Itoa(p.pid))
+		if code != 0 {
+			t.Fatalf("checkpoint --leave-running of a process with peer access: exit %d: %s", code, se)
+		}
+		var cr checkpoint.Result
+		if err := json.Unmarshal([]byte(so), &cr); err != nil {
+			t.Fatal(err)
+		}
+		us := peerOff(cr.Preemption, "checkpoint --leave-running")
+		progresses(t, p, time.Minute, "checkpoint --leave-running")
+		var downs []string
+		for i, heavy := range []int{0, 1} {
+			so, se, code := ptxmig(t, "--json", "migrate", "--gpu-map", "0=1,1=0", strconv.Itoa(p.pid))
+			if code != 0 {
+				t.Fatalf("migrate %d of a process with peer access: exit %d: %s", i, code, se)
+			}
+			var mr migrate.Result
+			if err := json.Unmarshal([]byte(so), &mr); err != nil {
+				t.Fatal(err)
+			}
+			peerOff(mr.Preemption, "migrate")
+			downs = append(downs, mr.Downtime.Round(time.Millisecond).String())
+			wantHeavier(t, p.pid, heavy, fmt.Sprintf("p2p: after migrate %d", i))
+			progresses(t, p, time.Minute, "the migrate")
+		}
+		so, se, code = ptxmig(t, "--json", "checkpoint", "--name", "twogpu-p2p-shim", strconv.Itoa(p.pid))
+		if code != 0 {
+			t.Fatalf("checkpoint of a process with peer access: exit %d: %s", code, se)
+		}
 		<-p.done
+		if _, se, code := ptxmig(t, "restore", "twogpu-p2p-shim"); code != 0 {
+			t.Fatalf("restore of a process with peer access: exit %d: %s", code, se)
+		}
+		waitExit(t, p.pid, 3*time.Minute)
 		sameResults(t, results(p.log), <-ref)
+		record(t, fmt.Sprintf("peer access off for each operation (peer-off %s): checkpoint --leave-running, migrate --gpu-map 0=1,1=0 twice (downtime %s), checkpoint + restore; checksums exact",
+			time.Duration(us)*time.Microsecond, strings.Join(downs, ", ")))
 	})
 	// Without the shim ptxmig cannot tell: the driver's answer is recorded. Measured with driver
 	// 580.159.04: the checkpoint succeeds and every restore fails with CUDA_ERROR_INVALID_VALUE;
