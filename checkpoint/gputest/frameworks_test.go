@@ -16,6 +16,7 @@ import (
 
 	"github.com/ptxmig/ptxmig/checkpoint"
 	"github.com/ptxmig/ptxmig/internal/driverstep"
+	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/migrate"
 )
 
@@ -29,12 +30,17 @@ type fwRow struct {
 	steps   int
 	env     []string
 	run     []string // flags of `ptxmig run`
+	args    []string // more arguments of frameworks.py
 	gpus    int      // the GPUs the row needs (0: one)
 	peer    bool     // peer access must have been on, and turned off for every checkpoint
+	owned   uint64   // under --owned-memory: at least this much must be owned and moved device to device
 }
 
 var fwRows = []fwRow{
 	{name: "resnet", steps: 300}, {name: "gpt2", steps: 300},
+	// ResNet-18 training beside 8 GiB of data on the GPU, under --owned-memory: migrate moves it
+	// device to device (the issue-34 case: a PyTorch process with 8 GiB, downtime under 1 s).
+	{name: "resnet-8g-owned", fw: "resnet", steps: 300, run: []string{"--owned-memory"}, args: []string{"--hold-gib", "8"}, owned: 8 << 30},
 	// torch.compile's Inductor compiles in a pool of worker processes, which load libcuda without
 	// a CUDA context and, in some runs, map the GPU's device files (CRIU cannot dump those): such a
 	// tree is refused, naming the fix; compiling in the process works.
@@ -151,7 +157,7 @@ func TestFrameworks(t *testing.T) {
 				t.Skipf("needs %d GPUs, this host has %d", row.gpus, len(devs))
 			}
 			fwAvailable(t, fw)
-			args := []string{fw, "--steps", strconv.Itoa(row.steps), "--sleep-ms", "30"}
+			args := append([]string{fw, "--steps", strconv.Itoa(row.steps), "--sleep-ms", "30"}, row.args...)
 			ref := fwReference(t, row.env, args...)
 			p := fwStart(t, row.env, row.run, "step 5 ", args...)
 			var first time.Duration
@@ -239,6 +245,21 @@ func TestFrameworks(t *testing.T) {
 					t.Fatalf("migrate --json: %v\n%s", err, so)
 				}
 				downs = append(downs, mres.Downtime.Round(time.Millisecond).String())
+				if row.owned > 0 {
+					var m *shimstep.OwnedMemory
+					for _, r := range mres.Preemption {
+						if r.PID == p.pid {
+							m = r.Owned
+						}
+					}
+					if m == nil || m.Stash == nil || m.Stash.Bytes < row.owned || m.Unstash == nil || m.Unstash.From != "target" {
+						t.Fatalf("migrate %v of %s: owned memory %+v, want at least %d bytes moved device to device", to, row.name, m, row.owned)
+					}
+					downs[len(downs)-1] += fmt.Sprintf(" (%d MiB owned: stop copy %s, device copy %s, driver %s + %s, unstash %s)", m.Stash.Bytes>>20,
+						(time.Duration(m.Stash.CopyUS) * time.Microsecond).Round(time.Millisecond),
+						(time.Duration(m.Stash.Target.CopyUS) * time.Microsecond).Round(100*time.Microsecond),
+						mres.Checkpoint.Round(time.Millisecond), mres.Restore.Round(time.Millisecond), mres.Unstash.Round(time.Millisecond))
+				}
 				progresses(t, p, 2*time.Minute, fmt.Sprintf("the migrate %v", to))
 			}
 			moves += " downtime " + strings.Join(downs, ", ")

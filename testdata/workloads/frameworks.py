@@ -2,6 +2,7 @@
 """Deterministic loops in the frameworks users run, for ptxmig's framework matrix (TestFrameworks).
 
     python3 frameworks.py FRAMEWORK [--steps N] [--sleep-ms M] [--long-ms L] [--one-wave] [--spin clock|sleep]
+                                    [--hold-gib G]
 
 FRAMEWORK: resnet (torchvision ResNet-18 training), gpt2 (Hugging Face GPT-2, bf16 autocast,
 AdamW), compile (an MLP under torch.compile: Inductor's Triton kernels), triton (a @triton.jit
@@ -15,8 +16,10 @@ each cupy/numba launch spin about that long per block (a long kernel; --one-wave
 block per SM; otherwise 64 per SM: about four waves of 128-thread blocks). cupy spins on the SM's
 clock by default (--spin clock: a per-thread loop exit on a location-bound value, which has no
 mid-block safe point) or, with --spin sleep, as numba always does: a loop of 1 µs nanosleeps with a
-uniform trip count (a mid-block safe point). Prints "skip: REASON" and exits 3 when the framework
-is missing.
+uniform trip count (a mid-block safe point). --hold-gib G (resnet) keeps G GiB of random int32 on
+the GPU beside the model, 64 MiB of it changed every step, and prints its sum at the end ("result
+hold SUM"): a training process with that much device memory to move. Prints "skip: REASON" and
+exits 3 when the framework is missing.
 """
 import argparse
 import os
@@ -67,12 +70,20 @@ def run_resnet(a, emit):
     g = torch.Generator().manual_seed(a.seed)
     x = torch.randn(32, 3, 64, 64, generator=g).to(dev)
     y = torch.randint(0, 10, (32,), generator=g).to(dev)
+    hold = None
+    if a.hold_gib > 0:  # random data the process keeps on the GPU; 64 MiB of it change every step
+        gd = torch.Generator(device=dev).manual_seed(a.seed)
+        hold = torch.randint(0, 1 << 30, (int(a.hold_gib * (1 << 28)),), dtype=torch.int32, device=dev, generator=gd)
     for step in range(1, a.steps + 1):
         opt.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
+        if hold is not None:
+            hold[: 1 << 24].add_(step)
         emit(step, f"{loss.item():.17g}")
+    if hold is not None:
+        print(f"result hold {int(hold.sum(dtype=torch.int64).item())}", flush=True)
 
 
 def run_gpt2(a, emit):
@@ -230,6 +241,7 @@ def main() -> int:
     p.add_argument("--one-wave", action="store_true")
     p.add_argument("--spin", choices=["clock", "sleep"], default="clock", help="cupy's spin (numba always sleeps)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--hold-gib", type=float, default=0.0, help="resnet: also keep this much random data on the GPU")
     a = p.parse_args()
     run, module = RUNNERS[a.framework]
     try:
