@@ -368,11 +368,11 @@ func (p *Preemption) PrepareStashStep(pids []int, precopy bool) op.Step {
 				} else {
 					o := &OwnedMemory{Prepare: x}
 					p.report(pid).Owned = o
+					if x.Bytes > 0 { // before the rounds: the allocation (ptxmig's cuInit too) takes a while
+						p.keepTarget(pid, x.Bytes, o)
+					}
 					if precopy && x.Bytes > 0 {
 						o.Precopy = p.precopy(ctx, c, pid, x.Bytes)
-					}
-					if x.Bytes > 0 {
-						p.keepTarget(pid, x.Bytes, o)
 					}
 				}
 			}

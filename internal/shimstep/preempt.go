@@ -170,6 +170,11 @@ func (p *Preemption) peerOff(ctx context.Context, pid int) error {
 	case errors.Is(err, shimctl.ErrNoPeerToggle):
 		return nil
 	case err != nil:
+		// The shim may still be waiting for the contexts' work: its late reply must not be read
+		// as the resume's. Closing the lease makes the shim enable the links again and resume
+		// once it is done; the rollback's resume comes on a connection of its own.
+		c.Close()
+		delete(p.leases, pid)
 		return fmt.Errorf("pid %d: turn its peer access off for the checkpoint: %w", pid, err)
 	}
 	p.report(pid).PeerOff = x

@@ -275,7 +275,7 @@ static void handle_line(conn *c, const char *line, size_t n) {
       send_ok(c, cmd, &b);
     }
   } else if (strcmp(cmd, "resume") == 0) {
-    if (trk_peer_is_off() && trk_peer_set(1, &b, err, sizeof err)) {
+    if (trk_peer_pending() && trk_peer_set(1, &b, err, sizeof err)) {
       reply_error(fd, err);  // peer access stays off: the process stays held (a later resume retries)
     } else if (vmm_stashed() && vmm_cmd_unstash(-1, &b, err, sizeof err)) {
       reply_error(fd, err);  // the memory stays stashed: the process stays held (a later resume retries)
@@ -333,7 +333,16 @@ static void conn_close(conn *c) {
     } else if (preempt_state() == 1) {  // quiesced and not detached: the client went away
       jbuf b = {0};
       char err[300];
-      if (trk_peer_is_off() && trk_peer_set(1, &b, err, sizeof err)) shim_log("lease connection closed: %s", err);
+      if (trk_peer_pending() && trk_peer_set(1, &b, err, sizeof err)) {
+        // Running without its peer access would fault its kernels: stay held, detached, until a
+        // ptxmig (the guardian's rollback, `ptxmig recover`) resumes it, which tries again.
+        free(b.p);
+        b = (jbuf){0};
+        preempt_detach(&b);
+        free(b.p);
+        shim_log("lease connection closed: %s; the process stays held (detached)", err);
+        return;
+      }
       free(b.p);
       b = (jbuf){0};
       preempt_resume(&b);
@@ -403,8 +412,8 @@ static void conn_read(conn *c) {
     } else if (i > start) {
       c->pos = i + 1;
       handle_line(c, c->buf + start, i - start);
-      drop_fd(c);  // a descriptor goes with one line only
     }
+    drop_fd(c);  // a descriptor goes with one line only, whatever became of it
     start = i + 1;
   }
   if (c->close_after) {  // detached (the lease was dropped first), or a reply could not be sent
@@ -415,6 +424,7 @@ static void conn_read(conn *c) {
   c->len -= start;
   if (c->len == MAX_LINE) {  // a line longer than the limit: refuse it, skip to its end
     reply_error(c->fd, "malformed request: line longer than 65536 bytes");
+    drop_fd(c);
     c->discarding = 1;
     c->len = 0;
   }

@@ -1545,9 +1545,10 @@ int preempt_quiesce(jbuf *b, unsigned budget_ms) {
     d.ctx_pop(&x);
   }
   jbuf r = {0};
-  // peer_links: ptxmig turns them off (peer-off) before the driver lock when there are any.
+  // peer_links: the links on in the driver; ptxmig turns them off (peer-off) before the driver lock
+  // when there are any (from now on the app's new ones wait for the resume: track.c).
   jb_printf(&r, "{\"state\":\"quiesced\",\"gate\":\"closed\",\"elapsed_us\":%llu,\"budget_ms\":%u,\"peer_links\":%ld,\"preempted\":[",
-            (unsigned long long)((shim_now_ns() - t0) / 1000), budget_ms, trk_peer_links());
+            (unsigned long long)((shim_now_ns() - t0) / 1000), budget_ms, trk_peer_applied());
   int fp = 1, fd = 1, fn = 1, fs = 1;
   jbuf drained = {0}, notst = {0}, stopping = {0};
   pthread_mutex_lock(&pre_mu);

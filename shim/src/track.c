@@ -15,6 +15,7 @@
 #include "fatbin.h"
 #include "json.h"
 #include "sha256.h"
+#include "preempt.h"
 #include "track.h"
 
 static const char *const alloc_kind_names[AK_COUNT] = {"device", "pitch", "async", "managed", "host_pinned",
@@ -351,6 +352,7 @@ void trk_ctx_remove(CUcontext ctx) {
       break;
     }
   pthread_mutex_unlock(&ctx_mu);
+  trk_peer_ctx_gone(ctx);  // its links went with it
 }
 
 // ---- modules ----
@@ -1308,20 +1310,28 @@ static void report_devices(jbuf *b) {
 }
 
 // Peer links the process has enabled between its contexts and not disabled (status
-// "peer_access"), each with the context it was enabled from, so that ptxmig can turn them off for
-// a checkpoint and on again after (peer-off / peer-on): driver 580 restores such a process once its
-// peer access is off (scripts/probe-peer.sh, 2x H200). While they are off, the app's own enables and
-// disables change the table only; peer-on applies it. peer_mu is never taken by a fork handler.
+// "peer_access"), each with the context it was enabled from and whether the driver has it on
+// (applied), so that ptxmig can turn them off for a checkpoint and on again after (peer-off /
+// peer-on): driver 580 restores such a process once its peer access is off (scripts/probe-peer.sh,
+// 2x H200). While the process is quiesced or detached, or its links are off, an enable the app
+// makes goes into the table only (not applied; the resume applies it), so that no link comes on
+// behind a quiesce that reported none; a disable of a link not applied changes only the table.
+// peer_mu is taken before pre_mu (preempt_state), never after; never by a fork handler, whose child
+// starts with an empty table (the parent's contexts are not its own).
 #define MAX_PEER 64
 #define CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED 704
 #define CUDA_ERROR_PEER_ACCESS_NOT_ENABLED 705
+#define CUDA_ERROR_TOO_MANY_PEERS 711
+#define CUDA_ERROR_INVALID_CONTEXT 201
+#define CUDA_ERROR_INVALID_DEVICE 101
 static pthread_mutex_t peer_mu = PTHREAD_MUTEX_INITIALIZER;
 typedef struct {
   CUcontext ctx, peer;
   unsigned flags;
+  int applied;  // on in the driver
 } peer_link;
 static peer_link links[MAX_PEER];
-static int nlinks, links_lost, peer_off;  // peer_mu; links_lost: more links than the table holds
+static int nlinks, links_lost, peer_off;  // peer_mu; links_lost: applied links the table could not hold
 static atomic_long peer_refused;
 static struct {
   pthread_once_t once;
@@ -1345,18 +1355,27 @@ static int link_find(CUcontext ctx, CUcontext peer) {  // peer_mu held
     if (links[i].ctx == ctx && links[i].peer == peer) return i;
   return -1;
 }
+static void link_del(int i) { links[i] = links[--nlinks]; }  // peer_mu held
+static int deferred(void) { return peer_off || preempt_state() != 0; }  // peer_mu held
 
 CUresult trk_peer_enable(CUcontext peer, unsigned flags, CUresult (*real)(CUcontext, unsigned)) {
   CUcontext cur = NULL;
   if (!pd_ready() || pd.get(&cur) != CUDA_SUCCESS) return real(peer, flags);
   pthread_mutex_lock(&peer_mu);
   int i = link_find(cur, peer);
-  // Off for a checkpoint: the driver's state is what it was at peer-off; the table is what the app
-  // wants, applied by peer-on.
-  CUresult r = peer_off ? (i >= 0 ? CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED : CUDA_SUCCESS) : real(peer, flags);
-  if (r == CUDA_SUCCESS && i < 0) {
-    if (nlinks < MAX_PEER) links[nlinks++] = (peer_link){cur, peer, flags};
-    else links_lost++;
+  CUresult r;
+  if (deferred()) {  // answered as the driver would, applied at the resume
+    if (!cur || !peer) r = CUDA_ERROR_INVALID_CONTEXT;
+    else if (peer == cur) r = CUDA_ERROR_INVALID_DEVICE;
+    else if (i >= 0) r = CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
+    else if (nlinks == MAX_PEER) r = CUDA_ERROR_TOO_MANY_PEERS;
+    else links[nlinks++] = (peer_link){cur, peer, flags, 0}, r = CUDA_SUCCESS;
+  } else {
+    r = real(peer, flags);
+    if (r == CUDA_SUCCESS && i < 0) {
+      if (nlinks < MAX_PEER) links[nlinks++] = (peer_link){cur, peer, flags, 1};
+      else links_lost++;
+    }
   }
   pthread_mutex_unlock(&peer_mu);
   return r;
@@ -1367,13 +1386,23 @@ CUresult trk_peer_disable(CUcontext peer, CUresult (*real)(CUcontext)) {
   if (!pd_ready() || pd.get(&cur) != CUDA_SUCCESS) return real(peer);
   pthread_mutex_lock(&peer_mu);
   int i = link_find(cur, peer);
-  CUresult r = peer_off ? (i >= 0 ? CUDA_SUCCESS : CUDA_ERROR_PEER_ACCESS_NOT_ENABLED) : real(peer);
-  if (r == CUDA_SUCCESS) {
-    if (i >= 0) links[i] = links[--nlinks];
-    else if (links_lost > 0) links_lost--;
+  CUresult r;
+  if (i >= 0 && !links[i].applied) {
+    link_del(i), r = CUDA_SUCCESS;  // not on in the driver: the table is all there is
+  } else {
+    r = real(peer);  // one fewer link is always safe, quiesced too
+    if (r == CUDA_SUCCESS && i >= 0) link_del(i);
+    else if (r == CUDA_SUCCESS && links_lost > 0) links_lost--;
   }
   pthread_mutex_unlock(&peer_mu);
   return r;
+}
+
+void trk_peer_ctx_gone(CUcontext ctx) {
+  pthread_mutex_lock(&peer_mu);
+  for (int i = nlinks - 1; i >= 0; i--)
+    if (links[i].ctx == ctx || links[i].peer == ctx) link_del(i);
+  pthread_mutex_unlock(&peer_mu);
 }
 
 long trk_peer_links(void) {
@@ -1382,27 +1411,27 @@ long trk_peer_links(void) {
   pthread_mutex_unlock(&peer_mu);
   return n;
 }
+
+long trk_peer_applied(void) {
+  pthread_mutex_lock(&peer_mu);
+  long n = links_lost;
+  for (int i = 0; i < nlinks; i++) n += links[i].applied;
+  pthread_mutex_unlock(&peer_mu);
+  return n;
+}
+
 void trk_peer_refused(void) { atomic_fetch_add(&peer_refused, 1); }
 
-// peer_apply enables (on) or disables links [0, n) from their contexts; on a failure it undoes the
-// ones done and says which. peer_mu held.
-static int peer_apply(int on, int n, char *err, size_t errlen) {
-  for (int i = 0; i < n; i++) {
-    CUcontext x;
-    CUresult r = pd.push(links[i].ctx);
-    if (r == CUDA_SUCCESS) {
-      r = on ? pd.enable(links[i].peer, links[i].flags) : pd.disable(links[i].peer);
-      if (r == (on ? CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED : CUDA_ERROR_PEER_ACCESS_NOT_ENABLED)) r = CUDA_SUCCESS;
-      pd.pop(&x);
-    }
-    if (r != CUDA_SUCCESS) {
-      snprintf(err, errlen, "peer-%s: %s peer access of link %d of %d failed (%d)", on ? "on" : "off", on ? "enabling" : "disabling",
-               i + 1, n, r);
-      peer_apply(!on, i, err + strlen(err), 0);  // undo; its own failure is not reported over this one
-      return -1;
-    }
-  }
-  return 0;
+// peer_apply1 enables (on) or disables link i from its context. peer_mu held.
+static CUresult peer_apply1(int on, int i) {
+  CUcontext x;
+  CUresult r = pd.push(links[i].ctx);
+  if (r != CUDA_SUCCESS) return r;
+  r = on ? pd.enable(links[i].peer, links[i].flags) : pd.disable(links[i].peer);
+  if (r == (on ? CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED : CUDA_ERROR_PEER_ACCESS_NOT_ENABLED)) r = CUDA_SUCCESS;
+  pd.pop(&x);
+  if (r == CUDA_SUCCESS) links[i].applied = on;
+  return r;
 }
 
 int trk_peer_set(int on, jbuf *b, char *err, size_t errlen) {
@@ -1412,41 +1441,74 @@ int trk_peer_set(int on, jbuf *b, char *err, size_t errlen) {
     return -1;
   }
   pthread_mutex_lock(&peer_mu);
-  int rc = 0, n = nlinks, was = peer_off;
+  int rc = 0, changed = 0;
   if (!on && links_lost) {
     snprintf(err, errlen, "peer-off: the process enabled more than %d peer links; the shim cannot turn them all off", MAX_PEER);
     rc = -1;
-  } else if (on == peer_off) {
-    if (!on) {
-      // No kernel may be reading a peer's memory when its access goes: wait for the work queued
-      // in every context with a link (the quiesce holds new launches).
-      for (int i = 0; i < n && rc == 0; i++) {
-        int seen = 0;
-        for (int k = 0; k < i; k++) seen |= links[k].ctx == links[i].ctx;
-        if (seen) continue;
-        CUcontext x;
-        CUresult r = pd.push(links[i].ctx);
-        if (r == CUDA_SUCCESS) r = pd.sync(), pd.pop(&x);
-        if (r != CUDA_SUCCESS) snprintf(err, errlen, "peer-off: synchronizing a context before disabling its peer access failed (%d)", r), rc = -1;
-      }
-      sync_ns = shim_now_ns() - t0;
+  } else if (!on) {
+    // No kernel may be reading a peer's memory when its access goes: wait for the work queued in
+    // every context with a link on (the quiesce holds new launches).
+    for (int i = 0; i < nlinks && rc == 0; i++) {
+      int seen = !links[i].applied;
+      for (int k = 0; k < i && !seen; k++) seen = links[k].applied && links[k].ctx == links[i].ctx;
+      if (seen) continue;
+      CUcontext x;
+      CUresult r = pd.push(links[i].ctx);
+      if (r == CUDA_SUCCESS) r = pd.sync(), pd.pop(&x);
+      if (r != CUDA_SUCCESS) snprintf(err, errlen, "peer-off: synchronizing a context before disabling its peer access failed (%d)", r), rc = -1;
     }
-    if (rc == 0) rc = peer_apply(on, n, err, errlen);
-    if (rc == 0) peer_off = !on;
+    sync_ns = shim_now_ns() - t0;
+    int done[MAX_PEER], nd = 0;
+    for (int i = 0; i < nlinks && rc == 0; i++) {
+      if (!links[i].applied) continue;
+      CUresult r = peer_apply1(0, i);
+      if (r == CUDA_SUCCESS) {
+        done[nd++] = i;
+        continue;
+      }
+      snprintf(err, errlen, "peer-off: disabling peer access of link %d of %d failed (%d)", i + 1, nlinks, r);
+      rc = -1;
+      // Undo: the links disabled go on again. One that will not stays off, and so does the
+      // table's state (peer_off), so that the resume tries again.
+      int stuck = 0;
+      for (int k = nd - 1; k >= 0; k--) stuck += peer_apply1(1, done[k]) != CUDA_SUCCESS;
+      if (stuck) {
+        peer_off = 1;
+        size_t n = strlen(err);
+        snprintf(err + n, errlen - n, "; %d link(s) could not be enabled again (the resume retries)", stuck);
+      }
+    }
+    if (rc == 0) changed = nd > 0 || !peer_off, peer_off = 1;
+  } else {
+    for (int i = 0; i < nlinks && rc == 0; i++) {
+      if (links[i].applied) continue;
+      CUresult r = peer_apply1(1, i);
+      if (r != CUDA_SUCCESS) snprintf(err, errlen, "peer-on: enabling peer access of link %d of %d failed (%d)", i + 1, nlinks, r), rc = -1;
+      else changed = 1;
+    }
+    if (rc == 0) changed |= peer_off, peer_off = 0;
   }
+  int n = nlinks;
   pthread_mutex_unlock(&peer_mu);
   if (rc == 0)
-    jb_printf(b, "{\"links\":%d,\"changed\":%s,\"sync_us\":%llu,\"elapsed_us\":%llu}", n, was != !on ? "true" : "false",
+    jb_printf(b, "{\"links\":%d,\"changed\":%s,\"sync_us\":%llu,\"elapsed_us\":%llu}", n, changed ? "true" : "false",
               (unsigned long long)sync_ns / 1000, (unsigned long long)(shim_now_ns() - t0) / 1000);
   return rc;
 }
 
-int trk_peer_is_off(void) {
+int trk_peer_pending(void) {
   pthread_mutex_lock(&peer_mu);
-  int off = peer_off;
+  int p = peer_off;
+  for (int i = 0; i < nlinks && !p; i++) p = !links[i].applied;
   pthread_mutex_unlock(&peer_mu);
-  return off;
+  return p;
 }
+
+static void peer_fork_child(void) {
+  pthread_mutex_init(&peer_mu, NULL);
+  nlinks = links_lost = peer_off = 0;
+}
+__attribute__((constructor)) static void peer_fork_init(void) { pthread_atfork(NULL, NULL, peer_fork_child); }
 
 void trk_report_status(jbuf *b, int brief) {
   jb_printf(b, ",\"uptime_s\":%.3f,\"cuda_initialized\":%s", (double)(shim_now_ns() - start_ns) / 1e9,
@@ -1455,7 +1517,7 @@ void trk_report_status(jbuf *b, int brief) {
   CUresult (*ver)(int *) = (CUresult(*)(int *))drv_sym("cuDriverGetVersion");
   if (ver && ver(&dv) == CUDA_SUCCESS) jb_printf(b, ",\"driver_cuda_version\":%d", dv);
   jb_printf(b, ",\"peer_access\":%ld,\"peer_access_off\":%s,\"peer_access_refused\":%ld,\"peer_toggle\":true,\"peer_access_suspended\":%s",
-            trk_peer_links(), cfg.no_peer ? "true" : "false", atomic_load(&peer_refused), trk_peer_is_off() ? "true" : "false");
+            trk_peer_links(), cfg.no_peer ? "true" : "false", atomic_load(&peer_refused), trk_peer_pending() ? "true" : "false");
   jb_key(b, "ipc");
   report_share(b);
   jb_key(b, "devices");

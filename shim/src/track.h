@@ -20,13 +20,15 @@ void trk_vmm_unmap(uint64_t ptr, uint64_t size);
 // (real) through these, which keep the table of links peer-off / peer-on act on.
 CUresult trk_peer_enable(CUcontext peer, unsigned flags, CUresult (*real)(CUcontext, unsigned));
 CUresult trk_peer_disable(CUcontext peer, CUresult (*real)(CUcontext));
-long trk_peer_links(void);
-void trk_peer_refused(void);  // an enable refused under PTXMIG_PEER_ACCESS=0
-// trk_peer_set(0): wait for the work queued in every context with a link, then disable every
-// link (a checkpoint follows); trk_peer_set(1) enables them again. 0 with a JSON reply in b, or
-// -1 with err (nothing changed).
+void trk_peer_ctx_gone(CUcontext ctx);  // a context was destroyed: its links with it
+long trk_peer_links(void);              // links the app has enabled (status "peer_access")
+long trk_peer_applied(void);            // of those, on in the driver now (quiesce "peer_links")
+void trk_peer_refused(void);            // an enable refused under PTXMIG_PEER_ACCESS=0
+// trk_peer_set(0): wait for the work queued in every context with a link on, then disable every
+// link (a checkpoint follows); trk_peer_set(1) enables every link that is not on. 0 with a JSON
+// reply in b, or -1 with err (a failed peer-off enables again what it disabled).
 int trk_peer_set(int on, jbuf *b, char *err, size_t errlen);
-int trk_peer_is_off(void);
+int trk_peer_pending(void);  // some link is not on in the driver: the resume must run peer-on
 // Cross-process GPU memory sharing (status "ipc"; docs/SHIM-PROTOCOL.md says what is counted).
 // Each is called after the driver call succeeded.
 enum share_kind { SK_IPC_MEM, SK_VMM, SK_POOL, SK_POOL_PTR, SK_COUNT };

@@ -1365,10 +1365,10 @@ static CUresult target_map(int fd, size_t size, CUdevice dev, CUdeviceptr *va, C
   return r;
 }
 
-static void target_unmap(CUdeviceptr va, size_t size, CUmemGenericAllocationHandle h) {
-  v.unmap(va, size);
-  v.addr_free(va, size);
-  v.release(h);
+// target_unmap drops the mapping and the imported handle: 0, or the first failure.
+static CUresult target_unmap(CUdeviceptr va, size_t size, CUmemGenericAllocationHandle h) {
+  CUresult r = v.unmap(va, size), q = v.addr_free(va, size), w = v.release(h);
+  return r != CUDA_SUCCESS ? r : q != CUDA_SUCCESS ? q : w;
 }
 
 // target_copy copies every region to (out) or from the target copy mapped at base, back to back,
@@ -1391,9 +1391,10 @@ static CUresult target_copy(int out, CUdeviceptr base) {
 }
 
 // target_fill (mem-stash, after the stash): copy the regions into the target copy fd names and
-// drop it. Its report goes into b; a failure is reported there, not returned (the stash holds
-// everything). vmm_mu held, the context current.
-static void target_fill(int fd, uint64_t bytes, jbuf *b) {
+// drop it. Its report goes into b; a failure to use it is reported there, not returned (the stash
+// holds everything). -1 (with err) only when the copy cannot be unmapped: the process must not be
+// checkpointed with another process's memory mapped. vmm_mu held, the context current.
+static int target_fill(int fd, uint64_t bytes, jbuf *b, char *err, size_t errlen) {
   uint64_t t0 = shim_now_ns(), total = owned_total();
   CUdeviceptr va = 0;
   CUmemGenericAllocationHandle h = 0;
@@ -1409,7 +1410,8 @@ static void target_fill(int fd, uint64_t bytes, jbuf *b) {
   if (r == CUDA_SUCCESS) {
     r = target_copy(1, va);
     if (r != CUDA_SUCCESS) what = "copy";
-    target_unmap(va, bytes, h);
+    CUresult u = target_unmap(va, bytes, h);
+    if (u != CUDA_SUCCESS) return fail(err, errlen, "mem-stash: dropping the target copy's mapping failed (%d)", u);
   }
   if (r == CUDA_SUCCESS) tgt = (target_copy_state){.filled = 1, .gen = regs_gen, .bytes = total, .size = bytes};
   uint64_t t2 = shim_now_ns();
@@ -1422,6 +1424,7 @@ static void target_fill(int fd, uint64_t bytes, jbuf *b) {
     jb_str(b, e, strlen(e));
   }
   jb_s(b, "}");
+  return 0;
 }
 
 // target_load (mem-unstash, the regions re-created): copy them from the target copy fd names. 0
@@ -1436,7 +1439,8 @@ static CUresult target_load(int fd, const char **what) {
   if (r != CUDA_SUCCESS) return r;
   r = target_copy(0, va);
   if (r != CUDA_SUCCESS) *what = "copy";
-  target_unmap(va, size, h);
+  CUresult u = target_unmap(va, size, h);
+  if (u != CUDA_SUCCESS) shim_log("owned memory: dropping the target copy's mapping failed (%d); it stays mapped in this process", u);
   return r;
 }
 
@@ -1500,10 +1504,14 @@ int vmm_cmd_stash(int fd, uint64_t target_bytes, jbuf *b, char *err, size_t errl
       r = streams_close(st, r);
       bytes = total;
     }
-    // The target copy, from the memory still live (the stash holds everything by now).
-    if (fd >= 0 && r == CUDA_SUCCESS) target_fill(fd, target_bytes, &tb);
     uint64_t t2 = shim_now_ns();
     copy_ns = t2 - t1;
+    // The target copy, from the memory still live (the stash holds everything by now).
+    if (fd >= 0 && r == CUDA_SUCCESS && target_fill(fd, target_bytes, &tb, err, errlen)) {
+      stash_free();
+      goto out;
+    }
+    t2 = shim_now_ns();
     stash_unpin();  // plain process memory again before the driver checkpoint
     unpin_ns = shim_now_ns() - t2;
     if (r != CUDA_SUCCESS) {
