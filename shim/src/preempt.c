@@ -1458,6 +1458,7 @@ int preempt_quiesce(jbuf *b, unsigned budget_ms) {
   atomic_store(&gate_closed, 1);
   pstate = P_QUIESCED;
   pthread_mutex_unlock(&pre_mu);
+  trk_peer_hold(1);  // new peer links wait for the resume (the reply counts the ones on)
   atomic_fetch_add(&st_quiesces, 1);
   // Calls past the gate finish their submission first: their sequence numbers are then final.
   while (inflight_total() > 0 && shim_now_ns() < deadline) nap_us(20);
@@ -1853,6 +1854,7 @@ void preempt_resume(jbuf *b) {
       jb_printf(&errs, ",\"error\":%d}", (int)rr);
     }
   }
+  trk_peer_hold(0);  // peer links the app enabled meanwhile go on before the gate opens
   pthread_mutex_lock(&pre_mu);
   for (int i = 0; i < n; i++) {
     pending_clear_locked(todo[i]);

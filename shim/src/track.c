@@ -15,7 +15,6 @@
 #include "fatbin.h"
 #include "json.h"
 #include "sha256.h"
-#include "preempt.h"
 #include "track.h"
 
 static const char *const alloc_kind_names[AK_COUNT] = {"device", "pitch", "async", "managed", "host_pinned",
@@ -1316,8 +1315,8 @@ static void report_devices(jbuf *b) {
 // 2x H200). While the process is quiesced or detached, or its links are off, an enable the app
 // makes goes into the table only (not applied; the resume applies it), so that no link comes on
 // behind a quiesce that reported none; a disable of a link not applied changes only the table.
-// peer_mu is taken before pre_mu (preempt_state), never after; never by a fork handler, whose child
-// starts with an empty table (the parent's contexts are not its own).
+// preempt.c says when the process is quiesced (trk_peer_hold). peer_mu is never taken by a fork
+// handler, whose child starts with an empty table (the parent's contexts are not its own).
 #define MAX_PEER 64
 #define CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED 704
 #define CUDA_ERROR_PEER_ACCESS_NOT_ENABLED 705
@@ -1332,6 +1331,7 @@ typedef struct {
 } peer_link;
 static peer_link links[MAX_PEER];
 static int nlinks, links_lost, peer_off;  // peer_mu; links_lost: applied links the table could not hold
+static int peer_hold;                      // peer_mu: quiesced or detached (trk_peer_hold)
 static atomic_long peer_refused;
 static struct {
   pthread_once_t once;
@@ -1356,7 +1356,7 @@ static int link_find(CUcontext ctx, CUcontext peer) {  // peer_mu held
   return -1;
 }
 static void link_del(int i) { links[i] = links[--nlinks]; }  // peer_mu held
-static int deferred(void) { return peer_off || preempt_state() != 0; }  // peer_mu held
+static int deferred(void) { return peer_off || peer_hold; }  // peer_mu held
 
 CUresult trk_peer_enable(CUcontext peer, unsigned flags, CUresult (*real)(CUcontext, unsigned)) {
   CUcontext cur = NULL;
@@ -1396,6 +1396,20 @@ CUresult trk_peer_disable(CUcontext peer, CUresult (*real)(CUcontext)) {
   }
   pthread_mutex_unlock(&peer_mu);
   return r;
+}
+
+// peer_apply1 is below.
+static CUresult peer_apply1(int on, int i);
+
+void trk_peer_hold(int on) {
+  pthread_mutex_lock(&peer_mu);
+  peer_hold = on;
+  // Running again: links the app enabled since the peer-on (or a quiesce without one) go on now.
+  for (int i = 0; i < nlinks && !on && !peer_off; i++) {
+    CUresult r = links[i].applied ? CUDA_SUCCESS : peer_apply1(1, i);
+    if (r != CUDA_SUCCESS) shim_log("peer access: enabling link %d at the resume failed (%d)", i + 1, r);
+  }
+  pthread_mutex_unlock(&peer_mu);
 }
 
 void trk_peer_ctx_gone(CUcontext ctx) {
@@ -1506,7 +1520,7 @@ int trk_peer_pending(void) {
 
 static void peer_fork_child(void) {
   pthread_mutex_init(&peer_mu, NULL);
-  nlinks = links_lost = peer_off = 0;
+  nlinks = links_lost = peer_off = peer_hold = 0;
 }
 __attribute__((constructor)) static void peer_fork_init(void) { pthread_atfork(NULL, NULL, peer_fork_child); }
 

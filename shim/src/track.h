@@ -21,6 +21,9 @@ void trk_vmm_unmap(uint64_t ptr, uint64_t size);
 CUresult trk_peer_enable(CUcontext peer, unsigned flags, CUresult (*real)(CUcontext, unsigned));
 CUresult trk_peer_disable(CUcontext peer, CUresult (*real)(CUcontext));
 void trk_peer_ctx_gone(CUcontext ctx);  // a context was destroyed: its links with it
+// trk_peer_hold(1): quiesced (or detached): the app's new links wait in the table; (0): running
+// again, those go on now (preempt.c, at the state changes).
+void trk_peer_hold(int on);
 long trk_peer_links(void);              // links the app has enabled (status "peer_access")
 long trk_peer_applied(void);            // of those, on in the driver now (quiesce "peer_links")
 void trk_peer_refused(void);            // an enable refused under PTXMIG_PEER_ACCESS=0
