@@ -1328,6 +1328,7 @@ typedef struct {
   CUcontext ctx, peer;
   unsigned flags;
   int applied;  // on in the driver
+  int stale;    // the driver no longer knows its context or peer: no link at all (purged)
 } peer_link;
 static peer_link links[MAX_PEER];
 static int nlinks, links_lost, peer_off;  // peer_mu; links_lost: applied links the table could not hold
@@ -1369,11 +1370,11 @@ CUresult trk_peer_enable(CUcontext peer, unsigned flags, CUresult (*real)(CUcont
     else if (peer == cur) r = CUDA_ERROR_INVALID_DEVICE;
     else if (i >= 0) r = CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
     else if (nlinks == MAX_PEER) r = CUDA_ERROR_TOO_MANY_PEERS;
-    else links[nlinks++] = (peer_link){cur, peer, flags, 0}, r = CUDA_SUCCESS;
+    else links[nlinks++] = (peer_link){cur, peer, flags, 0, 0}, r = CUDA_SUCCESS;
   } else {
     r = real(peer, flags);
     if (r == CUDA_SUCCESS && i < 0) {
-      if (nlinks < MAX_PEER) links[nlinks++] = (peer_link){cur, peer, flags, 1};
+      if (nlinks < MAX_PEER) links[nlinks++] = (peer_link){cur, peer, flags, 1, 0};
       else links_lost++;
     }
   }
@@ -1398,17 +1399,17 @@ CUresult trk_peer_disable(CUcontext peer, CUresult (*real)(CUcontext)) {
   return r;
 }
 
-// peer_apply1 is below.
+// peer_apply1 and purge_stale are below.
 static CUresult peer_apply1(int on, int i);
+static void purge_stale(void);
 
 void trk_peer_hold(int on) {
   pthread_mutex_lock(&peer_mu);
   peer_hold = on;
   // Running again: links the app enabled since the peer-on (or a quiesce without one) go on now.
-  for (int i = 0; i < nlinks && !on && !peer_off; i++) {
-    CUresult r = links[i].applied ? CUDA_SUCCESS : peer_apply1(1, i);
-    if (r != CUDA_SUCCESS) shim_log("peer access: enabling link %d at the resume failed (%d)", i + 1, r);
-  }
+  for (int i = 0; i < nlinks && !on && !peer_off; i++)
+    if (!links[i].applied) peer_apply1(1, i);  // a failure is logged there
+  purge_stale();
   pthread_mutex_unlock(&peer_mu);
 }
 
@@ -1436,16 +1437,51 @@ long trk_peer_applied(void) {
 
 void trk_peer_refused(void) { atomic_fetch_add(&peer_refused, 1); }
 
-// peer_apply1 enables (on) or disables link i from its context. peer_mu held.
+// stale_code: the driver does not know a context handle (destroyed without the shim seeing it,
+// such as a primary context released by a runtime): a link naming it is no link.
+#define CUDA_ERROR_INVALID_HANDLE 400
+#define CUDA_ERROR_CONTEXT_IS_DESTROYED 709
+static int stale_code(CUresult r) {
+  return r == CUDA_ERROR_INVALID_HANDLE || r == CUDA_ERROR_INVALID_CONTEXT || r == CUDA_ERROR_CONTEXT_IS_DESTROYED;
+}
+
+// peer_apply1 enables (on) or disables link i from its context; a link the driver says names a
+// context it does not know is marked stale (success: there is nothing to change; purge_stale
+// drops it). peer_mu held.
 static CUresult peer_apply1(int on, int i) {
   CUcontext x;
   CUresult r = pd.push(links[i].ctx);
-  if (r != CUDA_SUCCESS) return r;
-  r = on ? pd.enable(links[i].peer, links[i].flags) : pd.disable(links[i].peer);
-  if (r == (on ? CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED : CUDA_ERROR_PEER_ACCESS_NOT_ENABLED)) r = CUDA_SUCCESS;
-  pd.pop(&x);
+  if (r == CUDA_SUCCESS) {
+    r = on ? pd.enable(links[i].peer, links[i].flags) : pd.disable(links[i].peer);
+    if (r == (on ? CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED : CUDA_ERROR_PEER_ACCESS_NOT_ENABLED)) r = CUDA_SUCCESS;
+    pd.pop(&x);
+  }
+  if (stale_code(r)) {
+    shim_log("peer access: link %d (context %p, peer %p) names a context the driver does not know (%d): dropped", i + 1,
+             (void *)links[i].ctx, (void *)links[i].peer, r);
+    links[i].stale = 1;
+    return CUDA_SUCCESS;
+  }
   if (r == CUDA_SUCCESS) links[i].applied = on;
+  else shim_log("peer access: %s link %d (context %p, peer %p) failed (%d)", on ? "enabling" : "disabling", i + 1, (void *)links[i].ctx,
+                (void *)links[i].peer, r);
   return r;
+}
+
+static void purge_stale(void) {  // peer_mu held
+  for (int i = nlinks - 1; i >= 0; i--)
+    if (links[i].stale) link_del(i);
+}
+
+// peer_report: the links, for status ("peer_links": context, peer, on in the driver).
+static void peer_report(jbuf *b) {
+  pthread_mutex_lock(&peer_mu);
+  jb_s(b, "[");
+  for (int i = 0; i < nlinks; i++)
+    jb_printf(b, "%s{\"context\":\"%p\",\"peer\":\"%p\",\"on\":%s}", i ? "," : "", (void *)links[i].ctx, (void *)links[i].peer,
+              links[i].applied ? "true" : "false");
+  jb_s(b, "]");
+  pthread_mutex_unlock(&peer_mu);
 }
 
 int trk_peer_set(int on, jbuf *b, char *err, size_t errlen) {
@@ -1477,7 +1513,7 @@ int trk_peer_set(int on, jbuf *b, char *err, size_t errlen) {
       if (!links[i].applied) continue;
       CUresult r = peer_apply1(0, i);
       if (r == CUDA_SUCCESS) {
-        done[nd++] = i;
+        if (!links[i].stale) done[nd++] = i;
         continue;
       }
       snprintf(err, errlen, "peer-off: disabling peer access of link %d of %d failed (%d)", i + 1, nlinks, r);
@@ -1502,6 +1538,7 @@ int trk_peer_set(int on, jbuf *b, char *err, size_t errlen) {
     }
     if (rc == 0) changed |= peer_off, peer_off = 0;
   }
+  purge_stale();
   int n = nlinks;
   pthread_mutex_unlock(&peer_mu);
   if (rc == 0)
@@ -1532,6 +1569,8 @@ void trk_report_status(jbuf *b, int brief) {
   if (ver && ver(&dv) == CUDA_SUCCESS) jb_printf(b, ",\"driver_cuda_version\":%d", dv);
   jb_printf(b, ",\"peer_access\":%ld,\"peer_access_off\":%s,\"peer_access_refused\":%ld,\"peer_toggle\":true,\"peer_access_suspended\":%s",
             trk_peer_links(), cfg.no_peer ? "true" : "false", atomic_load(&peer_refused), trk_peer_pending() ? "true" : "false");
+  jb_key(b, "peer_links");
+  peer_report(b);
   jb_key(b, "ipc");
   report_share(b);
   jb_key(b, "devices");

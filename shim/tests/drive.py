@@ -267,8 +267,20 @@ def main():
             while time.time() < deadline and links() != "1":
                 time.sleep(0.05)
             check(links() == "1", "lease closed while peer access was off: not enabled again")
+            # A link whose peer context the driver no longer knows (400) is dropped at the resume:
+            # the process runs on, the link gone from status.
+            q = Conn(path)
+            r, r2 = q.req(cmd="quiesce", budget_ms=100), q.req(cmd="peer-off")
+            open(stale_file, "w").close()
+            r3 = q.req(cmd="resume")
+            os.unlink(stale_file)
+            st = c.req(cmd="status")["result"]
+            check(r["ok"] and r2["ok"] and r3["ok"] and st["peer_access"] == 0 and st["peer_links"] == [] and not st["peer_access_suspended"],
+                  f"a stale link at the resume: {r3}; status peer_access {st.get('peer_access')}, links {st.get('peer_links')}")
+            q.close()
 
-        run_app(opts, "app_direct", {"FAKE_CUDA_PEER_FILE": peer_file},
+        stale_file = os.path.join(os.path.dirname(peer_file), "stale")
+        run_app(opts, "app_direct", {"FAKE_CUDA_PEER_FILE": peer_file, "FAKE_CUDA_PEER_STALE": stale_file},
                 {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
                 {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3},
                 expect_peer=1, after=toggle)

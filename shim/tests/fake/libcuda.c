@@ -234,9 +234,15 @@ static int fake_link(void *peer) {
     if (fake_links[i].ctx == current && fake_links[i].peer == peer) return i;
   return -1;
 }
+// FAKE_CUDA_PEER_STALE=FILE: while FILE exists, every peer context is one the driver no longer
+// knows (400, as for a context destroyed behind the app's back).
+static int peer_stale(void) {
+  const char *f = getenv("FAKE_CUDA_PEER_STALE");
+  return f && *f && access(f, F_OK) == 0;
+}
 EXPORT CUresult cuCtxEnablePeerAccess(void *peer, unsigned flags) {
   (void)flags;
-  if (!peer || !current) return E_INVALID_HANDLE;
+  if (!peer || !current || peer_stale()) return E_INVALID_HANDLE;
   if (fake_link(peer) >= 0) return 704;
   if (fake_nlinks == 16) return 999;
   fake_links[fake_nlinks].ctx = current, fake_links[fake_nlinks++].peer = peer;
@@ -244,7 +250,7 @@ EXPORT CUresult cuCtxEnablePeerAccess(void *peer, unsigned flags) {
   return OK;
 }
 EXPORT CUresult cuCtxDisablePeerAccess(void *peer) {
-  if (!peer || !current) return E_INVALID_HANDLE;
+  if (!peer || !current || peer_stale()) return E_INVALID_HANDLE;
   int i = fake_link(peer);
   if (i < 0) return 705;
   fake_links[i] = fake_links[--fake_nlinks];
