@@ -284,6 +284,35 @@ def main():
                 {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
                 {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3},
                 expect_peer=1, after=toggle)
+    # A link the app enables while quiesced waits in the table (no link comes on behind a quiesce
+    # that reported none) and goes on at the resume; a disable while running goes to the driver.
+    with case("app_direct[peer while quiesced]"):
+        peer_file2 = os.path.join(harness.scratch("ptxmig-peer2-"), "links")
+
+        def deferred(c, app):
+            links = lambda: open(peer_file2).read().strip()
+            say = lambda cmd: (app.p.stdin.write(cmd + "\n"), app.p.stdin.flush(), app.p.stdout.readline().strip())[2]
+            q = Conn(c.s.getpeername())
+            r = q.req(cmd="quiesce", budget_ms=100)
+            check(r["ok"] and r["result"].get("peer_links") == 1, f"quiesce with one link on: {r}")
+            got = say("peer")
+            st = c.req(cmd="status")["result"]
+            on = sorted(l["on"] for l in st["peer_links"])
+            check(got == "peer 0" and links() == "1" and st["peer_access"] == 2 and on == [False, True],
+                  f"enable while quiesced: app {got!r}, driver links {links()}, status {st.get('peer_links')}")
+            r = q.req(cmd="resume")
+            st = c.req(cmd="status")["result"]
+            check(r["ok"] and links() == "2" and all(l["on"] for l in st["peer_links"]) and not st["peer_access_suspended"],
+                  f"resume: {r}; driver links {links()}, status {st.get('peer_links')}")
+            got = say("unpeer")
+            check(got == "unpeer 0" and links() == "1" and c.req(cmd="status")["result"]["peer_access"] == 1,
+                  f"disable while running: app {got!r}, driver links {links()}")
+            q.close()
+
+        run_app(opts, "app_direct", {"APP_PEER": "1", "FAKE_CUDA_PEER_FILE": peer_file2},
+                {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
+                {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3},
+                expect_peer=1, after=deferred)
     # Memory shared with other processes (CUDA IPC, VMM shareable handles, pools; ptxmig refuses to
     # checkpoint such a process): the live exports and imports in status, then none once undone.
     with case("app_direct[APP_SHARE=1]"):

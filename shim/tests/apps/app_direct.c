@@ -180,6 +180,24 @@ static int coll_loop(void) {
   return 0;
 }
 
+// With APP_PEER=1, after the rest: on each stdin line "peer" the app enables peer access to a
+// second context handle (any non-NULL handle is a peer to the fake driver) and answers "peer RC";
+// "unpeer" disables it ("unpeer RC"); end of input ends it.
+static int peer_loop(void) {
+  static char other;  // the peer's handle
+  printf("ready\n");
+  fflush(stdout);
+  char line[64];
+  while (fgets(line, sizeof line, stdin)) {
+    int on = strcmp(line, "peer\n") == 0;
+    if (!on && strcmp(line, "unpeer\n") != 0) return 8;
+    CUresult r = on ? cuCtxEnablePeerAccess(&other, 0) : cuCtxDisablePeerAccess(&other);
+    printf("%s %d\n", on ? "peer" : "unpeer", r);
+    fflush(stdout);
+  }
+  return 0;
+}
+
 int main(void) {
   void *ctx, *mod, *fn;
   unsigned long long d;
@@ -227,8 +245,11 @@ int main(void) {
            fake_calls("cuMemExportToShareableHandle"), fake_calls("cuMemImportFromShareableHandle"),
            fake_calls("cuMemRetainAllocationHandle"), fake_calls("cuMemPoolImportPointer"));
   printf("\n");
-  const char *co = getenv("APP_COLL");
-  if (co && co[0] == '1') {
+  const char *co = getenv("APP_COLL"), *pm = getenv("APP_PEER");
+  if (pm && pm[0] == '1') {
+    int rc = peer_loop();
+    if (rc) return rc;
+  } else if (co && co[0] == '1') {
     int rc = coll_loop();
     if (rc) return rc;
   } else if (share) {
