@@ -531,6 +531,10 @@ EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
 EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
   primary_gone(dev);  // the reset destroys the primary context's events, memory and launches
   CALL_REAL(cuDevicePrimaryCtxReset_v2, dev);
+  if (r_ == CUDA_SUCCESS) {  // and its peer links
+    CUcontext pc[TRK_MAX_CTX];
+    for (int i = 0, n = trk_primary_ctxs(dev, pc); i < n; i++) trk_peer_ctx_gone(pc[i]);
+  }
   return r_;
 }
 

@@ -988,6 +988,16 @@ void samples_drop_ctx(CUcontext ctx) {
   pthread_mutex_unlock(&sample_mu);
 }
 
+// ctx_device: the device of a context the shim saw created or retained, or -1.
+static CUdevice ctx_device(CUcontext c) {
+  CUdevice d = -1;
+  pthread_mutex_lock(&ctx_mu);
+  for (int i = 0; i < nctx && d < 0; i++)
+    if (ctxs[i].ctx == c) d = ctxs[i].dev;
+  pthread_mutex_unlock(&ctx_mu);
+  return d;
+}
+
 int trk_primary_ctxs(CUdevice dev, CUcontext out[MAX_CTX]) {
   int n = 0;
   pthread_mutex_lock(&ctx_mu);
@@ -1329,6 +1339,7 @@ typedef struct {
   unsigned flags;
   int applied;  // on in the driver
   int stale;    // the driver no longer knows its context or peer: no link at all (purged)
+  int fresh;    // enabled while held: never on in the driver yet (one the driver refuses is dropped)
 } peer_link;
 static peer_link links[MAX_PEER];
 static int nlinks, links_lost, peer_off;  // peer_mu; links_lost: applied links the table could not hold
@@ -1338,6 +1349,7 @@ static struct {
   pthread_once_t once;
   CUresult (*get)(CUcontext *), (*push)(CUcontext), (*pop)(CUcontext *), (*sync)(void);
   CUresult (*enable)(CUcontext, unsigned), (*disable)(CUcontext);
+  CUresult (*can)(int *, CUdevice, CUdevice);
 } pd = {.once = PTHREAD_ONCE_INIT};
 static void pd_load(void) {
   *(void **)&pd.get = drv_sym("cuCtxGetCurrent");
@@ -1346,6 +1358,7 @@ static void pd_load(void) {
   *(void **)&pd.sync = drv_sym("cuCtxSynchronize");
   *(void **)&pd.enable = drv_sym("cuCtxEnablePeerAccess");
   *(void **)&pd.disable = drv_sym("cuCtxDisablePeerAccess");
+  *(void **)&pd.can = drv_sym("cuDeviceCanAccessPeer");
 }
 static int pd_ready(void) {
   pthread_once(&pd.once, pd_load);
@@ -1366,16 +1379,23 @@ CUresult trk_peer_enable(CUcontext peer, unsigned flags, CUresult (*real)(CUcont
   int i = link_find(cur, peer);
   CUresult r;
   if (deferred()) {  // answered as the driver would, applied at the resume
+    CUdevice dc = -1, dp = -1;
+    int can = 1;
+    if (cur && peer && (dc = ctx_device(cur)) >= 0 && (dp = ctx_device(peer)) >= 0 && pd.can && pd.can(&can, dc, dp) != CUDA_SUCCESS) can = 1;
     if (!cur || !peer) r = CUDA_ERROR_INVALID_CONTEXT;
     else if (peer == cur) r = CUDA_ERROR_INVALID_DEVICE;
+    else if (flags) r = CUDA_ERROR_INVALID_VALUE;
+    else if (!can) r = CUDA_ERROR_PEER_ACCESS_UNSUPPORTED;
     else if (i >= 0) r = CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
     else if (nlinks == MAX_PEER) r = CUDA_ERROR_TOO_MANY_PEERS;
-    else links[nlinks++] = (peer_link){cur, peer, flags, 0, 0}, r = CUDA_SUCCESS;
+    else links[nlinks++] = (peer_link){cur, peer, flags, 0, 0, 1}, r = CUDA_SUCCESS;
   } else {
     r = real(peer, flags);
     if (r == CUDA_SUCCESS && i < 0) {
-      if (nlinks < MAX_PEER) links[nlinks++] = (peer_link){cur, peer, flags, 1, 0};
+      if (nlinks < MAX_PEER) links[nlinks++] = (peer_link){cur, peer, flags, 1, 0, 0};
       else links_lost++;
+    } else if ((r == CUDA_SUCCESS || r == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) && i >= 0) {
+      links[i].applied = 1, links[i].fresh = 0;  // on in the driver now, whatever the table said
     }
   }
   pthread_mutex_unlock(&peer_mu);
@@ -1388,10 +1408,11 @@ CUresult trk_peer_disable(CUcontext peer, CUresult (*real)(CUcontext)) {
   pthread_mutex_lock(&peer_mu);
   int i = link_find(cur, peer);
   CUresult r;
-  if (i >= 0 && !links[i].applied) {
+  if (i >= 0 && !links[i].applied && deferred()) {
     link_del(i), r = CUDA_SUCCESS;  // not on in the driver: the table is all there is
   } else {
     r = real(peer);  // one fewer link is always safe, quiesced too
+    if (i >= 0 && !links[i].applied && r == CUDA_ERROR_PEER_ACCESS_NOT_ENABLED) r = CUDA_SUCCESS;  // as the table said
     if (r == CUDA_SUCCESS && i >= 0) link_del(i);
     else if (r == CUDA_SUCCESS && links_lost > 0) links_lost--;
   }
@@ -1462,9 +1483,17 @@ static CUresult peer_apply1(int on, int i) {
     links[i].stale = 1;
     return CUDA_SUCCESS;
   }
-  if (r == CUDA_SUCCESS) links[i].applied = on;
-  else shim_log("peer access: %s link %d (context %p, peer %p) failed (%d)", on ? "enabling" : "disabling", i + 1, (void *)links[i].ctx,
-                (void *)links[i].peer, r);
+  if (r == CUDA_SUCCESS) {
+    links[i].applied = on;
+    if (on) links[i].fresh = 0;
+    return r;
+  }
+  shim_log("peer access: %s link %d (context %p, peer %p) failed (%d)%s", on ? "enabling" : "disabling", i + 1, (void *)links[i].ctx,
+           (void *)links[i].peer, r, on && links[i].fresh ? ": it was never on (enabled while held), dropped" : "");
+  if (on && links[i].fresh) {  // only links that were on before may hold the process
+    links[i].stale = 1;
+    return CUDA_SUCCESS;
+  }
   return r;
 }
 
@@ -1490,27 +1519,43 @@ int trk_peer_set(int on, jbuf *b, char *err, size_t errlen) {
     snprintf(err, errlen, "peer-%s: the driver lacks the peer access entry points", on ? "on" : "off");
     return -1;
   }
-  pthread_mutex_lock(&peer_mu);
   int rc = 0, changed = 0;
-  if (!on && links_lost) {
-    snprintf(err, errlen, "peer-off: the process enabled more than %d peer links; the shim cannot turn them all off", MAX_PEER);
-    rc = -1;
-  } else if (!on) {
+  if (!on) {
     // No kernel may be reading a peer's memory when its access goes: wait for the work queued in
-    // every context with a link on (the quiesce holds new launches).
-    for (int i = 0; i < nlinks && rc == 0; i++) {
+    // every context with a link on (the quiesce holds new launches, and the hold new links). The
+    // wait runs without peer_mu, so that app threads are never blocked on it meanwhile.
+    CUcontext sync_ctx[MAX_PEER], gone[MAX_PEER];
+    int ns = 0, ng = 0;
+    pthread_mutex_lock(&peer_mu);
+    for (int i = 0; i < nlinks; i++) {
       int seen = !links[i].applied;
-      for (int k = 0; k < i && !seen; k++) seen = links[k].applied && links[k].ctx == links[i].ctx;
-      if (seen) continue;
+      for (int k = 0; k < ns && !seen; k++) seen = sync_ctx[k] == links[i].ctx;
+      if (!seen) sync_ctx[ns++] = links[i].ctx;
+    }
+    pthread_mutex_unlock(&peer_mu);
+    for (int k = 0; k < ns && rc == 0; k++) {
       CUcontext x;
-      CUresult r = pd.push(links[i].ctx);
+      CUresult r = pd.push(sync_ctx[k]);
       if (r == CUDA_SUCCESS) r = pd.sync(), pd.pop(&x);
-      if (r != CUDA_SUCCESS) snprintf(err, errlen, "peer-off: synchronizing a context before disabling its peer access failed (%d)", r), rc = -1;
+      if (stale_code(r)) gone[ng++] = sync_ctx[k];  // a context the driver does not know: its links are none
+      else if (r != CUDA_SUCCESS)
+        snprintf(err, errlen, "peer-off: synchronizing a context before disabling its peer access failed (%d)", r), rc = -1;
     }
     sync_ns = shim_now_ns() - t0;
+    pthread_mutex_lock(&peer_mu);
+    for (int i = 0; i < nlinks; i++)
+      for (int k = 0; k < ng; k++)
+        if (links[i].ctx == gone[k]) links[i].stale = 1;
+  } else {
+    pthread_mutex_lock(&peer_mu);
+  }
+  if (!on && rc == 0 && links_lost) {
+    snprintf(err, errlen, "peer-off: the process enabled more than %d peer links; the shim cannot turn them all off", MAX_PEER);
+    rc = -1;
+  } else if (!on && rc == 0) {
     int done[MAX_PEER], nd = 0;
     for (int i = 0; i < nlinks && rc == 0; i++) {
-      if (!links[i].applied) continue;
+      if (!links[i].applied || links[i].stale) continue;
       CUresult r = peer_apply1(0, i);
       if (r == CUDA_SUCCESS) {
         if (!links[i].stale) done[nd++] = i;
@@ -1529,9 +1574,9 @@ int trk_peer_set(int on, jbuf *b, char *err, size_t errlen) {
       }
     }
     if (rc == 0) changed = nd > 0 || !peer_off, peer_off = 1;
-  } else {
+  } else if (on) {
     for (int i = 0; i < nlinks && rc == 0; i++) {
-      if (links[i].applied) continue;
+      if (links[i].applied || links[i].stale) continue;
       CUresult r = peer_apply1(1, i);
       if (r != CUDA_SUCCESS) snprintf(err, errlen, "peer-on: enabling peer access of link %d of %d failed (%d)", i + 1, nlinks, r), rc = -1;
       else changed = 1;

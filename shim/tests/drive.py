@@ -278,9 +278,23 @@ def main():
             check(r["ok"] and r2["ok"] and r3["ok"] and st["peer_access"] == 0 and st["peer_links"] == [] and not st["peer_access_suspended"],
                   f"a stale link at the resume: {r3}; status peer_access {st.get('peer_access')}, links {st.get('peer_links')}")
             q.close()
+            # The same found at peer-off: nothing to turn off, the link leaves the table.
+            app.p.stdin.write("peer\n")
+            app.p.stdin.flush()
+            got = app.p.stdout.readline().strip()
+            q = Conn(path)
+            r = q.req(cmd="quiesce", budget_ms=100)
+            open(stale_file, "w").close()
+            r2 = q.req(cmd="peer-off")
+            os.unlink(stale_file)
+            st = c.req(cmd="status")["result"]
+            r3 = q.req(cmd="resume")
+            check(got == "peer 0" and r["ok"] and r2["ok"] and r3["ok"] and st["peer_access"] == 0,
+                  f"a stale link at peer-off: app {got!r}, {r2}, {r3}; status peer_access {st.get('peer_access')}")
+            q.close()
 
         stale_file = os.path.join(os.path.dirname(peer_file), "stale")
-        run_app(opts, "app_direct", {"FAKE_CUDA_PEER_FILE": peer_file, "FAKE_CUDA_PEER_STALE": stale_file},
+        run_app(opts, "app_direct", {"FAKE_CUDA_PEER_FILE": peer_file, "FAKE_CUDA_PEER_STALE": stale_file, "APP_PEER": "1"},
                 {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
                 {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3},
                 expect_peer=1, after=toggle)
