@@ -64,6 +64,18 @@ job_ranks() {
     [[ "$tree" == *" $p "* ]] && echo "$p"
   done
 }
+# tree ROOT: ROOT and its descendants.
+tree() { local c; echo "$1"; for c in $(ps -o pid= --ppid "$1"); do tree "$c"; done; }
+# gone PID...: wait (at most 60 s) until none of the pids lives: CRIU ends the whole tree, and
+# a rank still closing its sockets keeps the job's ports bound for the restore.
+gone() {
+  local p i
+  for p in "$@"; do
+    for ((i = 0; i < 600; i++)); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$p" 2>/dev/null && { echo "bench-job: pid $p still lives 60 s after the checkpoint" >&2; return 1; }
+  done
+  return 0
+}
 wait_for() { # FILE PATTERN SECONDS
   local i
   for ((i = 0; i < $3 * 10; i++)); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
@@ -89,10 +101,12 @@ each_rank() {
   for r in "${pids[@]}"; do wait "$r" || ok=1; done
   return $ok
 }
-progress() { # LOG: wait for a new step line
-  local n
+progress() { # LOG: wait (at most 120 s) for a new step line
+  local n i
   n=$(grep -c '^step ' "$1")
-  until [ "$(grep -c '^step ' "$1")" -gt "$n" ]; do sleep 0.05; done
+  for ((i = 0; i < 2400; i++)); do [ "$(grep -c '^step ' "$1")" -gt "$n" ] && return 0; sleep 0.05; done
+  echo "bench-job: the job made no progress in 120 s ($1)" >&2
+  return 1
 }
 rows=()
 
@@ -108,10 +122,11 @@ done <"$raw/allreduce-default.txt"
 # 2. ptxmig.
 log=$raw/job-ptxmig.log
 start_job "$log" 29713 "$PTXMIG_BIN" run --shim "$SHIM" --socket-dir "$work/sock" --nccl-sockets --
+mapfile -t all < <(tree "$root")
 t=$(date +%s%N)
 "$PTXMIG_BIN" --json --store "$store" checkpoint --tcp-established --lock-timeout 10s --name job "$root" >"$raw/ptxmig-ck.json"
 p_ck=$(ms "$t")
-while kill -0 "$root" 2>/dev/null; do sleep 0.05; done
+gone "${all[@]}"
 sync; echo 3 >/proc/sys/vm/drop_caches
 t=$(date +%s%N)
 "$PTXMIG_BIN" --json --store "$store" restore job >"$raw/ptxmig-rs.json"
@@ -125,6 +140,7 @@ kill -KILL -- "-$root" 2>/dev/null || true
 log=$raw/job-bare.log
 start_job "$log" 29714 env "${sockets[@]}"
 mapfile -t rk < <(job_ranks "$root")
+mapfile -t all < <(tree "$root")
 [ "${#rk[@]}" = "$ranks" ] || { echo "bench-job: found ranks ${rk[*]}, want $ranks" >&2; exit 1; }
 bare_ok=yes
 base=$BENCH_DIR/base
@@ -140,7 +156,7 @@ if [ "$bare_ok" = yes ]; then
 fi
 if [ "$bare_ok" = yes ]; then
   t=$(date +%s%N); sync -f "$base"/*.img; b_sync=$(ms "$t")
-  while kill -0 "$root" 2>/dev/null; do sleep 0.05; done
+  gone "${all[@]}"
   sync; echo 3 >/proc/sys/vm/drop_caches
   t=$(date +%s%N)
   "$CRIU" restore -d -D "$base" -o restore.log --tcp-established --network-lock nftables --file-locks --manage-cgroups=ignore ||

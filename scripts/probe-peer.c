@@ -10,6 +10,19 @@
  *                 after the line: does the driver restore a process whose peer access was turned
  *                 off for the checkpoint, and does peer access work again after (also with the
  *                 GPUs swapped by the restore's pairs)?
+ *   peer-toggle-late     peer-toggle as a runtime does it when an app enables peer access before
+ *                 its peer device holds memory (cudaDeviceEnablePeerAccess in twogpu: device 0's
+ *                 access to device 1 is enabled before device 1's buffer exists). After the line
+ *                 each enable's answer is printed, and one that failed is tried again after the
+ *                 other: is its answer an order effect?
+ *   peer-toggle-fresh    peer-toggle-late with device 1's context as bare as a runtime's fresh
+ *                 one at the first enable: its module is loaded after the link is on.
+ *   peer-toggle-big      peer-toggle with device 1 also holding one allocation of MIB (the
+ *                 buffers the kernels read stay at most 64 MiB): does the size of the peer's
+ *                 memory decide whether its link comes back?
+ *   peer-toggle-split    the same MIB in allocations of 64 MiB.
+ *   peer-toggle-thread   peer-toggle with the enables after the line made by another thread
+ *                 that pushes each context (as the shim's control thread does).
  *   vmm-peer      a context on device 0 only: map memory created on device 1 (cuMemCreate,
  *                 cuMemSetAccess for device 0: a peer mapping without cuCtxEnablePeerAccess), copy
  *                 device 0's memory into it, check it, unmap and release it before "ready"; after
@@ -22,6 +35,7 @@
  * most 64 used) sizes the buffers.
  * Build: cc -O2 -o probe-peer probe-peer.c -ldl (no CUDA headers). Run: scripts/probe-peer.sh. */
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,7 +47,7 @@ typedef int CUresult;
 typedef uint64_t CUdeviceptr;
 
 static CUresult (*cuInit)(unsigned), (*cuDeviceGet)(int *, int), (*cuDeviceGetCount)(int *),
-    (*cuDevicePrimaryCtxRetain)(void **, int), (*cuCtxSetCurrent)(void *), (*cuCtxEnablePeerAccess)(void *, unsigned),
+    (*cuDevicePrimaryCtxRetain)(void **, int), (*cuCtxSetCurrent)(void *), (*cuCtxPushCurrent)(void *), (*cuCtxPopCurrent)(void **), (*cuCtxEnablePeerAccess)(void *, unsigned),
     (*cuCtxDisablePeerAccess)(void *), (*cuMemAlloc)(CUdeviceptr *, size_t), (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t),
     (*cuMemcpyDtoH)(void *, CUdeviceptr, size_t), (*cuCtxSynchronize)(void), (*cuModuleLoadData)(void **, const void *),
     (*cuModuleGetFunction)(void **, void *, const char *),
@@ -82,6 +96,8 @@ static const char *ename(CUresult r) {
   }
 
 static void *ctx[2], *fn[2];
+static size_t extra_mib;  // peer-toggle-big/-split: more memory on device 1
+static int split;
 static uint32_t *host;
 
 static void wait_line(void) {
@@ -123,14 +139,58 @@ static void peer_check(const char *when, CUdeviceptr a, CUdeviceptr b, uint32_t 
   if (!r1 || !r0) exit(1);
 }
 
-static void peer(int toggle, uint32_t n) {
+/* enable_from: device d's context gets access to the other's, from this thread (pushing the
+ * context when push); prints the answer, returns it. */
+static CUresult enable_from(int d, int push, const char *when) {
+  void *x;
+  CUresult r = push ? cuCtxPushCurrent(ctx[d]) : cuCtxSetCurrent(ctx[d]);
+  if (r == 0) r = cuCtxEnablePeerAccess(ctx[1 - d], 0);
+  if (push) cuCtxPopCurrent(&x);
+  printf("fact: %s: enabling device %d's access to device %d's memory%s: %s (%d)\n", when, d, 1 - d,
+         push ? " (another thread, context pushed)" : "", ename(r), r);
+  return r;
+}
+
+/* reenable: after the restore, both links on again, a failed one tried once more after the other. */
+static void *reenable(void *push) {
+  double t0 = now();
+  CUresult r0 = enable_from(0, push != NULL, "after the restore");
+  CUresult r1 = enable_from(1, push != NULL, "after the restore");
+  if (r0) r0 = enable_from(0, push != NULL, "after the restore, again after the other link");
+  if (r1) r1 = enable_from(1, push != NULL, "after the restore, again after the other link");
+  if (r0 || r1) {
+    printf("FAIL: peer access could not be enabled again after the restore\n");
+    exit(1);
+  }
+  printf("fact: peer access enabled again both ways after the restore (%.2f ms)\n", now() - t0);
+  return NULL;
+}
+
+static void load(int d) {
+  void *mod;
+  CK(cuCtxSetCurrent(ctx[d]));
+  CK(cuModuleLoadData(&mod, ptx));
+  CK(cuModuleGetFunction(&fn[d], mod, "copy"));
+}
+
+static void peer(int toggle, int late, int fresh, int thread, uint32_t n) {
   CUdeviceptr a, b;
   CK(cuCtxSetCurrent(ctx[0]));
   CK(cuMemAlloc(&a, (size_t)n * 4));
+  if (late) CK(cuCtxEnablePeerAccess(ctx[1], 0));  // device 1 holds no memory of ours yet
+  if (fresh) load(1);
   CK(cuCtxSetCurrent(ctx[1]));
   CK(cuMemAlloc(&b, (size_t)n * 4));
-  CK(cuCtxSetCurrent(ctx[0]));
-  CK(cuCtxEnablePeerAccess(ctx[1], 0));
+  if (extra_mib) {
+    size_t piece = split ? 64 : extra_mib;
+    CUdeviceptr x;
+    for (size_t done = 0; done < extra_mib; done += piece) CK(cuMemAlloc(&x, piece << 20));
+    printf("fact: device 1 also holds %zu MiB in allocations of %zu MiB\n", extra_mib, piece);
+  }
+  if (!late) {
+    CK(cuCtxSetCurrent(ctx[0]));
+    CK(cuCtxEnablePeerAccess(ctx[1], 0));
+  }
   CK(cuCtxSetCurrent(ctx[1]));
   CK(cuCtxEnablePeerAccess(ctx[0], 0));
   peer_check("before the checkpoint, peer access on", a, b, n);
@@ -142,13 +202,14 @@ static void peer(int toggle, uint32_t n) {
     printf("fact: peer access disabled both ways for the checkpoint\n");
   }
   wait_line();
-  if (toggle) {
-    double t0 = now();
-    CK(cuCtxSetCurrent(ctx[0]));
-    CK(cuCtxEnablePeerAccess(ctx[1], 0));
-    CK(cuCtxSetCurrent(ctx[1]));
-    CK(cuCtxEnablePeerAccess(ctx[0], 0));
-    printf("fact: peer access enabled again both ways after the restore (%.2f ms)\n", now() - t0);
+  if (toggle && thread) {
+    pthread_t th;
+    if (pthread_create(&th, NULL, reenable, (void *)1) || pthread_join(th, NULL)) {
+      printf("FAIL: no thread\n");
+      exit(1);
+    }
+  } else if (toggle) {
+    reenable(NULL);
   }
   // Contents of a survived? (b was last written by device 0's kernel: a = b + 1 = 7 + 3i + 2.)
   CK(cuCtxSetCurrent(ctx[0]));
@@ -208,7 +269,7 @@ static void vmm_peer(uint32_t n) {
 
 int main(int argc, char **argv) {
   if (argc < 2) {
-    fprintf(stderr, "usage: probe-peer peer-keep|peer-toggle|vmm-peer [MIB]\n");
+    fprintf(stderr, "usage: probe-peer peer-keep|peer-toggle[-late|-fresh|-big|-split|-thread]|vmm-peer [MIB]\n");
     return 2;
   }
   const char *mode = argv[1];
@@ -221,6 +282,7 @@ int main(int argc, char **argv) {
   }
   SYM(cuInit, "cuInit") SYM(cuDeviceGet, "cuDeviceGet") SYM(cuDeviceGetCount, "cuDeviceGetCount")
   SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain") SYM(cuCtxSetCurrent, "cuCtxSetCurrent")
+  SYM(cuCtxPushCurrent, "cuCtxPushCurrent") SYM(cuCtxPopCurrent, "cuCtxPopCurrent")
   SYM(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess") SYM(cuCtxDisablePeerAccess, "cuCtxDisablePeerAccess")
   SYM(cuMemAlloc, "cuMemAlloc") SYM(cuMemcpyHtoD, "cuMemcpyHtoD") SYM(cuMemcpyDtoH, "cuMemcpyDtoH")
   SYM(cuModuleLoadData, "cuModuleLoadData")
@@ -241,21 +303,19 @@ int main(int argc, char **argv) {
     printf("FAIL: needs 2 GPUs, has %d\n", count);
     return 1;
   }
-  int vmm = !strcmp(mode, "vmm-peer");
+  int vmm = !strcmp(mode, "vmm-peer"), fresh = strstr(mode, "-fresh") != NULL;
   for (int d = 0; d < (vmm ? 1 : 2); d++) { /* vmm-peer: a context on device 0 only */
     int dev;
-    void *mod;
     CK(cuDeviceGet(&dev, d));
     CK(cuDevicePrimaryCtxRetain(&ctx[d], dev));
-    CK(cuCtxSetCurrent(ctx[d]));
-    CK(cuModuleLoadData(&mod, ptx));
-    CK(cuModuleGetFunction(&fn[d], mod, "copy"));
+    if (d == 0 || !fresh) load(d);
   }
   uint32_t n = (uint32_t)((mib << 20) / 4 > (64u << 20) / 4 ? (64u << 20) / 4 : (mib << 20) / 4);
   host = malloc((size_t)(64u << 20));
   if (!host) return 1;
-  if (!strcmp(mode, "peer-keep") || !strcmp(mode, "peer-toggle"))
-    peer(!strcmp(mode, "peer-toggle"), n);
+  if (strstr(mode, "-big") || strstr(mode, "-split")) extra_mib = mib, split = strstr(mode, "-split") != NULL;
+  if (!strcmp(mode, "peer-keep") || !strncmp(mode, "peer-toggle", 11))
+    peer(strcmp(mode, "peer-keep") != 0, strstr(mode, "-late") != NULL || fresh, fresh, strstr(mode, "-thread") != NULL, n);
   else if (vmm)
     vmm_peer(n);
   else {

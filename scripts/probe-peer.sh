@@ -10,14 +10,17 @@
 #   scripts/probe-peer.sh [MIB] [CASE...]    (root; default 1024 MiB and every case below)
 #
 # Cases: peer-keep (peer access left on: the control), peer-toggle, peer-toggle-swapped,
-# vmm-peer, vmm-peer-swapped (a VMM mapping of the other GPU's memory made and dropped before the
+# peer-toggle-late (device 0's access enabled before device 1 holds memory, as a runtime does),
+# peer-toggle-fresh (and before device 1's context has a module), peer-toggle-big and
+# peer-toggle-split (device 1 also holds MIB in one allocation, or in 64 MiB ones),
+# peer-toggle-thread (enabled again from another thread, as the shim does), vmm-peer, vmm-peer-swapped (a VMM mapping of the other GPU's memory made and dropped before the
 # checkpoint), keeper. Output: one block per case on stdout and in $PTXMIG_OUT/probe-peer.txt.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 mib=${1:-1024}
 shift || true
 cases=("$@")
-[ ${#cases[@]} -gt 0 ] || cases=(peer-keep peer-toggle peer-toggle-swapped vmm-peer vmm-peer-swapped keeper)
+[ ${#cases[@]} -gt 0 ] || cases=(peer-keep peer-toggle peer-toggle-swapped peer-toggle-late peer-toggle-fresh peer-toggle-big peer-toggle-split peer-toggle-thread vmm-peer vmm-peer-swapped keeper)
 out=${PTXMIG_OUT:-./results}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -157,13 +157,26 @@ func TestProcessOnBothGPUs(t *testing.T) {
 	// with the GPUs swapped and back, a checkpoint that ends it and a restore, and the checksums of
 	// an uninterrupted run (its kernels read the other GPU's memory every step).
 	t.Run("p2p, under the shim", func(t *testing.T) {
-		long := []string{"--mib", "256", "--steps", "300", "--p2p"}
+		// 64 MiB: device 1 holds 128 MiB in one allocation (over 256 MiB is refused: below).
+		long := []string{"--mib", "64", "--steps", "300", "--p2p"}
 		ref := referenceAsync(t, "twogpu", append(long, "--interval-ms", "0")...)
-		p := startShimmed(t, "off", "twogpu", append(long, "--interval-ms", "100")...)
+		// The shim's diagnostics (PTXMIG_DEBUG=1: every peer link it enables, disables or drops)
+		// go to the process's log under $PTXMIG_OUT.
+		shim := os.Getenv("PTXMIG_SHIM")
+		if shim == "" {
+			t.Skip("PTXMIG_SHIM not set (run through gpu-e2e.sh)")
+		}
+		p := startEnv(t, []string{"PTXMIG_DEBUG=1"}, bin, append([]string{"run", "--shim", shim, "--socket-dir", filepath.Join(t.TempDir(), "sock"),
+			"--preempt", "off", "--", filepath.Join(workloads, "twogpu")}, append(long, "--interval-ms", "100")...)...)
 		waitLine(t, p.log, "step 10 ", 2*time.Minute)
+		// Every operation must find both links (each device reads the other's memory): a link
+		// dropped at a resume would fault the process at its next step.
 		peerOff := func(reports []*shimstep.PreemptReport, what string) int64 {
 			for _, r := range reports {
 				if r.PID == p.pid && r.PeerOff != nil && r.PeerOff.Links > 0 {
+					if r.PeerOff.Links != 2 {
+						t.Fatalf("%s: %d peer links turned off, want 2", what, r.PeerOff.Links)
+					}
 					return r.PeerOff.ElapsedUS
 				}
 			}
@@ -207,6 +220,24 @@ func TestProcessOnBothGPUs(t *testing.T) {
 		sameResults(t, results(p.log), <-ref)
 		record(t, fmt.Sprintf("peer access off for each operation (peer-off %s): checkpoint --leave-running, migrate --gpu-map 0=1,1=0 twice (downtime %s), checkpoint + restore; checksums exact",
 			time.Duration(us)*time.Microsecond, strings.Join(downs, ", ")))
+	})
+	// Driver 580 cannot enable peer access toward a context holding a cudaMalloc allocation over
+	// 256 MiB after a restore (CUDA_ERROR_INVALID_HANDLE: the process would be left held): with
+	// 512 MiB on device 1 the checkpoint is refused up front naming the way out, and the process
+	// runs on to the checksums of an uninterrupted run.
+	t.Run("p2p, a large allocation: refused", func(t *testing.T) {
+		big := []string{"--mib", "256", "--steps", "80", "--p2p"}
+		ref := referenceAsync(t, "twogpu", append(big, "--interval-ms", "0")...)
+		p := startShimmed(t, "off", "twogpu", append(big, "--interval-ms", "100")...)
+		waitLine(t, p.log, "step 10 ", 2*time.Minute)
+		_, se, code := ptxmig(t, "checkpoint", "--leave-running", "--name", "twogpu-p2p-big", strconv.Itoa(p.pid))
+		if code != 3 || !strings.Contains(se, "allocation of 512 MiB") || !strings.Contains(se, "--no-peer-access") {
+			t.Fatalf("checkpoint of a process with peer access and 512 MiB in one allocation: exit %d, want 3 naming the way out: %s", code, se)
+		}
+		progresses(t, p, time.Minute, "the refusal")
+		waitExit(t, p.pid, 3*time.Minute)
+		sameResults(t, results(p.log), <-ref)
+		record(t, "512 MiB in one allocation beside peer access: refused up front (exit 3), ran on, checksums exact")
 	})
 	// Without the shim ptxmig cannot tell: the driver's answer is recorded. Measured with driver
 	// 580.159.04: the checkpoint succeeds and every restore fails with CUDA_ERROR_INVALID_VALUE;

@@ -48,6 +48,18 @@ func TestRefuseUnrestorable(t *testing.T) {
 			want: append([]string{fmt.Sprintf("pid %d has enabled peer access", pid)}, peerWhy...), notWant: []string{"shares GPU memory"}},
 		{name: "peer links from a shim without ipc", replies: status(`,"peer_access":2`), want: peerWhy},
 		{name: "peer links the shim turns off for the checkpoint", replies: status(`,"peer_access":2,"peer_toggle":true,"ipc":{"exported":0,"imported":0}`)},
+		// Driver 580 cannot enable peer access toward a context holding a cuMemAlloc allocation
+		// over 256 MiB after a restore: 256 MiB goes ahead, 512 MiB is refused.
+		{name: "peer links the shim turns off, 256 MiB allocation",
+			replies: status(`,"peer_access":2,"peer_toggle":true,"largest_device_alloc":268435456,"ipc":{"exported":0,"imported":0}`)},
+		{name: "peer links the shim turns off, 512 MiB allocation",
+			replies: status(`,"peer_access":2,"peer_toggle":true,"largest_device_alloc":536870912,"ipc":{"exported":0,"imported":0}`),
+			want: []string{fmt.Sprintf("pid %d has enabled peer access between its GPUs (2 link(s)) and holds a cudaMalloc allocation of 512 MiB", pid),
+				"over 256 MiB back on", "CUDA_ERROR_INVALID_HANDLE", "left held", "nothing was touched", "--no-peer-access",
+				"pieces of at most 256 MiB", "XLA_PYTHON_CLIENT_PREALLOCATE=false"},
+			notWant: []string{"CUDA_ERROR_INVALID_VALUE", "shares GPU memory"}},
+		{name: "a 1 GiB allocation without peer links",
+			replies: status(`,"peer_access":0,"peer_toggle":true,"largest_device_alloc":1073741824,"ipc":{"exported":0,"imported":0}`)},
 		{name: "peer links the shim turns off, and imported", replies: status(`,"peer_access":2,"peer_toggle":true,"ipc":{"exported":0,"imported":1}`),
 			want: shareWhy, notWant: []string{"peer access"}},
 		{name: "exported", replies: status(ipc(2, 0, `"ipc_mem":{"exported":1,"imported":0},"vmm":{"exported":1,"imported":0},`)),

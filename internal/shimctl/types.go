@@ -16,18 +16,22 @@ type Status struct {
 	PeerAccessRefused int  `json:"peer_access_refused,omitempty"`
 	// PeerToggle: the shim turns the process's peer access off for a checkpoint and on again after
 	// (peer-off, peer-on; false from older shims); PeerSuspended: it is off now.
-	PeerToggle    bool              `json:"peer_toggle,omitempty"`
-	PeerSuspended bool              `json:"peer_access_suspended,omitempty"`
-	IPC           *IPC              `json:"ipc,omitempty"`         // nil from a shim that predates it
-	Collectives   *Collectives      `json:"collectives,omitempty"` // NCCL launches and the alignment hold (older shims: nil)
-	Devices       []Device          `json:"devices"`
-	Contexts      []Context         `json:"contexts"`
-	Allocations   map[string]any    `json:"allocations"`
-	Modules       []Module          `json:"modules"`
-	Interception  map[string]uint64 `json:"interception"`
-	Launches      map[string]uint64 `json:"launches"`
-	Sampling      map[string]uint64 `json:"sampling"`
-	Preempt       *PreemptStatus    `json:"preempt,omitempty"` // protocol 2
+	PeerToggle    bool `json:"peer_toggle,omitempty"`
+	PeerSuspended bool `json:"peer_access_suspended,omitempty"`
+	// LargestDeviceAlloc: bytes of the largest live cuMemAlloc (or pitched) allocation (0 from
+	// older shims): driver 580 cannot turn peer access to a context holding one over 256 MiB back
+	// on after a restore.
+	LargestDeviceAlloc uint64            `json:"largest_device_alloc,omitempty"`
+	IPC                *IPC              `json:"ipc,omitempty"`         // nil from a shim that predates it
+	Collectives        *Collectives      `json:"collectives,omitempty"` // NCCL launches and the alignment hold (older shims: nil)
+	Devices            []Device          `json:"devices"`
+	Contexts           []Context         `json:"contexts"`
+	Allocations        map[string]any    `json:"allocations"`
+	Modules            []Module          `json:"modules"`
+	Interception       map[string]uint64 `json:"interception"`
+	Launches           map[string]uint64 `json:"launches"`
+	Sampling           map[string]uint64 `json:"sampling"`
+	Preempt            *PreemptStatus    `json:"preempt,omitempty"` // protocol 2
 }
 
 // IPC is the GPU memory a process shares with other processes, as its shim counts it (status

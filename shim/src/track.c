@@ -126,6 +126,21 @@ void trk_alloc_add(uint64_t key, uint64_t size, int kind) {
   pthread_mutex_unlock(&alloc_mu);
 }
 
+// largest_device_alloc: the size of the largest live cuMemAlloc (or pitched) allocation. Driver
+// 580 cannot enable peer access to a context holding one larger than 256 MiB after a restore
+// (status "largest_device_alloc"; ptxmig refuses such a process with peer links).
+static uint64_t largest_device_alloc(void) {
+  uint64_t big = 0;
+  pthread_mutex_lock(&alloc_mu);
+  for (size_t i = 0; i < allocs.cap; i++) {
+    uint64_t k = allocs.keys[i], v = allocs.vals[i];
+    if (k == PM_EMPTY || k == PM_TOMB) continue;
+    if (((v & 15) == AK_DEVICE || (v & 15) == AK_PITCH) && v >> 4 > big) big = v >> 4;
+  }
+  pthread_mutex_unlock(&alloc_mu);
+  return big;
+}
+
 void trk_alloc_remove(uint64_t key, int kind) {
   pthread_mutex_lock(&alloc_mu);
   pmap *m = kind == AK_VMM_PHYS ? &handles : &allocs;
@@ -1350,6 +1365,7 @@ static struct {
   CUresult (*get)(CUcontext *), (*push)(CUcontext), (*pop)(CUcontext *), (*sync)(void);
   CUresult (*enable)(CUcontext, unsigned), (*disable)(CUcontext);
   CUresult (*can)(int *, CUdevice, CUdevice);
+  CUresult (*ver)(CUcontext, unsigned *);
 } pd = {.once = PTHREAD_ONCE_INIT};
 static void pd_load(void) {
   *(void **)&pd.get = drv_sym("cuCtxGetCurrent");
@@ -1359,6 +1375,7 @@ static void pd_load(void) {
   *(void **)&pd.enable = drv_sym("cuCtxEnablePeerAccess");
   *(void **)&pd.disable = drv_sym("cuCtxDisablePeerAccess");
   *(void **)&pd.can = drv_sym("cuDeviceCanAccessPeer");
+  *(void **)&pd.ver = drv_sym("cuCtxGetApiVersion");
 }
 static int pd_ready(void) {
   pthread_once(&pd.once, pd_load);
@@ -1378,7 +1395,9 @@ CUresult trk_peer_enable(CUcontext peer, unsigned flags, CUresult (*real)(CUcont
   pthread_mutex_lock(&peer_mu);
   int i = link_find(cur, peer);
   CUresult r;
+  const char *how = "";
   if (deferred()) {  // answered as the driver would, applied at the resume
+    how = ", deferred";
     CUdevice dc = -1, dp = -1;
     int can = 1;
     if (cur && peer && (dc = ctx_device(cur)) >= 0 && (dp = ctx_device(peer)) >= 0 && pd.can && pd.can(&can, dc, dp) != CUDA_SUCCESS) can = 1;
@@ -1399,6 +1418,7 @@ CUresult trk_peer_enable(CUcontext peer, unsigned flags, CUresult (*real)(CUcont
     }
   }
   pthread_mutex_unlock(&peer_mu);
+  shim_log("peer access: the app enables context %p -> peer %p (flags %u)%s: %d", (void *)cur, (void *)peer, flags, how, r);
   return r;
 }
 
@@ -1417,19 +1437,21 @@ CUresult trk_peer_disable(CUcontext peer, CUresult (*real)(CUcontext)) {
     else if (r == CUDA_SUCCESS && links_lost > 0) links_lost--;
   }
   pthread_mutex_unlock(&peer_mu);
+  shim_log("peer access: the app disables context %p -> peer %p: %d", (void *)cur, (void *)peer, r);
   return r;
 }
 
-// peer_apply1 and purge_stale are below.
+// peer_apply1, peer_enable_all and purge_stale are below.
 static CUresult peer_apply1(int on, int i);
+static CUresult peer_enable_all(int *bad, int *changed);
 static void purge_stale(void);
 
 void trk_peer_hold(int on) {
   pthread_mutex_lock(&peer_mu);
   peer_hold = on;
   // Running again: links the app enabled since the peer-on (or a quiesce without one) go on now.
-  for (int i = 0; i < nlinks && !on && !peer_off; i++)
-    if (!links[i].applied) peer_apply1(1, i);  // a failure is logged there
+  int bad, changed;
+  if (!on && !peer_off) peer_enable_all(&bad, &changed);  // a failure is logged there
   purge_stale();
   pthread_mutex_unlock(&peer_mu);
 }
@@ -1469,7 +1491,7 @@ static int stale_code(CUresult r) {
 // peer_apply1 enables (on) or disables link i from its context; a link the driver says names a
 // context it does not know is marked stale (success: there is nothing to change; purge_stale
 // drops it). peer_mu held.
-static CUresult peer_apply1(int on, int i) {
+static CUresult peer_try1(int on, int i) {
   CUcontext x;
   CUresult r = pd.push(links[i].ctx);
   if (r == CUDA_SUCCESS) {
@@ -1477,13 +1499,30 @@ static CUresult peer_apply1(int on, int i) {
     if (r == (on ? CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED : CUDA_ERROR_PEER_ACCESS_NOT_ENABLED)) r = CUDA_SUCCESS;
     pd.pop(&x);
   }
-  if (stale_code(r)) {
+  return r;
+}
+
+// ctx_gone: the driver says it does not know c (a destroyed context). A driver without the query
+// is taken at the word of the call that failed.
+static int ctx_gone(CUcontext c) {
+  unsigned v;
+  return !pd.ver || stale_code(pd.ver(c, &v));
+}
+
+// peer_settle: what link i's answer r means. A stale answer (invalid handle or context) drops the
+// link only when the driver does not know its context or its peer: after a driver restore the
+// first enable of a link between two live contexts was refused with CUDA_ERROR_INVALID_HANDLE
+// (twogpu, 2x H200, driver 580), and such a link must come back, not go. peer_mu held.
+static CUresult peer_settle(int on, int i, CUresult r) {
+  if (stale_code(r) && (ctx_gone(links[i].ctx) || ctx_gone(links[i].peer))) {
     shim_log("peer access: link %d (context %p, peer %p) names a context the driver does not know (%d): dropped", i + 1,
              (void *)links[i].ctx, (void *)links[i].peer, r);
     links[i].stale = 1;
     return CUDA_SUCCESS;
   }
   if (r == CUDA_SUCCESS) {
+    shim_log("peer access: %s link %d (context %p, peer %p)", on ? "enabled" : "disabled", i + 1, (void *)links[i].ctx,
+             (void *)links[i].peer);
     links[i].applied = on;
     if (on) links[i].fresh = 0;
     return r;
@@ -1495,6 +1534,39 @@ static CUresult peer_apply1(int on, int i) {
     return CUDA_SUCCESS;
   }
   return r;
+}
+
+static CUresult peer_apply1(int on, int i) { return peer_settle(on, i, peer_try1(on, i)); }
+
+// peer_enable_all enables every link that is off (not stale) and returns the first failure, with
+// its link's index in *bad. A link the driver refuses is tried once more after the others: after
+// a driver restore, twogpu's first enable (device 0 to device 1, which cudart had enabled before
+// device 1 held memory) was refused with CUDA_ERROR_INVALID_HANDLE while the other went on (2x
+// H200, driver 580; scripts/probe-peer.sh peer-toggle-late asks whether the order decides).
+// *changed is set when a link went on. peer_mu held.
+static CUresult peer_enable_all(int *bad, int *changed) {
+  int retry[MAX_PEER], nr = 0;
+  for (int i = 0; i < nlinks; i++) {
+    if (links[i].applied || links[i].stale) continue;
+    CUresult r = peer_try1(1, i);
+    if (r != CUDA_SUCCESS) {
+      shim_log("peer access: enabling link %d (context %p, peer %p) failed (%d): tried again after the others", i + 1,
+               (void *)links[i].ctx, (void *)links[i].peer, r);
+      retry[nr++] = i;
+    } else if (peer_settle(1, i, r) == CUDA_SUCCESS) {
+      *changed = 1;
+    }
+  }
+  for (int k = 0; k < nr; k++) {
+    int i = retry[k];
+    CUresult r = peer_settle(1, i, peer_try1(1, i));
+    if (r != CUDA_SUCCESS) {
+      *bad = i;
+      return r;
+    }
+    *changed = 1;
+  }
+  return CUDA_SUCCESS;
 }
 
 static void purge_stale(void) {  // peer_mu held
@@ -1575,12 +1647,9 @@ int trk_peer_set(int on, jbuf *b, char *err, size_t errlen) {
     }
     if (rc == 0) changed = nd > 0 || !peer_off, peer_off = 1;
   } else if (on) {
-    for (int i = 0; i < nlinks && rc == 0; i++) {
-      if (links[i].applied || links[i].stale) continue;
-      CUresult r = peer_apply1(1, i);
-      if (r != CUDA_SUCCESS) snprintf(err, errlen, "peer-on: enabling peer access of link %d of %d failed (%d)", i + 1, nlinks, r), rc = -1;
-      else changed = 1;
-    }
+    int bad = -1;
+    CUresult r = peer_enable_all(&bad, &changed);
+    if (r != CUDA_SUCCESS) snprintf(err, errlen, "peer-on: enabling peer access of link %d of %d failed (%d)", bad + 1, nlinks, r), rc = -1;
     if (rc == 0) changed |= peer_off, peer_off = 0;
   }
   purge_stale();
@@ -1614,6 +1683,7 @@ void trk_report_status(jbuf *b, int brief) {
   if (ver && ver(&dv) == CUDA_SUCCESS) jb_printf(b, ",\"driver_cuda_version\":%d", dv);
   jb_printf(b, ",\"peer_access\":%ld,\"peer_access_off\":%s,\"peer_access_refused\":%ld,\"peer_toggle\":true,\"peer_access_suspended\":%s",
             trk_peer_links(), cfg.no_peer ? "true" : "false", atomic_load(&peer_refused), trk_peer_pending() ? "true" : "false");
+  jb_printf(b, ",\"largest_device_alloc\":%llu", (unsigned long long)largest_device_alloc());
   jb_key(b, "peer_links");
   peer_report(b);
   jb_key(b, "ipc");

@@ -252,6 +252,8 @@ def main():
             check(links() == "0", f"peer-off: the driver still has {links()} link(s)")
             st = c.req(cmd="status")["result"]
             check(st["peer_access"] == 1 and st["peer_access_suspended"] and st["peer_toggle"], f"status after peer-off: {st.get('peer_access')}, suspended {st.get('peer_access_suspended')}")
+            # ptxmig refuses peer links beside a cuMemAlloc allocation over 256 MiB: the largest is reported.
+            check(st.get("largest_device_alloc") == 1 << 20, f"status largest_device_alloc {st.get('largest_device_alloc')}, want the app's 1 MiB")
             r = q.req(cmd="peer-off")
             check(r["ok"] and not r["result"]["changed"], f"peer-off again: {r}")
             r = q.req(cmd="resume")
@@ -292,9 +294,39 @@ def main():
             check(got == "peer 0" and r["ok"] and r2["ok"] and r3["ok"] and st["peer_access"] == 0,
                   f"a stale link at peer-off: app {got!r}, {r2}, {r3}; status peer_access {st.get('peer_access')}")
             q.close()
+            # A link between live contexts that the driver refuses at its first enable after a
+            # restore (400: twogpu on 2x H200) is tried again, not dropped; one it keeps refusing
+            # fails the resume (the process stays held) and stays in the table, and goes on when
+            # the driver takes it. (The stale case above left the link in the fake driver only.)
+            app.p.stdin.write("unpeer\npeer\n")
+            app.p.stdin.flush()
+            got = app.p.stdout.readline().strip() + ", " + app.p.stdout.readline().strip()
+            q = Conn(path)
+            r, r2 = q.req(cmd="quiesce", budget_ms=100), q.req(cmd="peer-off")
+            with open(refuse_file, "w") as f:
+                f.write("1\n")
+            r3 = q.req(cmd="resume")
+            st = c.req(cmd="status")["result"]
+            check(got == "unpeer 0, peer 0" and r["ok"] and r2["ok"] and r3["ok"] and links() == "1" and st["peer_access"] == 1,
+                  f"a link refused once at the resume: app {got!r}, {r3}; the driver has {links()}; status {st.get('peer_links')}")
+            r, r2 = q.req(cmd="quiesce", budget_ms=100), q.req(cmd="peer-off")
+            with open(refuse_file, "w") as f:
+                f.write("2\n")
+            r3 = q.req(cmd="resume")
+            st = c.req(cmd="status")["result"]
+            check(r["ok"] and r2["ok"] and not r3["ok"] and "peer-on" in r3.get("error", "") and links() == "0" and
+                  st["peer_access"] == 1 and st["peer_access_suspended"],
+                  f"a link refused twice at the resume: {r3}; the driver has {links()}; status {st.get('peer_links')}")
+            r3 = q.req(cmd="resume")
+            st = c.req(cmd="status")["result"]
+            check(r3["ok"] and links() == "1" and not st["peer_access_suspended"],
+                  f"the resume again, the driver taking the link: {r3}; the driver has {links()}")
+            q.close()
 
         stale_file = os.path.join(os.path.dirname(peer_file), "stale")
-        run_app(opts, "app_direct", {"FAKE_CUDA_PEER_FILE": peer_file, "FAKE_CUDA_PEER_STALE": stale_file, "APP_PEER": "1"},
+        refuse_file = os.path.join(os.path.dirname(peer_file), "refuse")
+        run_app(opts, "app_direct", {"FAKE_CUDA_PEER_FILE": peer_file, "FAKE_CUDA_PEER_STALE": stale_file,
+                                     "FAKE_CUDA_PEER_REFUSE": refuse_file, "APP_PEER": "1"},
                 {"k_test": (8, [((4, 1, 1), (256, 1, 1), 5), ((8, 1, 1), (128, 1, 1), 3)])},
                 {"device": 1 << 20}, ["cuModuleLoadData"], {"cuLaunchKernel": 6, "cuLaunchKernel_ptsz": 3},
                 expect_peer=1, after=toggle)

@@ -8,7 +8,8 @@
 // the process uses on each). Each step advances every word on both devices (an LCG step that
 // depends on the step and the device), then mixes: the first MiB of device 0's buffer is copied
 // into device 1's buffer (cudaMemcpyPeer, staged by the driver), or, with --p2p, peer access is
-// enabled both ways and a kernel on device 1 reads device 0's memory directly. It prints
+// enabled both ways and a kernel on device 1 reads device 0's memory directly, then one on device
+// 0 reads device 1's (both links are used: a link lost across a checkpoint faults). It prints
 // "step I checksum HEX16 HEX16" (one checksum per device) and at the end "final checksum HEX16
 // HEX16": a pure function of (N, K, --p2p), so a run that was checkpointed, restored with the GPUs
 // swapped or migrated in between must print the same lines as an uninterrupted one.
@@ -23,8 +24,8 @@ __global__ void seed(uint32_t *a, size_t n, uint32_t salt) {
     a[i] = (uint32_t)(i * 2654435761u) ^ 0x9e3779b9u ^ salt;
 }
 
-// mix folds device 0's words into device 1's (runs on device 1; src is device 0's memory, reached
-// over peer access).
+// mix folds src's words into dst's (runs on dst's device; src is the other device's memory,
+// reached over peer access).
 __global__ void mix(uint32_t *dst, const uint32_t *src, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
     dst[i] ^= src[i] * 2246822519u;
@@ -91,6 +92,10 @@ int main(int argc, char **argv) {
     CHECK(cudaSetDevice(1));
     if (p2p) {
       mix<<<grid[1], 256>>>(a[1], a[0], mixn);
+      CHECK_LAUNCH();
+      CHECK(cudaDeviceSynchronize());
+      CHECK(cudaSetDevice(0));
+      mix<<<grid[0], 256>>>(a[0], a[1] + mixn, mixn);  // device 1 holds 2N: a[1] + mixn is in it
       CHECK_LAUNCH();
     } else {
       CHECK(cudaMemcpyPeer(a[1], 1, a[0], 0, mixn * sizeof(uint32_t)));

@@ -235,14 +235,34 @@ static int fake_link(void *peer) {
   return -1;
 }
 // FAKE_CUDA_PEER_STALE=FILE: while FILE exists, every peer context is one the driver no longer
-// knows (400, as for a context destroyed behind the app's back).
+// knows (400 from the peer calls, 201 from cuCtxGetApiVersion: a context destroyed behind the
+// app's back).
 static int peer_stale(void) {
   const char *f = getenv("FAKE_CUDA_PEER_STALE");
   return f && *f && access(f, F_OK) == 0;
 }
+// FAKE_CUDA_PEER_REFUSE=FILE holding N: the next N enables between live contexts are refused
+// with 400 (as driver 580 refused a link's first enable after a restore), N counted down in FILE.
+static int peer_refuse(void) {
+  const char *f = getenv("FAKE_CUDA_PEER_REFUSE");
+  FILE *in = f && *f ? fopen(f, "r") : NULL;
+  int n = 0;
+  if (!in) return 0;
+  if (fscanf(in, "%d", &n) != 1) n = 0;
+  fclose(in);
+  if (n <= 0) return 0;
+  FILE *o = fopen(f, "w");
+  if (o) fprintf(o, "%d\n", n - 1), fclose(o);
+  return 1;
+}
+EXPORT CUresult cuCtxGetApiVersion(void *c, unsigned *v) {
+  if (!c || peer_stale()) return 201;  // CUDA_ERROR_INVALID_CONTEXT
+  *v = 3020;
+  return OK;
+}
 EXPORT CUresult cuCtxEnablePeerAccess(void *peer, unsigned flags) {
   (void)flags;
-  if (!peer || !current || peer_stale()) return E_INVALID_HANDLE;
+  if (!peer || !current || peer_stale() || peer_refuse()) return E_INVALID_HANDLE;
   if (fake_link(peer) >= 0) return 704;
   if (fake_nlinks == 16) return 999;
   fake_links[fake_nlinks].ctx = current, fake_links[fake_nlinks++].peer = peer;
