@@ -22,6 +22,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/proc"
 	"github.com/ptxmig/ptxmig/internal/seccomp"
+	"github.com/ptxmig/ptxmig/internal/tcpdiag"
 	"github.com/ptxmig/ptxmig/internal/testproc"
 	"github.com/ptxmig/ptxmig/internal/testreq"
 	"github.com/ptxmig/ptxmig/restore"
@@ -378,5 +379,111 @@ func TestIOURingDenied(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatalf("the restored program did not answer SIGUSR1: %q", b)
 		}
+	}
+}
+
+// lingerServer listens on a port without SO_REUSEADDR and serves one connection per line it is
+// sent ("pong"); it first connects to itself and closes the accepted side first, which leaves
+// that connection in TIME_WAIT on its listening port for 60 s, as a job's closed bootstrap
+// connections do.
+const lingerServer = `import socket, sys, time
+port = int(sys.argv[1])
+l = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+l.bind(("127.0.0.1", port)); l.listen(4)
+c = socket.create_connection(("127.0.0.1", port))
+a, _ = l.accept()
+a.close(); time.sleep(0.2); c.close()
+print("ready", flush=True)
+while True:
+    a, _ = l.accept()
+    a.recv(16); a.sendall(b"pong"); a.close()
+`
+
+// ping connects to the server on port and returns its answer.
+func ping(port int) (string, error) {
+	c, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", port), 3*time.Second)
+	if err != nil {
+		return "", err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(3 * time.Second))
+	if _, err := c.Write([]byte("ping")); err != nil {
+		return "", err
+	}
+	b, err := io.ReadAll(c)
+	return string(b), err
+}
+
+// TestListeningPortInTimeWait: a server whose listening socket lacks SO_REUSEADDR is checkpointed
+// (which ends it) while a connection of its past lingers in TIME_WAIT on its port, where CRIU's
+// bind would fail with EADDRINUSE: the restore ends the lingering connection, CRIU binds the
+// port and the restored server answers. Checkpointed again, with another socket listening on
+// the port, its restore is refused before anything is touched; once that is gone, it restores.
+func TestListeningPortInTimeWait(t *testing.T) {
+	f := setup(t)
+	dir := t.TempDir()
+	script := filepath.Join(dir, "linger.py")
+	if err := os.WriteFile(script, []byte(lingerServer), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	port := freePort(t)
+	pid := startDaemon(t, dir, script, strconv.Itoa(port))
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if b, _ := os.ReadFile(filepath.Join(dir, "daemon.out")); strings.Contains(string(b), "ready") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the server did not start")
+		}
+	}
+	if got, err := ping(port); err != nil || got != "pong" {
+		t.Fatalf("the server before the checkpoint: %q %v", got, err)
+	}
+	if _, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: pid, Name: "linger", StagingRoot: f.stage}); err != nil {
+		t.Fatalf("checkpoint: %v", err)
+	}
+	waitGone(t, pid)
+	if tw, err := tcpdiag.List(uint16(port), tcpdiag.StateTimeWait); err != nil || len(tw) == 0 {
+		t.Fatalf("no connection in TIME_WAIT on port %d after the checkpoint (%v): the test proves nothing", port, err)
+	}
+
+	r := f.restore(t, "linger")
+	if r.TimeWaitEnded == 0 {
+		t.Errorf("the restore ended no connection in TIME_WAIT (result %+v)", r)
+	}
+	if got, err := ping(port); err != nil || got != "pong" {
+		t.Fatalf("the restored server: %q %v", got, err)
+	}
+
+	// Another process's socket listens there: refused, nothing touched; then restored.
+	if _, err := checkpoint.Run(context.Background(), f.env, checkpoint.Options{PID: pid, Name: "linger-2", StagingRoot: f.stage}); err != nil {
+		t.Fatalf("checkpoint of the restored server: %v", err)
+	}
+	waitGone(t, pid)
+	tw, err := tcpdiag.List(uint16(port), tcpdiag.StateTimeWait) // our pings': they would hold the port against the listener
+	for _, s := range tw {
+		if err == nil {
+			err = tcpdiag.Destroy(s)
+		}
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = restore.Run(context.Background(), f.env, restore.Options{Image: "linger-2", StagingRoot: f.stage})
+	l.Close()
+	if !errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), fmt.Sprintf("127.0.0.1:%d", port)) ||
+		!strings.Contains(err.Error(), "nothing was touched") {
+		t.Fatalf("restore with the port taken: %v, want a refusal naming it", err)
+	}
+	if proc.Alive(pid) {
+		t.Fatal("the refused restore started the process")
+	}
+	f.restore(t, "linger-2")
+	if got, err := ping(port); err != nil || got != "pong" {
+		t.Fatalf("the server restored after the refusal: %q %v", got, err)
 	}
 }

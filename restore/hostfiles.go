@@ -99,29 +99,34 @@ func imageHostFiles(ctx context.Context, env *op.Env, m *store.Manifest, d *imag
 	if d.HostFilesRecorded {
 		return d.HostFiles, nil
 	}
+	got, err := readImageFiles(ctx, env, m, hostreq.FilesImage, hostreq.RemapImage)
+	if err != nil {
+		return nil, err
+	}
+	if got[0] == nil {
+		return nil, errNoRecord
+	}
+	return hostreq.Decode(got[0], got[1])
+}
+
+// readImageFiles reads CRIU image files of m by name (each bounded by hostreq.MaxImageBytes);
+// nil for one the image lacks.
+func readImageFiles(ctx context.Context, env *op.Env, m *store.Manifest, names ...string) ([][]byte, error) {
 	rd, err := env.Store.OpenImage(ctx, m.ID, store.GetOptions{})
 	if err != nil {
 		return nil, err
 	}
 	defer rd.Close()
-	read := func(name string) ([]byte, error) {
+	out := make([][]byte, len(names))
+	for i, name := range names {
 		if _, ok := rd.Lookup(name); !ok {
-			return nil, nil
+			continue
 		}
-		return store.ReadFileLimit(ctx, rd, name, hostreq.MaxImageBytes)
-	}
-	files, err := read(hostreq.FilesImage)
-	if err != nil || files == nil {
-		if err == nil {
-			err = errNoRecord
+		if out[i], err = store.ReadFileLimit(ctx, rd, name, hostreq.MaxImageBytes); err != nil {
+			return nil, err
 		}
-		return nil, err
 	}
-	remaps, err := read(hostreq.RemapImage)
-	if err != nil {
-		return nil, err
-	}
-	return hostreq.Decode(files, remaps)
+	return out, nil
 }
 
 // placeFiles puts the planned carried files in place, reading each from the image (src). It

@@ -11,12 +11,14 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
 	"github.com/ptxmig/ptxmig/internal/criu"
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/driverstep"
+	"github.com/ptxmig/ptxmig/internal/hostreq"
 	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
@@ -84,6 +86,9 @@ type Plan struct {
 	dpairs   []cudackpt.Pair
 	cudaPIDs []int
 	cgroups  *cgroupPlan
+	// listeners: the image's listening TCP sockets (planPorts), whose ports the CRIU step frees
+	// of connections left in TIME_WAIT.
+	listeners []hostreq.Listener
 }
 
 // Result of a restore.
@@ -104,7 +109,10 @@ type Result struct {
 	Bytes       int64                     `json:"bytes"`
 	Cgroup      string                    `json:"cgroup,omitempty"` // the root's cgroup v2 path after the restore
 	Placed      []Placement               `json:"placed_files,omitempty"`
-	StagingDir  string                    `json:"staging_dir,omitempty"`
+	// TimeWaitEnded: connections left in TIME_WAIT on the image's listening ports, ended so that
+	// CRIU could bind them.
+	TimeWaitEnded int    `json:"time_wait_ended,omitempty"`
+	StagingDir    string `json:"staging_dir,omitempty"`
 }
 
 // Run plans and executes a restore.
@@ -172,6 +180,9 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 		}
 	} else if len(o.GPUs) > 0 || len(o.GPUMap) > 0 {
 		return nil, op.Refusef("image %s is a CPU process: --gpu/--gpu-map do not apply", m.Name)
+	}
+	if err := p.planPorts(ctx, env, m); err != nil {
+		return nil, err
 	}
 	if err := p.planHost(ctx, env, m); err != nil {
 		return nil, err
@@ -292,6 +303,14 @@ func (p *Plan) describe() []op.PlanStep {
 			how = "replacing the different file there, moved aside"
 		}
 		placed += fmt.Sprintf("; put the carried %s (%s) in place (%s)", pl.Path, bytesize.Format(pl.Size), how)
+	}
+	if len(p.listeners) > 0 {
+		var addrs []string
+		for _, l := range p.listeners {
+			addrs = append(addrs, l.Addr.String())
+		}
+		placed += fmt.Sprintf("; the listening TCP port(s) %s are free (connections left in TIME_WAIT on them are ended before "+
+			"CRIU binds them)", strings.Join(addrs, ", "))
 	}
 	add("host", "%d files the processes had open or mapped are here with the size, mode and build-ID CRIU recorded%s", p.HostFiles-len(p.Place), placed)
 	sj := ""
@@ -431,6 +450,11 @@ func buildSteps(env *op.Env, p *Plan, res *Result, src imageSource, ropts criu.R
 			dir, err := p.cgroups.prepare()
 			if err != nil {
 				return err
+			}
+			ended, err := freePorts(ctx, env.Logger(), p.listeners)
+			res.TimeWaitEnded += ended
+			if err != nil {
+				env.Logger().Warn("cannot free the image's listening ports of connections in TIME_WAIT; CRIU may fail to bind them", "err", err)
 			}
 			began = proc.SinceBoot()
 			criuRan := false // CRIU started: it may have created processes, whatever it did then

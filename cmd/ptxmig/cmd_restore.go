@@ -42,7 +42,10 @@ func init() {
 			"image carries a copy (checkpoint --carry-files): a missing one is then put in place (its\n" +
 			"directory created), a different one only with --overwrite-files (moved aside, not deleted);\n" +
 			"a failed restore removes what it put in place. Another driver, CUDA or CRIU version than the\n" +
-			"image's is a warning. On another host: checkpoint → image export → image import → restore.\n\n" +
+			"image's is a warning. A TCP port the processes listened on must be free: one another socket\n" +
+			"listens on is refused (exit 3); connections left in TIME_WAIT on it (60 s after they closed),\n" +
+			"which would make CRIU's bind fail, are ended first. On another host: checkpoint → image export\n" +
+			"→ image import → restore.\n\n" +
 			"By default each GPU maps to the GPU with the same UUID, else (another host) the same index.\n" +
 			"When a GPU moves, the driver needs a pair for every GPU of the source host (recorded at\n" +
 			"checkpoint, whatever CUDA_VISIBLE_DEVICES was): the ones it did not use keep their GPU or take\n" +
@@ -151,6 +154,9 @@ func restoreAction(c *cli.Context) error {
 			how = "the different file there was moved aside to " + esc(pl.Path) + ".ptxmig-replaced-*"
 		}
 		fmt.Fprintf(w, "put the carried %s (%s) in place: %s\n", esc(pl.Path), bytesize.Format(pl.Size), how)
+	}
+	if res.TimeWaitEnded > 0 {
+		fmt.Fprintf(w, "ended %d connection(s) left in TIME_WAIT on the image's listening ports, so that CRIU could bind them\n", res.TimeWaitEnded)
 	}
 	printPreemption(w, res.Preemption)
 	if res.Stream {
