@@ -448,8 +448,8 @@ func TestListeningPortInTimeWait(t *testing.T) {
 	}
 
 	r := f.restore(t, "linger")
-	if r.TimeWaitEnded == 0 {
-		t.Errorf("the restore ended no connection in TIME_WAIT (result %+v)", r)
+	if r.ClosingEnded == 0 {
+		t.Errorf("the restore ended no closing connection (result %+v)", r)
 	}
 	if got, err := ping(port); err != nil || got != "pong" {
 		t.Fatalf("the restored server: %q %v", got, err)

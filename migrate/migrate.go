@@ -16,6 +16,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/cudackpt"
 	"github.com/ptxmig/ptxmig/internal/driverstep"
 	"github.com/ptxmig/ptxmig/internal/gpu"
+	"github.com/ptxmig/ptxmig/internal/imagedesc"
 	"github.com/ptxmig/ptxmig/internal/journal"
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/oplock"
@@ -182,6 +183,9 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	}
 	if err != nil {
 		return nil, op.Refusef("migrate pid %d: %w", pid, err)
+	}
+	if err := refuseNoPeerPath(ctx, env, pids, pairs); err != nil {
+		return nil, err
 	}
 	p := &Plan{PID: pid, PIDs: pids, Pairs: pairs, opts: o}
 	for _, pr := range pairs {
@@ -420,4 +424,48 @@ func lockTimeoutText(d time.Duration) string {
 		return "none"
 	}
 	return d.String()
+}
+
+// refuseNoPeerPath refuses to move a process with peer links between its GPUs (its shim reports
+// them) onto GPUs between which this host has no peer path: the shim turns peer access off for
+// the move and enables it again at the resume, which would fail there, and the migrate would roll
+// back after the whole move. Without NVML's answer (a Lister that cannot tell, an error) nothing
+// is refused.
+func refuseNoPeerPath(ctx context.Context, env *op.Env, pids []int, pairs []placement.Pair) error {
+	pp, ok := env.GPUs.(gpu.PeerPather)
+	if !ok {
+		return nil
+	}
+	for _, pid := range pids {
+		st, err := op.ShimStatus(ctx, pid)
+		if err != nil || st == nil || st.PeerAccess == 0 {
+			continue // RefuseUnrestorable has spoken on a shim that does not answer
+		}
+		own, _, err := env.TreeGPUs([]int{pid})
+		if err != nil {
+			continue
+		}
+		var to []gpu.Device
+		for _, pr := range pairs {
+			if pr.Used && slices.ContainsFunc(own, func(g imagedesc.GPU) bool { return strings.EqualFold(g.UUID, pr.From.UUID) }) {
+				to = append(to, pr.To)
+			}
+		}
+		for i := range to {
+			for j := i + 1; j < len(to); j++ {
+				if strings.EqualFold(to[i].UUID, to[j].UUID) {
+					continue
+				}
+				path, err := pp.PeerPath(to[i].UUID, to[j].UUID)
+				if err != nil || path {
+					continue
+				}
+				return op.Refusef("pid %d has enabled peer access between its GPUs (%d link(s), reported by the ptxmig shim), "+
+					"and its targets GPU %d and GPU %d have no peer path between them (NVML): peer access could not be "+
+					"enabled again after the move; nothing was touched. Choose targets with a peer path (`nvidia-smi topo -p2p r` "+
+					"shows them), or start the process with `ptxmig run --no-peer-access`", pid, st.PeerAccess, to[i].Index, to[j].Index)
+			}
+		}
+	}
+	return nil
 }

@@ -6,10 +6,12 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"reflect"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -21,6 +23,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/op"
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimctl/shimctltest"
 	"github.com/ptxmig/ptxmig/internal/shimstep"
 	"github.com/ptxmig/ptxmig/internal/testproc"
 	"github.com/ptxmig/ptxmig/internal/testreq"
@@ -285,6 +288,67 @@ func TestMigrateJob(t *testing.T) {
 				if g := d.Get(pid); g.State != cudackpt.Running || g.GPU != tt.want[i] {
 					t.Errorf("rank %d (pid %d) ends %v on %s, want running on %s (calls %q)", i, pid, g.State, g.GPU, tt.want[i], d.PIDCalls)
 				}
+			}
+		})
+	}
+}
+
+// peerLister: GPUs 0 and 1, one process on both, and whether they have a peer path.
+type peerLister struct {
+	pid  int
+	path bool
+}
+
+func (l peerLister) Devices() ([]gpu.Device, error) {
+	devs := []gpu.Device{dev(0, u0), dev(1, u1)}
+	for i := range devs {
+		devs[i].Processes = []gpu.Process{{PID: l.pid, UsedMemory: 1 << 30}}
+	}
+	return devs, nil
+}
+
+func (l peerLister) PeerPath(a, b string) (bool, error) { return l.path, nil }
+
+// TestMigrateRefusesNoPeerPath: a process on two GPUs whose shim reports peer links is refused
+// (nothing touched) when its targets have no peer path, naming them and the way out; with a path,
+// or without links, the plan goes ahead.
+func TestMigrateRefusesNoPeerPath(t *testing.T) {
+	// The process is the test itself: a shim's socket must be served by the pid it is named for.
+	sock := t.TempDir()
+	t.Setenv("PTXMIG_SOCKET_DIR", sock)
+	pid := os.Getpid()
+	for _, tt := range []struct {
+		name  string
+		links int
+		path  bool
+		want  string // "" : planned
+	}{
+		{"peer links, no peer path", 2, false, "its targets GPU 1 and GPU 0 have no peer path"},
+		{"peer links, a peer path", 2, true, ""},
+		{"no peer links, no peer path", 0, false, ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(sock, fmt.Sprintf("%d.sock", pid))
+			_ = os.Remove(path)
+			shimctltest.Serve(t, path, map[string]string{"status": fmt.Sprintf(`{"ok":true,"proto":2,"cmd":"status","result":`+
+				`{"pid":%d,"proto":2,"peer_access":%d,"peer_toggle":true,"ipc":{"exported":0,"imported":0}}}`+"\n", pid, tt.links)})
+			d := cudackpttest.New(u0, []string{u0, u1}, pid)
+			env := &op.Env{Driver: d, GPUs: peerLister{pid, tt.path}, Euid: 0, Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
+				UsesCUDA:      func(q int) (bool, error) { return q == pid, nil },
+				DriverVersion: func() (string, error) { return "580.159.04", nil }}
+			_, err := PlanMigrate(context.Background(), env, Options{PID: pid, GPUMap: map[string]string{"0": "1", "1": "0"}, LockTimeout: time.Second})
+			if tt.want == "" {
+				if err != nil {
+					t.Fatalf("plan: %v", err)
+				}
+				return
+			}
+			if !errors.Is(err, op.ErrRefused) || !strings.Contains(err.Error(), tt.want) || !strings.Contains(err.Error(), "--no-peer-access") ||
+				!strings.Contains(err.Error(), "nothing was touched") {
+				t.Fatalf("plan: %v, want a refusal with %q", err, tt.want)
+			}
+			if len(d.PIDCalls) != 0 {
+				t.Fatalf("the refusal touched the driver: %q", d.PIDCalls)
 			}
 		})
 	}

@@ -11,7 +11,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"github.com/ptxmig/ptxmig/internal/bytesize"
@@ -88,7 +87,8 @@ type Plan struct {
 	cgroups  *cgroupPlan
 	// listeners: the image's listening TCP sockets (planPorts), whose ports the CRIU step frees
 	// of connections left in TIME_WAIT.
-	listeners []hostreq.Listener
+	listeners      []hostreq.Listener
+	portsUnchecked bool // the host's listening sockets could not be listed
 }
 
 // Result of a restore.
@@ -109,10 +109,10 @@ type Result struct {
 	Bytes       int64                     `json:"bytes"`
 	Cgroup      string                    `json:"cgroup,omitempty"` // the root's cgroup v2 path after the restore
 	Placed      []Placement               `json:"placed_files,omitempty"`
-	// TimeWaitEnded: connections left in TIME_WAIT on the image's listening ports, ended so that
-	// CRIU could bind them.
-	TimeWaitEnded int    `json:"time_wait_ended,omitempty"`
-	StagingDir    string `json:"staging_dir,omitempty"`
+	// ClosingEnded: connections still closing (TIME_WAIT and the states before it, no process
+	// holding them) on the image's listening ports, ended so that CRIU could bind them.
+	ClosingEnded int    `json:"closing_ended,omitempty"`
+	StagingDir   string `json:"staging_dir,omitempty"`
 }
 
 // Run plans and executes a restore.
@@ -181,9 +181,6 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	} else if len(o.GPUs) > 0 || len(o.GPUMap) > 0 {
 		return nil, op.Refusef("image %s is a CPU process: --gpu/--gpu-map do not apply", m.Name)
 	}
-	if err := p.planPorts(ctx, env, m); err != nil {
-		return nil, err
-	}
 	if err := p.planHost(ctx, env, m); err != nil {
 		return nil, err
 	}
@@ -195,6 +192,10 @@ func PlanRestore(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 		if err := waitPIDFree(ctx, t.PID, o.PIDWait); err != nil {
 			return nil, err
 		}
+	}
+	// After the pid wait: the image's own process, still dying, may hold its ports.
+	if err := p.planPorts(ctx, env, m); err != nil {
+		return nil, err
 	}
 	var gpuBytes uint64
 	for _, g := range meta.GPUs {
@@ -304,14 +305,7 @@ func (p *Plan) describe() []op.PlanStep {
 		}
 		placed += fmt.Sprintf("; put the carried %s (%s) in place (%s)", pl.Path, bytesize.Format(pl.Size), how)
 	}
-	if len(p.listeners) > 0 {
-		var addrs []string
-		for _, l := range p.listeners {
-			addrs = append(addrs, l.Addr.String())
-		}
-		placed += fmt.Sprintf("; the listening TCP port(s) %s are free (connections left in TIME_WAIT on them are ended before "+
-			"CRIU binds them)", strings.Join(addrs, ", "))
-	}
+	placed += p.portsText()
 	add("host", "%d files the processes had open or mapped are here with the size, mode and build-ID CRIU recorded%s", p.HostFiles-len(p.Place), placed)
 	sj := ""
 	if p.ShellJob {
@@ -452,7 +446,7 @@ func buildSteps(env *op.Env, p *Plan, res *Result, src imageSource, ropts criu.R
 				return err
 			}
 			ended, err := freePorts(ctx, env.Logger(), p.listeners)
-			res.TimeWaitEnded += ended
+			res.ClosingEnded += ended
 			if err != nil {
 				env.Logger().Warn("cannot free the image's listening ports of connections in TIME_WAIT; CRIU may fail to bind them", "err", err)
 			}

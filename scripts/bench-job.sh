@@ -144,14 +144,19 @@ mapfile -t all < <(tree "$root")
 [ "${#rk[@]}" = "$ranks" ] || { echo "bench-job: found ranks ${rk[*]}, want $ranks" >&2; exit 1; }
 bare_ok=yes
 base=$BENCH_DIR/base
+# The connection lock ptxmig chooses: nftables where this CRIU has it, else iptables.
+netlock=nftables
+"$CRIU" check --feature network_lock_nftables >/dev/null 2>&1 || netlock=iptables
+# criu_failed LOG: the reason a bare CRIU command failed, from its log, for the row and stderr.
+criu_failed() { grep -m3 'Error' "$1" | tee /dev/stderr | head -1 | sed 's/|/\\|/g'; }
 mkdir -p "$base"
 t=$(date +%s%N)
 each_rank "$raw/base-ck" lock:10000 checkpoint || bare_ok="no: a rank's lock or checkpoint failed (bench-job/base-ck-*.txt)"
 b_drv=$(ms "$t")
 if [ "$bare_ok" = yes ]; then
   t=$(date +%s%N)
-  "$CRIU" dump -t "$root" -D "$base" -o dump.log --tcp-established --network-lock nftables --ghost-limit 1G --file-locks ||
-    bare_ok="no: criu dump failed (see $base/dump.log)"
+  "$CRIU" dump -t "$root" -D "$base" -o dump.log --tcp-established --network-lock "$netlock" --ghost-limit 1G --file-locks ||
+    bare_ok="no: criu dump failed: $(criu_failed "$base/dump.log")"
   b_dump=$(ms "$t")
 fi
 if [ "$bare_ok" = yes ]; then
@@ -159,8 +164,8 @@ if [ "$bare_ok" = yes ]; then
   gone "${all[@]}"
   sync; echo 3 >/proc/sys/vm/drop_caches
   t=$(date +%s%N)
-  "$CRIU" restore -d -D "$base" -o restore.log --tcp-established --network-lock nftables --file-locks --manage-cgroups=ignore ||
-    bare_ok="no: criu restore failed (see $base/restore.log)"
+  "$CRIU" restore -d -D "$base" -o restore.log --tcp-established --network-lock "$netlock" --file-locks --manage-cgroups=ignore ||
+    bare_ok="no: criu restore failed: $(criu_failed "$base/restore.log")"
   b_crest=$(ms "$t")
 fi
 if [ "$bare_ok" = yes ]; then

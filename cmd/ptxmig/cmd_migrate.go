@@ -27,7 +27,8 @@ func init() {
 			"free memory) and refuses (exit 3) a process under the shim that shares GPU memory with\n" +
 			"another process (CUDA IPC, VMM shareable handles, memory pools: NCCL's default transports;\n" +
 			"driver 580 cannot restore it); peer access between its GPUs is turned off for the move and\n" +
-			"on again after; a warning names other\n" +
+			"on again after (refused when the targets have no peer path, or when it holds a cudaMalloc\n" +
+			"allocation over 256 MiB, which driver 580 cannot give peer access back to); a warning names other\n" +
 			"processes on the targets (a context the driver restored has been killed by Xid 109 beside\n" +
 			"another process's long kernels).\n" +
 			"The driver needs a pair for every GPU of the host, whatever CUDA_VISIBLE_DEVICES\n" +

@@ -43,8 +43,8 @@ func init() {
 			"directory created), a different one only with --overwrite-files (moved aside, not deleted);\n" +
 			"a failed restore removes what it put in place. Another driver, CUDA or CRIU version than the\n" +
 			"image's is a warning. A TCP port the processes listened on must be free: one another socket\n" +
-			"listens on is refused (exit 3); connections left in TIME_WAIT on it (60 s after they closed),\n" +
-			"which would make CRIU's bind fail, are ended first. On another host: checkpoint → image export\n" +
+			"listens on is refused (exit 3); connections still closing on it (TIME_WAIT: up to 60 s after\n" +
+			"they closed), which would make CRIU's bind fail, are ended first. On another host: checkpoint → image export\n" +
 			"→ image import → restore.\n\n" +
 			"By default each GPU maps to the GPU with the same UUID, else (another host) the same index.\n" +
 			"When a GPU moves, the driver needs a pair for every GPU of the source host (recorded at\n" +
@@ -155,8 +155,8 @@ func restoreAction(c *cli.Context) error {
 		}
 		fmt.Fprintf(w, "put the carried %s (%s) in place: %s\n", esc(pl.Path), bytesize.Format(pl.Size), how)
 	}
-	if res.TimeWaitEnded > 0 {
-		fmt.Fprintf(w, "ended %d connection(s) left in TIME_WAIT on the image's listening ports, so that CRIU could bind them\n", res.TimeWaitEnded)
+	if res.ClosingEnded > 0 {
+		fmt.Fprintf(w, "ended %d closing connection(s) on the image's listening ports, so that CRIU could bind them\n", res.ClosingEnded)
 	}
 	printPreemption(w, res.Preemption)
 	if res.Stream {

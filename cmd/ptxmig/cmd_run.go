@@ -73,7 +73,10 @@ func init() {
 			"Peer access: a process that enabled peer access between its GPUs (XLA does in every JAX\n" +
 			"process on a host with several GPUs; PyTorch for copies between GPUs) has it turned off by the\n" +
 			"shim for each checkpoint, after the quiesce, and on again when it resumes (driver 580 restores\n" +
-			"such a process only so). --no-peer-access instead makes its GPUs answer as a pair without a\n" +
+			"such a process only so); one that also holds a cudaMalloc allocation over 256 MiB is refused\n" +
+			"(driver 580 cannot give peer access back toward it after a restore; JAX preallocates one, and\n" +
+			"XLA_PYTHON_CLIENT_PREALLOCATE=false helps only while its buffers stay small). --no-peer-access\n" +
+			"instead makes its GPUs answer as a pair without a\n" +
 			"peer path (PCIe without P2P: cuDeviceCanAccessPeer 0, an enable refused as unsupported) and\n" +
 			"sets NCCL_P2P_DISABLE=1: frameworks then copy between the GPUs through host memory (slower)\n" +
 			"and no peer access is ever on. It changes nothing on a host with one GPU.\n\n" +

@@ -43,6 +43,13 @@ type Lister interface {
 	Devices() ([]Device, error)
 }
 
+// PeerPather is a Lister that can also tell whether two GPUs have a peer path (peer reads
+// between them: NVLink or PCIe P2P). Inventory is one; callers that get a Lister without it
+// check nothing.
+type PeerPather interface {
+	PeerPath(uuidA, uuidB string) (bool, error)
+}
+
 // Inventory reads GPUs through NVML. Close it when done.
 type Inventory struct {
 	lib nvml.Interface
@@ -102,6 +109,24 @@ func (i *Inventory) Devices() ([]Device, error) {
 		out = append(out, d)
 	}
 	return out, nil
+}
+
+// PeerPath reports whether the GPUs with UUIDs a and b have a peer path for reads
+// (nvmlDeviceGetP2PStatus with NVML_P2P_CAPS_INDEX_READ: what cuDeviceCanAccessPeer answers).
+func (i *Inventory) PeerPath(a, b string) (bool, error) {
+	ha, r := i.lib.DeviceGetHandleByUUID(a)
+	if err := NVMLError("GPU "+a, r); err != nil {
+		return false, err
+	}
+	hb, r := i.lib.DeviceGetHandleByUUID(b)
+	if err := NVMLError("GPU "+b, r); err != nil {
+		return false, err
+	}
+	st, r := i.lib.DeviceGetP2PStatus(ha, hb, nvml.P2P_CAPS_INDEX_READ)
+	if err := NVMLError("peer path", r); err != nil {
+		return false, err
+	}
+	return st == nvml.P2P_STATUS_OK, nil
 }
 
 func readDevice(idx int, h nvml.Device) (Device, error) {

@@ -118,3 +118,46 @@ func TestScanCUDAProcesses(t *testing.T) {
 		t.Fatalf("scan = %+v\nwant %+v", got, want)
 	}
 }
+
+// TestPeerPath: NVML's read P2P status between two GPUs, by UUID: OK is a path, any other status
+// none, an unknown UUID an error.
+func TestPeerPath(t *testing.T) {
+	a, b, c := &mock.Device{}, &mock.Device{}, &mock.Device{}
+	lib := &mock.Interface{
+		InitFunc: func() nvml.Return { return nvml.SUCCESS },
+		DeviceGetHandleByUUIDFunc: func(u string) (nvml.Device, nvml.Return) {
+			switch u {
+			case "GPU-a":
+				return a, nvml.SUCCESS
+			case "GPU-b":
+				return b, nvml.SUCCESS
+			case "GPU-c":
+				return c, nvml.SUCCESS
+			}
+			return nil, nvml.ERROR_NOT_FOUND
+		},
+		DeviceGetP2PStatusFunc: func(x, y nvml.Device, i nvml.GpuP2PCapsIndex) (nvml.GpuP2PStatus, nvml.Return) {
+			if i != nvml.P2P_CAPS_INDEX_READ {
+				return 0, nvml.ERROR_INVALID_ARGUMENT
+			}
+			if (x == a && y == b) || (x == b && y == a) {
+				return nvml.P2P_STATUS_OK, nvml.SUCCESS
+			}
+			return nvml.P2P_STATUS_NOT_SUPPORTED, nvml.SUCCESS
+		},
+	}
+	inv, err := OpenWith(lib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		a, b    string
+		want    bool
+		wantErr bool
+	}{{"GPU-a", "GPU-b", true, false}, {"GPU-b", "GPU-a", true, false}, {"GPU-a", "GPU-c", false, false}, {"GPU-a", "GPU-x", false, true}} {
+		got, err := inv.PeerPath(tt.a, tt.b)
+		if got != tt.want || (err != nil) != tt.wantErr {
+			t.Errorf("PeerPath(%s, %s) = %v, %v; want %v (error %v)", tt.a, tt.b, got, err, tt.want, tt.wantErr)
+		}
+	}
+}

@@ -15,19 +15,20 @@ const MaxListeners = 10_000
 
 // Listener is a listening TCP socket the image's processes held: CRIU binds its address again
 // at restore, so the port must be free on the target host. ReuseAddr: the application had set
-// SO_REUSEADDR (then a connection lingering in TIME_WAIT on the port does not stand in the way);
-// ReusePort: SO_REUSEPORT (another socket with it may listen on the same address).
+// SO_REUSEADDR, ReusePort SO_REUSEPORT, V6Only IPV6_V6ONLY (an IPv6 socket that does not also
+// take the IPv4 port).
 type Listener struct {
 	Addr      netip.AddrPort
 	ReuseAddr bool
 	ReusePort bool
+	V6Only    bool
 }
 
 // Listeners reads the listening TCP sockets (IPv4 and IPv6) from CRIU's files.img, each
 // address once, in image order.
 func Listeners(files []byte) ([]Listener, error) {
 	var out []Listener
-	seen := map[netip.AddrPort]bool{}
+	seen := map[netip.AddrPort]int{}
 	err := entries(files, magicFiles, func(b []byte) error {
 		var e fdinfo.FileEntry
 		if err := proto.Unmarshal(b, &e); err != nil {
@@ -50,7 +51,7 @@ func Listeners(files []byte) ([]Listener, error) {
 		}
 		var addr netip.Addr
 		switch {
-		case s.GetFamily() == unix.AF_INET && len(words) == 1:
+		case s.GetFamily() == unix.AF_INET && len(words) >= 1 && len(words) <= 4: // CRIU reads the first (old images had 4)
 			addr = netip.AddrFrom4([4]byte(raw[:4]))
 		case s.GetFamily() == unix.AF_INET6 && len(words) == 4:
 			addr = netip.AddrFrom16(raw)
@@ -58,11 +59,15 @@ func Listeners(files []byte) ([]Listener, error) {
 			return fmt.Errorf("listening socket %d: family %d with %d address words", s.GetId(), s.GetFamily(), len(words))
 		}
 		ap := netip.AddrPortFrom(addr, uint16(s.GetSrcPort()))
-		if seen[ap] {
+		l := Listener{Addr: ap, ReuseAddr: s.GetOpts().GetReuseaddr(), ReusePort: s.GetOpts().GetSoReuseport(), V6Only: s.GetV6Only()}
+		if i, ok := seen[ap]; ok { // another descriptor of the address: the strictest flags
+			out[i].ReuseAddr = out[i].ReuseAddr && l.ReuseAddr
+			out[i].ReusePort = out[i].ReusePort && l.ReusePort
+			out[i].V6Only = out[i].V6Only && l.V6Only
 			return nil
 		}
-		seen[ap] = true
-		out = append(out, Listener{Addr: ap, ReuseAddr: s.GetOpts().GetReuseaddr(), ReusePort: s.GetOpts().GetSoReuseport()})
+		seen[ap] = len(out)
+		out = append(out, l)
 		if len(out) > MaxListeners {
 			return fmt.Errorf("more than %d listening sockets", MaxListeners)
 		}
@@ -76,12 +81,18 @@ func Listeners(files []byte) ([]Listener, error) {
 
 const tcpListen = 10 // TCP_LISTEN
 
-// Conflicts reports whether a socket bound to b stands in the way of binding l's address
-// without SO_REUSEADDR: the same port, and the same address or either one unspecified.
+// Conflicts reports whether a socket bound to b may stand in the way of binding l's address:
+// the same port, and the same address or either one unspecified (an IPv6 wildcard takes the
+// IPv4 port too unless it is IPV6_V6ONLY, which only l's side records). It can say yes where the
+// kernel would allow the bind (SO_REUSEPORT, a v6-only socket here): restore confirms with a
+// trial bind before it refuses.
 func (l Listener) Conflicts(b netip.AddrPort) bool {
 	if l.Addr.Port() != b.Port() {
 		return false
 	}
 	la, ba := l.Addr.Addr().Unmap(), b.Addr().Unmap()
+	if l.V6Only && la.Is6() && ba.Is4() {
+		return false
+	}
 	return la == ba || la.IsUnspecified() || ba.IsUnspecified()
 }

@@ -55,10 +55,16 @@ func TestListeners(t *testing.T) {
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("Listeners = %+v, want %+v", got, want)
 	}
+	// Another descriptor of an address with other flags: the strictest of them.
+	stricter := inetEntry(9, unix.IPPROTO_TCP, tcpListen, v6, false)
+	if got, err := Listeners(image(magicFiles, inetEntry(5, unix.IPPROTO_TCP, tcpListen, v6, true), stricter)); err != nil ||
+		!reflect.DeepEqual(got, []Listener{{Addr: v6}}) {
+		t.Fatalf("two descriptors of [::]:8080, one without SO_REUSEADDR: %+v %v", got, err)
+	}
 	bad := inetEntry(7, unix.IPPROTO_TCP, tcpListen, v4, false)
 	bad.Isk.SrcPort = proto.Uint32(70000)
 	badAddr := inetEntry(8, unix.IPPROTO_TCP, tcpListen, v4, false)
-	badAddr.Isk.SrcAddr = append(badAddr.Isk.SrcAddr, 1)
+	badAddr.Isk.SrcAddr = append(badAddr.Isk.SrcAddr, 1, 2, 3, 4)
 	for name, b := range map[string][]byte{
 		"port out of range":  image(magicFiles, bad),
 		"address of 2 words": image(magicFiles, badAddr),
@@ -74,20 +80,23 @@ func TestListeners(t *testing.T) {
 func TestListenerConflicts(t *testing.T) {
 	ap := netip.MustParseAddrPort
 	tests := []struct {
-		l, b string
-		want bool
+		l, b   string
+		want   bool
+		v6only bool
 	}{
-		{"127.0.0.1:80", "127.0.0.1:80", true},
-		{"127.0.0.1:80", "127.0.0.1:81", false},
-		{"127.0.0.1:80", "10.0.0.1:80", false},
-		{"0.0.0.0:80", "10.0.0.1:80", true},
-		{"127.0.0.1:80", "0.0.0.0:80", true},
-		{"[::]:80", "127.0.0.1:80", true},
-		{"[::ffff:127.0.0.1]:80", "127.0.0.1:80", true},
-		{"[::1]:80", "127.0.0.1:80", false},
+		{"[::]:80", "0.0.0.0:80", false, true},
+		{"[::]:80", "[::1]:80", true, true},
+		{"127.0.0.1:80", "127.0.0.1:80", true, false},
+		{"127.0.0.1:80", "127.0.0.1:81", false, false},
+		{"127.0.0.1:80", "10.0.0.1:80", false, false},
+		{"0.0.0.0:80", "10.0.0.1:80", true, false},
+		{"127.0.0.1:80", "0.0.0.0:80", true, false},
+		{"[::]:80", "127.0.0.1:80", true, false},
+		{"[::ffff:127.0.0.1]:80", "127.0.0.1:80", true, false},
+		{"[::1]:80", "127.0.0.1:80", false, false},
 	}
 	for _, tt := range tests {
-		if got := (Listener{Addr: ap(tt.l)}).Conflicts(ap(tt.b)); got != tt.want {
+		if got := (Listener{Addr: ap(tt.l), V6Only: tt.v6only}).Conflicts(ap(tt.b)); got != tt.want {
 			t.Errorf("%s conflicts with %s: %v, want %v", tt.l, tt.b, got, tt.want)
 		}
 	}

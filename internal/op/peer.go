@@ -19,7 +19,7 @@ import (
 //     cuCheckpointProcessRestore then failed with CUDA_ERROR_INVALID_VALUE, in place as well as
 //     onto other GPUs (measured on 2x H100, driver 580.159.04; docs/PLATFORM.md);
 //   - peer access the shim would turn off for the checkpoint, in a process holding a cuMemAlloc
-//     allocation over peerAllocLimit: after the driver's restore, cuCtxEnablePeerAccess toward a
+//     allocation over PeerAllocLimit: after the driver's restore, cuCtxEnablePeerAccess toward a
 //     context holding such an allocation fails (CUDA_ERROR_INVALID_HANDLE, 512 MiB and 1 GiB; 256
 //     MiB and 1 GiB in 64 MiB pieces were fine; 2x H200, driver 580.159.04, scripts/probe-peer.sh
 //     peer-toggle-big), and the process, which may use the link, would be left held. The shim
@@ -54,15 +54,16 @@ func RefuseUnrestorable(ctx context.Context, pids []int) error {
 				"application disable peer access first (cuCtxDisablePeerAccess / cudaDeviceDisablePeerAccess; NCCL: "+
 				"NCCL_P2P_DISABLE=1)")
 		}
-		if n := st.PeerAccess; n > 0 && st.PeerToggle && st.LargestDeviceAlloc > peerAllocLimit {
+		if n := st.PeerAccess; n > 0 && st.PeerToggle && st.LargestDeviceAlloc > PeerAllocLimit {
 			found = append(found, fmt.Sprintf("has enabled peer access between its GPUs (%d link(s)) and holds a cudaMalloc "+
 				"allocation of %d MiB (reported by the ptxmig shim): after a restore the NVIDIA driver cannot turn peer access "+
 				"to a GPU context holding an allocation over %d MiB back on (cuCtxEnablePeerAccess fails with "+
 				"CUDA_ERROR_INVALID_HANDLE; measured with driver 580.159.04), and the process would be left held",
-				n, st.LargestDeviceAlloc>>20, peerAllocLimit>>20))
+				n, st.LargestDeviceAlloc>>20, PeerAllocLimit>>20))
 			fixes = append(fixes, fmt.Sprintf("Start it with `ptxmig run --no-peer-access` (its GPUs then answer as a pair "+
-				"without a peer path), or have it allocate GPU memory in pieces of at most %d MiB (JAX: "+
-				"XLA_PYTHON_CLIENT_PREALLOCATE=false)", peerAllocLimit>>20))
+				"without a peer path), or have it allocate GPU memory in pieces of at most %d MiB (JAX's preallocation is one "+
+				"allocation: XLA_PYTHON_CLIENT_PREALLOCATE=false avoids it, which is enough only while its buffers stay small)",
+				PeerAllocLimit>>20))
 		}
 		if s := st.IPC; s != nil && (s.Exported > 0 || s.Imported > 0) {
 			found = append(found, fmt.Sprintf("shares GPU memory with other processes (%s; reported by the ptxmig shim): "+
@@ -82,9 +83,10 @@ func RefuseUnrestorable(ctx context.Context, pids []int) error {
 	return nil
 }
 
-// peerAllocLimit: the largest cuMemAlloc allocation for which driver 580 was seen to enable peer
-// access toward its context again after a restore (256 MiB did, 512 MiB did not).
-const peerAllocLimit = 256 << 20
+// PeerAllocLimit: the largest cuMemAlloc allocation for which driver 580 was seen to enable peer
+// access toward its context again after a restore (256 MiB did, 512 MiB did not). Preflight
+// checks it, and the quiesce step again with the process quiesced.
+const PeerAllocLimit = 256 << 20
 
 // describeSharing says what the shim counted: "exported 2 (CUDA IPC: 1, VMM shareable handles:
 // 1); imported 1 (memory pools: 1)".

@@ -56,7 +56,7 @@ func TestRefuseUnrestorable(t *testing.T) {
 			replies: status(`,"peer_access":2,"peer_toggle":true,"largest_device_alloc":536870912,"ipc":{"exported":0,"imported":0}`),
 			want: []string{fmt.Sprintf("pid %d has enabled peer access between its GPUs (2 link(s)) and holds a cudaMalloc allocation of 512 MiB", pid),
 				"over 256 MiB back on", "CUDA_ERROR_INVALID_HANDLE", "left held", "nothing was touched", "--no-peer-access",
-				"pieces of at most 256 MiB", "XLA_PYTHON_CLIENT_PREALLOCATE=false"},
+				"pieces of at most 256 MiB", "XLA_PYTHON_CLIENT_PREALLOCATE=false avoids it"},
 			notWant: []string{"CUDA_ERROR_INVALID_VALUE", "shares GPU memory"}},
 		{name: "a 1 GiB allocation without peer links",
 			replies: status(`,"peer_access":0,"peer_toggle":true,"largest_device_alloc":1073741824,"ipc":{"exported":0,"imported":0}`)},

@@ -182,6 +182,9 @@ type PeerSet struct {
 	Changed   bool  `json:"changed"`
 	SyncUS    int64 `json:"sync_us"`
 	ElapsedUS int64 `json:"elapsed_us"`
+	// LargestDeviceAlloc: the largest live cuMemAlloc allocation, read while quiesced (0 from
+	// older shims).
+	LargestDeviceAlloc uint64 `json:"largest_device_alloc,omitempty"`
 }
 
 // PeerOff (quiesced, the lease's connection) waits for the work queued in every context with a

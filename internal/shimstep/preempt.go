@@ -178,6 +178,14 @@ func (p *Preemption) peerOff(ctx context.Context, pid int) error {
 		return fmt.Errorf("pid %d: turn its peer access off for the checkpoint: %w", pid, err)
 	}
 	p.report(pid).PeerOff = x
+	if x.Links > 0 && x.LargestDeviceAlloc > op.PeerAllocLimit {
+		// Allocated since the preflight: the driver would not give the links back after its
+		// restore. The rollback's resume turns them on again here, where nothing was restored.
+		return fmt.Errorf("pid %d has peer access enabled between its GPUs (%d link(s)) and, since the preflight, a cudaMalloc "+
+			"allocation of %d MiB: after a restore the NVIDIA driver cannot turn peer access toward a context holding one over "+
+			"%d MiB back on (driver 580.159.04), so it is not checkpointed. Start it with `ptxmig run --no-peer-access`",
+			pid, x.Links, x.LargestDeviceAlloc>>20, op.PeerAllocLimit>>20)
+	}
 	return nil
 }
 

@@ -135,8 +135,9 @@ func TestPreemptionWaitsForStopping(t *testing.T) {
 }
 
 // TestPreemptionPeerOff: a quiesced process that reports peer links has them turned off before
-// the step ends (the resume turns them on in the shim); a peer-off that fails fails the step, and
-// the processes quiesced are resumed. Without links nothing is asked.
+// the step ends (the resume turns them on in the shim); a peer-off that fails, or that finds a
+// cudaMalloc allocation over 256 MiB beside the links, fails the step, and the processes quiesced
+// are resumed. Without links nothing is asked.
 func TestPreemptionPeerOff(t *testing.T) {
 	pid := os.Getpid()
 	tests := []struct {
@@ -148,6 +149,13 @@ func TestPreemptionPeerOff(t *testing.T) {
 	}{
 		{name: "no links"},
 		{name: "links", links: 2, peerOff: reply("peer-off", `{"links":2,"changed":true,"sync_us":40,"elapsed_us":55}`, 2), wantOff: true},
+		{name: "links beside 256 MiB", links: 2, wantOff: true,
+			peerOff: reply("peer-off", `{"links":2,"changed":true,"sync_us":40,"elapsed_us":55,"largest_device_alloc":268435456}`, 2)},
+		// A 512 MiB allocation made since the preflight: the driver would not give the links back
+		// after its restore, so the step fails and the rollback resumes the process.
+		{name: "links beside 512 MiB", links: 2,
+			peerOff: reply("peer-off", `{"links":2,"changed":true,"sync_us":40,"elapsed_us":55,"largest_device_alloc":536870912}`, 2),
+			wantErr: "since the preflight, a cudaMalloc allocation of 512 MiB"},
 		{name: "refused", links: 1, peerOff: `{"ok":false,"proto":2,"error":"peer-off: disabling peer access of link 1 of 1 failed (999)"}` + "\n",
 			wantErr: "turn its peer access off for the checkpoint"},
 	}

@@ -18,9 +18,21 @@ import (
 // TCP states as the kernel numbers them (include/net/tcp_states.h).
 const (
 	StateEstablished = 1
+	StateFinWait1    = 4
+	StateFinWait2    = 5 // also a timewait socket that is still waiting for the peer's FIN
 	StateTimeWait    = 6
+	StateLastAck     = 9
 	StateListen      = 10
+	StateClosing     = 11
 )
+
+// Closing are the states of a connection on its way out, which outlive the process that closed
+// it (no inode then) and keep its port bound for up to a minute.
+var Closing = []int{StateFinWait1, StateFinWait2, StateTimeWait, StateLastAck, StateClosing}
+
+// errInterrupted: the socket tables changed during a dump, which may have missed some (List
+// dumps again).
+var errInterrupted = errors.New("netlink: the dump was interrupted by a change of the socket tables")
 
 // ErrNotSupported: the kernel cannot end sockets through sock_diag (SOCK_DESTROY needs
 // CONFIG_INET_DIAG_DESTROY; ending a TIME_WAIT socket, Linux 4.5 or later).
@@ -37,7 +49,8 @@ type Socket struct {
 
 // String is "127.0.0.1:80 -> 127.0.0.1:5555 (TIME_WAIT)".
 func (s Socket) String() string {
-	names := map[int]string{StateEstablished: "ESTABLISHED", StateTimeWait: "TIME_WAIT", StateListen: "LISTEN"}
+	names := map[int]string{StateEstablished: "ESTABLISHED", StateFinWait1: "FIN_WAIT1", StateFinWait2: "FIN_WAIT2",
+		StateTimeWait: "TIME_WAIT", StateLastAck: "LAST_ACK", StateListen: "LISTEN", StateClosing: "CLOSING"}
 	st, ok := names[s.State]
 	if !ok {
 		st = fmt.Sprintf("state %d", s.State)
@@ -66,17 +79,25 @@ func List(port uint16, states ...int) ([]Socket, error) {
 	}
 	var out []Socket
 	for _, fam := range []uint8{unix.AF_INET, unix.AF_INET6} {
-		err := exchange(sockDiagByFamily, unix.NLM_F_DUMP, request(fam, mask, nil), func(b []byte) error {
-			s, err := parse(b)
-			if err != nil {
-				return err
-			}
-			if port == 0 || s.Local.Port() == port {
-				out = append(out, s)
-			}
-			return nil
-		})
-		if errors.Is(err, unix.EAFNOSUPPORT) || errors.Is(err, unix.ENOENT) { // no IPv6 here
+		var got []Socket
+		err := errInterrupted
+		for try := 0; try < 3 && errors.Is(err, errInterrupted); try++ {
+			got = got[:0]
+			err = exchange(sockDiagByFamily, unix.NLM_F_DUMP, request(fam, mask, nil), func(b []byte) error {
+				s, err := parse(b)
+				if err != nil {
+					return err
+				}
+				if port == 0 || s.Local.Port() == port {
+					got = append(got, s)
+				}
+				return nil
+			})
+		}
+		out = append(out, got...)
+		// No IPv6 on this host. (tcp_diag serves both families: the same error for IPv4 means
+		// sock_diag cannot list TCP sockets at all, which is an error.)
+		if fam == unix.AF_INET6 && (errors.Is(err, unix.EAFNOSUPPORT) || errors.Is(err, unix.ENOENT)) {
 			continue
 		}
 		if err != nil {
@@ -86,12 +107,13 @@ func List(port uint16, states ...int) ([]Socket, error) {
 	return out, nil
 }
 
-// Destroy ends s (for a TIME_WAIT socket: forgets it at once). A socket already gone is not an
-// error.
+// Destroy ends s (a TIME_WAIT socket is forgotten at once; another is reset). A socket already
+// gone is not an error, nor one whose address another socket has taken since it was listed (the
+// kernel tells them apart by the listed socket's cookie and ends nothing then).
 func Destroy(s Socket) error {
 	err := exchange(sockDestroy, unix.NLM_F_ACK, request(s.family, 1<<uint(s.State), &s.id), nil)
 	switch {
-	case err == nil, errors.Is(err, unix.ENOENT):
+	case err == nil, errors.Is(err, unix.ENOENT), errors.Is(err, unix.ESTALE):
 		return nil
 	case errors.Is(err, unix.EOPNOTSUPP):
 		return ErrNotSupported
@@ -165,9 +187,12 @@ func exchange(typ uint16, flags uint16, payload []byte, each func([]byte) error)
 	buf := make([]byte, 64<<10)
 	total := 0
 	for {
-		n, _, err := unix.Recvfrom(fd, buf, 0)
+		n, from, err := unix.Recvfrom(fd, buf, 0)
 		if err != nil {
 			return fmt.Errorf("netlink receive: %w", err)
+		}
+		if nl, ok := from.(*unix.SockaddrNetlink); !ok || nl.Pid != 0 {
+			continue // only the kernel's replies
 		}
 		if total += n; total > maxReplies {
 			return fmt.Errorf("netlink: more than %d bytes of replies", maxReplies)
@@ -181,7 +206,15 @@ func exchange(typ uint16, flags uint16, payload []byte, each func([]byte) error)
 				continue
 			}
 			switch m.Header.Type {
-			case unix.NLMSG_DONE:
+			case unix.NLMSG_DONE: // its payload is the dump's error, if any
+				if len(m.Data) >= 4 {
+					if code := int32(binary.NativeEndian.Uint32(m.Data)); code != 0 {
+						return unix.Errno(-code)
+					}
+				}
+				if m.Header.Flags&unix.NLM_F_DUMP_INTR != 0 {
+					return errInterrupted
+				}
 				return nil
 			case unix.NLMSG_ERROR:
 				if len(m.Data) < 4 {

@@ -13,9 +13,10 @@ import (
 	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
-// timeWait leaves a loopback connection in TIME_WAIT on a listener's port (the side that accepted
-// closes first) and returns the port, the listener closed.
-func timeWait(t *testing.T) uint16 {
+// closing leaves a loopback connection closing on a listener's port and returns the port, the
+// listener closed: the side that accepted closes first, and the client closes too (TIME_WAIT) or
+// keeps its end open (FIN_WAIT2, the accepted side orphaned) until the test ends.
+func closing(t *testing.T, clientCloses bool) uint16 {
 	t.Helper()
 	l, err := net.Listen("tcp4", "127.0.0.1:0")
 	if err != nil {
@@ -32,7 +33,11 @@ func timeWait(t *testing.T) uint16 {
 	}
 	a.Close()
 	time.Sleep(50 * time.Millisecond) // the FIN reaches the client
-	c.Close()
+	if clientCloses {
+		c.Close()
+	} else {
+		t.Cleanup(func() { c.Close() })
+	}
 	return uint16(l.Addr().(*net.TCPAddr).Port)
 }
 
@@ -47,44 +52,53 @@ func bindPlain(port uint16) error {
 	return unix.Bind(fd, &unix.SockaddrInet4{Port: int(port), Addr: [4]byte{127, 0, 0, 1}})
 }
 
-// TestEndTimeWait: a connection in TIME_WAIT on a port is listed (local and remote address,
-// state, no inode), makes a plain bind of the port fail with EADDRINUSE, and once ended by
-// Destroy the bind succeeds; ending it again is not an error.
-func TestEndTimeWait(t *testing.T) {
+// TestEndClosing: a connection closing on a port (TIME_WAIT, or FIN_WAIT2 while its peer keeps
+// its end open) is listed among the Closing states (local and remote address, state, no inode),
+// makes a plain bind of the port fail with EADDRINUSE, and once ended by Destroy the bind
+// succeeds; ending it again is not an error.
+func TestEndClosing(t *testing.T) {
 	if os.Geteuid() != 0 {
 		testreq.Skip(t, "root", "ending sockets needs CAP_NET_ADMIN")
 	}
-	port := timeWait(t)
-	var tw []Socket
-	for deadline := time.Now().Add(5 * time.Second); len(tw) == 0 && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		var err error
-		if tw, err = List(port, StateTimeWait); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if len(tw) != 1 {
-		t.Fatalf("TIME_WAIT sockets on port %d: %v, want 1", port, tw)
-	}
-	s := tw[0]
-	if s.State != StateTimeWait || s.Local.Addr().String() != "127.0.0.1" || s.Local.Port() != port || s.Remote.Port() == 0 || s.Inode != 0 {
-		t.Fatalf("listed %+v (%s)", s, s)
-	}
-	if err := bindPlain(port); !errors.Is(err, unix.EADDRINUSE) {
-		t.Fatalf("bind of a port with a connection in TIME_WAIT: %v, want EADDRINUSE", err)
-	}
-	if err := Destroy(s); errors.Is(err, ErrNotSupported) {
-		testreq.Skip(t, "sock-destroy", "%v", err)
-	} else if err != nil {
-		t.Fatal(err)
-	}
-	if left, err := List(port, StateTimeWait); err != nil || len(left) != 0 {
-		t.Fatalf("after Destroy: %v %v", left, err)
-	}
-	if err := bindPlain(port); err != nil {
-		t.Fatalf("bind after the TIME_WAIT socket was ended: %v", err)
-	}
-	if err := Destroy(s); err != nil {
-		t.Fatalf("ending it again: %v", err)
+	for _, tt := range []struct {
+		name         string
+		clientCloses bool
+		state        int
+	}{{"TIME_WAIT", true, StateTimeWait}, {"FIN_WAIT2", false, StateFinWait2}} {
+		t.Run(tt.name, func(t *testing.T) {
+			port := closing(t, tt.clientCloses)
+			var got []Socket
+			for deadline := time.Now().Add(5 * time.Second); len(got) == 0 && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+				var err error
+				if got, err = List(port, Closing...); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if len(got) != 1 {
+				t.Fatalf("closing sockets on port %d: %v, want 1", port, got)
+			}
+			s := got[0]
+			if s.State != tt.state || s.Local.Addr().String() != "127.0.0.1" || s.Local.Port() != port || s.Remote.Port() == 0 || s.Inode != 0 {
+				t.Fatalf("listed %+v (%s), want %s with no inode", s, s, tt.name)
+			}
+			if err := bindPlain(port); !errors.Is(err, unix.EADDRINUSE) {
+				t.Fatalf("bind of a port with a connection in %s: %v, want EADDRINUSE", tt.name, err)
+			}
+			if err := Destroy(s); errors.Is(err, ErrNotSupported) {
+				testreq.Skip(t, "sock-destroy", "%v", err)
+			} else if err != nil {
+				t.Fatal(err)
+			}
+			if left, err := List(port, Closing...); err != nil || len(left) != 0 {
+				t.Fatalf("after Destroy: %v %v", left, err)
+			}
+			if err := bindPlain(port); err != nil {
+				t.Fatalf("bind after the %s socket was ended: %v", tt.name, err)
+			}
+			if err := Destroy(s); err != nil {
+				t.Fatalf("ending it again: %v", err)
+			}
+		})
 	}
 }
 

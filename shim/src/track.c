@@ -1553,7 +1553,7 @@ static CUresult peer_enable_all(int *bad, int *changed) {
       shim_log("peer access: enabling link %d (context %p, peer %p) failed (%d): tried again after the others", i + 1,
                (void *)links[i].ctx, (void *)links[i].peer, r);
       retry[nr++] = i;
-    } else if (peer_settle(1, i, r) == CUDA_SUCCESS) {
+    } else if (peer_settle(1, i, r) == CUDA_SUCCESS && links[i].applied) {
       *changed = 1;
     }
   }
@@ -1564,7 +1564,7 @@ static CUresult peer_enable_all(int *bad, int *changed) {
       *bad = i;
       return r;
     }
-    *changed = 1;
+    if (links[i].applied) *changed = 1;  // not when it was dropped
   }
   return CUDA_SUCCESS;
 }
@@ -1609,7 +1609,7 @@ int trk_peer_set(int on, jbuf *b, char *err, size_t errlen) {
       CUcontext x;
       CUresult r = pd.push(sync_ctx[k]);
       if (r == CUDA_SUCCESS) r = pd.sync(), pd.pop(&x);
-      if (stale_code(r)) gone[ng++] = sync_ctx[k];  // a context the driver does not know: its links are none
+      if (stale_code(r) && ctx_gone(sync_ctx[k])) gone[ng++] = sync_ctx[k];  // a context the driver does not know: its links are none
       else if (r != CUDA_SUCCESS)
         snprintf(err, errlen, "peer-off: synchronizing a context before disabling its peer access failed (%d)", r), rc = -1;
     }
@@ -1655,9 +1655,12 @@ int trk_peer_set(int on, jbuf *b, char *err, size_t errlen) {
   purge_stale();
   int n = nlinks;
   pthread_mutex_unlock(&peer_mu);
+  // largest_device_alloc: read here, with the process quiesced, for ptxmig's check (status's, read
+  // before the quiesce, may be stale).
   if (rc == 0)
-    jb_printf(b, "{\"links\":%d,\"changed\":%s,\"sync_us\":%llu,\"elapsed_us\":%llu}", n, changed ? "true" : "false",
-              (unsigned long long)sync_ns / 1000, (unsigned long long)(shim_now_ns() - t0) / 1000);
+    jb_printf(b, "{\"links\":%d,\"changed\":%s,\"sync_us\":%llu,\"elapsed_us\":%llu,\"largest_device_alloc\":%llu}", n,
+              changed ? "true" : "false", (unsigned long long)sync_ns / 1000, (unsigned long long)(shim_now_ns() - t0) / 1000,
+              (unsigned long long)largest_device_alloc());
   return rc;
 }
 

@@ -248,7 +248,8 @@ def main():
             r = c.req(cmd="peer-off")
             check(not r["ok"] and "only the connection that quiesced" in r["error"], f"peer-off from another connection: {r}")
             r = q.req(cmd="peer-off")
-            check(r["ok"] and r["result"]["links"] == 1 and r["result"]["changed"], f"peer-off: {r}")
+            check(r["ok"] and r["result"]["links"] == 1 and r["result"]["changed"] and r["result"].get("largest_device_alloc") == 1 << 20,
+                  f"peer-off: {r}")
             check(links() == "0", f"peer-off: the driver still has {links()} link(s)")
             st = c.req(cmd="status")["result"]
             check(st["peer_access"] == 1 and st["peer_access_suspended"] and st["peer_toggle"], f"status after peer-off: {st.get('peer_access')}, suspended {st.get('peer_access_suspended')}")
