@@ -13,17 +13,18 @@ import (
 	"github.com/ptxmig/ptxmig/internal/testreq"
 )
 
-// closing leaves a loopback connection closing on a listener's port and returns the port, the
+// closing leaves a loopback connection (network tcp4 or tcp6 on host) closing on a listener's
+// port and returns the port, the
 // listener closed: the side that accepted closes first, and the client closes too (TIME_WAIT) or
 // keeps its end open (FIN_WAIT2, the accepted side orphaned) until the test ends.
-func closing(t *testing.T, clientCloses bool) uint16 {
+func closing(t *testing.T, network, host string, clientCloses bool) uint16 {
 	t.Helper()
-	l, err := net.Listen("tcp4", "127.0.0.1:0")
+	l, err := net.Listen(network, net.JoinHostPort(host, "0"))
 	if err != nil {
-		t.Fatal(err)
+		testreq.Skip(t, "ipv6", "%s: %v", network, err) // only IPv6 can be missing here
 	}
 	defer l.Close()
-	c, err := net.Dial("tcp4", l.Addr().String())
+	c, err := net.Dial(network, l.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -41,15 +42,19 @@ func closing(t *testing.T, clientCloses bool) uint16 {
 	return uint16(l.Addr().(*net.TCPAddr).Port)
 }
 
-// bindPlain binds a TCP socket to 127.0.0.1:port without SO_REUSEADDR, as CRIU restores a
-// listening socket of an application that did not set it.
-func bindPlain(port uint16) error {
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+// bindPlain binds a TCP socket to host:port (127.0.0.1 or ::1) without SO_REUSEADDR, as CRIU
+// restores a listening socket of an application that did not set it.
+func bindPlain(host string, port uint16) error {
+	fam, sa := unix.AF_INET, unix.Sockaddr(&unix.SockaddrInet4{Port: int(port), Addr: [4]byte{127, 0, 0, 1}})
+	if host == "::1" {
+		fam, sa = unix.AF_INET6, &unix.SockaddrInet6{Port: int(port), Addr: [16]byte{15: 1}}
+	}
+	fd, err := unix.Socket(fam, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return err
 	}
 	defer unix.Close(fd)
-	return unix.Bind(fd, &unix.SockaddrInet4{Port: int(port), Addr: [4]byte{127, 0, 0, 1}})
+	return unix.Bind(fd, sa)
 }
 
 // TestEndClosing: a connection closing on a port (TIME_WAIT, or FIN_WAIT2 while its peer keeps
@@ -61,12 +66,16 @@ func TestEndClosing(t *testing.T) {
 		testreq.Skip(t, "root", "ending sockets needs CAP_NET_ADMIN")
 	}
 	for _, tt := range []struct {
-		name         string
-		clientCloses bool
-		state        int
-	}{{"TIME_WAIT", true, StateTimeWait}, {"FIN_WAIT2", false, StateFinWait2}} {
+		name, network, host string
+		clientCloses        bool
+		state               int
+	}{
+		{"TIME_WAIT", "tcp4", "127.0.0.1", true, StateTimeWait},
+		{"FIN_WAIT2", "tcp4", "127.0.0.1", false, StateFinWait2},
+		{"TIME_WAIT over IPv6", "tcp6", "::1", true, StateTimeWait},
+	} {
 		t.Run(tt.name, func(t *testing.T) {
-			port := closing(t, tt.clientCloses)
+			port := closing(t, tt.network, tt.host, tt.clientCloses)
 			var got []Socket
 			for deadline := time.Now().Add(5 * time.Second); len(got) == 0 && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 				var err error
@@ -78,10 +87,10 @@ func TestEndClosing(t *testing.T) {
 				t.Fatalf("closing sockets on port %d: %v, want 1", port, got)
 			}
 			s := got[0]
-			if s.State != tt.state || s.Local.Addr().String() != "127.0.0.1" || s.Local.Port() != port || s.Remote.Port() == 0 || s.Inode != 0 {
+			if s.State != tt.state || s.Local.Addr().String() != tt.host || s.Local.Port() != port || s.Remote.Port() == 0 || s.Inode != 0 {
 				t.Fatalf("listed %+v (%s), want %s with no inode", s, s, tt.name)
 			}
-			if err := bindPlain(port); !errors.Is(err, unix.EADDRINUSE) {
+			if err := bindPlain(tt.host, port); !errors.Is(err, unix.EADDRINUSE) {
 				t.Fatalf("bind of a port with a connection in %s: %v, want EADDRINUSE", tt.name, err)
 			}
 			if err := Destroy(s); errors.Is(err, ErrNotSupported) {
@@ -92,7 +101,7 @@ func TestEndClosing(t *testing.T) {
 			if left, err := List(port, Closing...); err != nil || len(left) != 0 {
 				t.Fatalf("after Destroy: %v %v", left, err)
 			}
-			if err := bindPlain(port); err != nil {
+			if err := bindPlain(tt.host, port); err != nil {
 				t.Fatalf("bind after the %s socket was ended: %v", tt.name, err)
 			}
 			if err := Destroy(s); err != nil {

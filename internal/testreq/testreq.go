@@ -6,7 +6,7 @@
 // Requirement names in use: root (euid 0), criu (a usable CRIU >= 4.0), ptxas, cc (a C compiler),
 // go (the go command), proc (a usable /proc), flock (flock(1)), sleep (sleep(1)), tmpfs (mounting
 // a tmpfs), cgroup2 (a writable cgroup v2 hierarchy with cgroup.kill), sock-destroy (a kernel that
-// ends TCP sockets through sock_diag, CONFIG_INET_DIAG_DESTROY). Skips that are not about a
+// ends TCP sockets through sock_diag, CONFIG_INET_DIAG_DESTROY), ipv6 (IPv6 on the loopback). Skips that are not about a
 // missing requirement (-short, a fixture that does not apply here) stay plain t.Skip calls.
 package testreq
 
