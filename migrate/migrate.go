@@ -8,6 +8,7 @@ package migrate
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -23,6 +24,7 @@ import (
 	"github.com/ptxmig/ptxmig/internal/placement"
 	"github.com/ptxmig/ptxmig/internal/probe"
 	"github.com/ptxmig/ptxmig/internal/proc"
+	"github.com/ptxmig/ptxmig/internal/shimctl"
 	"github.com/ptxmig/ptxmig/internal/shimstep"
 )
 
@@ -148,7 +150,8 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := op.RefuseUnrestorable(ctx, pids); err != nil {
+	shims, err := op.CheckRestorable(ctx, pids)
+	if err != nil {
 		return nil, err
 	}
 	if o.Rehearse && (len(o.GPUs) > 0 || len(o.GPUMap) > 0) {
@@ -184,7 +187,7 @@ func PlanMigrate(ctx context.Context, env *op.Env, o Options) (*Plan, error) {
 	if err != nil {
 		return nil, op.Refusef("migrate pid %d: %w", pid, err)
 	}
-	if err := refuseNoPeerPath(ctx, env, pids, pairs); err != nil {
+	if err := refuseNoPeerPath(env, shims, pairs); err != nil {
 		return nil, err
 	}
 	p := &Plan{PID: pid, PIDs: pids, Pairs: pairs, opts: o}
@@ -430,16 +433,16 @@ func lockTimeoutText(d time.Duration) string {
 // them) onto GPUs between which this host has no peer path: the shim turns peer access off for
 // the move and enables it again at the resume, which would fail there, and the migrate would roll
 // back after the whole move. Without NVML's answer (a Lister that cannot tell, an error) nothing
-// is refused.
-func refuseNoPeerPath(ctx context.Context, env *op.Env, pids []int, pairs []placement.Pair) error {
+// is refused. shims: the processes' shim statuses (op.CheckRestorable).
+func refuseNoPeerPath(env *op.Env, shims map[int]*shimctl.Status, pairs []placement.Pair) error {
 	pp, ok := env.GPUs.(gpu.PeerPather)
 	if !ok {
 		return nil
 	}
-	for _, pid := range pids {
-		st, err := op.ShimStatus(ctx, pid)
-		if err != nil || st == nil || st.PeerAccess == 0 {
-			continue // RefuseUnrestorable has spoken on a shim that does not answer
+	for _, pid := range slices.Sorted(maps.Keys(shims)) {
+		st := shims[pid]
+		if st.PeerAccess == 0 {
+			continue
 		}
 		own, _, err := env.TreeGPUs([]int{pid})
 		if err != nil {

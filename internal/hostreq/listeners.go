@@ -14,14 +14,12 @@ import (
 const MaxListeners = 10_000
 
 // Listener is a listening TCP socket the image's processes held: CRIU binds its address again
-// at restore, so the port must be free on the target host. ReuseAddr: the application had set
-// SO_REUSEADDR, ReusePort SO_REUSEPORT, V6Only IPV6_V6ONLY (an IPv6 socket that does not also
-// take the IPv4 port).
+// at restore, so the port must be free on the target host. V6Only: IPV6_V6ONLY (an IPv6 socket
+// that does not also take the IPv4 port). (CRIU binds with SO_REUSEADDR and SO_REUSEPORT set
+// whatever the application had, so those are not kept.)
 type Listener struct {
-	Addr      netip.AddrPort
-	ReuseAddr bool
-	ReusePort bool
-	V6Only    bool
+	Addr   netip.AddrPort
+	V6Only bool
 }
 
 // Listeners reads the listening TCP sockets (IPv4 and IPv6) from CRIU's files.img, each
@@ -59,10 +57,8 @@ func Listeners(files []byte) ([]Listener, error) {
 			return fmt.Errorf("listening socket %d: family %d with %d address words", s.GetId(), s.GetFamily(), len(words))
 		}
 		ap := netip.AddrPortFrom(addr, uint16(s.GetSrcPort()))
-		l := Listener{Addr: ap, ReuseAddr: s.GetOpts().GetReuseaddr(), ReusePort: s.GetOpts().GetSoReuseport(), V6Only: s.GetV6Only()}
-		if i, ok := seen[ap]; ok { // another descriptor of the address: the strictest flags
-			out[i].ReuseAddr = out[i].ReuseAddr && l.ReuseAddr
-			out[i].ReusePort = out[i].ReusePort && l.ReusePort
+		l := Listener{Addr: ap, V6Only: s.GetV6Only()}
+		if i, ok := seen[ap]; ok { // another descriptor of the address: the stricter (taking IPv4 too)
 			out[i].V6Only = out[i].V6Only && l.V6Only
 			return nil
 		}

@@ -16,7 +16,7 @@ import (
 )
 
 // inetEntry is a files.img entry of a TCP (or proto) socket bound to addr in state.
-func inetEntry(id uint32, proto_, state uint32, addr netip.AddrPort, reuse bool) *fdinfo.FileEntry {
+func inetEntry(id uint32, proto_, state uint32, addr netip.AddrPort, v6only bool) *fdinfo.FileEntry {
 	fam := uint32(unix.AF_INET)
 	raw := addr.Addr().AsSlice()
 	if addr.Addr().Is6() {
@@ -32,11 +32,12 @@ func inetEntry(id uint32, proto_, state uint32, addr netip.AddrPort, reuse bool)
 		Proto: proto.Uint32(proto_), State: proto.Uint32(state), SrcPort: proto.Uint32(uint32(addr.Port())), DstPort: &z,
 		Flags: &z, Backlog: &z, SrcAddr: words, Fown: &fown.FownEntry{Uid: &z, Euid: &z, Signum: &z, PidType: &z, Pid: &z},
 		Opts: &skopts.SkOptsEntry{SoSndbuf: &z, SoRcvbuf: &z, SoSndTmoSec: proto.Uint64(0), SoSndTmoUsec: proto.Uint64(0),
-			SoRcvTmoSec: proto.Uint64(0), SoRcvTmoUsec: proto.Uint64(0), Reuseaddr: proto.Bool(reuse)},
+			SoRcvTmoSec: proto.Uint64(0), SoRcvTmoUsec: proto.Uint64(0)},
+		V6Only: proto.Bool(v6only),
 	}}
 }
 
-// TestListeners: the listening TCP sockets of files.img, each address once, with SO_REUSEADDR;
+// TestListeners: the listening TCP sockets of files.img, each address once, with IPV6_V6ONLY;
 // established TCP, UDP and regular files are not; a bad port or address is an error.
 func TestListeners(t *testing.T) {
 	v4 := netip.MustParseAddrPort("127.0.0.1:29500")
@@ -51,15 +52,15 @@ func TestListeners(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := []Listener{{Addr: v4}, {Addr: v6, ReuseAddr: true}}
+	want := []Listener{{Addr: v4}, {Addr: v6, V6Only: true}}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("Listeners = %+v, want %+v", got, want)
 	}
-	// Another descriptor of an address with other flags: the strictest of them.
+	// Another descriptor of an address, not v6-only: the address takes the IPv4 port too.
 	stricter := inetEntry(9, unix.IPPROTO_TCP, tcpListen, v6, false)
 	if got, err := Listeners(image(magicFiles, inetEntry(5, unix.IPPROTO_TCP, tcpListen, v6, true), stricter)); err != nil ||
 		!reflect.DeepEqual(got, []Listener{{Addr: v6}}) {
-		t.Fatalf("two descriptors of [::]:8080, one without SO_REUSEADDR: %+v %v", got, err)
+		t.Fatalf("two descriptors of [::]:8080, one not v6-only: %+v %v", got, err)
 	}
 	bad := inetEntry(7, unix.IPPROTO_TCP, tcpListen, v4, false)
 	bad.Isk.SrcPort = proto.Uint32(70000)

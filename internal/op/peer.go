@@ -34,16 +34,25 @@ import (
 // cannot be asked; the operation goes ahead as before, and a shim that predates the "ipc" counts
 // is asked about peer links only. One whose shim does not answer is refused.
 func RefuseUnrestorable(ctx context.Context, pids []int) error {
+	_, err := CheckRestorable(ctx, pids)
+	return err
+}
+
+// CheckRestorable is RefuseUnrestorable that also returns the shim statuses it read, by pid (a
+// pid without the shim has none), for checks that need them after it.
+func CheckRestorable(ctx context.Context, pids []int) (map[int]*shimctl.Status, error) {
+	sts := map[int]*shimctl.Status{}
 	for _, pid := range pids {
 		st, err := ShimStatus(ctx, pid)
 		if err != nil {
-			return Refusef("pid %d runs under the ptxmig shim, which did not say whether it shares GPU memory with other "+
+			return nil, Refusef("pid %d runs under the ptxmig shim, which did not say whether it shares GPU memory with other "+
 				"processes or enabled peer access (%v): the driver could checkpoint it and then not restore it; nothing was "+
 				"touched. Try again; `ptxmig ps` shows the shim's state", pid, err)
 		}
 		if st == nil {
 			continue
 		}
+		sts[pid] = st
 		var found, fixes []string
 		if n := st.PeerAccess; n > 0 && !st.PeerToggle {
 			found = append(found, fmt.Sprintf("has enabled peer access between its GPUs (%d link(s), reported by the ptxmig shim): "+
@@ -76,11 +85,11 @@ func RefuseUnrestorable(ctx context.Context, pids []int) error {
 				"stop sharing GPU memory between processes (CUDA IPC, cuMemExportToShareableHandle, exported memory pools)")
 		}
 		if len(found) > 0 {
-			return Refusef("pid %d %s, so it would be lost; nothing was touched. %s", pid,
+			return nil, Refusef("pid %d %s, so it would be lost; nothing was touched. %s", pid,
 				strings.Join(found, "; it also "), strings.Join(fixes, ". "))
 		}
 	}
-	return nil
+	return sts, nil
 }
 
 // PeerAllocLimit: the largest cuMemAlloc allocation for which driver 580 was seen to enable peer
