@@ -561,7 +561,7 @@ func (a *analyzer) kernel(f *Function) (*KernelReport, *kernelInfo, error) {
 			bodies = append(bodies, cf.Body)
 		}
 	}
-	kr.MidBlockSites = midBlockSites(kr, g, after, uni, bodies, barrierFuncs)
+	kr.MidBlockSites = midBlockSites(kr, g, after, uni, bodies, barrierFuncs, a.m.Target)
 	if kr.MidBlockSites == nil {
 		kr.MidBlockSites = []MidBlockSite{}
 	}

@@ -94,6 +94,7 @@ const (
 	shRec        = 112 // u32 save-area record reserved by the leader before a site's vote
 	shFwd        = 116 // u32 save-area record a forwarded record is copied to
 	shVisit      = 120 // u32 site votes of this CTA in this launch
+	shStop       = 120 // thread-loop twins (no votes): u32 non-zero once a thread of the block stopped
 	shForce      = 124 // u32 CtlOffForceVisit as read at the start of the launch
 	midSlotBytes = 128
 	slotStride   = 32

@@ -16,14 +16,20 @@ import (
 //   - "barrier": bar.sync / barrier.sync[.aligned] with no thread count, in the kernel itself
 //     (not a callee), at scope depth 0, reached by all threads of the CTA or none (C1);
 //   - "loop": the header of a loop with no barrier in it whose exit branches are CTA-uniform (so
-//     every thread runs the same number of iterations and a CTA-wide vote can be taken there).
+//     every thread runs the same number of iterations and a CTA-wide vote can be taken there);
+//   - "thread-loop": the header of any loop with no barrier in it, in a kernel that has no
+//     barrier or warp collective at all (threadBlockers): each thread stops there by itself, and
+//     the CTA saves once every thread stopped or finished the block. Such a kernel's loop sites
+//     are all thread-loops.
 //
 // Conditions checked per site (a failed one is a refusal naming it):
 //   - C1 the site is CTA-uniform (above);
 //   - C3 nothing asynchronous can be in flight: no bulk/TMA copies, mbarrier waits, wgmma or
 //     tcgen05 operations in the kernel (plain cp.async is waited for at the site: allowed);
 //   - C4 no live value is bound to where the CTA ran: derived from %smid, %nsmid, %warpid,
-//     %gridid, %clock*, %globaltimer, or a .local address (cvta.local, %SP, %SPL);
+//     %gridid, or a .local address (cvta.local, %SP, %SPL), or from %clock, %clock64 or
+//     %globaltimer other than as a reading plus or minus a clock-free amount, which is rebased
+//     instead (timebase.go);
 //   - C5 no dynamic stack (alloca); a static .local depot is saved with the registers;
 //   - C6 no cross-CTA waits: the kernel must have a block-granular twin at all (spin-waits on
 //     memory other CTAs write, grid sync and clusters already refuse that);
@@ -38,16 +44,21 @@ const MaxMidBlockLiveBytes = 512
 // MidBlockSite is a candidate mid-block safe point and whether it is usable.
 type MidBlockSite struct {
 	Line      int      `json:"line"`
-	Kind      string   `json:"kind"` // "barrier" or "loop"
+	Kind      string   `json:"kind"` // "barrier", "loop" or "thread-loop"
 	Op        string   `json:"op"`
 	LiveBytes int      `json:"live_bytes"` // registers saved per thread (predicates as 4 bytes)
 	Eligible  bool     `json:"eligible"`
 	Refusals  []string `json:"refusals,omitempty"` // "C4: ..."
 	// PollEvery is, for a loop site, how many header visits pass between two votes (pollEvery).
 	PollEvery int `json:"poll_every,omitempty"`
+	// Rebased names the live registers that hold clock readings, saved relative to the clock
+	// ("%rd1 (%clock64)").
+	Rebased []string `json:"rebased,omitempty"`
 
-	idx  int   // statement index: the barrier, or the loop header's first instruction
-	live []int // registers live at the site (CFG register ids), saved and restored
+	idx    int               // statement index: the barrier, or the loop header's first instruction
+	live   []int             // registers live at the site (CFG register ids), saved and restored
+	rebase map[int]timeClass // live registers saved relative to their clock
+	c1     []string          // its C1 refusals (dropped for a thread-loop)
 }
 
 // maxC6Reasons is how many of the kernel's refusals a site's C6 refusal names.
@@ -104,54 +115,6 @@ func midBlockBlockers(kr *KernelReport, bodies [][]*Stmt) []string {
 	return out
 }
 
-// locationBound returns the registers whose value may derive from where the CTA ran (C4),
-// flow-insensitively: a register defined anywhere from such a source, or from another such
-// register, counts.
-func locationBound(g *CFG) bitset {
-	f := g.Fn
-	bound := newBitset(len(g.regNames))
-	source := func(s *Stmt) bool {
-		if s.Base() == "cvta" && s.HasMod("local") {
-			return true
-		}
-		for _, o := range s.Args {
-			for _, r := range o.Regs {
-				n := strings.TrimPrefix(r, "%")
-				for _, p := range []string{"smid", "nsmid", "warpid", "gridid", "clock", "globaltimer", "SP", "SPL"} {
-					if n == p || strings.HasPrefix(n, p+".") || (p == "clock" && strings.HasPrefix(n, "clock")) {
-						return true
-					}
-				}
-			}
-		}
-		return false
-	}
-	for changed := true; changed; {
-		changed = false
-		for i, s := range f.Body {
-			if s.Kind != StInstr || len(g.defs[i]) == 0 {
-				continue
-			}
-			tainted := source(s)
-			for _, u := range g.uses[i] {
-				if bound.has(u) {
-					tainted = true
-				}
-			}
-			if !tainted {
-				continue
-			}
-			for _, d := range g.defs[i] {
-				if !bound.has(d) {
-					bound.set(d)
-					changed = true
-				}
-			}
-		}
-	}
-	return bound
-}
-
 // plainCTABarrier reports whether s is a CTA-wide barrier with no thread count.
 func plainCTABarrier(s *Stmt) bool {
 	switch s.Base() {
@@ -165,40 +128,44 @@ func plainCTABarrier(s *Stmt) bool {
 }
 
 // midBlockSites finds and checks the kernel's candidate sites. after is the liveness after each
-// statement, bodies the kernel's and its callees' statements.
-func midBlockSites(kr *KernelReport, g *CFG, after [][]int, uni *uniformity, bodies [][]*Stmt, barrierFuncs map[string]bool) []MidBlockSite {
+// statement, bodies the kernel's and its callees' statements, target the module's .target.
+func midBlockSites(kr *KernelReport, g *CFG, after [][]int, uni *uniformity, bodies [][]*Stmt, barrierFuncs map[string]bool, target []string) []MidBlockSite {
 	f := g.Fn
 	blockers := midBlockBlockers(kr, bodies)
-	bound := locationBound(g)
-	liveState := func(live []int) (int, []string) {
-		n := 0
-		var why []string
-		for _, r := range live {
-			n += regSize(g.regTypes[r])
-			if bound.has(r) {
-				why = append(why, regKeyName(g.regNames[r]))
-			}
-		}
-		sort.Strings(why)
-		return n + kr.LocalBytes, why
-	}
-	check := func(site *MidBlockSite, live []int, uniform bool, extra []string) {
+	times := timeClasses(g)
+	check := func(site *MidBlockSite, live []int, uniform bool, c1, extra []string) {
 		g.work += len(live)
 		site.live = live
+		var bound []string
 		for _, r := range site.live {
+			name := regKeyName(g.regNames[r])
+			site.LiveBytes += regSize(g.regTypes[r])
+			switch c := times[r]; {
+			case c == tcBound:
+				bound = append(bound, name)
+			case c.timeSource() != "":
+				if site.rebase == nil {
+					site.rebase = map[int]timeClass{}
+				}
+				site.rebase[r] = c
+				site.Rebased = append(site.Rebased, name+" ("+c.timeSource()+")")
+			}
 			if strings.Contains(g.regNames[r], "#") {
-				extra = append(extra, "C9: register "+regKeyName(g.regNames[r])+" is declared in a nested scope")
+				extra = append(extra, "C9: register "+name+" is declared in a nested scope")
 			}
 			if saveType(g.regTypes[r]) == "" {
-				extra = append(extra, fmt.Sprintf("C9: register %s has type %s, which the save does not handle", regKeyName(g.regNames[r]), g.regTypes[r]))
+				extra = append(extra, fmt.Sprintf("C9: register %s has type %s, which the save does not handle", name, g.regTypes[r]))
 			}
 		}
-		site.Refusals = append(site.Refusals, extra...)
+		site.LiveBytes += kr.LocalBytes
+		sort.Strings(bound)
+		sort.Strings(site.Rebased)
+		site.Refusals = append(append(site.Refusals, c1...), extra...)
 		if !uniform {
-			site.Refusals = append(site.Refusals, "C1: reached divergently (some threads of the CTA may not get here)")
+			c1 = append(c1, "C1: reached divergently (some threads of the CTA may not get here)")
+			site.Refusals = append(site.Refusals, c1[len(c1)-1])
 		}
-		var bound []string
-		site.LiveBytes, bound = liveState(live)
+		site.c1 = c1
 		if len(bound) > 0 {
 			site.Refusals = append(site.Refusals, "C4: live values bound to where the CTA ran: "+strings.Join(bound, ", "))
 		}
@@ -232,7 +199,7 @@ func midBlockSites(kr *KernelReport, g *CFG, after [][]int, uni *uniformity, bod
 		if s.Depth > 0 {
 			why = append(why, "C1: inside a nested { } scope")
 		}
-		check(&site, after[i], uni.reachedUniformly(g.blockOf[i]), why)
+		check(&site, after[i], uni.reachedUniformly(g.blockOf[i]), why, nil)
 		if polls == nil {
 			polls = barrierPollEvery(g)
 		}
@@ -240,13 +207,81 @@ func midBlockSites(kr *KernelReport, g *CFG, after [][]int, uni *uniformity, bod
 		sites = append(sites, site)
 	}
 	sites = append(sites, loopSites(g, after, uni, check)...)
+	threadLoops(sites, threadBlockers(bodies, target))
 	sort.SliceStable(sites, func(a, b int) bool { return sites[a].Line < sites[b].Line })
 	return sites
 }
 
+// threadLoops turns the loop sites of a kernel into thread-loops when that makes a site usable
+// that C1 alone refused, and the kernel allows stopping thread by thread (no blockers); a loop site
+// that C1 alone refused otherwise names, in its C1 refusal, what rules thread stops out.
+func threadLoops(sites []MidBlockSite, blockers []string) {
+	gain := false
+	for _, s := range sites {
+		if s.Kind == "loop" && len(s.c1) > 0 && len(s.Refusals) == len(s.c1) {
+			gain = true
+		}
+	}
+	if !gain {
+		return
+	}
+	for i := range sites {
+		s := &sites[i]
+		if s.Kind != "loop" {
+			continue
+		}
+		if len(blockers) > 0 {
+			if len(s.c1) > 0 && len(s.Refusals) == len(s.c1) {
+				s.Refusals[0] += "; a thread-granular stop is ruled out: " + blockers[0]
+			}
+			continue
+		}
+		s.Kind, s.Op = "thread-loop", "loop header (each thread stops by itself)"
+		s.Refusals = slices.DeleteFunc(s.Refusals, func(r string) bool { return slices.Contains(s.c1, r) })
+		s.Eligible = len(s.Refusals) == 0
+	}
+}
+
+// minThreadStopSM is the first architecture whose warps can stop thread by thread: independent
+// thread scheduling lets a thread wait at the non-aligned barrier of the twin's block end while
+// others of its warp still run the body.
+const minThreadStopSM = 70
+
+// threadBlockers are the reasons a kernel cannot stop thread by thread: a stopped thread leaves
+// its block at once, so no thread may wait for it at a barrier or in a warp collective, and one
+// it calls may hide either.
+func threadBlockers(bodies [][]*Stmt, target []string) []string {
+	var out []string
+	for _, t := range target {
+		if n, ok := strings.CutPrefix(t, "sm_"); ok {
+			var sm int
+			if _, err := fmt.Sscanf(n, "%d", &sm); err == nil && sm < minThreadStopSM {
+				out = append(out, fmt.Sprintf("the module targets %s, before sm_%d (no independent thread scheduling)", t, minThreadStopSM))
+			}
+		}
+	}
+	for _, body := range bodies {
+		for _, s := range body {
+			if s.Kind != StInstr {
+				continue
+			}
+			switch {
+			case isBarrier(s) || isWarpCollective(s):
+				out = append(out, fmt.Sprintf("%s (line %d) waits for other threads", s.Op, s.Line))
+			case s.Base() == "call" && callee(s) == "":
+				out = append(out, fmt.Sprintf("an indirect call (line %d) may reach a barrier or a warp collective", s.Line))
+			}
+			if len(out) > 0 {
+				return out
+			}
+		}
+	}
+	return out
+}
+
 // loopSites finds the headers of loops (back edge b → h in layout order) with no barrier, and
 // checks each: every exit branch of the loop must be CTA-uniform (same trip count everywhere).
-func loopSites(g *CFG, after [][]int, uni *uniformity, check func(*MidBlockSite, []int, bool, []string)) []MidBlockSite {
+func loopSites(g *CFG, after [][]int, uni *uniformity, check func(*MidBlockSite, []int, bool, []string, []string)) []MidBlockSite {
 	f := g.Fn
 	headers := layoutLoops(g)
 	var out []MidBlockSite
@@ -297,7 +332,7 @@ func loopSites(g *CFG, after [][]int, uni *uniformity, check func(*MidBlockSite,
 		live = append(live, g.uses[start]...)
 		sort.Ints(live)
 		live = slices.Compact(live)
-		check(&site, live, uni.reachedUniformly(h), why)
+		check(&site, live, uni.reachedUniformly(h), why, nil)
 		out = append(out, site)
 	}
 	return out

@@ -14,39 +14,73 @@ func TestMidBlockSites(t *testing.T) {
 		name, body string
 		kind       string
 		refusal    string // "" = eligible; else a substring of the first refusal
+		rebased    string // the site's Rebased, joined with ", "
 	}{
 		{"plain barrier", `
 	st.shared.u32 	[flag], %r1;
 	bar.sync 	0;
 	ld.shared.u32 	%r2, [flag];
-	st.global.u32 	[%rd1], %r2;`, "barrier", ""},
+	st.global.u32 	[%rd1], %r2;`, "barrier", "", ""},
 		{"aligned barrier.sync", `
 	barrier.sync.aligned 	0;
-	st.global.u32 	[%rd1], %r1;`, "barrier", ""},
+	st.global.u32 	[%rd1], %r1;`, "barrier", "", ""},
 		{"barrier with a thread count", `
 	bar.sync 	1, 64;
-	st.global.u32 	[%rd1], %r1;`, "barrier", "C1: bar.sync is not a CTA-wide barrier"},
+	st.global.u32 	[%rd1], %r1;`, "barrier", "C1: bar.sync is not a CTA-wide barrier", ""},
 		{"bar.red is not a site", `
 	setp.ne.s32 	%p1, %r1, 0;
 	bar.red.or.pred 	%p2, 0, %p1;
 	selp.u32 	%r2, 1, 0, %p2;
-	st.global.u32 	[%rd1], %r2;`, "barrier", "C1: bar.red.or.pred is not a CTA-wide barrier"},
+	st.global.u32 	[%rd1], %r2;`, "barrier", "C1: bar.red.or.pred is not a CTA-wide barrier", ""},
 		{"SM id live across the barrier", `
 	mov.u32 	%r2, %smid;
 	bar.sync 	0;
-	st.global.u32 	[%rd1], %r2;`, "barrier", "C4: live values bound to where the CTA ran: %r2"},
+	st.global.u32 	[%rd1], %r2;`, "barrier", "C4: live values bound to where the CTA ran: %r2", ""},
 		{"local address live across the barrier", `
 	bar.sync 	0;
-	st.u32 	[%rd4], %r1;`, "barrier", "C4: live values bound to where the CTA ran: %rd4"},
-		{"clock deadline live across the barrier", `
+	st.u32 	[%rd4], %r1;`, "barrier", "C4: live values bound to where the CTA ran: %rd4", ""},
+		{"timer deadline live across the barrier: rebased", `
 	mov.u64 	%rd6, %globaltimer;
 	add.s64 	%rd7, %rd6, 1000;
 	bar.sync 	0;
-	st.global.u64 	[%rd1], %rd7;`, "barrier", "C4: live values bound to where the CTA ran: %rd7"},
+	st.global.u64 	[%rd1], %rd7;`, "barrier", "", "%rd7 (%globaltimer)"},
+		{"32-bit clock deadline: rebased", `
+	mov.u32 	%r2, %clock;
+	add.s32 	%r3, %r2, 100;
+	bar.sync 	0;
+	st.global.u32 	[%rd1], %r3;`, "barrier", "", "%r3 (%clock)"},
+		{"a duration needs no rebase", `
+	mov.u64 	%rd6, %clock64;
+	mov.u64 	%rd7, %clock64;
+	sub.s64 	%rd8, %rd7, %rd6;
+	bar.sync 	0;
+	st.global.u64 	[%rd1], %rd8;`, "barrier", "", ""},
+		{"a scaled clock is bound", `
+	mov.u64 	%rd6, %clock64;
+	shr.u64 	%rd7, %rd6, 10;
+	bar.sync 	0;
+	st.global.u64 	[%rd1], %rd7;`, "barrier", "C4: live values bound to where the CTA ran: %rd7", ""},
+		{"a truncated clock is bound", `
+	mov.u64 	%rd6, %clock64;
+	cvt.u32.u64 	%r2, %rd6;
+	bar.sync 	0;
+	st.global.u32 	[%rd1], %r2;`, "barrier", "C4: live values bound to where the CTA ran: %r2", ""},
+		{"two clocks mixed are bound", `
+	mov.u64 	%rd6, %clock64;
+	mov.u64 	%rd7, %globaltimer;
+	sub.s64 	%rd8, %rd7, %rd6;
+	bar.sync 	0;
+	st.global.u64 	[%rd1], %rd8;`, "barrier", "C4: live values bound to where the CTA ran: %rd8", ""},
+		{"a register written from a clock and from a constant is bound", `
+	mov.u64 	%rd6, 0;
+	setp.eq.u32 	%p1, %r1, 0;
+	@%p1 mov.u64 	%rd6, %clock64;
+	bar.sync 	0;
+	st.global.u64 	[%rd1], %rd6;`, "barrier", "C4: live values bound to where the CTA ran: %rd6", ""},
 		{"mbarrier in the kernel", `
 	mbarrier.init.shared::cta.b64 	[flags], 1;
 	bar.sync 	0;
-	st.global.u32 	[%rd1], %r1;`, "barrier", "C3: mbarrier operations"},
+	st.global.u32 	[%rd1], %r1;`, "barrier", "C3: mbarrier operations", ""},
 		{"uniform loop without a barrier", `
 	mov.u32 	%r3, 0;
 	ld.param.u32 	%r4, [k_p];
@@ -54,18 +88,54 @@ $L_loop:
 	add.s32 	%r3, %r3, 1;
 	setp.lt.u32 	%p1, %r3, %r4;
 	@%p1 bra 	$L_loop;
-	st.global.u32 	[%rd1], %r3;`, "loop", ""},
-		{"per-thread trip count", `
+	st.global.u32 	[%rd1], %r3;`, "loop", "", ""},
+		{"per-thread trip count in a kernel without collectives: a thread-loop", `
 	mov.u32 	%r3, %r1;
 $L_loop:
 	add.s32 	%r3, %r3, 32;
 	setp.lt.u32 	%p1, %r3, 4096;
 	@%p1 bra 	$L_loop;
-	st.global.u32 	[%rd1], %r3;`, "loop", "C1: the loop's exit depends on per-thread values"},
+	st.global.u32 	[%rd1], %r3;`, "thread-loop", "", ""},
+		{"a clock spin (CuPy's): a thread-loop with its start rebased", `
+	mov.u64 	%rd6, %clock64;
+$L_loop:
+	mov.u64 	%rd7, %clock64;
+	sub.s64 	%rd8, %rd7, %rd6;
+	setp.lt.u64 	%p1, %rd8, 100000;
+	@%p1 bra 	$L_loop;
+	st.global.u32 	[%rd1], %r1;`, "thread-loop", "", "%rd6 (%clock64)"},
+		{"per-thread trip count and a barrier", `
+	mov.u32 	%r3, %r1;
+$L_loop:
+	add.s32 	%r3, %r3, 32;
+	setp.lt.u32 	%p1, %r3, 4096;
+	@%p1 bra 	$L_loop;
+	bar.sync 	0;
+	st.global.u32 	[%rd1], %r3;`, "loop", "C1: the loop's exit depends on per-thread values: threads may run different trip counts; a thread-granular stop is ruled out: bar.sync (line", ""},
+		{"per-thread trip count and a shuffle", `
+	mov.u32 	%r3, %r1;
+$L_loop:
+	add.s32 	%r3, %r3, 32;
+	setp.lt.u32 	%p1, %r3, 4096;
+	@%p1 bra 	$L_loop;
+	shfl.sync.bfly.b32 	%r4, %r3, 1, 31, -1;
+	st.global.u32 	[%rd1], %r4;`, "loop", "a thread-granular stop is ruled out: shfl.sync.bfly.b32", ""},
+		{"per-thread trip count on sm_60", `
+	// target sm_60
+	mov.u32 	%r3, %r1;
+$L_loop:
+	add.s32 	%r3, %r3, 32;
+	setp.lt.u32 	%p1, %r3, 4096;
+	@%p1 bra 	$L_loop;
+	st.global.u32 	[%rd1], %r3;`, "loop", "a thread-granular stop is ruled out: the module targets sm_60, before sm_70", ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			m, err := Parse([]byte(spinKernel(tt.body)))
+			src := spinKernel(tt.body)
+			if strings.Contains(tt.body, "// target sm_60") {
+				src = strings.Replace(src, ".target sm_90", ".target sm_60", 1)
+			}
+			m, err := Parse([]byte(src))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -82,6 +152,9 @@ $L_loop:
 			}
 			if site == nil {
 				t.Fatalf("no %s site in %+v", tt.kind, k.MidBlockSites)
+			}
+			if got := strings.Join(site.Rebased, ", "); got != tt.rebased {
+				t.Errorf("rebased %q, want %q", got, tt.rebased)
 			}
 			if tt.refusal == "" {
 				if !site.Eligible {

@@ -23,6 +23,19 @@ import (
 // launch that is preempted at once ends at once; so each logical block finishes exactly once:
 // whole, or through a chain of records.
 //
+// Thread-loop twins (every site a thread-loop: a kernel without barriers or warp collectives)
+// stop thread by thread instead of voting. Each thread polls the flag itself every PollEvery
+// visits of a site; one that stops keeps its live registers, marks the block stopped in shared
+// memory and leaves the body for the block's end, where every thread meets at a barrier: the
+// others finish their block or stop at their own next poll. If a thread stopped, the leader
+// reserves a record and each thread writes its state into it: a status word in the last register
+// slot (the site it stopped at, or StatusDone for a thread that finished the block) and, if it
+// stopped, its registers. With the save area full, the stopped threads go back to their sites
+// and the CTA makes no more stops in this launch. A resumed block restores shared memory, then
+// each thread goes to its own site, or, done, straight to the block's end. Block-end barriers
+// are non-aligned there (a warp may arrive divergent), which needs sm_70's independent thread
+// scheduling.
+//
 // Record layout (RecordBytes): 64-byte header {u32 site, u32 blocks left in the batch, u32 ctaid
 // x, y, z, u32 RecordMagic, u64 claim in flight, u64 its size, u64 claim position, u64 0, u32
 // dynamic shared bytes, u32 threads}; then the registers, slot-major (slot j of thread t at
@@ -33,11 +46,12 @@ import (
 // module also carries it as `.visible .global .u32 __ptxmig_mid_K[5]` = {2, Slots,
 // StaticSharedBytes, Sites, LocalBytes}, for hosts that hold only the module (cuModuleGetGlobal).
 type MidBlockLayout struct {
-	Sites             int  `json:"sites"`               // eligible sites rewritten
-	Slots             int  `json:"register_slots"`      // 8-byte register slots per thread
-	LocalBytes        int  `json:"local_bytes"`         // the .local depot saved per thread (16-byte aligned)
-	StaticSharedBytes int  `json:"static_shared_bytes"` // static shared memory saved (16-byte aligned parts)
-	DynamicShared     bool `json:"dynamic_shared"`      // the dynamic shared memory is saved too
+	Sites             int  `json:"sites"`                  // eligible sites rewritten
+	ThreadStops       bool `json:"thread_stops,omitempty"` // thread-loop sites: the last slot is each thread's status
+	Slots             int  `json:"register_slots"`         // 8-byte register slots per thread
+	LocalBytes        int  `json:"local_bytes"`            // the .local depot saved per thread (16-byte aligned)
+	StaticSharedBytes int  `json:"static_shared_bytes"`    // static shared memory saved (16-byte aligned parts)
+	DynamicShared     bool `json:"dynamic_shared"`         // the dynamic shared memory is saved too
 }
 
 // RecordBytes is the size of one record for a launch with threads threads per CTA and dyn bytes
@@ -53,6 +67,14 @@ func (l MidBlockLayout) RecordBytes(threads, dyn uint32) uint64 {
 // MidDescPrefix names the module variable that describes a kernel's records.
 const MidDescPrefix = "__ptxmig_mid_"
 
+// Thread-loop records: a thread's status word (the low half of its last register slot) is the
+// site it stopped at or StatusDone; the header's site field is RecordThreadSites.
+const (
+	StatusDone        = 0xFFFFFFFF
+	RecordThreadSites = 0x7FFFFFFF
+	recRefused        = 0xFFFFFFFF // shRec of a thread-loop twin: the save area was full
+)
+
 type midShared struct {
 	name  string
 	bytes int
@@ -64,6 +86,8 @@ type midPlan struct {
 	sites   []MidBlockSite // eligible, in body order; index = site id
 	byIdx   map[int]int
 	g       *CFG
+	thread  bool // thread-loop sites: per-thread stops, non-uniform branches on the resume path
+	rebase  bool // some site carries clock readings (the time registers are declared)
 	layout  MidBlockLayout
 	statics []midShared
 	local   midShared // the .local depot (name "" when none)
@@ -97,12 +121,18 @@ func (a *analyzer) planMidBlock(f *Function, kr *KernelReport, info *kernelInfo)
 		p.byIdx[s.idx] = len(p.sites)
 		p.sites = append(p.sites, s)
 		p.layout.Slots = max(p.layout.Slots, len(s.live))
-		if s.Kind == "loop" {
+		if s.Kind != "barrier" {
 			p.loops = true
 		}
+		p.thread = p.thread || s.Kind == "thread-loop"
+		p.rebase = p.rebase || len(s.rebase) > 0
 	}
 	if len(p.sites) == 0 {
 		return nil
+	}
+	if p.thread {
+		p.layout.ThreadStops = true
+		p.layout.Slots++ // the status slot
 	}
 	p.layout.Sites = len(p.sites)
 	p.planResume()
@@ -234,14 +264,23 @@ func (p *midPlan) headDispatch(i int, L func(string) string) []string {
 		out = append(out, L(fmt.Sprintf("lh%d", k))+":")
 	}
 	if k, ok := p.headAt[i]; ok {
-		out = append(out, "@"+qRes+" bra.uni \t"+L(fmt.Sprintf("hd%d", k))+";")
+		out = append(out, "@"+qRes+" "+p.braR()+" \t"+L(fmt.Sprintf("hd%d", k))+";")
 	}
 	return out
 }
 
 // blockDispatch is the top of the twin's block loop: a resume in progress goes on towards its site.
-func blockDispatch(L func(string) string) string {
-	return "@" + qRes + " bra.uni \t" + L("hdb") + ";"
+func (p *midPlan) blockDispatch(L func(string) string) string {
+	return "@" + qRes + " " + p.braR() + " \t" + L("hdb") + ";"
+}
+
+// braR is the branch of the resume path: uniform where the CTA resumes at one site, divergent
+// where each thread goes to its own (thread-loops; a done thread does not come at all).
+func (p *midPlan) braR() string {
+	if p.thread {
+		return "bra"
+	}
+	return "bra.uni"
 }
 
 // resumeDispatch is the tail's part of the resume path: at the block loop's header (hdb) and at
@@ -264,14 +303,27 @@ func (p *midPlan) resumeDispatch(L func(string) string) []string {
 			}
 			if next == "" {
 				next = L(fmt.Sprintf("hz%s_%d", name[2:], id))
-				landings = append(landings, next+":", "mov.pred \t"+qRes+", 0;", "bra.uni \t"+L(fmt.Sprintf("at%d", id))+";")
+				landings = append(landings, next+":", "mov.pred \t"+qRes+", 0;")
+				if p.thread {
+					landings = append(landings, fmt.Sprintf("mov.u32 \t%s, %d;", mSite, uint32(StatusDone)))
+				}
+				landings = append(landings, p.braR()+" \t"+L(fmt.Sprintf("at%d", id))+";")
 			}
-			out = append(out, fmt.Sprintf("setp.eq.u32 \t%s, %s, %d;", qT, mSite, id), "@"+qT+" bra.uni \t"+next+";")
+			out = append(out, fmt.Sprintf("setp.eq.u32 \t%s, %s, %d;", qT, mSite, id), "@"+qT+" "+p.braR()+" \t"+next+";")
 		}
 		out = append(out, "trap;")
 		out = append(out, landings...)
 	}
-	hop("hdb", -1, all)
+	if p.thread {
+		// hdb: a done thread of a resumed block (no site) goes to the block's end.
+		out = append(out, L("hdb")+":",
+			fmt.Sprintf("setp.eq.u32 \t%s, %s, %d;", qT, mSite, uint32(StatusDone)),
+			"@"+qT+" bra \t"+L("hdone")+";")
+		hop("hdb2", -1, all)
+		out = append(out, L("hdone")+":", "mov.pred \t"+qRes+", 0;", "bra \t"+L("next")+";")
+	} else {
+		hop("hdb", -1, all)
+	}
 	for k, h := range p.heads {
 		hop(fmt.Sprintf("hd%d", k), k, h.sites)
 	}
@@ -304,14 +356,24 @@ const (
 	dSh   = "%ptxmig_md3" // the record's shared part
 	dDst  = "%ptxmig_md4" // forward destination
 	dG    = "%ptxmig_md5"
+	// thread-loop twins and clock rebasing only
+	uVis = "%ptxmig_u0" // this thread's polls in this launch (force_visit counts them)
+	uFrc = "%ptxmig_u1" // force_visit as read at the start of the launch (0: none)
+	uT   = "%ptxmig_u2"
+	udT  = "%ptxmig_ud0"
+	udT2 = "%ptxmig_ud1"
 )
 
 func (p *midPlan) decls() []string {
-	return []string{
+	out := []string{
 		".reg .pred \t%ptxmig_q<5>;",
 		".reg .b32 \t%ptxmig_m<13>;",
 		".reg .b64 \t%ptxmig_md<6>;",
 	}
+	if p.thread || p.rebase {
+		out = append(out, ".reg .b32 \t%ptxmig_u<3>;", ".reg .b64 \t%ptxmig_ud<2>;")
+	}
+	return out
 }
 
 func ctlAt(off int) string { return fmt.Sprintf("[%s+%d]", rCtl, off) }
@@ -369,6 +431,15 @@ func (p *midPlan) prologue() []string {
 		"@"+qMid+" and.b32 \t"+mA+", "+mA+", 15;",
 		"@"+qMid+" setp.eq.u32 \t"+qMid+", "+mA+", 0;",
 	)
+	if p.thread {
+		out = append(out,
+			"// thread-loops: no site stopped at yet; each thread counts its own polls",
+			fmt.Sprintf("mov.u32 \t%s, %d;", mSite, uint32(StatusDone)),
+			"mov.u32 \t"+uVis+", 0;",
+			"mov.u32 \t"+uFrc+", 0;",
+			fmt.Sprintf("@%s ld.global.u32 \t%s, %s;", qMid, uFrc, ctlAt(CtlOffForceVisit)),
+		)
+	}
 	return out
 }
 
@@ -571,6 +642,10 @@ func (p *midPlan) regAccess(s MidBlockSite, store bool) []string {
 		if j > 0 {
 			out = append(out, "add.u64 \t"+dA+", "+dA+", "+dB+";")
 		}
+		if c, ok := s.rebase[r]; ok {
+			out = append(out, rebaseAccess(name, c, store)...)
+			continue
+		}
 		switch {
 		case typ == ".pred" && store:
 			out = append(out, "selp.u32 \t"+mVal+", 1, 0, "+name+";", "st.global.b32 \t["+dA+"], "+mVal+";")
@@ -583,6 +658,28 @@ func (p *midPlan) regAccess(s MidBlockSite, store bool) []string {
 		}
 	}
 	return out
+}
+
+// rebaseAccess saves a clock reading (register name, class c) as its distance from the clock now,
+// or restores it as the clock now plus that distance, at dA (timebase.go).
+func rebaseAccess(name string, c timeClass, store bool) []string {
+	t, a, b, st := "u64", udT, udT2, "b64"
+	if c.bytes() == 4 {
+		t, a, b, st = "u32", uT, mVal, "b32"
+	}
+	src := c.timeSource()
+	if store {
+		return []string{
+			"mov." + t + " \t" + a + ", " + src + ";",
+			"sub." + t + " \t" + a + ", " + name + ", " + a + ";",
+			"st.global." + st + " \t[" + dA + "], " + a + ";",
+		}
+	}
+	return []string{
+		"ld.global." + st + " \t" + a + ", [" + dA + "];",
+		"mov." + t + " \t" + b + ", " + src + ";",
+		"add." + t + " \t" + name + ", " + a + ", " + b + ";",
+	}
 }
 
 // slotAddr sets dA to slot 0 of this thread in the record at dRec and dB to the slot stride.
@@ -605,8 +702,8 @@ func recordAt(idxReg string, areaOff int) []string {
 	}
 }
 
-// tail is the save, forward and resume code, after the twin's ret (reached only by branches).
-func (p *midPlan) tail(bar, claimLabel string, drainAsync bool, L func(string) string) []string {
+// voteSave is the save of a CTA that voted to stop at site k (every thread): its registers.
+func (p *midPlan) voteSave(L func(string) string) []string {
 	out := []string{"// ptxmig: mid-block save (every thread of a CTA that voted to stop at site k)"}
 	for id := range p.sites {
 		out = append(out,
@@ -628,6 +725,120 @@ func (p *midPlan) tail(bar, claimLabel string, drainAsync bool, L func(string) s
 		out = append(out, L(fmt.Sprintf("st%d", id))+":")
 		out = append(out, p.regAccess(s, true)...)
 		out = append(out, "bra.uni \t"+L("saved")+";")
+	}
+	return out
+}
+
+// threadSave is the save of a thread-loop twin's block in which a thread stopped, reached by every
+// thread from the block's end: the leader reserves a record; each thread writes its status and,
+// if it stopped, its registers; with the save area full the stopped threads go back to their
+// sites instead.
+func (p *midPlan) threadSave(bar string, L func(string) string) []string {
+	lead := "@" + pLead + " "
+	out := []string{"// ptxmig: thread-loop save (every thread: a thread of this block stopped)", L("tstop") + ":"}
+	out = append(out, loadCtlLines()...)
+	out = append(out,
+		fmt.Sprintf("%satom.global.add.u32 \t%s, %s, 1;", lead, mA, ctlAt(CtlOffSaved)),
+		fmt.Sprintf("%sld.global.u32 \t%s, %s;", lead, mB, ctlAt(CtlOffSaveCapacity)),
+		"setp.ge.and.u32 \t"+qT+", "+mA+", "+mB+", "+pLead+";",
+		fmt.Sprintf("@%s mov.u32 \t%s, %d;", qT, mA, uint32(recRefused)),
+		lead+"st.shared.u32 \t"+shAt(shRec)+", "+mA+";",
+		bar,
+		"ld.shared.u32 \t"+mA+", "+shAt(shRec)+";",
+		fmt.Sprintf("setp.eq.u32 \t%s, %s, %d;", qT, mA, uint32(recRefused)),
+		"@"+qT+" bra.uni \t"+L("tfull")+";",
+	)
+	out = append(out, recordAt(mA, CtlOffSaveArea)...)
+	out = append(out, threadIndex()...)
+	out = append(out, p.statusAddr()...)
+	out = append(out, "st.global.u32 \t["+dG+"], "+mSite+";")
+	out = append(out, slotAddr()...)
+	out = append(out, fmt.Sprintf("setp.eq.u32 \t%s, %s, %d;", qT, mSite, uint32(StatusDone)), "@"+qT+" bra \t"+L("tsaved")+";")
+	for id := range p.sites {
+		out = append(out, fmt.Sprintf("setp.eq.u32 \t%s, %s, %d;", qT, mSite, id), "@"+qT+" bra \t"+L(fmt.Sprintf("st%d", id))+";")
+	}
+	out = append(out, "trap;")
+	for id, s := range p.sites {
+		out = append(out, L(fmt.Sprintf("st%d", id))+":")
+		out = append(out, p.regAccess(s, true)...)
+		out = append(out, "bra \t"+L("tsaved")+";")
+	}
+	return append(out,
+		L("tsaved")+":",
+		fmt.Sprintf("mov.u32 \t%s, %d;", mSite, uint32(RecordThreadSites)),
+		"bra \t"+L("saved")+";",
+		"// the save area is full: no more stops in this CTA for the rest of the launch; the threads",
+		"// that stopped go back to their sites with their registers as they are",
+		L("tfull")+":",
+		"mov.pred \t"+qMid+", 0;",
+		"// every thread clears the mark (a store by the leader alone would split warp 0)",
+		"mov.u32 \t"+mVal+", 0;",
+		"st.shared.u32 \t"+shAt(shStop)+", "+mVal+";",
+		fmt.Sprintf("setp.eq.u32 \t%s, %s, %d;", qT, mSite, uint32(StatusDone)),
+		"@"+qT+" bra \t"+L("next")+";",
+		"mov.pred \t"+qRes+", 1;",
+		"bra \t"+L("block")+";",
+	)
+}
+
+// statusAddr sets dG to this thread's status word in the record at dRec: the last register slot.
+func (p *midPlan) statusAddr() []string {
+	return []string{
+		fmt.Sprintf("mul.wide.u32 \t%s, %s, %d;", dG, mThr, 8*(p.layout.Slots-1)),
+		"add.u64 \t" + dG + ", " + dG + ", " + dRec + ";",
+		"mad.wide.u32 \t" + dG + ", " + mTid + ", 8, " + dG + ";",
+		"add.u64 \t" + dG + ", " + dG + ", 64;",
+	}
+}
+
+// threadPoll is a thread-loop site: every PollEvery visits this thread reads the flag (and counts
+// a poll for force_visit); one that stops marks the block stopped and leaves for the block's end
+// with its live registers as they are (they are saved there).
+func (p *midPlan) threadPoll(id, every int, L func(string) string) []string {
+	at := L(fmt.Sprintf("at%d", id))
+	return []string{
+		fmt.Sprintf("// ptxmig: thread-loop site %d: this thread polls the flag (or its forced poll)", id),
+		"add.u32 \t" + mPoll + ", " + mPoll + ", 1;",
+		fmt.Sprintf("setp.lt.u32 \t%s, %s, %d;", qT, mPoll, every),
+		"@" + qT + " bra \t" + at + ";",
+		"mov.u32 \t" + mPoll + ", 0;",
+		"@!" + qMid + " bra \t" + at + ";",
+		"add.u32 \t" + uVis + ", " + uVis + ", 1;",
+		"setp.eq.u32 \t" + qV + ", " + uVis + ", " + uFrc + ";",
+		"ld.param.u64 \t" + dG + ", [" + CtlParam + "];",
+		"cvta.to.global.u64 \t" + dG + ", " + dG + ";",
+		fmt.Sprintf("ld.volatile.global.u32 \t%s, [%s+%d];", mA, dG, CtlOffPreempt),
+		"setp.ne.or.u32 \t" + qV + ", " + mA + ", 0, " + qV + ";",
+		"@!" + qV + " bra \t" + at + ";",
+		fmt.Sprintf("mov.u32 \t%s, %d;", mSite, id),
+		"mov.u32 \t" + mA + ", 1;",
+		"st.shared.u32 \t" + shAt(shStop) + ", " + mA + ";",
+		"bra \t" + L("next") + ";",
+	}
+}
+
+// blockEnd is what a thread-loop twin does at the end of each block (every thread): wait for the
+// whole CTA, then save if a thread stopped. Nothing for other twins.
+func (p *midPlan) blockEnd(bar string, L func(string) string) []string {
+	if p == nil || !p.thread {
+		return nil
+	}
+	return []string{
+		"// ptxmig: every thread finished this block or stopped in it; save if one stopped",
+		bar,
+		"ld.shared.u32 \t" + mA + ", " + shAt(shStop) + ";",
+		"setp.ne.u32 \t" + qT + ", " + mA + ", 0;",
+		"@" + qT + " bra.uni \t" + L("tstop") + ";",
+	}
+}
+
+// tail is the save, forward and resume code, after the twin's ret (reached only by branches).
+func (p *midPlan) tail(bar, claimLabel string, drainAsync bool, L func(string) string) []string {
+	var out []string
+	if p.thread {
+		out = p.threadSave(bar, L)
+	} else {
+		out = p.voteSave(L)
 	}
 	out = append(out, L("saved")+":")
 	if drainAsync {
@@ -659,6 +870,15 @@ func (p *midPlan) tail(bar, claimLabel string, drainAsync bool, L func(string) s
 		lead+"st.shared.u64 \t"+shAt(shDone)+", "+rT64a+";",
 		fmt.Sprintf("%sred.global.or.b32 \t%s, %d;", lead, ctlAt(CtlOffStatus), CtlStatusPreempted),
 		lead+"mov.u64 \t"+rPend+", -2;",
+	)
+	if p.thread {
+		out = append(out,
+			lead+"mov.u32 \t"+mVal+", 0;",
+			lead+"st.shared.u32 \t"+shAt(shStop)+", "+mVal+";",
+			fmt.Sprintf("mov.u32 \t%s, %d;", mSite, uint32(StatusDone)),
+		)
+	}
+	out = append(out,
 		"// every thread has read its shared memory before any runs on",
 		bar,
 		"bra.uni \t"+claimLabel+";",
@@ -719,14 +939,26 @@ func (p *midPlan) tail(bar, claimLabel string, drainAsync bool, L func(string) s
 		bar,
 	)
 	out = append(out, slotAddr()...)
+	if p.thread {
+		out = append(out, "// each thread to its own site; one that had finished the block, to the block's end")
+		out = append(out, p.statusAddr()...)
+		out = append(out,
+			"ld.global.u32 \t"+mSite+", ["+dG+"];",
+			"// a done thread goes through the block loop's header too (hdb sends it to the block's",
+			"// end): an edge from here into the block's end would make the loop irreducible",
+			fmt.Sprintf("setp.eq.u32 \t%s, %s, %d;", qT, mSite, uint32(StatusDone)),
+			"@"+qT+" mov.pred \t"+qRes+", 1;",
+			"@"+qT+" bra \t"+L("block")+";",
+		)
+	}
 	for id := range p.sites {
-		out = append(out, fmt.Sprintf("setp.eq.u32 \t%s, %s, %d;", qT, mSite, id), "@"+qT+" bra.uni \t"+L(fmt.Sprintf("ld%d", id))+";")
+		out = append(out, fmt.Sprintf("setp.eq.u32 \t%s, %s, %d;", qT, mSite, id), "@"+qT+" "+p.braR()+" \t"+L(fmt.Sprintf("ld%d", id))+";")
 	}
 	out = append(out, "trap;")
 	for id, s := range p.sites {
 		out = append(out, L(fmt.Sprintf("ld%d", id))+":")
 		out = append(out, p.regAccess(s, false)...)
-		out = append(out, fmt.Sprintf("mov.u32 \t%s, %d;", mSite, id), "mov.pred \t"+qRes+", 1;", "bra.uni \t"+L("block")+";")
+		out = append(out, fmt.Sprintf("mov.u32 \t%s, %d;", mSite, id), "mov.pred \t"+qRes+", 1;", p.braR()+" \t"+L("block")+";")
 	}
 	return append(out, p.resumeDispatch(L)...)
 }

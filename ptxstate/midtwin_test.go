@@ -13,33 +13,48 @@ import (
 // testdata/nvcc12/midblock.cu): loop sites (nested, unrolled), barrier sites with predicates
 // live across them, static shared memory declared in the body and dynamic shared memory.
 func TestMidBlockGolden(t *testing.T) {
-	m, _ := mustParse(t, "testdata/nvcc12/midblock.sm_90.ptx")
-	out, r, err := InstrumentWith(m, Options{MidBlock: true})
-	if err != nil {
-		t.Fatal(err)
+	tests := []struct {
+		name string // testdata/nvcc12/NAME.sm_90.ptx; goldens NAME.mid.*
+		want map[string]MidBlockLayout
+	}{
+		{"midblock", map[string]MidBlockLayout{
+			"mc_hist":     {Sites: 2, Slots: 8},
+			"smem_rounds": {Sites: 11, Slots: 19, StaticSharedBytes: 1040},
+			"dyn_stencil": {Sites: 11, Slots: 7, DynamicShared: true},
+			"nested_mix":  {Sites: 4, Slots: 12},
+		}},
+		// Thread-loops: one more slot, each thread's status.
+		{"threadloop", map[string]MidBlockLayout{
+			"spin_count":     {Sites: 1, Slots: 5, ThreadStops: true},
+			"timer_deadline": {Sites: 1, Slots: 3, ThreadStops: true},
+			"collatz_hist":   {Sites: 2, Slots: 12, StaticSharedBytes: 2048, ThreadStops: true},
+		}},
 	}
-	golden.Check(t, filepath.Join("testdata", "golden", "midblock.mid.instrumented.ptx"), out.Bytes())
-	js, err := json.MarshalIndent(r, "", "  ")
-	if err != nil {
-		t.Fatal(err)
-	}
-	golden.Check(t, filepath.Join("testdata", "golden", "midblock.mid.report.json"), append(js, '\n'))
-	want := map[string]MidBlockLayout{
-		"mc_hist":     {Sites: 2, Slots: 8},
-		"smem_rounds": {Sites: 11, Slots: 19, StaticSharedBytes: 1040},
-		"dyn_stencil": {Sites: 11, Slots: 7, DynamicShared: true},
-		"nested_mix":  {Sites: 4, Slots: 12},
-	}
-	for _, k := range r.Kernels {
-		if k.MidBlock == nil || *k.MidBlock != want[k.Name] {
-			t.Errorf("%s: mid-block layout %+v, want %+v", k.Name, k.MidBlock, want[k.Name])
-		}
-	}
-	text := string(out.Bytes())
-	for name := range want {
-		if !strings.Contains(text, ".visible .global .align 4 .u32 "+MidDescPrefix+name+"[5]") {
-			t.Errorf("no layout variable for %s", name)
-		}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			m, _ := mustParse(t, "testdata/nvcc12/"+tt.name+".sm_90.ptx")
+			out, r, err := InstrumentWith(m, Options{MidBlock: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			golden.Check(t, filepath.Join("testdata", "golden", tt.name+".mid.instrumented.ptx"), out.Bytes())
+			js, err := json.MarshalIndent(r, "", "  ")
+			if err != nil {
+				t.Fatal(err)
+			}
+			golden.Check(t, filepath.Join("testdata", "golden", tt.name+".mid.report.json"), append(js, '\n'))
+			for _, k := range r.Kernels {
+				if k.MidBlock == nil || *k.MidBlock != tt.want[k.Name] {
+					t.Errorf("%s: mid-block layout %+v, want %+v", k.Name, k.MidBlock, tt.want[k.Name])
+				}
+			}
+			text := string(out.Bytes())
+			for name := range tt.want {
+				if !strings.Contains(text, ".visible .global .align 4 .u32 "+MidDescPrefix+name+"[5]") {
+					t.Errorf("no layout variable for %s", name)
+				}
+			}
+		})
 	}
 }
 

@@ -229,6 +229,9 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan, twinName
 	}
 
 	bar := schedulerBarrier(f.Body)
+	if mid != nil && mid.thread {
+		bar = "barrier.sync \t0;" // a warp may reach the block's end divergent (midtwin.go)
+	}
 	var body []*Stmt
 	emit := func(lines ...string) {
 		for _, l := range lines {
@@ -472,7 +475,7 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan, twinName
 		L("block")+":",
 	)
 	if mid != nil {
-		emit(blockDispatch(L))
+		emit(mid.blockDispatch(L))
 	}
 	emit(
 		"// warp 0 reads the flag during the batch's last block, for the leader's next claim decision",
@@ -518,10 +521,14 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan, twinName
 		emit(mid.headDispatch(i, L)...)
 		if id, ok := mid.siteAt(i); ok {
 			site := mid.sites[id]
-			if site.Kind == "loop" {
+			switch site.Kind {
+			case "thread-loop":
+				emit(mid.threadPoll(id, site.PollEvery, L)...)
+				emit(L(fmt.Sprintf("at%d", id)) + ":")
+			case "loop":
 				emit(mid.poll(id, site.PollEvery, bar != "barrier.sync \t0;", L)...)
 				emit(L(fmt.Sprintf("at%d", id)) + ":")
-			} else {
+			default:
 				// Every PollEvery-th visit the site's barrier becomes the vote (itself a barrier
 				// with the same operand); the other visits keep the barrier as it is.
 				emit(mid.count(site.PollEvery, L(fmt.Sprintf("plain%d", id)))...)
@@ -545,6 +552,7 @@ func makeTwin(f *Function, info *kernelInfo, maxnreg int, mid *midPlan, twinName
 		emit("// the thread's bulk copies have read their shared-memory source before it is reused",
 			"cp.async.bulk.wait_group.read \t0;")
 	}
+	emit(mid.blockEnd(bar, L)...)
 	emit(
 		"// the whole CTA finished this block: next block of the batch, or the next claim",
 		"sub.u32 \t"+rCnt+", "+rCnt+", 1;",

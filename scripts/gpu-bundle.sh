@@ -65,7 +65,7 @@ if [ -d "$dist/gputest/ptxstate" ]; then
   mkdir -p "$dist/gputest/ptxstate/corpus"
   cp ptxstate/testdata/corpus/*.ptx "$dist/gputest/ptxstate/corpus/"
   mkdir -p "$dist/gputest/ptxstate/mid"
-  cp ptxstate/testdata/nvcc12/midblock.sm_90.ptx "$dist/gputest/ptxstate/mid/"
+  cp ptxstate/testdata/nvcc12/midblock.sm_90.ptx ptxstate/testdata/nvcc12/threadloop.sm_90.ptx "$dist/gputest/ptxstate/mid/"
   mkdir -p "$dist/gputest/ptxstate/public"
   cp ptxstate/testdata/public/*.ptx "$dist/gputest/ptxstate/public/"
 fi

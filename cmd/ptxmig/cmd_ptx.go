@@ -356,8 +356,12 @@ func writeReport(w io.Writer, r *ptxstate.Report, detail bool) error {
 			if k.MidTwin != "" {
 				which = "second twin " + esc(k.MidTwin) + ", mid-block"
 			}
-			fmt.Fprintf(&b, "  %s (control block v3): %d site(s); record = 64 + (8 x %d + %d) x threads + %d%s bytes\n",
-				which, l.Sites, l.Slots, l.LocalBytes, l.StaticSharedBytes, dyn)
+			thread := ""
+			if l.ThreadStops {
+				thread = "; each thread stops by itself (the last slot is its status)"
+			}
+			fmt.Fprintf(&b, "  %s (control block v3): %d site(s); record = 64 + (8 x %d + %d) x threads + %d%s bytes%s\n",
+				which, l.Sites, l.Slots, l.LocalBytes, l.StaticSharedBytes, dyn, thread)
 		}
 		for _, n := range k.Notes {
 			fmt.Fprintf(&b, "  note: %s\n", esc(n))
@@ -400,8 +404,14 @@ func writeReport(w io.Writer, r *ptxstate.Report, detail bool) error {
 				verdict = "refused: " + escList(m.Refusals, "; ")
 			}
 			poll := ""
-			if m.PollEvery > 0 {
+			switch {
+			case m.PollEvery > 0 && m.Kind == "thread-loop":
+				poll = fmt.Sprintf(", each thread polls every %d visits", m.PollEvery)
+			case m.PollEvery > 0:
 				poll = fmt.Sprintf(", a vote every %d visits", m.PollEvery)
+			}
+			if len(m.Rebased) > 0 {
+				poll += ", rebased: " + escList(m.Rebased, " ")
 			}
 			fmt.Fprintf(&b, "    line %d %s %s, %d bytes/thread to save%s: %s\n", m.Line, m.Kind, esc(m.Op), m.LiveBytes, poll, verdict)
 		}

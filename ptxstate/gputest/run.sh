@@ -12,7 +12,7 @@
 # (claim-size settings timed besides the defaults, "MIN,MAX,DIV;...").
 # PTXSTATE_SPECS (default "kernels kernels-small": the block-granular specs to run; "" for none).
 # PTXSTATE_MID (default 1): also the mid-block twins (`ptx instrument --mid-block`) of
-# ../testdata/nvcc12/midblock.sm_90.ptx (./mid in a gpu bundle) on kernels-mid.spec and, with long
+# ../testdata/nvcc12/midblock.sm_90.ptx and threadloop.sm_90.ptx (./mid in a gpu bundle) on kernels-mid.spec and, with long
 # blocks, kernels-mid-long.spec: forced stops at site votes, random preemption, and their cost
 # against the block-granular twin; and, unless PTXSTATE_MID_CORPUS=0, the corpus of kernels.spec
 # and the public PTX of kernels-public.spec instrumented with --mid-block, the same checks for
@@ -76,9 +76,12 @@ if [ "${PTXSTATE_MID:-1}" != 0 ]; then
   for d in "$here/mid" "$here/../testdata/nvcc12"; do [ -f "$d/midblock.sm_90.ptx" ] && midsrc=$d && break; done
   [ -n "$midsrc" ] || { echo "run.sh: midblock.sm_90.ptx not found" >&2; exit 2; }
   mkdir -p "$work/mid" "$work/mid2"
-  "$bin" ptx instrument --mid-block --report -o "$work/mid/midblock.sm_90.ptx" "$midsrc/midblock.sm_90.ptx" >>"$out/ptxstate-instrument.txt"
-  "$bin" ptx instrument -o "$work/mid2/midblock.sm_90.ptx" "$midsrc/midblock.sm_90.ptx"
-  ptxas -arch=sm_90 -c -o /dev/null "$work/mid/midblock.sm_90.ptx" || { echo "run.sh: ptxas failed on the mid-block twins" >&2; exit 1; }
+  for f in midblock.sm_90.ptx threadloop.sm_90.ptx; do
+    [ -f "$midsrc/$f" ] || { echo "run.sh: $midsrc/$f not found" >&2; exit 2; }
+    "$bin" ptx instrument --mid-block --report -o "$work/mid/$f" "$midsrc/$f" >>"$out/ptxstate-instrument.txt"
+    "$bin" ptx instrument -o "$work/mid2/$f" "$midsrc/$f"
+    ptxas -arch=sm_90 -c -o /dev/null "$work/mid/$f" || { echo "run.sh: ptxas failed on the mid-block twins of $f" >&2; exit 1; }
+  done
   for spec in kernels-mid kernels-mid-long; do
     md="$out/ptxstate-midblock${spec#kernels-mid}.md"
     args=(--runs "${PTXSTATE_RUNS:-15}" --preempt-runs "${PTXSTATE_PREEMPT_RUNS:-3}" --tune "")

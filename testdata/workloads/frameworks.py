@@ -14,9 +14,9 @@ significant digits, or an exact checksum) and the end "final VALUE"; two uninter
 identical lines, and so must a run checkpointed, restored or migrated in between. --long-ms makes
 each cupy/numba launch spin about that long per block (a long kernel; --one-wave: a grid of one
 block per SM; otherwise 64 per SM: about four waves of 128-thread blocks). cupy spins on the SM's
-clock by default (--spin clock: a per-thread loop exit on a location-bound value, which has no
-mid-block safe point) or, with --spin sleep, as numba always does: a loop of 1 µs nanosleeps with a
-uniform trip count (a mid-block safe point). --hold-gib G (resnet) keeps G GiB of random int32 on
+clock by default (--spin clock: each thread leaves the loop on its own clock, a thread-loop safe
+point with the start time rebased) or, with --spin sleep, as numba always does: a loop of 1 µs
+nanosleeps with a uniform trip count (a CTA-wide loop safe point). --hold-gib G (resnet) keeps G GiB of random int32 on
 the GPU beside the model, 64 MiB of it changed every step, and prints its sum at the end ("result
 hold SUM"): a training process with that much device memory to move. Prints "skip: REASON" and
 exits 3 when the framework is missing.
