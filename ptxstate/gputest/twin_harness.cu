@@ -500,6 +500,31 @@ int main(int argc, char **argv) {
         }
         if (forceOK && !compareOutputs(c, ref, why)) { forceOK = false; why = "forced visit " + item + ": " + why; }
       }
+      // 3c. A save area too small for every stop (a quarter of the CTAs' records): a CTA refused a
+      // record runs on (a vote does not stop it; a thread-loop's stopped threads go back to their
+      // sites and the CTA stops no more in that launch); bit for bit again.
+      if (forceOK) {
+        gPhase = "twin, forced stops, small save area";
+        resetBuffers(c, s);
+        Ctl hf = h0;
+        hf.force_visit = 1;
+        hf.save_capacity = std::max(1u, workers / 4);
+        CK(cuMemcpyHtoDAsync(dctl, &hf, sizeof hf, s));
+        forceList += ";1 with " + std::to_string(hf.save_capacity) + " records";
+        for (int l = 0;; l++) {
+          launchTwinW(workers);
+          forcedLaunches++;
+          Ctl a = readCtl();
+          if (a.blocks_done >= total) {
+            if (a.blocks_done != total) { forceOK = false; why = "small save area: blocks_done " + std::to_string(a.blocks_done) + " > total"; }
+            break;
+          }
+          if (l >= 3) a.force_visit = 0;
+          prepRelaunch(a);
+          if (l > 100000) { forceOK = false; why = "small save area: no progress"; break; }
+        }
+        if (forceOK && !compareOutputs(c, ref, why)) { forceOK = false; why = "small save area: " + why; }
+      }
       forcedRecords = records;
       if (forceOK && forcedRecords == 0) { forceOK = false; why = "forced: no CTA stopped mid-block"; }
     }
