@@ -248,8 +248,10 @@ func threadLoops(sites []MidBlockSite, blockers []string) {
 const minThreadStopSM = 70
 
 // threadBlockers are the reasons a kernel cannot stop thread by thread: a stopped thread leaves
-// its block at once, so no thread may wait for it at a barrier or in a warp collective, and one
-// it calls may hide either.
+// its block at once and the others of its CTA wait for it at the block's end, so no thread may
+// wait for it at a barrier or in a warp collective; and every loop in which a thread could wait
+// for another (a spin on shared memory) must be a site, where the waiting thread stops too: a
+// call may hide a loop that is none.
 func threadBlockers(bodies [][]*Stmt, target []string) []string {
 	var out []string
 	for _, t := range target {
@@ -268,8 +270,8 @@ func threadBlockers(bodies [][]*Stmt, target []string) []string {
 			switch {
 			case isBarrier(s) || isWarpCollective(s):
 				out = append(out, fmt.Sprintf("%s (line %d) waits for other threads", s.Op, s.Line))
-			case s.Base() == "call" && callee(s) == "":
-				out = append(out, fmt.Sprintf("an indirect call (line %d) may reach a barrier or a warp collective", s.Line))
+			case s.Base() == "call":
+				out = append(out, fmt.Sprintf("a call (line %d) may hold a loop that is no site, where a thread could wait for a stopped one", s.Line))
 			}
 			if len(out) > 0 {
 				return out

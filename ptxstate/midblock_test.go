@@ -77,6 +77,13 @@ func TestMidBlockSites(t *testing.T) {
 	@%p1 mov.u64 	%rd6, %clock64;
 	bar.sync 	0;
 	st.global.u64 	[%rd1], %rd6;`, "barrier", "C4: live values bound to where the CTA ran: %rd6", ""},
+		{"a write guarded by the SM id is bound", `
+	mov.u32 	%r2, %smid;
+	setp.eq.u32 	%p1, %r2, 0;
+	mov.u32 	%r3, 0;
+	@%p1 mov.u32 	%r3, 1;
+	bar.sync 	0;
+	st.global.u32 	[%rd1], %r3;`, "barrier", "C4: live values bound to where the CTA ran: %r3", ""},
 		{"mbarrier in the kernel", `
 	mbarrier.init.shared::cta.b64 	[flags], 1;
 	bar.sync 	0;
@@ -120,6 +127,15 @@ $L_loop:
 	@%p1 bra 	$L_loop;
 	shfl.sync.bfly.b32 	%r4, %r3, 1, 31, -1;
 	st.global.u32 	[%rd1], %r4;`, "loop", "a thread-granular stop is ruled out: shfl.sync.bfly.b32", ""},
+		{"per-thread trip count and a call", `
+	// with f
+	mov.u32 	%r3, %r1;
+$L_loop:
+	add.s32 	%r3, %r3, 32;
+	setp.lt.u32 	%p1, %r3, 4096;
+	@%p1 bra 	$L_loop;
+	call.uni 	f, ();
+	st.global.u32 	[%rd1], %r3;`, "loop", "a thread-granular stop is ruled out: a call (line", ""},
 		{"per-thread trip count on sm_60", `
 	// target sm_60
 	mov.u32 	%r3, %r1;
@@ -134,6 +150,9 @@ $L_loop:
 			src := spinKernel(tt.body)
 			if strings.Contains(tt.body, "// target sm_60") {
 				src = strings.Replace(src, ".target sm_90", ".target sm_60", 1)
+			}
+			if strings.Contains(tt.body, "// with f") {
+				src = strings.Replace(src, ".visible .entry k(", ".func f()\n{\n\tret;\n}\n\n.visible .entry k(", 1)
 			}
 			m, err := Parse([]byte(src))
 			if err != nil {

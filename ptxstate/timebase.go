@@ -134,6 +134,14 @@ func evalTime(g *CFG, k int, class []timeClass) timeClass {
 			return tcBound // a write of a stack pointer is bound whatever it writes
 		}
 	}
+	if s.Pred != "" {
+		// A guarded write depends on its guard: one computed from a place is bound (a guard
+		// comparing clocks is a fact about the past, free like any comparison).
+		switch c := regClass(s.Pred); c {
+		case tcUnset, tcBound:
+			return c
+		}
+	}
 	in := make([]timeClass, 0, len(s.Args))
 	for _, o := range s.Args[1:] {
 		c := tcFree
