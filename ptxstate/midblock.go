@@ -207,7 +207,21 @@ func midBlockSites(kr *KernelReport, g *CFG, after [][]int, uni *uniformity, bod
 		sites = append(sites, site)
 	}
 	sites = append(sites, loopSites(g, after, uni, check)...)
-	threadLoops(sites, threadBlockers(bodies, target))
+	tb := threadBlockers(bodies, target)
+	loops := layoutLoops(g)
+	heads := make([]int, 0, len(loops))
+	for h := range loops {
+		heads = append(heads, h)
+	}
+	sort.Ints(heads)
+	for _, h := range heads {
+		if firstInstr(g, h) < 0 {
+			// An empty header block gets no site (loopSites): a thread waiting in that loop for a
+			// stopped one would never stop.
+			tb = append(tb, fmt.Sprintf("the loop at line %d has no instruction at its header, so no site", f.Body[g.Blocks[h].Start].Line))
+		}
+	}
+	threadLoops(sites, tb)
 	sort.SliceStable(sites, func(a, b int) bool { return sites[a].Line < sites[b].Line })
 	return sites
 }

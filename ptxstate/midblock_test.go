@@ -136,6 +136,18 @@ $L_loop:
 	@%p1 bra 	$L_loop;
 	call.uni 	f, ();
 	st.global.u32 	[%rd1], %r3;`, "loop", "a thread-granular stop is ruled out: a call (line", ""},
+		{"per-thread trip count and a loop entered at an empty block (no site)", `
+	mov.u32 	%r3, %r1;
+$L_wait:
+$L_body:
+	add.s32 	%r3, %r3, 32;
+	setp.lt.u32 	%p1, %r3, 4096;
+	@%p1 bra 	$L_wait;
+$L_loop:
+	add.s32 	%r3, %r3, 32;
+	setp.lt.u32 	%p1, %r3, 8192;
+	@%p1 bra 	$L_loop;
+	st.global.u32 	[%rd1], %r3;`, "loop", "a thread-granular stop is ruled out: the loop at line 26 has no instruction at its header, so no site", ""},
 		{"per-thread trip count on sm_60", `
 	// target sm_60
 	mov.u32 	%r3, %r1;
