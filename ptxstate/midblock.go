@@ -206,9 +206,9 @@ func midBlockSites(kr *KernelReport, g *CFG, after [][]int, uni *uniformity, bod
 		site.PollEvery = polls[g.blockOf[i]]
 		sites = append(sites, site)
 	}
-	sites = append(sites, loopSites(g, after, uni, check)...)
-	tb := threadBlockers(bodies, target)
 	loops := layoutLoops(g)
+	sites = append(sites, loopSites(g, loops, after, uni, check)...)
+	tb := threadBlockers(bodies, target)
 	heads := make([]int, 0, len(loops))
 	for h := range loops {
 		heads = append(heads, h)
@@ -295,11 +295,11 @@ func threadBlockers(bodies [][]*Stmt, target []string) []string {
 	return out
 }
 
-// loopSites finds the headers of loops (back edge b → h in layout order) with no barrier, and
-// checks each: every exit branch of the loop must be CTA-uniform (same trip count everywhere).
-func loopSites(g *CFG, after [][]int, uni *uniformity, check func(*MidBlockSite, []int, bool, []string, []string)) []MidBlockSite {
+// loopSites finds, among the loops of headers (layoutLoops: back edge b → h in layout order),
+// those with no barrier, and checks each: every exit branch of the loop must be CTA-uniform (same
+// trip count everywhere).
+func loopSites(g *CFG, headers map[int]int, after [][]int, uni *uniformity, check func(*MidBlockSite, []int, bool, []string, []string)) []MidBlockSite {
 	f := g.Fn
-	headers := layoutLoops(g)
 	var out []MidBlockSite
 	for h, latch := range headers {
 		barrier, divergentExit := false, false

@@ -467,6 +467,36 @@ int main(int argc, char **argv) {
     uint64_t forcedRecords = 0;
     int forcedLaunches = 0;
     std::string forceList;
+    // One forced run: every CTA stops at its v-th site vote (thread-loops: each thread at its v-th
+    // poll) in each of the first four launches, with save areas of cap records, relaunched (on
+    // other CTA counts when vary) until every block is done; then bit for bit. label prefixes why.
+    auto forcedRun = [&](unsigned v, uint32_t cap, bool vary, const std::string &label) {
+      resetBuffers(c, s);
+      Ctl hf = h0;
+      hf.force_visit = v;
+      hf.save_capacity = cap;
+      CK(cuMemcpyHtoDAsync(dctl, &hf, sizeof hf, s));
+      for (int l = 0;; l++) {
+        unsigned w = !vary ? workers : l % 3 == 1 ? std::max(1u, workers / 3) : l % 3 == 2 ? workers / 2 + 1 : workers;
+        launchTwinW(w);
+        forcedLaunches++;
+        Ctl a = readCtl();
+        if (verbose && (l < 8 || l % 10000 == 0))
+          printf("  %s launch %d ctas %u: next_block %llu blocks_done %llu saved %u resume %u/%u status %u\n", label.c_str(), l, w,
+                 (unsigned long long)a.next_block, (unsigned long long)a.blocks_done, a.saved, a.resume_cursor, a.resume_count, a.status);
+        if (a.blocks_done >= total) {
+          if (a.blocks_done != total) { why = label + ": blocks_done " + std::to_string(a.blocks_done) + " > total"; return false; }
+          break;
+        }
+        // Forced stops in the first four launches only: a record advances by one stretch
+        // between votes per launch, so forcing every launch takes (votes per block) launches.
+        if (l >= 3) a.force_visit = 0;
+        prepRelaunch(a);
+        if (l > 100000) { why = label + ": no progress"; return false; }
+      }
+      if (!compareOutputs(c, ref, why)) { why = label + ": " + why; return false; }
+      return true;
+    };
     if (hasMid) {
       gPhase = "twin, forced mid-block stops";
       records = 0;
@@ -476,54 +506,16 @@ int main(int argc, char **argv) {
         unsigned v = (unsigned)strtoul(item.c_str(), nullptr, 10);
         if (v == 0) continue;
         forceList += (forceList.empty() ? "" : ",") + item;
-        resetBuffers(c, s);
-        Ctl hf = h0;
-        hf.force_visit = v;
-        CK(cuMemcpyHtoDAsync(dctl, &hf, sizeof hf, s));
-        for (int l = 0;; l++) {
-          unsigned w = !varyW ? workers : l % 3 == 1 ? std::max(1u, workers / 3) : l % 3 == 2 ? workers / 2 + 1 : workers;
-          launchTwinW(w);
-          forcedLaunches++;
-          Ctl a = readCtl();
-          if (verbose && (l < 8 || l % 10000 == 0))
-            printf("  forced %u launch %d ctas %u: next_block %llu blocks_done %llu saved %u resume %u/%u status %u\n", v, l, w,
-                   (unsigned long long)a.next_block, (unsigned long long)a.blocks_done, a.saved, a.resume_cursor, a.resume_count, a.status);
-          if (a.blocks_done >= total) {
-            if (a.blocks_done != total) { forceOK = false; why = "forced: blocks_done " + std::to_string(a.blocks_done) + " > total"; }
-            break;
-          }
-          // Forced stops in the first four launches only: a record advances by one stretch
-          // between votes per launch, so forcing every launch takes (votes per block) launches.
-          if (l >= 3) a.force_visit = 0;
-          prepRelaunch(a);
-          if (l > 100000) { forceOK = false; why = "forced: no progress"; break; }
-        }
-        if (forceOK && !compareOutputs(c, ref, why)) { forceOK = false; why = "forced visit " + item + ": " + why; }
+        forceOK = forcedRun(v, h0.save_capacity, varyW, "forced visit " + item);
       }
       // 3c. A save area too small for every stop (a quarter of the CTAs' records): a CTA refused a
       // record runs on (a vote does not stop it; a thread-loop's stopped threads go back to their
       // sites and the CTA stops no more in that launch); bit for bit again.
       if (forceOK) {
         gPhase = "twin, forced stops, small save area";
-        resetBuffers(c, s);
-        Ctl hf = h0;
-        hf.force_visit = 1;
-        hf.save_capacity = std::max(1u, workers / 4);
-        CK(cuMemcpyHtoDAsync(dctl, &hf, sizeof hf, s));
-        forceList += ";1 with " + std::to_string(hf.save_capacity) + " records";
-        for (int l = 0;; l++) {
-          launchTwinW(workers);
-          forcedLaunches++;
-          Ctl a = readCtl();
-          if (a.blocks_done >= total) {
-            if (a.blocks_done != total) { forceOK = false; why = "small save area: blocks_done " + std::to_string(a.blocks_done) + " > total"; }
-            break;
-          }
-          if (l >= 3) a.force_visit = 0;
-          prepRelaunch(a);
-          if (l > 100000) { forceOK = false; why = "small save area: no progress"; break; }
-        }
-        if (forceOK && !compareOutputs(c, ref, why)) { forceOK = false; why = "small save area: " + why; }
+        uint32_t small = std::max(1u, workers / 4);
+        forceList += ";1 with " + std::to_string(small) + " records";
+        forceOK = forcedRun(1, small, false, "small save area");
       }
       forcedRecords = records;
       if (forceOK && forcedRecords == 0) { forceOK = false; why = "forced: no CTA stopped mid-block"; }
